@@ -1,0 +1,21 @@
+// Where this process sits in the job: read from torchrun's environment variables.
+#pragma once
+#include <string>
+
+namespace lorarun::dist {
+
+struct DistEnv {
+  int rank = 0;
+  int local_rank = 0;
+  int world_size = 1;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  bool launched = false;  // true when RANK/WORLD_SIZE came from a launcher
+
+  // Reads RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+  // Without them: a standalone world of one. Throws lorarun::Error on inconsistent values.
+  static DistEnv from_environment();
+};
+
+}  // namespace lorarun::dist

@@ -1,0 +1,140 @@
+// lorarun with real ranks: Gloo all-reduce across processes, failure handling, signals.
+#include <catch2/catch.hpp>
+#include <csignal>
+#include <fmt/format.h>
+#include <fstream>
+
+#include "support/process.hpp"
+
+using namespace lorarun::test;
+
+namespace {
+
+void check_all_reduce(int n) {
+  const Result r = sh(fmt::format("{} --nproc-per-node {} -- {} --dist-check --dist-timeout-s 60",
+                                  bin("lorarun"), n, bin("lora-train")));
+  INFO(r.output);
+  CHECK(r.status == 0);
+  const double sum = n * (n + 1) / 2.0;
+  for (int rank = 0; rank < n; ++rank)
+    CHECK_THAT(r.output, Catch::Contains(fmt::format(
+                             "[rank{0}]: rank {0}/{1}: all-reduce over gloo on cpu ok (sum {2} = expected {2})",
+                             rank, n, sum)));
+}
+
+void check_gone(const std::vector<pid_t>& pids) {
+  for (pid_t p : pids) {
+    INFO("pid " << p);
+    CHECK(wait_for([&] { return !alive(p) && !group_alive(p); }, 3.0));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("2 ranks all-reduce over Gloo on CPU") { check_all_reduce(2); }
+
+TEST_CASE("3 ranks all-reduce over Gloo on CPU") { check_all_reduce(3); }
+
+TEST_CASE("lora-train alone is a world of one") {
+  const Result r = sh(bin("lora-train") + " --dist-check");
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK_THAT(r.output, Catch::Contains("rank 0/1: all-reduce over gloo on cpu ok"));
+}
+
+TEST_CASE("a recipe runs lora-train on every rank") {
+  const std::string dir = temp_dir("recipe");
+  std::ofstream(dir + "/r.yaml") << "train: {lr: 1.0e-4}\n";
+  const Result r = sh(fmt::format("{} --nproc-per-node 2 {}/r.yaml train.lr=2e-4", bin("lorarun"), dir));
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK_THAT(r.output, Catch::Contains("[rank0]: rank 0/2: all-reduce over gloo on cpu ok"));
+  CHECK_THAT(r.output, Catch::Contains("[rank1]: rank 1/2: all-reduce over gloo on cpu ok"));
+}
+
+TEST_CASE("workers see torchrun's environment and their output is prefixed") {
+  const Result r = sh(fmt::format(
+      "{} --nproc-per-node 2 --master-port 29123 --run-id job42 -- sh -c "
+      "'echo \"env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
+      "$TORCHELASTIC_RUN_ID $OMP_NUM_THREADS\"; printf partial; echo oops >&2'",
+      bin("lorarun")));
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK_THAT(r.output, Catch::Contains("[rank0]: env 0 0 2 2 127.0.0.1 29123 job42 1\n"));
+  CHECK_THAT(r.output, Catch::Contains("[rank1]: env 1 1 2 2 127.0.0.1 29123 job42 1\n"));
+  CHECK_THAT(r.output, Catch::Contains("[rank1]: partial\n"));
+  CHECK_THAT(r.output, Catch::Contains("[rank0]: oops\n"));
+}
+
+TEST_CASE("a rank that exits 3 at start-up stops the group within 10 s") {
+  // Ranks 0 and 2 start a grandchild and wait on it: the whole process group must go.
+  const Result r = sh(fmt::format(
+      "{} --nproc-per-node 3 --grace-period 5 -- sh -c "
+      "'if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 3; fi; sleep 60 & wait'",
+      bin("lorarun")));
+  INFO(r.output);
+  CHECK(r.status == 1);
+  CHECK(r.seconds < 10);
+  const auto pids = launched_pids(r.output);
+  REQUIRE(pids.size() == 3);
+  CHECK_THAT(r.output, Catch::Contains(fmt::format("rank 1 (local rank 1, pid {}) failed first: exited with code 3",
+                                                   pids[1])));
+  check_gone(pids);
+}
+
+TEST_CASE("a rank killed by a signal is reported as such") {
+  const Result r = sh(fmt::format(
+      "{} --nproc-per-node 2 -- sh -c 'if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 60'",
+      bin("lorarun")));
+  INFO(r.output);
+  CHECK(r.status == 1);
+  CHECK_THAT(r.output, Catch::Contains("rank 0 (local rank 0"));
+  CHECK_THAT(r.output, Catch::Contains("was killed by signal 9"));
+  check_gone(launched_pids(r.output));
+}
+
+TEST_CASE("a command that cannot be started fails cleanly") {
+  const Result r = sh(fmt::format("{} --nproc-per-node 2 -- /nonexistent/cmd", bin("lorarun")));
+  INFO(r.output);
+  CHECK(r.status == 1);
+  CHECK_THAT(r.output, Catch::Contains("cannot run '/nonexistent/cmd'"));
+  CHECK_THAT(r.output, Catch::Contains("exited with code 127"));
+}
+
+namespace {
+// Starts lorarun in the background; returns its pid and the pids of its ranks.
+std::pair<pid_t, std::vector<pid_t>> start_background(const std::string& log) {
+  const Result r = sh(fmt::format("{} --nproc-per-node 2 --grace-period 5 -- sleep 60 > '{}' 2>&1 & echo $!",
+                                  bin("lorarun"), log));
+  const pid_t launcher = std::stoi(r.output);
+  std::vector<pid_t> pids;
+  wait_for([&] { return (pids = launched_pids(read_file(log))).size() == 2; }, 10.0);
+  return {launcher, pids};
+}
+}  // namespace
+
+TEST_CASE("SIGTERM to the launcher stops every rank and exits 143") {
+  const std::string dir = temp_dir("sigterm");
+  // A wrapper shell records the launcher's pid and, once it ends, its exit status.
+  sh(fmt::format("( {lorarun} --nproc-per-node 2 --grace-period 5 -- sleep 60 & echo $! > '{d}/pid'; "
+                 "wait $!; echo $? > '{d}/status' ) > '{d}/log' 2>&1 &",
+                 fmt::arg("lorarun", bin("lorarun")), fmt::arg("d", dir)));
+  REQUIRE(wait_for([&] { return !read_file(dir + "/pid").empty(); }, 10.0));
+  const pid_t launcher = std::stoi(read_file(dir + "/pid"));
+  std::vector<pid_t> pids;
+  REQUIRE(wait_for([&] { return (pids = launched_pids(read_file(dir + "/log"))).size() == 2; }, 10.0));
+  kill(launcher, SIGTERM);
+  REQUIRE(wait_for([&] { return !read_file(dir + "/status").empty(); }, 10.0));
+  CHECK(std::stoi(read_file(dir + "/status")) == 143);
+  CHECK_THAT(read_file(dir + "/log"), Catch::Contains("lorarun: got SIGTERM, stopping all ranks"));
+  check_gone(pids);
+}
+
+TEST_CASE("no rank outlives a launcher killed with SIGKILL") {
+  const std::string dir = temp_dir("sigkill");
+  auto [launcher, pids] = start_background(dir + "/log");
+  REQUIRE(pids.size() == 2);
+  for (pid_t p : pids) CHECK(alive(p));
+  kill(launcher, SIGKILL);
+  check_gone(pids);
+}
