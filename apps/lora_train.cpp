@@ -1,13 +1,13 @@
 // lora-train: one rank of a LoRA fine-tuning job. Run it under lorarun, or alone as world size 1.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
-#include <c10/util/Exception.h>
 #include <cstdlib>
 #include <fmt/format.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 #include <yaml-cpp/yaml.h>
 
+#include "app_main.hpp"
 #include "data/mongo.hpp"
 #include "dist/env.hpp"
 #include "dist/process_group.hpp"
@@ -118,16 +118,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const lorarun::Error& e) {
-    fmt::print(stderr, "lora-train: error: {}\n", lorarun::scrub(e.what()));
-  } catch (const c10::Error& e) {
-    std::string m = e.what_without_backtrace();
-    fmt::print(stderr, "lora-train: error: {}\n", lorarun::scrub(m.substr(0, m.find('\n'))));
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "lora-train: internal error: {}\n", lorarun::scrub(e.what()));
-  }
-  return 1;
-}
+int main(int argc, char** argv) { return lorarun::app_main("lora-train", argc, argv, run); }

@@ -1,0 +1,2 @@
+// lora-data: dataset tools (being written).
+int main() { return 0; }

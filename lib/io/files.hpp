@@ -1,0 +1,32 @@
+// Files that are either complete or absent: write to a temporary name, fsync, rename.
+#pragma once
+#include <cstddef>
+#include <string>
+
+namespace lorarun::io {
+
+// Streams to "<path>.tmp.<pid>"; commit() fsyncs and renames it over `path`. Destroyed
+// without commit() (an error on the way), it removes the temporary file.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  void write(const void* data, size_t n);
+  void commit();
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+};
+
+void write_file_atomic(const std::string& path, const std::string& contents);
+
+// The whole file, or lorarun::Error naming it.
+std::string read_file(const std::string& path);
+
+// fsync a directory so a rename inside it is durable.
+void sync_dir(const std::string& dir);
+
+}  // namespace lorarun::io

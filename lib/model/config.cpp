@@ -1,0 +1,146 @@
+#include "model/config.hpp"
+
+#include <filesystem>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "io/files.hpp"
+#include "util/error.hpp"
+
+namespace lorarun::model {
+namespace {
+
+using nlohmann::json;
+
+struct Reader {
+  const json& j;
+  std::string file;
+
+  template <class T>
+  T get(const char* key, std::optional<T> fallback = std::nullopt) const {
+    if (!j.contains(key) || j[key].is_null()) {
+      if (fallback) return *fallback;
+      throw Error(fmt::format("{}: '{}' is missing; is this a complete Hugging Face config?", file, key));
+    }
+    try {
+      return j[key].get<T>();
+    } catch (const json::exception&) {
+      throw Error(fmt::format("{}: '{}' has the wrong type ({})", file, key, j[key].dump()));
+    }
+  }
+  std::optional<int64_t> token(const char* key) const {
+    if (!j.contains(key) || !j[key].is_number_integer()) return std::nullopt;  // lists: not a single id
+    return j[key].get<int64_t>();
+  }
+};
+
+// rope settings: transformers 5 writes rope_parameters (theta inside); 4.x rope_theta + rope_scaling.
+void read_rope(const Reader& r, ModelConfig& c) {
+  const json* p = nullptr;
+  if (r.j.contains("rope_parameters") && r.j["rope_parameters"].is_object()) p = &r.j["rope_parameters"];
+  else if (r.j.contains("rope_scaling") && r.j["rope_scaling"].is_object()) p = &r.j["rope_scaling"];
+  c.rope_theta = r.get<double>("rope_theta", 10000.0);
+  if (!p) return;
+  const Reader s{*p, r.file + " rope parameters"};
+  c.rope_theta = s.get<double>("rope_theta", c.rope_theta);
+  c.rope.type = p->contains("rope_type") ? s.get<std::string>("rope_type") : s.get<std::string>("type", "default");
+  if (c.rope.type != "default" && c.rope.type != "linear" && c.rope.type != "llama3")
+    throw Error(fmt::format("{}: rope type '{}' is not supported (default, linear, llama3)", r.file, c.rope.type));
+  c.rope.factor = s.get<double>("factor", 1.0);
+  c.rope.low_freq_factor = s.get<double>("low_freq_factor", 1.0);
+  c.rope.high_freq_factor = s.get<double>("high_freq_factor", 4.0);
+  c.rope.original_max_position = s.get<int64_t>("original_max_position_embeddings", 8192);
+}
+
+void read_llama(const Reader& r, ModelConfig& c) {
+  c.family = Family::Llama;
+  c.vocab_size = r.get<int64_t>("vocab_size");
+  c.hidden_size = r.get<int64_t>("hidden_size");
+  c.intermediate_size = r.get<int64_t>("intermediate_size");
+  c.num_layers = r.get<int64_t>("num_hidden_layers");
+  c.num_heads = r.get<int64_t>("num_attention_heads");
+  c.num_kv_heads = r.get<int64_t>("num_key_value_heads", c.num_heads);
+  c.head_dim = r.get<int64_t>("head_dim", c.hidden_size / std::max<int64_t>(1, c.num_heads));
+  c.max_positions = r.get<int64_t>("max_position_embeddings", 2048);
+  c.norm_eps = r.get<double>("rms_norm_eps", 1e-6);
+  c.tie_word_embeddings = r.get<bool>("tie_word_embeddings", false);
+  c.activation = r.get<std::string>("hidden_act", "silu");
+  c.attention_bias = r.get<bool>("attention_bias", false);
+  c.qkv_bias = c.model_type == "qwen2";
+  c.mlp_bias = r.get<bool>("mlp_bias", false);
+  read_rope(r, c);
+  const bool use_sliding = c.model_type == "mistral" || r.get<bool>("use_sliding_window", false);
+  if (use_sliding && r.j.contains("sliding_window") && r.j["sliding_window"].is_number_integer())
+    c.sliding_window = r.j["sliding_window"].get<int64_t>();
+}
+
+void read_opt(const Reader& r, ModelConfig& c) {
+  c.family = Family::Opt;
+  c.vocab_size = r.get<int64_t>("vocab_size");
+  c.hidden_size = r.get<int64_t>("hidden_size");
+  c.intermediate_size = r.get<int64_t>("ffn_dim");
+  c.num_layers = r.get<int64_t>("num_hidden_layers");
+  c.num_heads = c.num_kv_heads = r.get<int64_t>("num_attention_heads");
+  c.head_dim = c.hidden_size / c.num_heads;
+  c.max_positions = r.get<int64_t>("max_position_embeddings", 2048);
+  c.norm_eps = 1e-5;
+  c.tie_word_embeddings = r.get<bool>("tie_word_embeddings", true);
+  c.activation = r.get<std::string>("activation_function", "relu");
+  c.do_layer_norm_before = r.get<bool>("do_layer_norm_before", true);
+  c.remove_final_layer_norm = r.get<bool>("_remove_final_layer_norm", false);
+  c.word_embed_proj_dim = r.get<int64_t>("word_embed_proj_dim", c.hidden_size);
+  c.enable_bias = r.get<bool>("enable_bias", true);
+}
+
+void read_gpt2(const Reader& r, ModelConfig& c) {
+  c.family = Family::Gpt2;
+  c.vocab_size = r.get<int64_t>("vocab_size");
+  c.hidden_size = r.get<int64_t>("n_embd");
+  c.intermediate_size = r.get<int64_t>("n_inner", 4 * c.hidden_size);
+  c.num_layers = r.get<int64_t>("n_layer");
+  c.num_heads = c.num_kv_heads = r.get<int64_t>("n_head");
+  c.head_dim = c.hidden_size / c.num_heads;
+  c.max_positions = r.get<int64_t>("n_positions", 1024);
+  c.norm_eps = r.get<double>("layer_norm_epsilon", 1e-5);
+  c.tie_word_embeddings = r.get<bool>("tie_word_embeddings", true);
+  c.activation = r.get<std::string>("activation_function", "gelu_new");
+  if (r.get<bool>("scale_attn_by_inverse_layer_idx", false) || r.get<bool>("reorder_and_upcast_attn", false))
+    throw Error(fmt::format("{}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported", r.file));
+}
+
+}  // namespace
+
+ModelConfig load_config(const std::string& model_dir) {
+  const std::string file = (std::filesystem::path(model_dir) / "config.json").string();
+  if (!std::filesystem::exists(file))
+    throw Error(fmt::format("{} not found: model.path must be a Hugging Face model directory "
+                            "(config.json, *.safetensors, tokenizer.json)", file));
+  json j;
+  try {
+    j = json::parse(io::read_file(file));
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("{} is not valid JSON: {}", file, e.what()));
+  }
+  if (!j.is_object()) throw Error(fmt::format("{} is not a JSON object", file));
+  const Reader r{j, file};
+  ModelConfig c;
+  c.model_type = r.get<std::string>("model_type");
+  if (c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen2") read_llama(r, c);
+  else if (c.model_type == "opt") read_opt(r, c);
+  else if (c.model_type == "gpt2") read_gpt2(r, c);
+  else
+    throw Error(fmt::format("{}: model_type '{}' is not supported; supported: llama, mistral, qwen2, "
+                            "opt, gpt2", file, c.model_type));
+  if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.num_layers <= 0 || c.num_heads <= 0 ||
+      c.num_kv_heads <= 0 || c.num_heads % c.num_kv_heads != 0 || c.head_dim <= 0)
+    throw Error(fmt::format("{}: inconsistent sizes (vocab {}, hidden {}, layers {}, heads {}/{} kv, "
+                            "head_dim {})", file, c.vocab_size, c.hidden_size, c.num_layers,
+                            c.num_heads, c.num_kv_heads, c.head_dim));
+  c.torch_dtype = r.get<std::string>("dtype", r.get<std::string>("torch_dtype", std::string("float32")));
+  c.bos_token_id = r.token("bos_token_id");
+  c.eos_token_id = r.token("eos_token_id");
+  c.pad_token_id = r.token("pad_token_id");
+  return c;
+}
+
+}  // namespace lorarun::model

@@ -1,0 +1,226 @@
+#include "model/lora.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/GradMode.h>
+#include <cmath>
+#include <filesystem>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+
+#include "io/files.hpp"
+#include "model/transformer.hpp"
+#include "model/weights.hpp"
+#include "util/error.hpp"
+
+namespace lorarun::model {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr const char* kPrefix = "base_model.model.";
+
+std::string short_name(const std::string& module) { return module.substr(module.rfind('.') + 1); }
+
+bool is_all_linear(const LoraConfig& cfg) {
+  return cfg.target_modules.size() == 1 && cfg.target_modules[0] == "all-linear";
+}
+
+std::string with_commas(int64_t n) {
+  std::string s = std::to_string(n);
+  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
+  return s;
+}
+
+}  // namespace
+
+double LoraConfig::scaling() const { return use_rslora ? alpha / std::sqrt(double(r)) : alpha / double(r); }
+
+bool matches_target(const std::string& module_name, const LoraConfig& cfg) {
+  if (is_all_linear(cfg)) return true;
+  for (const std::string& t : cfg.target_modules) {
+    if (module_name == t) return true;
+    if (module_name.size() > t.size() && module_name.ends_with(t) &&
+        module_name[module_name.size() - t.size() - 1] == '.')
+      return true;
+  }
+  return false;
+}
+
+void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::ScalarType dtype) {
+  if (cfg.r <= 0) throw Error(fmt::format("lora.r must be positive, got {}", cfg.r));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  int matched = 0;
+  for (Linear* l : model.linears()) {
+    if (!matches_target(l->name, cfg)) continue;
+    const int64_t in = l->weight.size(1), out = l->weight.size(0);
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));  // kaiming_uniform_(a=sqrt(5))
+    at::Tensor a = at::empty({cfg.r, in}, at::kFloat).uniform_(-bound, bound, gen);
+    l->lora_a = a.to(model.device(), dtype).set_requires_grad(true);
+    l->lora_b = at::zeros({out, cfg.r}, at::TensorOptions().dtype(dtype).device(model.device())).set_requires_grad(true);
+    l->scaling = cfg.scaling();
+    l->dropout = cfg.dropout;
+    ++matched;
+  }
+  if (matched == 0) {
+    std::set<std::string> names;
+    for (const Linear* l : model.linears()) names.insert(short_name(l->name));
+    throw Error(fmt::format("lora.target_modules [{}] match no layer of this {} model; its linear layers "
+                            "are: {} (or use all-linear)", fmt::join(cfg.target_modules, ", "),
+                            model.config().model_type, fmt::join(names, ", ")));
+  }
+}
+
+std::vector<at::Tensor> lora_parameters(const CausalLM& model) {
+  std::vector<at::Tensor> out;
+  for (const Linear* l : model.linears())
+    if (l->adapted()) out.insert(out.end(), {l->lora_a, l->lora_b});
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> lora_state(const CausalLM& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const Linear* l : model.linears())
+    if (l->adapted()) {
+      out.emplace_back(kPrefix + l->name + ".lora_A.weight", l->lora_a);
+      out.emplace_back(kPrefix + l->name + ".lora_B.weight", l->lora_b);
+    }
+  return out;
+}
+
+std::string trainable_summary(const CausalLM& model) {
+  int64_t trainable = 0;
+  for (const at::Tensor& t : lora_parameters(model)) trainable += t.numel();
+  const int64_t all = trainable + model.base_parameter_count();
+  return fmt::format("trainable params: {} || all params: {} || trainable%: {:.4f}", with_commas(trainable),
+                     with_commas(all), 100.0 * double(trainable) / double(all));
+}
+
+void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::string& dir) {
+  std::set<std::string> targets;
+  for (const Linear* l : model.linears())
+    if (l->adapted()) targets.insert(short_name(l->name));
+  // The fields PEFT writes, so PEFT, transformers and vLLM read it as their own.
+  const nlohmann::ordered_json config = {
+      {"alpha_pattern", nlohmann::json::object()},
+      {"auto_mapping", nullptr},
+      {"base_model_name_or_path", cfg.base_model_name_or_path.empty() ? nlohmann::json(nullptr)
+                                                                     : nlohmann::json(cfg.base_model_name_or_path)},
+      {"bias", "none"},
+      {"fan_in_fan_out", model.config().family == Family::Gpt2},
+      {"inference_mode", true},
+      {"init_lora_weights", true},
+      {"layers_pattern", nullptr},
+      {"layers_to_transform", nullptr},
+      {"lora_alpha", cfg.alpha},
+      {"lora_dropout", cfg.dropout},
+      {"modules_to_save", nullptr},
+      {"peft_type", "LORA"},
+      {"r", cfg.r},
+      {"rank_pattern", nlohmann::json::object()},
+      {"revision", nullptr},
+      {"target_modules", targets},
+      {"task_type", "CAUSAL_LM"},
+      {"use_dora", false},
+      {"use_rslora", cfg.use_rslora},
+  };
+  fs::create_directories(dir);
+  io::write_file_atomic((fs::path(dir) / "adapter_config.json").string(), config.dump(2) + "\n");
+  save_tensors((fs::path(dir) / "adapter_model.safetensors").string(), lora_state(model));
+}
+
+LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType dtype) {
+  const fs::path cfg_path = fs::path(dir) / "adapter_config.json";
+  const fs::path weights_path = fs::path(dir) / "adapter_model.safetensors";
+  if (!fs::exists(cfg_path))
+    throw Error(fmt::format("{} not found: an adapter directory holds adapter_config.json and "
+                            "adapter_model.safetensors", cfg_path.string()));
+  if (!fs::exists(weights_path))
+    throw Error(fmt::format("{} not found{}", weights_path.string(),
+                            fs::exists(fs::path(dir) / "adapter_model.bin")
+                                ? ": convert adapter_model.bin to safetensors (PEFT: safe_serialization=True)"
+                                : ""));
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(io::read_file(cfg_path.string()));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(fmt::format("{} is not valid JSON: {}", cfg_path.string(), e.what()));
+  }
+  const std::string where = cfg_path.string();
+  auto field = [&](const char* key) -> const nlohmann::json& {
+    if (!j.contains(key)) throw Error(fmt::format("{}: '{}' is missing", where, key));
+    return j[key];
+  };
+  if (field("peft_type") != "LORA")
+    throw Error(fmt::format("{}: peft_type {} is not LORA", where, j["peft_type"].dump()));
+  if (j.value("use_dora", false)) throw Error(fmt::format("{}: DoRA adapters are not supported", where));
+  for (const char* key : {"rank_pattern", "alpha_pattern"})
+    if (j.contains(key) && j[key].is_object() && !j[key].empty())
+      throw Error(fmt::format("{}: {} is not supported (one r and alpha for all layers)", where, key));
+  LoraConfig cfg;
+  try {
+    cfg.r = field("r").get<int64_t>();
+    cfg.alpha = field("lora_alpha").get<double>();
+    cfg.dropout = j.value("lora_dropout", 0.0);
+    cfg.use_rslora = j.value("use_rslora", false);
+    cfg.base_model_name_or_path = j.value("base_model_name_or_path", nlohmann::json("")).is_string()
+                                      ? j["base_model_name_or_path"].get<std::string>() : "";
+    const auto& tm = field("target_modules");
+    cfg.target_modules = tm.is_string() ? std::vector<std::string>{tm.get<std::string>()}
+                                        : tm.get<std::vector<std::string>>();
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(fmt::format("{}: a field has the wrong type ({})", where, e.what()));
+  }
+  if (cfg.r <= 0) throw Error(fmt::format("{}: r must be positive", where));
+
+  const WeightFiles files = WeightFiles::open_file(weights_path.string());
+  std::map<std::string, Linear*> by_name;
+  for (Linear* l : model.linears()) by_name[l->name] = l;
+  const std::regex key_re(R"(base_model\.model\.(.+)\.lora_(A|B)\.weight)");
+  std::map<Linear*, int> seen;
+  for (const std::string& key : files.names()) {
+    std::smatch m;
+    if (!std::regex_match(key, m, key_re))
+      throw Error(fmt::format("{}: key '{}' is not a LoRA weight of the form "
+                              "base_model.model.<module>.lora_A.weight", weights_path.string(), key));
+    const auto it = by_name.find(m[1].str());
+    if (it == by_name.end())
+      throw Error(fmt::format("{}: '{}' names no linear layer of this {} model: the adapter was made for "
+                              "another base model", weights_path.string(), m[1].str(), model.config().model_type));
+    Linear* l = it->second;
+    const bool is_a = m[2] == "A";
+    const std::vector<int64_t> want = is_a ? std::vector<int64_t>{cfg.r, l->weight.size(1)}
+                                           : std::vector<int64_t>{l->weight.size(0), cfg.r};
+    at::Tensor t;
+    try {
+      t = files.load(key, dtype, model.device(), want);
+    } catch (const Error&) {
+      throw Error(fmt::format("{}: '{}' has shape [{}] but this base model and r={} need [{}]: the adapter "
+                              "was made for another base model", weights_path.string(), key,
+                              fmt::join(files.info(key).shape, ", "), cfg.r, fmt::join(want, ", ")));
+    }
+    (is_a ? l->lora_a : l->lora_b) = t.set_requires_grad(true);
+    l->scaling = cfg.scaling();
+    l->dropout = cfg.dropout;
+    seen[l] |= is_a ? 1 : 2;
+  }
+  for (const auto& [l, bits] : seen)
+    if (bits != 3) throw Error(fmt::format("{}: '{}' has only one of lora_A / lora_B", weights_path.string(), l->name));
+  if (seen.empty()) throw Error(fmt::format("{} holds no LoRA weights", weights_path.string()));
+  return cfg;
+}
+
+void merge_lora(CausalLM& model) {
+  c10::NoGradGuard no_grad;
+  for (Linear* l : model.linears()) {
+    if (!l->adapted()) continue;
+    const at::Tensor delta = at::matmul(l->lora_b.to(at::kFloat), l->lora_a.to(at::kFloat)) * l->scaling;
+    l->weight.add_(delta.to(l->weight.scalar_type()));
+    l->lora_a = at::Tensor();
+    l->lora_b = at::Tensor();
+  }
+}
+
+}  // namespace lorarun::model

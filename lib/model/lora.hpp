@@ -1,0 +1,50 @@
+// LoRA adapters as PEFT defines them: which layers, how they start, how they are saved.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace lorarun::model {
+
+class CausalLM;
+
+struct LoraConfig {
+  int64_t r = 8;
+  double alpha = 16;
+  double dropout = 0.0;
+  bool use_rslora = false;
+  std::vector<std::string> target_modules = {"q_proj", "v_proj"};  // or {"all-linear"}
+  std::string base_model_name_or_path;
+
+  double scaling() const;  // alpha / r, or alpha / sqrt(r) with rsLoRA
+};
+
+// PEFT's rule: a listed name matches a module whose full name equals it or ends with ".name";
+// "all-linear" matches every linear layer but the output projection.
+bool matches_target(const std::string& module_name, const LoraConfig& cfg);
+
+// Adds adapters to the matching layers with PEFT's init: A ~ Kaiming-uniform(a=sqrt(5)),
+// i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0. Adapters are float32 unless `dtype` says otherwise.
+// Throws lorarun::Error, listing the model's layer names, when nothing matches.
+void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::ScalarType dtype = at::kFloat);
+
+// The trainable tensors, A then B for each adapted layer in model order.
+std::vector<at::Tensor> lora_parameters(const CausalLM& model);
+// PEFT's state-dict names and tensors: "base_model.model.<module>.lora_A.weight", …
+std::vector<std::pair<std::string, at::Tensor>> lora_state(const CausalLM& model);
+
+// "trainable params: 1,024 || all params: 9,999 || trainable%: 10.2410", like PEFT's summary.
+std::string trainable_summary(const CausalLM& model);
+
+// Writes adapter_config.json + adapter_model.safetensors into `dir` (created; files atomic).
+void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::string& dir);
+
+// Reads a PEFT LoRA adapter directory and attaches it. Throws lorarun::Error for a missing
+// file, a non-LoRA or unsupported config, unknown keys, or shapes made for another base model.
+LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType dtype = at::kFloat);
+
+// Folds every adapter into its base weight (W += scaling * B A) and drops the adapters.
+void merge_lora(CausalLM& model);
+
+}  // namespace lorarun::model

@@ -1,0 +1,305 @@
+#include "model/transformer.hpp"
+
+#include <ATen/ATen.h>
+#include <cmath>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "model/resolve.hpp"
+#include "model/weights.hpp"
+#include "util/error.hpp"
+
+namespace lorarun::model {
+
+at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
+  at::Tensor y = at::linear(x, weight, bias);
+  if (!adapted()) return y;
+  const at::Tensor xd = training && dropout > 0 ? at::dropout(x, dropout, true) : x;
+  return y + at::linear(at::linear(xd, lora_a), lora_b) * scaling;
+}
+
+namespace {
+
+// Builds the model's tensors from the files, checking each shape against config.json.
+template <class Named>
+struct Loader {
+  const WeightFiles& files;
+  at::ScalarType dtype;
+  at::Device device;
+  std::vector<Named>& named;
+
+  at::Tensor get(const std::string& name, std::vector<int64_t> shape, bool transpose = false) const {
+    at::Tensor t = files.load(name, dtype, device, shape);
+    if (transpose) t = t.t().contiguous();
+    named.push_back({name, t, transpose});
+    return t;
+  }
+  Linear linear(const std::string& name, int64_t in, int64_t out, bool bias, bool conv1d = false) const {
+    Linear l;
+    l.name = name;
+    l.conv1d = conv1d;
+    l.weight = conv1d ? get(name + ".weight", {in, out}, true) : get(name + ".weight", {out, in});
+    if (bias) l.bias = get(name + ".bias", {out});
+    return l;
+  }
+  Norm norm(const std::string& name, int64_t n, bool bias) const {
+    return {get(name + ".weight", {n}), bias ? get(name + ".bias", {n}) : at::Tensor()};
+  }
+};
+
+// Rotary inverse frequencies [head_dim/2] in float32, with linear or llama3 scaling (as HF).
+at::Tensor rope_inv_freq(const ModelConfig& c) {
+  const int64_t dim = c.head_dim;
+  at::Tensor inv = 1.0 / at::pow(c.rope_theta, at::arange(0, dim, 2, at::kLong).to(at::kFloat) / dim);
+  const RopeScaling& r = c.rope;
+  if (r.type == "linear") return inv / r.factor;
+  if (r.type != "llama3") return inv;
+  const double low_wavelen = r.original_max_position / r.low_freq_factor;
+  const double high_wavelen = r.original_max_position / r.high_freq_factor;
+  const at::Tensor wavelen = 2 * M_PI / inv;
+  at::Tensor scaled = at::where(wavelen > low_wavelen, inv / r.factor, inv);
+  const at::Tensor smooth = (r.original_max_position / wavelen - r.low_freq_factor) /
+                            (r.high_freq_factor - r.low_freq_factor);
+  const at::Tensor smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+  const at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+  return at::where(medium, smoothed, scaled);
+}
+
+// (x1, x2) -> (-x2, x1) over the last dimension's halves.
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t h = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
+}
+
+// Boolean attention mask [B, 1, Tq, Tk]: key j is visible to query i when it is a real token,
+// not in the future (past + i >= j), and within the sliding window if there is one.
+at::Tensor attention_mask(const at::Tensor& key_valid, int64_t tq, int64_t past,
+                          std::optional<int64_t> window) {
+  const auto dev = key_valid.device();
+  const int64_t tk = key_valid.size(1);
+  const at::Tensor qi = at::arange(past, past + tq, at::TensorOptions().dtype(at::kLong).device(dev)).unsqueeze(1);
+  const at::Tensor kj = at::arange(tk, at::TensorOptions().dtype(at::kLong).device(dev)).unsqueeze(0);
+  at::Tensor allowed = kj <= qi;
+  if (window) allowed = allowed.logical_and(qi - kj < *window);
+  return allowed.unsqueeze(0).unsqueeze(0).logical_and(key_valid.to(at::kBool).unsqueeze(1).unsqueeze(1));
+}
+
+at::Tensor activation(const std::string& name, const at::Tensor& x) {
+  if (name == "silu" || name == "swish") return at::silu(x);
+  if (name == "relu") return at::relu(x);
+  if (name == "gelu_new" || name == "gelu_pytorch_tanh") return at::gelu(x, "tanh");
+  if (name == "gelu") return at::gelu(x);
+  throw Error(fmt::format("activation '{}' is not supported (silu, relu, gelu, gelu_new)", name));
+}
+
+}  // namespace
+
+CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at::Device device) {
+  const std::string dir = resolve_model_path(path_or_id);
+  CausalLM m;
+  m.config_ = load_config(dir);
+  m.dir_ = dir;
+  m.dtype_ = dtype;
+  m.device_ = device;
+  const ModelConfig& c = m.config_;
+  const WeightFiles files = WeightFiles::open_dir(dir);
+  const Loader<NamedWeight> L{files, dtype, device, m.named_};
+  const int64_t H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
+  const int64_t q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;
+
+  if (c.family == Family::Llama) {
+    m.embed_tokens_ = L.get("model.embed_tokens.weight", {V, H});
+    m.inv_freq_ = rope_inv_freq(c).to(device);
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      const std::string p = fmt::format("model.layers.{}.", i);
+      Block b;
+      b.norm1 = L.norm(p + "input_layernorm", H, false);
+      b.norm2 = L.norm(p + "post_attention_layernorm", H, false);
+      const bool qkv_bias = c.attention_bias || c.qkv_bias;
+      b.q = L.linear(p + "self_attn.q_proj", H, q_out, qkv_bias);
+      b.k = L.linear(p + "self_attn.k_proj", H, kv_out, qkv_bias);
+      b.v = L.linear(p + "self_attn.v_proj", H, kv_out, qkv_bias);
+      b.o = L.linear(p + "self_attn.o_proj", q_out, H, c.attention_bias);
+      b.gate = L.linear(p + "mlp.gate_proj", H, F, c.mlp_bias);
+      b.up = L.linear(p + "mlp.up_proj", H, F, c.mlp_bias);
+      b.down = L.linear(p + "mlp.down_proj", F, H, c.mlp_bias);
+      m.blocks_.push_back(std::move(b));
+    }
+    m.final_norm_ = L.norm("model.norm", H, false);
+  } else if (c.family == Family::Opt) {
+    const int64_t E = c.word_embed_proj_dim;
+    const bool bias = c.enable_bias;
+    m.embed_tokens_ = L.get("model.decoder.embed_tokens.weight", {V, E});
+    m.embed_positions_ = L.get("model.decoder.embed_positions.weight", {c.max_positions + 2, H});
+    if (E != H) {
+      m.project_in_ = L.linear("model.decoder.project_in", E, H, false);
+      m.project_out_ = L.linear("model.decoder.project_out", H, E, false);
+    }
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      const std::string p = fmt::format("model.decoder.layers.{}.", i);
+      Block b;
+      b.norm1 = L.norm(p + "self_attn_layer_norm", H, true);
+      b.norm2 = L.norm(p + "final_layer_norm", H, true);
+      b.q = L.linear(p + "self_attn.q_proj", H, H, bias);
+      b.k = L.linear(p + "self_attn.k_proj", H, H, bias);
+      b.v = L.linear(p + "self_attn.v_proj", H, H, bias);
+      b.o = L.linear(p + "self_attn.out_proj", H, H, bias);
+      b.up = L.linear(p + "fc1", H, F, bias);
+      b.down = L.linear(p + "fc2", F, H, bias);
+      m.blocks_.push_back(std::move(b));
+    }
+    if (c.do_layer_norm_before && !c.remove_final_layer_norm)
+      m.final_norm_ = L.norm("model.decoder.final_layer_norm", H, true);
+  } else {  // gpt2; older checkpoints have no "transformer." prefix
+    const std::string t = files.contains("transformer.wte.weight") ? "transformer." : "";
+    m.embed_tokens_ = L.get(t + "wte.weight", {V, H});
+    m.embed_positions_ = L.get(t + "wpe.weight", {c.max_positions, H});
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      const std::string p = fmt::format("{}h.{}.", t, i);
+      Block b;
+      b.norm1 = L.norm(p + "ln_1", H, true);
+      b.norm2 = L.norm(p + "ln_2", H, true);
+      b.qkv = L.linear(p + "attn.c_attn", H, 3 * H, true, true);
+      b.o = L.linear(p + "attn.c_proj", H, H, true, true);
+      b.up = L.linear(p + "mlp.c_fc", H, F, true, true);
+      b.down = L.linear(p + "mlp.c_proj", F, H, true, true);
+      m.blocks_.push_back(std::move(b));
+    }
+    m.final_norm_ = L.norm(t + "ln_f", H, true);
+  }
+  const int64_t E = m.embed_tokens_.size(1);
+  if (!c.tie_word_embeddings && files.contains("lm_head.weight"))
+    m.lm_head_ = L.get("lm_head.weight", {V, E});
+  else if (c.tie_word_embeddings)
+    m.lm_head_ = m.embed_tokens_;
+  else
+    throw Error(fmt::format("{}: lm_head.weight is missing and config.json does not tie it to the "
+                            "embeddings (tie_word_embeddings: false)", dir));
+  return m;
+}
+
+at::Tensor CausalLM::norm(const Norm& n, const at::Tensor& x) const {
+  if (n.bias.defined() || config_.family != Family::Llama)
+    return at::layer_norm(x, {x.size(-1)}, n.weight, n.bias, config_.norm_eps);
+  // RMSNorm as HF computes it: in float32, then back to the input dtype before the weight.
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor y = xf * at::rsqrt(xf.pow(2).mean(-1, true) + config_.norm_eps);
+  return n.weight * y.to(x.scalar_type());
+}
+
+at::Tensor CausalLM::mlp(const Block& b, const at::Tensor& x) const {
+  if (config_.family == Family::Llama)
+    return b.down.forward(activation(config_.activation, b.gate.forward(x, training)) * b.up.forward(x, training),
+                          training);
+  return b.down.forward(activation(config_.activation, b.up.forward(x, training)), training);
+}
+
+// x [B, T, H] -> attention output after the output projection [B, T, H].
+at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Tensor& mask,
+                               const at::Tensor& cos, const at::Tensor& sin, KVCache* cache,
+                               size_t layer) const {
+  const ModelConfig& c = config_;
+  const int64_t B = x.size(0), T = x.size(1), hd = c.head_dim;
+  at::Tensor q, k, v;
+  if (b.qkv.weight.defined()) {
+    auto parts = b.qkv.forward(x, training).split(c.hidden_size, -1);
+    q = parts[0], k = parts[1], v = parts[2];
+  } else {
+    q = b.q.forward(x, training), k = b.k.forward(x, training), v = b.v.forward(x, training);
+  }
+  q = q.view({B, T, c.num_heads, hd}).transpose(1, 2);     // [B, nh, T, hd]
+  k = k.view({B, T, c.num_kv_heads, hd}).transpose(1, 2);  // [B, nkv, T, hd]
+  v = v.view({B, T, c.num_kv_heads, hd}).transpose(1, 2);
+  if (cos.defined()) {
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+  }
+  if (cache) {
+    if (cache->k.size() <= layer) cache->k.resize(layer + 1), cache->v.resize(layer + 1);
+    if (cache->k[layer].defined()) {
+      k = at::cat({cache->k[layer], k}, 2);
+      v = at::cat({cache->v[layer], v}, 2);
+    }
+    cache->k[layer] = k, cache->v[layer] = v;
+  }
+  const at::Tensor out = at::scaled_dot_product_attention(
+      q, k, v, mask, 0.0, false, 1.0 / std::sqrt(static_cast<double>(hd)),
+      /*enable_gqa=*/c.num_kv_heads != c.num_heads);
+  return b.o.forward(out.transpose(1, 2).reshape({B, T, c.num_heads * hd}), training);
+}
+
+at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor& attention_mask_in,
+                                   KVCache* cache) const {
+  const ModelConfig& c = config_;
+  const int64_t B = input_ids.size(0), T = input_ids.size(1);
+  const int64_t past = cache ? cache->length() : 0;
+  const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device_);
+  at::Tensor valid = attention_mask_in.defined() ? attention_mask_in.to(device_, at::kLong)
+                                                 : at::ones({B, past + T}, long_opts);
+  if (valid.size(1) == T && past > 0)  // a mask for the new tokens only: past ones were real
+    valid = at::cat({at::ones({B, past}, long_opts), valid}, 1);
+  const at::Tensor mask = attention_mask(valid, T, past, c.sliding_window);
+  const at::Tensor positions = at::arange(past, past + T, long_opts).unsqueeze(0).expand({B, T});
+
+  at::Tensor h = at::embedding(embed_tokens_, input_ids.to(device_));
+  at::Tensor cos, sin;
+  if (c.family == Family::Llama) {
+    const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq_;  // [B, T, hd/2]
+    const at::Tensor emb = at::cat({freqs, freqs}, -1);
+    cos = emb.cos().to(dtype_).unsqueeze(1);  // [B, 1, T, hd]
+    sin = emb.sin().to(dtype_).unsqueeze(1);
+  } else if (c.family == Family::Opt) {
+    if (project_in_.weight.defined()) h = project_in_.forward(h, training);
+    // OPT counts positions over real tokens only, offset by 2 (HF's OPTLearnedPositionalEmbedding).
+    const at::Tensor pos = (at::cumsum(valid, 1) * valid - 1).narrow(1, past, T) + 2;
+    h = h + at::embedding(embed_positions_, pos);
+  } else {
+    h = h + at::embedding(embed_positions_, positions);
+  }
+
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const Block& b = blocks_[i];
+    if (c.family == Family::Opt && !c.do_layer_norm_before) {  // post-LN OPT (350m)
+      h = norm(b.norm1, h + attention(b, h, mask, cos, sin, cache, i));
+      h = norm(b.norm2, h + mlp(b, h));
+      continue;
+    }
+    h = h + attention(b, norm(b.norm1, h), mask, cos, sin, cache, i);
+    h = h + mlp(b, norm(b.norm2, h));
+  }
+  if (final_norm_.weight.defined()) h = norm(final_norm_, h);
+  if (project_out_.weight.defined()) h = project_out_.forward(h, training);
+  return h;
+}
+
+at::Tensor CausalLM::logits(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_); }
+
+std::vector<std::pair<std::string, at::Tensor>> CausalLM::state_dict() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const NamedWeight& w : named_) out.emplace_back(w.name, w.transposed ? w.tensor.t() : w.tensor);
+  return out;
+}
+
+std::vector<Linear*> CausalLM::linears() {
+  std::vector<Linear*> out;
+  for (Block& b : blocks_)
+    for (Linear* l : {&b.q, &b.k, &b.v, &b.qkv, &b.o, &b.gate, &b.up, &b.down})
+      if (l->weight.defined()) out.push_back(l);
+  for (Linear* l : {&project_in_, &project_out_})
+    if (l->weight.defined()) out.push_back(l);
+  return out;
+}
+
+std::vector<const Linear*> CausalLM::linears() const {
+  std::vector<const Linear*> out;
+  for (Linear* l : const_cast<CausalLM*>(this)->linears()) out.push_back(l);
+  return out;
+}
+
+int64_t CausalLM::base_parameter_count() const {
+  int64_t n = 0;
+  for (const NamedWeight& w : named_) n += w.tensor.numel();
+  return n;
+}
+
+}  // namespace lorarun::model

@@ -1,0 +1,104 @@
+// Causal language models of the supported families (llama/mistral/qwen2, opt, gpt2) in
+// LibTorch, loaded from a Hugging Face directory, with LoRA-capable linear layers.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.hpp"
+
+namespace lorarun::model {
+
+// A frozen linear layer, y = x W^T + b, plus an optional LoRA adapter:
+//   y += scaling * B A dropout(x),  A [r, in], B [out, r]   (PEFT's LoraLayer)
+struct Linear {
+  std::string name;        // the HF module name, e.g. "model.layers.0.self_attn.q_proj"
+  at::Tensor weight;       // [out, in], frozen
+  at::Tensor bias;         // [out] or undefined
+  bool conv1d = false;     // GPT-2 Conv1D: the file stores the weight as [in, out]
+  at::Tensor lora_a;       // [r, in]; defined when adapted
+  at::Tensor lora_b;       // [out, r]
+  double scaling = 0.0;
+  double dropout = 0.0;
+
+  at::Tensor forward(const at::Tensor& x, bool training) const;
+  bool adapted() const { return lora_a.defined(); }
+};
+
+struct Norm {
+  at::Tensor weight, bias;  // bias undefined for RMSNorm
+};
+
+// One decoder block. Linears unused by a family stay empty (name == "").
+struct Block {
+  Norm norm1, norm2;
+  Linear q, k, v, qkv, o;    // qkv: GPT-2's fused c_attn
+  Linear gate, up, down;     // opt: up=fc1, down=fc2; gpt2: up=c_fc, down=c_proj
+};
+
+// Keys and values of past positions, for generation.
+struct KVCache {
+  std::vector<at::Tensor> k, v;  // per layer [B, kv_heads, past, head_dim]
+  int64_t length() const { return k.empty() || !k[0].defined() ? 0 : k[0].size(2); }
+};
+
+class CausalLM {
+ public:
+  // Loads a HF model directory or cached model id (config.json + model.safetensors or a sharded
+  // index; see resolve_model_path), converting weights to
+  // `dtype` on `device`. Throws lorarun::Error when weights are missing or disagree with config.
+  static CausalLM load(const std::string& path_or_id, at::ScalarType dtype, at::Device device);
+
+  const ModelConfig& config() const { return config_; }
+  const std::string& dir() const { return dir_; }
+  at::ScalarType dtype() const { return dtype_; }
+  at::Device device() const { return device_; }
+
+  // input_ids [B, T] (int64), attention_mask [B, T] (1 = token, 0 = right padding) or undefined.
+  // Returns the final hidden states [B, T, H'] (before the output projection).
+  at::Tensor hidden_states(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                           KVCache* cache = nullptr) const;
+  // hidden [.., H'] -> logits [.., vocab]
+  at::Tensor logits(const at::Tensor& hidden) const;
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask) const {
+    return logits(hidden_states(input_ids, attention_mask));
+  }
+
+  // Every linear layer LoRA may adapt (the output projection excluded, as in PEFT).
+  std::vector<Linear*> linears();
+  std::vector<const Linear*> linears() const;
+  // Number of parameters of the base model (tied weights counted once).
+  int64_t base_parameter_count() const;
+  // The base weights under their HF names, in the file's layout (GPT-2 Conv1D as [in, out]).
+  // They share storage with the model, so a merge shows up here.
+  std::vector<std::pair<std::string, at::Tensor>> state_dict() const;
+
+  bool training = false;
+
+ private:
+  at::Tensor attention(const Block& b, const at::Tensor& x, const at::Tensor& mask,
+                       const at::Tensor& cos, const at::Tensor& sin, KVCache* cache, size_t layer) const;
+  at::Tensor mlp(const Block& b, const at::Tensor& x) const;
+  at::Tensor norm(const Norm& n, const at::Tensor& x) const;
+
+  ModelConfig config_;
+  std::string dir_;
+  at::ScalarType dtype_ = at::kFloat;
+  at::Device device_{at::kCPU};
+  at::Tensor embed_tokens_;  // [vocab, E]
+  at::Tensor embed_positions_;  // opt/gpt2 learned positions
+  at::Tensor inv_freq_;      // llama rope, float32 [head_dim/2]
+  Linear project_in_, project_out_;  // opt when word_embed_proj_dim != hidden
+  std::vector<Block> blocks_;
+  Norm final_norm_;
+  at::Tensor lm_head_;       // [vocab, E]; may alias embed_tokens_
+  struct NamedWeight {
+    std::string name;
+    at::Tensor tensor;
+    bool transposed;  // stored here as [out, in], in the file as [in, out]
+  };
+  std::vector<NamedWeight> named_;  // every weight loaded, in file naming
+};
+
+}  // namespace lorarun::model

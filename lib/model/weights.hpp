@@ -1,0 +1,50 @@
+// Tensors out of safetensors files: one file, or shards listed in model.safetensors.index.json.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "io/safetensors.hpp"
+
+namespace lorarun::model {
+
+at::ScalarType to_scalar_type(io::DType d);
+// "fp32" | "bf16" | "fp16" (also "float32", "bfloat16", "float16") -> dtype; lorarun::Error otherwise.
+at::ScalarType parse_dtype(const std::string& name);
+// The name transformers writes in config.json: "float32", "bfloat16", "float16".
+std::string hf_dtype_name(at::ScalarType t);
+io::DType to_dtype(at::ScalarType t);  // throws for types safetensors lacks
+
+// The safetensors file(s) of a model directory (or a single file), memory-mapped.
+class WeightFiles {
+ public:
+  // `dir` holds model.safetensors or model.safetensors.index.json (+ shards).
+  static WeightFiles open_dir(const std::string& dir);
+  static WeightFiles open_file(const std::string& path);
+
+  bool contains(const std::string& name) const { return where_.count(name) > 0; }
+  std::vector<std::string> names() const;
+  const io::TensorInfo& info(const std::string& name) const;
+
+  // A copy of `name` as `dtype` on `device`; the mapped bytes are read once, no extra host copy
+  // when the dtype already matches. `shape` (if given) must equal the stored shape.
+  at::Tensor load(const std::string& name, at::ScalarType dtype, at::Device device,
+                  const std::vector<int64_t>& shape = {}) const;
+  // The names load() was asked for; the caller can report leftovers.
+  const std::set<std::string>& used() const { return used_; }
+
+ private:
+  std::vector<std::shared_ptr<io::SafetensorsFile>> files_;
+  std::map<std::string, size_t> where_;
+  mutable std::set<std::string> used_;
+};
+
+// Writes named tensors (any device/dtype) to a safetensors file, atomically.
+void save_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                  const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
+
+}  // namespace lorarun::model

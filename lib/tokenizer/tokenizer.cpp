@@ -1,0 +1,1 @@
+#include "tokenizer/tokenizer.hpp"

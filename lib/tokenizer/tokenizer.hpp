@@ -1,0 +1,2 @@
+// Tokenizers read from a Hugging Face tokenizer.json (being written).
+#pragma once

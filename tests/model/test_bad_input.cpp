@@ -1,0 +1,156 @@
+// Bad model, weight and adapter files: one clear error each, never a crash, nothing written.
+#include <ATen/ATen.h>
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+
+#include "io/safetensors.hpp"
+#include "model/lora.hpp"
+#include "model/transformer.hpp"
+#include "support/process.hpp"
+#include "util/error.hpp"
+
+using namespace lorarun;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kFixtures = LORARUN_MODEL_FIXTURES;
+
+// A safetensors file from a header string and a data section of `data_bytes` zero bytes.
+std::string write_raw(const std::string& dir, const std::string& header, size_t data_bytes,
+                      int64_t claimed_header_len = -1) {
+  const std::string path = dir + "/t.safetensors";
+  std::ofstream out(path, std::ios::binary);
+  const uint64_t len = claimed_header_len < 0 ? header.size() : static_cast<uint64_t>(claimed_header_len);
+  out.write(reinterpret_cast<const char*>(&len), 8);
+  out << header << std::string(data_bytes, '\0');
+  return path;
+}
+
+void copy_model(const std::string& family, const std::string& to) {
+  fs::remove_all(to);
+  fs::create_directories(to);
+  for (const auto& e : fs::directory_iterator(kFixtures + "/" + family))
+    if (e.is_regular_file()) fs::copy_file(e.path(), to + "/" + e.path().filename().string());
+}
+
+}  // namespace
+
+TEST_CASE("corrupt safetensors files are rejected with the reason") {
+  const std::string dir = test::temp_dir("bad-safetensors");
+  using io::SafetensorsFile;
+  const std::string ok = R"({"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})";
+  CHECK_NOTHROW(SafetensorsFile(write_raw(dir, ok, 16)));
+  CHECK_THROWS_WITH(SafetensorsFile(write_raw(dir, ok, 16, 1 << 20)), Catch::Contains("runs past the end"));
+  CHECK_THROWS_WITH(SafetensorsFile(write_raw(dir, ok, 8)), Catch::Contains("outside the 8-byte data section"));
+  CHECK_THROWS_WITH(SafetensorsFile(write_raw(dir, "{\"a\":", 0)), Catch::Contains("header is not JSON"));
+  CHECK_THROWS_WITH(SafetensorsFile(write_raw(dir, R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}})", 16)),
+                    Catch::Contains("has 16 bytes but dtype F32 and shape [3] need 12"));
+  CHECK_THROWS_WITH(SafetensorsFile(write_raw(dir, R"({"a":{"dtype":"Q4","shape":[4],"data_offsets":[0,4]}})", 4)),
+                    Catch::Contains("dtype 'Q4' is not supported"));
+  CHECK_THROWS_WITH(SafetensorsFile(write_raw(dir, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                                   R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12)),
+                    Catch::Contains("overlap"));
+  CHECK_THROWS_WITH(SafetensorsFile(write_raw(dir, R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4)),
+                    Catch::Contains("bad shape"));
+  CHECK_THROWS_WITH(SafetensorsFile(dir + "/missing.safetensors"), Catch::Contains("cannot open"));
+  std::ofstream(dir + "/short.safetensors") << "abc";
+  CHECK_THROWS_WITH(SafetensorsFile(dir + "/short.safetensors"), Catch::Contains("shorter than the 8-byte header"));
+}
+
+TEST_CASE("model directories that cannot work say why") {
+  const std::string dir = test::temp_dir("bad-model");
+  auto load = [](const std::string& d) { return model::CausalLM::load(d, at::kFloat, at::kCPU); };
+  CHECK_THROWS_WITH(load(dir + "/nothing"), Catch::Contains("config.json not found"));
+
+  copy_model("llama", dir + "/arch");
+  std::string cfg = test::read_file(dir + "/arch/config.json");
+  cfg.replace(cfg.find("\"llama\""), 7, "\"mamba\"");
+  std::ofstream(dir + "/arch/config.json") << cfg;
+  CHECK_THROWS_WITH(load(dir + "/arch"), Catch::Contains("model_type 'mamba' is not supported; supported: llama, "
+                                                         "mistral, qwen2, opt, gpt2"));
+
+  copy_model("llama", dir + "/shape");
+  cfg = test::read_file(dir + "/shape/config.json");
+  cfg.replace(cfg.find("\"intermediate_size\": 96"), 23, "\"intermediate_size\": 97");
+  std::ofstream(dir + "/shape/config.json") << cfg;
+  CHECK_THROWS_WITH(load(dir + "/shape"), Catch::Contains("config.json implies [97, 64]"));
+
+  copy_model("llama", dir + "/noweights");
+  fs::remove(dir + "/noweights/model.safetensors");
+  CHECK_THROWS_WITH(load(dir + "/noweights"), Catch::Contains("neither model.safetensors nor"));
+
+  copy_model("llama", dir + "/truncated");
+  fs::resize_file(dir + "/truncated/model.safetensors", fs::file_size(dir + "/truncated/model.safetensors") / 2);
+  CHECK_THROWS_WITH(load(dir + "/truncated"), Catch::Contains("truncated or corrupt"));
+}
+
+TEST_CASE("adapters for another base, unknown keys, and targets that match nothing") {
+  model::CausalLM llama = model::CausalLM::load(kFixtures + "/llama", at::kFloat, at::kCPU);
+  CHECK_THROWS_WITH(model::load_adapter(llama, kFixtures + "/qwen2/peft_adapter"),
+                    Catch::Contains("was made for another base model"));
+  CHECK_THROWS_WITH(model::load_adapter(llama, kFixtures + "/gpt2/peft_adapter"),
+                    Catch::Contains("names no linear layer of this llama model"));
+  CHECK_THROWS_WITH(model::load_adapter(llama, kFixtures + "/nowhere"), Catch::Contains("adapter_config.json not found"));
+  model::LoraConfig cfg;
+  cfg.target_modules = {"query_key_value"};
+  CHECK_THROWS_WITH(model::attach_lora(llama, cfg, 0),
+                    Catch::Contains("match no layer of this llama model; its linear layers are: down_proj, "
+                                    "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"));
+}
+
+TEST_CASE("lora-merge output loads in transformers and gives PEFT's merged logits") {
+  const std::string out = test::temp_dir("merge");
+  for (const std::string family : {"llama", "gpt2", "opt", "mistral"}) {
+    INFO(family);
+    const std::string base = kFixtures + "/" + family;
+    const test::Result r = test::sh(fmt::format("{} --model {} --adapter {}/peft_adapter --out {}/{} --max-shard-size 40KB",
+                                                test::bin("lora-merge"), base, base, out, family));
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    CHECK(fs::exists(out + "/" + family + "/model.safetensors.index.json"));  // sharded at 40KB
+    const test::Result check = test::sh(fmt::format("'{}' '{}/tests/reference/check.py' model {}/{} {}/reference.safetensors merged_logits",
+                                                    LORARUN_PYTHON, LORARUN_SOURCE_DIR, out, family, base));
+    INFO(check.output);
+    CHECK(check.status == 0);
+  }
+}
+
+TEST_CASE("lora-merge with bad input: one line, non-zero, nothing written") {
+  const std::string out = test::temp_dir("merge-bad");
+  const std::string llama = kFixtures + "/llama";
+  for (const std::string& adapter : {kFixtures + "/qwen2/peft_adapter", out + "/missing"}) {
+    const test::Result r = test::sh(fmt::format("{} --model {} --adapter {} --out {}/x", test::bin("lora-merge"),
+                                                llama, adapter, out), test::Capture::StderrOnly);
+    INFO(r.output);
+    CHECK(r.status == 1);
+    CHECK(test::count_lines(r.output) == 1);
+    CHECK_THAT(r.output, Catch::StartsWith("lora-merge: error: "));
+    CHECK(fs::is_empty(out));
+  }
+  const test::Result r = test::sh(fmt::format("{} --model {} --adapter {}/peft_adapter --out {} --max-shard-size 5XB",
+                                              test::bin("lora-merge"), llama, llama, out + "/y"), test::Capture::StderrOnly);
+  CHECK_THAT(r.output, Catch::Contains("size '5XB' is not a positive size"));
+  CHECK(fs::is_empty(out));
+}
+
+TEST_CASE("a model id is found in the local Hugging Face cache, never downloaded") {
+  const std::string home = test::temp_dir("hf-home");
+  const std::string snap = home + "/hub/models--tiny--llama/snapshots/abc123";
+  fs::create_directories(snap);
+  for (const auto& e : fs::directory_iterator(kFixtures + "/llama"))
+    if (e.is_regular_file()) fs::create_symlink(e.path(), snap + "/" + e.path().filename().string());
+  fs::create_directories(home + "/hub/models--tiny--llama/refs");
+  std::ofstream(home + "/hub/models--tiny--llama/refs/main") << "abc123";
+  setenv("HF_HOME", home.c_str(), 1);
+  unsetenv("HF_HUB_CACHE");
+  const model::CausalLM m = model::CausalLM::load("tiny/llama", at::kFloat, at::kCPU);
+  CHECK(m.dir() == snap);
+  CHECK_THROWS_WITH(model::CausalLM::load("tiny/absent", at::kFloat, at::kCPU),
+                    Catch::Contains("model 'tiny/absent' is neither a directory nor in the local Hugging Face "
+                                    "cache") && Catch::Contains("never downloads"));
+  unsetenv("HF_HOME");
+}

@@ -1,0 +1,138 @@
+// Our transformer families and LoRA against transformers + PEFT, on fixtures they made.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "io/files.hpp"
+#include "model/lora.hpp"
+#include "model/loss.hpp"
+#include "model/transformer.hpp"
+#include "model/weights.hpp"
+#include "support/process.hpp"
+
+using namespace lorarun;
+using namespace lorarun::model;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kFixtures = LORARUN_MODEL_FIXTURES;
+
+std::vector<std::string> families() {
+  return nlohmann::json::parse(io::read_file(kFixtures + "/families.json")).get<std::vector<std::string>>();
+}
+
+struct Reference {
+  std::map<std::string, at::Tensor> t;
+  explicit Reference(const std::string& family) {
+    const auto files = WeightFiles::open_file(kFixtures + "/" + family + "/reference.safetensors");
+    for (const std::string& n : files.names()) {
+      const auto dtype = to_scalar_type(files.info(n).dtype);
+      t[n] = files.load(n, dtype, at::kCPU);
+    }
+  }
+  const at::Tensor& operator[](const std::string& k) const { return t.at(k); }
+};
+
+// Largest |a - b| over real (unpadded) token positions.
+double max_diff_on_tokens(const at::Tensor& a, const at::Tensor& b, const at::Tensor& mask) {
+  const at::Tensor real = mask.to(at::kBool);
+  return (a.index({real}) - b.index({real})).abs().max().item<double>();
+}
+
+CausalLM load(const std::string& family) {
+  return CausalLM::load(kFixtures + "/" + family, at::kFloat, at::kCPU);
+}
+
+}  // namespace
+
+TEST_CASE("logits of every family equal transformers' on a padded batch") {
+  for (const std::string& family : families()) {
+    INFO(family);
+    const Reference ref(family);
+    const CausalLM m = load(family);
+    c10::NoGradGuard no_grad;
+    const at::Tensor logits = m.forward(ref["input_ids"], ref["attention_mask"]);
+    CHECK(max_diff_on_tokens(logits, ref["logits"], ref["attention_mask"]) <= 1e-4);
+  }
+}
+
+TEST_CASE("an adapter PEFT saved loads and gives PEFT's logits") {
+  for (const std::string& family : families()) {
+    INFO(family);
+    const Reference ref(family);
+    CausalLM m = load(family);
+    load_adapter(m, kFixtures + "/" + family + "/peft_adapter");
+    c10::NoGradGuard no_grad;
+    const at::Tensor logits = m.forward(ref["input_ids"], ref["attention_mask"]);
+    CHECK(max_diff_on_tokens(logits, ref["peft_logits"], ref["attention_mask"]) <= 1e-4);
+  }
+}
+
+TEST_CASE("loss and LoRA gradients after one backward equal PEFT's") {
+  for (const std::string& family : families()) {
+    INFO(family);
+    const Reference ref(family);
+    CausalLM m = load(family);
+    load_adapter(m, kFixtures + "/" + family + "/peft_adapter");
+    m.training = true;
+    const LossSum l = causal_lm_loss(m.forward(ref["input_ids"], ref["attention_mask"]), ref["labels"]);
+    const at::Tensor loss = l.sum / l.count;
+    loss.backward();
+    CHECK(std::abs(loss.item<double>() - ref["loss"].item<double>()) <= 1e-5 * ref["loss"].item<double>());
+    int compared = 0;
+    for (const auto& [name, param] : lora_state(m)) {
+      INFO(name);
+      const at::Tensor& want = ref["grad." + name];
+      REQUIRE(param.grad().defined());
+      const double rel = (param.grad() - want).abs().max().item<double>() / want.abs().max().item<double>();
+      CHECK(rel <= 1e-4);
+      ++compared;
+    }
+    CHECK(compared == static_cast<int>(std::count_if(ref.t.begin(), ref.t.end(),
+                                                     [](auto& kv) { return kv.first.rfind("grad.", 0) == 0; })));
+  }
+}
+
+TEST_CASE("PEFT loads the adapter we save and gives our logits") {
+  const std::string out = test::temp_dir("ours-adapter");
+  for (const std::string& family : families()) {
+    INFO(family);
+    const Reference ref(family);
+    CausalLM m = load(family);
+    LoraConfig cfg;
+    cfg.r = 8;
+    cfg.alpha = 32;
+    cfg.target_modules = {"all-linear"};
+    attach_lora(m, cfg, 7);
+    {
+      c10::NoGradGuard no_grad;  // make B non-zero so the adapter matters
+      for (auto& [name, p] : lora_state(m)) p.normal_(0, 0.05);
+    }
+    const std::string dir = out + "/" + family;
+    save_adapter(m, cfg, dir);
+    c10::NoGradGuard no_grad;
+    const at::Tensor logits = m.forward(ref["input_ids"], ref["attention_mask"]);
+    save_tensors(dir + "/expected.safetensors",
+                 {{"input_ids", ref["input_ids"]}, {"attention_mask", ref["attention_mask"]}, {"logits", logits}});
+    const test::Result r = test::sh(fmt::format("'{}' '{}/tests/reference/check.py' adapter '{}/{}' '{}' '{}/expected.safetensors'",
+                                                LORARUN_PYTHON, LORARUN_SOURCE_DIR, kFixtures, family, dir, dir));
+    INFO(r.output);
+    CHECK(r.status == 0);
+  }
+}
+
+TEST_CASE("trainable summary counts like PEFT") {
+  CausalLM m = load("llama");
+  LoraConfig cfg;
+  cfg.r = 8;
+  cfg.target_modules = {"q_proj", "v_proj"};
+  attach_lora(m, cfg, 1);
+  // llama fixture: 2 layers, hidden 64, q_out 96, kv_out 48: A+B of q (8*64 + 96*8) and v (8*64 + 48*8)
+  const int64_t trainable = 2 * ((8 * 64 + 96 * 8) + (8 * 64 + 48 * 8));
+  CHECK_THAT(trainable_summary(m), Catch::StartsWith(fmt::format("trainable params: {},{:03d} ||",
+                                                                 trainable / 1000, trainable % 1000)));
+}

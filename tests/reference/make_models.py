@@ -1,0 +1,118 @@
+"""Reference fixtures for the model tests, made by transformers + PEFT themselves.
+
+For each family: a tiny random model saved in real HF format, a right-padded batch, and what
+the reference computes on it: logits of the base model, of base + a PEFT LoRA adapter, of the
+merged model, and the loss and LoRA gradients after one backward pass.
+
+usage: make_models.py OUT_DIR
+"""
+import json
+import os
+import sys
+
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import save_file
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+V = 128
+FAMILIES = {
+    # GQA, explicit head_dim != hidden/heads, llama3 rope scaling, tied embeddings
+    "llama": (LlamaForCausalLM, LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, max_position_embeddings=64, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16}), "all-linear", False),
+    "llama_linear_rope": (LlamaForCausalLM, LlamaConfig(
+        vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=500.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0}), ["q_proj", "v_proj"], False),
+    # sliding window shorter than the batch, rsLoRA
+    "mistral": (MistralForCausalLM, MistralConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=64, sliding_window=6), ["q_proj", "k_proj", "down_proj"], True),
+    # q/k/v bias
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True), "all-linear", False),
+    # word_embed_proj_dim != hidden_size (project_in/out), pre-LN
+    "opt": (OPTForCausalLM, OPTConfig(
+        vocab_size=V, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+        word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0), ["q_proj", "v_proj", "fc1"], False),
+    # post-LN (like opt-350m)
+    "opt_post_ln": (OPTForCausalLM, OPTConfig(
+        vocab_size=V, hidden_size=48, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        do_layer_norm_before=False, max_position_embeddings=64, dropout=0.0), "all-linear", False),
+    # fused c_attn, Conv1D weights
+    "gpt2": (GPT2LMHeadModel, GPT2Config(
+        vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=1, eos_token_id=2), ["c_attn", "c_proj"], False),
+}
+LENGTHS = [12, 9, 5]
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    T = max(LENGTHS)
+    ids = torch.randint(3, V, (len(LENGTHS), T), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(LENGTHS):
+        mask[i, :n] = 1
+    ids = ids * mask  # right padding with id 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def peft_key(name):
+    return name.replace(".default", "")
+
+
+def make(out, name, cls, config, targets, rslora, seed):
+    torch.manual_seed(seed)
+    d = os.path.join(out, name)
+    model = cls(config).eval()
+    model.save_pretrained(d)
+    ids, mask, labels = batch(seed)
+    ref = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with torch.no_grad():
+        ref["logits"] = model(input_ids=ids, attention_mask=mask).logits
+
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
+                      task_type="CAUSAL_LM")
+    peft = get_peft_model(model, lcfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # B != 0 so that the adapter changes the output
+        for n, p in peft.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    peft.save_pretrained(os.path.join(d, "peft_adapter"))
+    peft.eval()
+    with torch.no_grad():
+        ref["peft_logits"] = peft(input_ids=ids, attention_mask=mask).logits
+    peft.train()
+    out_ = peft(input_ids=ids, attention_mask=mask, labels=labels)
+    out_.loss.backward()
+    ref["loss"] = out_.loss.detach().reshape(1)
+    for n, p in peft.named_parameters():
+        if p.grad is not None:
+            ref["grad." + peft_key(n)] = p.grad
+    peft.eval()
+    with torch.no_grad():
+        merged = peft.merge_and_unload()
+        ref["merged_logits"] = merged(input_ids=ids, attention_mask=mask).logits
+    save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(d, "reference.safetensors"))
+
+
+def main():
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    torch.set_num_threads(1)
+    for i, (name, (cls, config, targets, rslora)) in enumerate(FAMILIES.items()):
+        make(out, name, cls, config, targets, rslora, 1000 + i)
+    with open(os.path.join(out, "families.json"), "w") as f:
+        json.dump(sorted(FAMILIES), f)
+
+
+if __name__ == "__main__":
+    main()
