@@ -1,1 +1,361 @@
 #include "tokenizer/tokenizer.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "tokenizer/added_tokens.hpp"
+#include "tokenizer/bpe.hpp"
+#include "tokenizer/components.hpp"
+#include "tokenizer/unicode.hpp"
+#include "util/error.hpp"
+
+namespace lorarun::tok {
+
+using nlohmann::json;
+
+// tokenizer.json "truncation" and "padding", as HF applies them around post-processing.
+struct Truncation {
+  size_t max_length = 0;
+  bool left = false;
+};
+struct Padding {
+  std::optional<size_t> fixed;  // nullopt: BatchLongest, which is a no-op for one sequence
+  std::optional<size_t> multiple;
+  int32_t pad_id = 0;
+  bool left = false;
+};
+
+struct Tokenizer::Impl {
+  std::optional<Truncation> truncation;
+  std::optional<Padding> padding;
+  std::unique_ptr<Normalizer> normalizer;
+  std::unique_ptr<PreTokenizer> pre_tokenizer;
+  std::unique_ptr<Bpe> model;
+  std::unique_ptr<PostProcessor> post_processor;
+  std::unique_ptr<Decoder> decoder;
+  std::unique_ptr<AddedVocabulary> added;
+  std::optional<int32_t> bos, eos, pad;
+  bool add_bos = false, add_eos = false;
+};
+
+namespace {
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(fmt::format("{}: cannot read the file (check that it exists and is readable)", path.string()));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+json parse_json(const std::filesystem::path& path) {
+  std::string text = read_file(path);
+  try {
+    return json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw Error(fmt::format("{}: not valid JSON at byte {} (truncated or corrupt download?); "
+                            "fetch the file again", path.string(), e.byte));
+  }
+}
+
+// "a b" (the first space separates) or ["a", "b"].
+std::pair<std::string, std::string> parse_merge(const json& m) {
+  if (m.is_array() && m.size() == 2) return {m[0].get<std::string>(), m[1].get<std::string>()};
+  if (!m.is_string()) throw Error("tokenizer.json: model.merges entries must be \"a b\" or [\"a\", \"b\"]");
+  const auto& s = m.get_ref<const std::string&>();
+  size_t sp = s.find(' ');
+  if (sp == std::string::npos)
+    throw Error(fmt::format("tokenizer.json: merge '{}' has no space between its two tokens", s));
+  return {s.substr(0, sp), s.substr(sp + 1)};
+}
+
+std::optional<std::string> string_or_null(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (it->is_string()) return it->get<std::string>();
+  return it->at("content").get<std::string>();
+}
+
+std::unique_ptr<Bpe> make_model(const json& m) {
+  if (!m.is_object()) throw Error("tokenizer.json: 'model' must be an object");
+  std::string type = m.value("type", m.contains("merges") ? "BPE" : "");
+  if (type != "BPE")
+    throw Error(fmt::format("tokenizer.json: model type '{}' is not supported (supported: BPE)",
+                            type.empty() ? "(none)" : type));
+  if (m.contains("dropout") && !m["dropout"].is_null() && m["dropout"].get<double>() > 0)
+    throw Error("tokenizer.json: BPE dropout is not supported (it makes ids random); set it to null");
+  Vocab vocab;
+  const json& v = m.at("vocab");
+  if (!v.is_object()) throw Error("tokenizer.json: model.vocab must be an object of token -> id");
+  if (m.contains("merges") && !m["merges"].is_array())
+    throw Error("tokenizer.json: model.merges must be an array");
+  vocab.reserve(v.size());
+  for (const auto& [tok, id] : v.items()) vocab.emplace(tok, id.get<int32_t>());
+  std::vector<std::pair<std::string, std::string>> merges;
+  if (m.contains("merges")) {
+    merges.reserve(m["merges"].size());
+    for (const json& e : m["merges"]) merges.push_back(parse_merge(e));
+  }
+  BpeOptions o;
+  o.unk_token = string_or_null(m, "unk_token");
+  o.continuing_subword_prefix = string_or_null(m, "continuing_subword_prefix").value_or("");
+  o.end_of_word_suffix = string_or_null(m, "end_of_word_suffix").value_or("");
+  o.fuse_unk = m.value("fuse_unk", false);
+  o.byte_fallback = m.value("byte_fallback", false);
+  o.ignore_merges = m.value("ignore_merges", false);
+  return std::make_unique<Bpe>(std::move(vocab), merges, std::move(o));
+}
+
+// HF re-derives added-token ids on load instead of trusting the "id" fields: in file order,
+// a content already in the model vocabulary takes that id, a new one the next free id; a
+// repeated content keeps its first id and takes the later flags.
+std::vector<AddedToken> parse_added_tokens(const json& j, const Bpe& model) {
+  std::vector<AddedToken> out;
+  if (j.is_null()) return out;
+  Vocab index;
+  std::optional<int64_t> max_id;
+  const auto vocab_len = static_cast<int64_t>(model.vocab().size());
+  for (const json& t : j) {
+    AddedToken a;
+    a.content = t.at("content").get<std::string>();
+    a.special = t.value("special", false);
+    a.single_word = t.value("single_word", false);
+    a.lstrip = t.value("lstrip", false);
+    a.rstrip = t.value("rstrip", false);
+    a.normalized = t.value("normalized", !a.special);
+    if (a.content.empty()) continue;
+    if (auto it = index.find(a.content); it != index.end()) {
+      a.id = out[static_cast<size_t>(it->second)].id;
+      out[static_cast<size_t>(it->second)] = std::move(a);
+      continue;
+    }
+    if (auto id = model.token_to_id(a.content)) a.id = *id;
+    else a.id = static_cast<int32_t>(max_id && (*max_id >= vocab_len || vocab_len == 0) ? *max_id + 1 : vocab_len);
+    max_id = std::max(max_id.value_or(a.id), static_cast<int64_t>(a.id));
+    index.emplace(a.content, static_cast<int32_t>(out.size()));
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+std::optional<Truncation> parse_truncation(const json& j) {
+  if (j.is_null()) return std::nullopt;
+  auto strategy = j.value("strategy", std::string("LongestFirst"));
+  if (strategy != "LongestFirst" && strategy != "OnlyFirst")
+    throw Error(fmt::format("tokenizer.json: truncation strategy '{}' is not supported for one "
+                            "sequence (supported: LongestFirst, OnlyFirst)", strategy));
+  return Truncation{j.at("max_length").get<size_t>(), j.value("direction", std::string("Right")) == "Left"};
+}
+
+std::optional<Padding> parse_padding(const json& j) {
+  if (j.is_null()) return std::nullopt;
+  Padding p;
+  const json& strategy = j.at("strategy");
+  if (strategy.is_object() && strategy.contains("Fixed")) p.fixed = strategy["Fixed"].get<size_t>();
+  if (j.contains("pad_to_multiple_of") && !j["pad_to_multiple_of"].is_null())
+    p.multiple = j["pad_to_multiple_of"].get<size_t>();
+  p.pad_id = j.value("pad_id", 0);
+  p.left = j.value("direction", std::string("Right")) == "Left";
+  return p;
+}
+
+void load_tokenizer_json(Tokenizer::Impl& t, const json& j) {
+  if (!j.is_object()) throw Error("tokenizer.json: the top level must be a JSON object");
+  auto get = [&](const char* key) -> const json& {
+    static const json null;
+    auto it = j.find(key);
+    return it == j.end() ? null : *it;
+  };
+  t.model = make_model(j.at("model"));
+  t.normalizer = make_normalizer(get("normalizer"));
+  t.pre_tokenizer = make_pre_tokenizer(get("pre_tokenizer"));
+  t.post_processor = make_post_processor(get("post_processor"));
+  t.decoder = make_decoder(get("decoder"));
+  t.truncation = parse_truncation(get("truncation"));
+  t.padding = parse_padding(get("padding"));
+  t.added = std::make_unique<AddedVocabulary>(parse_added_tokens(get("added_tokens"), *t.model),
+                                              t.normalizer.get());
+}
+
+// bos/eos/pad and the add_*_token flags; tokenizer_config.json wins over special_tokens_map.json.
+void load_config(Tokenizer& tok, Tokenizer::Impl& t, const std::filesystem::path& dir) {
+  std::optional<std::string> bos, eos, pad;
+  for (const char* name : {"special_tokens_map.json", "tokenizer_config.json"}) {
+    auto path = dir / name;
+    if (!std::filesystem::exists(path)) continue;
+    json c = parse_json(path);
+    try {
+      if (!c.is_object()) throw Error(fmt::format("{}: the top level must be a JSON object", path.string()));
+      if (auto s = string_or_null(c, "bos_token")) bos = s;
+      if (auto s = string_or_null(c, "eos_token")) eos = s;
+      if (auto s = string_or_null(c, "pad_token")) pad = s;
+      if (c.contains("add_bos_token") && !c["add_bos_token"].is_null()) t.add_bos = c["add_bos_token"].get<bool>();
+      if (c.contains("add_eos_token") && !c["add_eos_token"].is_null()) t.add_eos = c["add_eos_token"].get<bool>();
+    } catch (const json::exception& e) {
+      throw Error(fmt::format("{}: malformed ({})", path.string(), e.what()));
+    }
+  }
+  auto id = [&](const std::optional<std::string>& s) {
+    return s ? tok.token_to_id(*s) : std::nullopt;
+  };
+  t.bos = id(bos);
+  t.eos = id(eos);
+  t.pad = id(pad);
+}
+
+// HF's post_process: truncate (leaving room for the special tokens), add them, then pad.
+void finish(const Tokenizer::Impl& t, std::vector<int32_t>& ids, bool add_special_tokens) {
+  if (t.truncation) {
+    size_t room = t.truncation->max_length;
+    size_t added = add_special_tokens && t.post_processor ? t.post_processor->added_tokens() : 0;
+    room = room > added ? room - added : 0;
+    if (ids.size() > room) {
+      if (t.truncation->left) ids.erase(ids.begin(), ids.end() - static_cast<std::ptrdiff_t>(room));
+      else ids.resize(room);
+    }
+  }
+  if (t.post_processor) t.post_processor->process(ids, add_special_tokens);
+  if (t.padding) {
+    size_t length = t.padding->fixed.value_or(ids.size());
+    if (size_t m = t.padding->multiple.value_or(0); m > 0 && length % m) length += m - length % m;
+    if (ids.size() < length)
+      ids.insert(t.padding->left ? ids.begin() : ids.end(), length - ids.size(), t.padding->pad_id);
+  }
+}
+
+}  // namespace
+
+Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+Tokenizer::~Tokenizer() = default;
+
+Tokenizer Tokenizer::from_file(const std::string& path) {
+  if (!std::filesystem::is_regular_file(path))
+    throw Error(fmt::format("{}: not found; a Hugging Face tokenizer.json is needed", path));
+  json j = parse_json(path);
+  auto impl = std::make_unique<Impl>();
+  try {
+    load_tokenizer_json(*impl, j);
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("{}: malformed ({})", path, e.what()));
+  }
+  return Tokenizer(std::move(impl));
+}
+
+Tokenizer Tokenizer::from_dir(const std::string& dir) {
+  if (!std::filesystem::is_directory(dir))
+    throw Error(fmt::format("model directory '{}' does not exist; pass a Hugging Face model "
+                            "directory that contains tokenizer.json", dir));
+  auto path = std::filesystem::path(dir) / "tokenizer.json";
+  if (!std::filesystem::exists(path))
+    throw Error(fmt::format("{}: not found; only tokenizer.json (fast tokenizer) files are read, "
+                            "save one with transformers' save_pretrained", path.string()));
+  Tokenizer tok = from_file(path.string());
+  load_config(tok, *tok.impl_, dir);
+  return tok;
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
+  if (!unicode::is_valid_utf8(text)) throw Error("tokenizer: the text is not valid UTF-8");
+  const Impl& t = *impl_;
+  // 1. Added tokens matched in the raw text; 2. the rest normalized, then normalized tokens.
+  std::vector<Piece> pieces, normalized;
+  t.added->split(text, true, false, pieces);
+  for (Piece& p : pieces) {
+    if (p.id >= 0) { normalized.push_back(std::move(p)); continue; }
+    if (t.normalizer) t.normalizer->normalize(p.text);
+    if (t.added->has_normalized()) t.added->split(p.text, p.at_start, true, normalized);
+    else normalized.push_back(std::move(p));
+  }
+  std::erase_if(normalized, [](const Piece& p) { return p.id < 0 && p.text.empty(); });
+  // 3. Pre-tokenization into words, 4. the model on each word, 5. special tokens.
+  if (t.pre_tokenizer) t.pre_tokenizer->pre_tokenize(normalized);
+  std::vector<int32_t> ids;
+  ids.reserve(text.size() / 3 + 4);
+  for (const Piece& p : normalized) {
+    if (p.id >= 0) ids.push_back(p.id);
+    else t.model->tokenize(p.text, ids);
+  }
+  finish(t, ids, add_special_tokens);
+  return ids;
+}
+
+std::vector<std::vector<int32_t>> Tokenizer::encode_batch(std::span<const std::string> texts,
+                                                          bool add_special_tokens,
+                                                          unsigned threads) const {
+  std::vector<std::vector<int32_t>> out(texts.size());
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  threads = static_cast<unsigned>(std::min<size_t>(threads, texts.size()));
+  std::atomic<size_t> next{0};
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  auto work = [&] {
+    try {
+      for (size_t i; (i = next.fetch_add(1)) < texts.size() && !failed;)
+        out[i] = encode(texts[i], add_special_tokens);
+    } catch (...) {
+      if (!failed.exchange(true)) error = std::current_exception();
+    }
+  };
+  {
+    std::vector<std::jthread> pool;
+    for (unsigned k = 1; k < threads; ++k) pool.emplace_back(work);
+    work();
+  }
+  if (error) std::rethrow_exception(error);
+  return out;
+}
+
+std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
+  const Impl& t = *impl_;
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (int32_t id : ids) {
+    const AddedToken* a = t.added->by_id(id);
+    const std::string* s = a ? &a->content : t.model->id_to_token(id);
+    if (!s || (skip_special_tokens && t.added->is_special(*s))) continue;
+    tokens.push_back(*s);
+  }
+  std::string out;
+  if (t.decoder) {
+    t.decoder->decode_chain(tokens);
+    for (const auto& s : tokens) out += s;
+  } else {
+    for (size_t i = 0; i < tokens.size(); ++i) out += (i ? " " : "") + tokens[i];
+  }
+  return out;
+}
+
+std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
+  if (const AddedToken* a = impl_->added->by_content(token)) return a->id;
+  return impl_->model->token_to_id(token);
+}
+
+std::optional<std::string> Tokenizer::id_to_token(int32_t id) const {
+  if (const AddedToken* a = impl_->added->by_id(id)) return a->content;
+  if (const std::string* s = impl_->model->id_to_token(id)) return *s;
+  return std::nullopt;
+}
+
+size_t Tokenizer::vocab_size() const {
+  size_t n = impl_->model->vocab().size();
+  for (const AddedToken& a : impl_->added->tokens())
+    if (!impl_->model->token_to_id(a.content)) ++n;
+  return n;
+}
+
+std::optional<int32_t> Tokenizer::bos_id() const { return impl_->bos; }
+std::optional<int32_t> Tokenizer::eos_id() const { return impl_->eos; }
+std::optional<int32_t> Tokenizer::pad_id() const { return impl_->pad; }
+bool Tokenizer::add_bos_token() const { return impl_->add_bos; }
+bool Tokenizer::add_eos_token() const { return impl_->add_eos; }
+
+}  // namespace lorarun::tok

@@ -64,7 +64,9 @@ TEST_CASE("corrupt safetensors files are rejected with the reason") {
 TEST_CASE("model directories that cannot work say why") {
   const std::string dir = test::temp_dir("bad-model");
   auto load = [](const std::string& d) { return model::CausalLM::load(d, at::kFloat, at::kCPU); };
-  CHECK_THROWS_WITH(load(dir + "/nothing"), Catch::Contains("config.json not found"));
+  CHECK_THROWS_WITH(load(dir + "/nothing"), Catch::Contains("model directory '" + dir + "/nothing' does not exist"));
+  fs::create_directories(dir + "/empty");
+  CHECK_THROWS_WITH(load(dir + "/empty"), Catch::Contains("config.json not found"));
 
   copy_model("llama", dir + "/arch");
   std::string cfg = test::read_file(dir + "/arch/config.json");

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
-V = 128
+V = 384  # 256 byte-level symbols + merges + <|endoftext|>
 FAMILIES = {
     # GQA, explicit head_dim != hidden/heads, llama3 rope scaling, tied embeddings
     "llama": (LlamaForCausalLM, LlamaConfig(
@@ -47,7 +47,7 @@ FAMILIES = {
     # fused c_attn, Conv1D weights
     "gpt2": (GPT2LMHeadModel, GPT2Config(
         vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=1, eos_token_id=2), ["c_attn", "c_proj"], False),
+        attn_pdrop=0.0), ["c_attn", "c_proj"], False),
 }
 LENGTHS = [12, 9, 5]
 
@@ -64,6 +64,26 @@ def batch(seed):
     return ids, mask, labels
 
 
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Instruction: add two numbers. Response: 3 + 4 = 7",
+    "LoRA adapts a frozen linear layer with a low-rank update.", "Tokenizers split text into ids; models predict them.",
+    "Ünïcödé and emoji 🦊 appear too, with digits 0123456789.",
+] * 20
+
+
+def make_tokenizer(d):
+    """A real byte-level BPE tokenizer.json of exactly V tokens, trained by HF tokenizers."""
+    from tokenizers import ByteLevelBPETokenizer
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(CORPUS, vocab_size=V, min_frequency=1, special_tokens=["<|endoftext|>"])
+    assert tok.get_vocab_size() <= V
+    tok.save(os.path.join(d, "tokenizer.json"))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+                   "eos_token": "<|endoftext|>", "model_max_length": 64}, f)
+    return tok.token_to_id("<|endoftext|>")
+
+
 def peft_key(name):
     return name.replace(".default", "")
 
@@ -71,7 +91,13 @@ def peft_key(name):
 def make(out, name, cls, config, targets, rslora, seed):
     torch.manual_seed(seed)
     d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    eos = make_tokenizer(d)
+    config.bos_token_id = config.eos_token_id = eos
+    config.pad_token_id = None
     model = cls(config).eval()
+    model.generation_config.bos_token_id = model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
     model.save_pretrained(d)
     ids, mask, labels = batch(seed)
     ref = {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -1,0 +1,105 @@
+// lora-eval: mean loss and perplexity of a base model (+ adapter) over JSONL documents,
+// optionally the loss of every document.
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <c10/core/GradMode.h>
+#include <cmath>
+#include <fmt/format.h>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "app_main.hpp"
+#include "io/files.hpp"
+#include "model/lora.hpp"
+#include "model/loss.hpp"
+#include "model/transformer.hpp"
+#include "model/weights.hpp"
+#include "tokenizer/tokenizer.hpp"
+
+namespace {
+
+using namespace lorarun;
+
+std::vector<std::string> read_texts(const std::string& path, const std::string& field) {
+  std::ifstream in(path);
+  if (!in) throw Error(fmt::format("cannot read {}", path));
+  std::vector<std::string> texts;
+  std::string line;
+  for (size_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_object() || !j.contains(field) || !j[field].is_string())
+      throw Error(fmt::format("{}:{}: not a JSON object with a string '{}' field (--text-field)", path, n, field));
+    texts.push_back(j[field].get<std::string>());
+  }
+  if (texts.empty()) throw Error(fmt::format("{} holds no documents", path));
+  return texts;
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"lora-eval: loss and perplexity over JSONL documents"};
+  std::string base, adapter, data, field = "text", per_doc, dtype = "fp32";
+  int64_t max_length = 1024, batch_size = 8;
+  app.add_option("--model", base, "base model directory or cached model id")->required();
+  app.add_option("--adapter", adapter, "PEFT LoRA adapter directory");
+  app.add_option("--data", data, "JSONL file, one document per line")->required();
+  app.add_option("--text-field", field, "the field holding each document's text");
+  app.add_option("--max-length", max_length, "tokens per document (longer ones are truncated)")->check(CLI::Range(2, 1 << 20));
+  app.add_option("--batch-size", batch_size, "documents per forward pass")->check(CLI::Range(1, 4096));
+  app.add_option("--per-doc", per_doc, "write {index, tokens, loss} of every document to this JSONL file");
+  app.add_option("--dtype", dtype, "fp32, bf16 or fp16");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  model::CausalLM m = model::CausalLM::load(base, model::parse_dtype(dtype), at::kCPU);
+  if (!adapter.empty()) model::load_adapter(m, adapter, m.dtype());
+  const tok::Tokenizer tokenizer = tok::Tokenizer::from_dir(m.dir());
+  const std::vector<std::string> texts = read_texts(data, field);
+  std::vector<std::vector<int32_t>> docs = tokenizer.encode_batch(texts);
+  for (auto& d : docs)
+    if (static_cast<int64_t>(d.size()) > max_length) d.resize(static_cast<size_t>(max_length));
+
+  c10::NoGradGuard no_grad;
+  std::string per_doc_lines;
+  double loss_sum = 0;
+  int64_t predicted = 0, skipped = 0;
+  for (size_t start = 0; start < docs.size(); start += static_cast<size_t>(batch_size)) {
+    const size_t end = std::min(docs.size(), start + static_cast<size_t>(batch_size));
+    int64_t T = 0;
+    for (size_t i = start; i < end; ++i) T = std::max<int64_t>(T, static_cast<int64_t>(docs[i].size()));
+    at::Tensor ids = at::zeros({static_cast<int64_t>(end - start), T}, at::kLong);
+    at::Tensor labels = at::full_like(ids, -100);
+    for (size_t i = start; i < end; ++i) {
+      const auto n = static_cast<int64_t>(docs[i].size());
+      if (n == 0) continue;
+      const at::Tensor row = at::tensor(std::vector<int64_t>(docs[i].begin(), docs[i].end()), at::kLong);
+      ids[static_cast<int64_t>(i - start)].narrow(0, 0, n).copy_(row);
+      labels[static_cast<int64_t>(i - start)].narrow(0, 0, n).copy_(row);
+    }
+    const at::Tensor losses = model::per_sequence_loss(m.forward(ids, labels != -100), labels);
+    for (size_t i = start; i < end; ++i) {
+      const int64_t n = static_cast<int64_t>(docs[i].size()) - 1;  // tokens that are predicted
+      if (n < 1) {
+        ++skipped;
+        continue;
+      }
+      const double loss = losses[static_cast<int64_t>(i - start)].item<double>();
+      loss_sum += loss * static_cast<double>(n);
+      predicted += n;
+      per_doc_lines += nlohmann::json{{"index", i}, {"tokens", n}, {"loss", loss}}.dump() + "\n";
+    }
+  }
+  if (predicted == 0) throw Error("no document has two or more tokens: nothing to evaluate");
+  const double mean = loss_sum / static_cast<double>(predicted);
+  if (!per_doc.empty()) io::write_file_atomic(per_doc, per_doc_lines);
+  fmt::print("documents {}, predicted tokens {}, mean loss {:.6f}, perplexity {:.4f}{}\n", docs.size() - skipped,
+             predicted, mean, std::exp(mean),
+             skipped ? fmt::format(" ({} documents under 2 tokens skipped)", skipped) : "");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return lorarun::app_main("lora-eval", argc, argv, run); }

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Writes unicode_data.inc: the canonical-composition tables the NFC/NFD normalizers need.
+
+Run by hand (it is committed output): `.venv/bin/python lib/tokenizer/gen_unicode_data.py`.
+Values come from Python's unicodedata; entries that Hugging Face `tokenizers` does not know
+(its normalization tables are from an older Unicode version) are dropped, so that our NFC is
+HF's NFC, which is what token ids must match. The script checks the result against HF's NFC
+and NFD on every code point, alone and next to combining marks, and fails on any difference.
+"""
+import pathlib
+import sys
+import unicodedata as ud
+
+from tokenizers import normalizers
+
+HF_NFC, HF_NFD = normalizers.NFC(), normalizers.NFD()
+S_BASE, L_BASE, V_BASE, T_BASE, L_COUNT, V_COUNT, T_COUNT = 0xAC00, 0x1100, 0x1161, 0x11A7, 19, 21, 28
+N_COUNT, S_COUNT = V_COUNT * T_COUNT, L_COUNT * V_COUNT * T_COUNT
+CODE_POINTS = [cp for cp in range(0x110000) if not 0xD800 <= cp < 0xE000]
+
+
+def canonical_decomposition(cp):
+    d = ud.decomposition(chr(cp))
+    if not d or d.startswith("<"):
+        return None
+    return [int(x, 16) for x in d.split()]
+
+
+def build():
+    ccc = {cp: ud.combining(chr(cp)) for cp in CODE_POINTS if ud.combining(chr(cp))}
+    # A mark HF does not know has class 0 there: it does not move past other marks.
+    for cp in list(ccc):
+        probe = "a" + chr(cp) + ("\u0301" if ccc[cp] > 230 else "\u0316")
+        probe2 = "a" + ("\u0316" if ccc[cp] < 220 else "\u0301") + chr(cp)
+        if HF_NFD.normalize_str(probe) == probe and HF_NFD.normalize_str(probe2) == probe2 \
+                and ud.normalize("NFD", probe + probe2) != probe + probe2:
+            del ccc[cp]
+    decomp = {}
+    for cp in CODE_POINTS:
+        d = canonical_decomposition(cp)
+        if d and HF_NFD.normalize_str(chr(cp)) != chr(cp):
+            decomp[cp] = d
+    compose = {}
+    for cp, d in decomp.items():
+        c = chr(cp)
+        if len(d) == 2 and ud.normalize("NFC", c) == c:
+            pair = chr(d[0]) + chr(d[1])
+            if HF_NFC.normalize_str(pair) == c:
+                compose[(d[0], d[1])] = cp
+    return ccc, decomp, compose
+
+
+class Nfc:
+    """The algorithm unicode.cpp implements, in Python, to check the tables before writing."""
+
+    def __init__(self, ccc, decomp, compose):
+        self.ccc, self.decomp, self.compose = ccc, decomp, compose
+
+    def decompose(self, cp, out):
+        if S_BASE <= cp < S_BASE + S_COUNT:
+            s = cp - S_BASE
+            out += [L_BASE + s // N_COUNT, V_BASE + (s % N_COUNT) // T_COUNT]
+            if s % T_COUNT:
+                out.append(T_BASE + s % T_COUNT)
+        elif cp in self.decomp:
+            for x in self.decomp[cp]:
+                self.decompose(x, out)
+        else:
+            out.append(cp)
+
+    def nfd(self, s):
+        out = []
+        for ch in s:
+            self.decompose(ord(ch), out)
+        # Canonical ordering: a stable sort of each run of non-starters by class.
+        i = 0
+        while i < len(out):
+            if self.ccc.get(out[i], 0) == 0:
+                i += 1
+                continue
+            j = i
+            while j < len(out) and self.ccc.get(out[j], 0):
+                j += 1
+            out[i:j] = sorted(out[i:j], key=lambda c: self.ccc[c])
+            i = j
+        return out
+
+    def pair(self, a, b):
+        if L_BASE <= a < L_BASE + L_COUNT and V_BASE <= b < V_BASE + V_COUNT:
+            return S_BASE + ((a - L_BASE) * V_COUNT + (b - V_BASE)) * T_COUNT
+        if S_BASE <= a < S_BASE + S_COUNT and (a - S_BASE) % T_COUNT == 0 and T_BASE < b < T_BASE + T_COUNT:
+            return a + (b - T_BASE)
+        return self.compose.get((a, b))
+
+    def nfc(self, s):
+        out, starter, last = [], None, None  # last: class of the newest mark after the starter
+        for cp in self.nfd(s):
+            c = self.ccc.get(cp, 0)
+            if starter is not None and (last is None or 0 < last < c):
+                comp = self.pair(out[starter], cp)
+                if comp is not None:
+                    out[starter] = comp
+                    continue
+            if c == 0:
+                starter, last = len(out), None
+            else:
+                last = c
+            out.append(cp)
+        return "".join(map(chr, out))
+
+
+def probes(cp):
+    c = chr(cp)
+    return [c, "\u0301" + c, c + "\u0301", "a\u0316" + c, c + "\u0316", "\u1100" + c, c + "\u1161",
+            c + "\u0308\u0301", "e" + c + "\u0327"]
+
+
+def check(nfc):
+    bad = 0
+    for cp in CODE_POINTS:
+        for p in probes(cp):
+            if nfc.nfc(p) != HF_NFC.normalize_str(p) or "".join(map(chr, nfc.nfd(p))) != HF_NFD.normalize_str(p):
+                bad += 1
+                if bad < 10:
+                    print(f"mismatch U+{cp:04X} {p!r}", file=sys.stderr)
+    for (a, b) in nfc.compose:
+        p = chr(a) + chr(b)
+        if nfc.nfc(p) != HF_NFC.normalize_str(p):
+            bad += 1
+    return bad
+
+
+def write(path, ccc, decomp, compose):
+    lines = ["// Generated by gen_unicode_data.py from Python's unicodedata, restricted to what",
+             "// Hugging Face tokenizers' NFC/NFD know. Do not edit.", "",
+             "inline constexpr CccEntry kCcc[] = {"]
+    lines += [f"    {{0x{cp:X}, {v}}}," for cp, v in sorted(ccc.items())]
+    lines += ["};", "", "inline constexpr DecompEntry kDecomp[] = {"]
+    lines += [f"    {{0x{cp:X}, 0x{d[0]:X}, 0x{d[1] if len(d) > 1 else 0:X}}}," for cp, d in sorted(decomp.items())]
+    lines += ["};", "", "inline constexpr ComposeEntry kCompose[] = {"]
+    lines += [f"    {{0x{a:X}, 0x{b:X}, 0x{c:X}}}," for (a, b), c in sorted(compose.items())]
+    lines += ["};", ""]
+    pathlib.Path(path).write_text("\n".join(lines))
+
+
+def main():
+    ccc, decomp, compose = build()
+    bad = check(Nfc(ccc, decomp, compose))
+    if bad:
+        sys.exit(f"gen_unicode_data: {bad} probes differ from HF tokenizers' NFC/NFD")
+    out = pathlib.Path(__file__).with_name("unicode_data.inc")
+    write(out, ccc, decomp, compose)
+    print(f"wrote {out}: {len(ccc)} classes, {len(decomp)} decompositions, {len(compose)} compositions")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+// lora-eval and lora-generate against transformers + PEFT on the fixture models.
+#include <catch2/catch.hpp>
+#include <fmt/format.h>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "support/process.hpp"
+
+using namespace lorarun::test;
+
+namespace {
+const std::string kFixtures = LORARUN_MODEL_FIXTURES;
+
+std::string check(const std::string& args) {
+  return fmt::format("'{}' '{}/tests/reference/check.py' {}", LORARUN_PYTHON, LORARUN_SOURCE_DIR, args);
+}
+}  // namespace
+
+TEST_CASE("lora-eval per-document losses equal transformers + PEFT's") {
+  const std::string dir = temp_dir("eval");
+  {
+    std::ofstream data(dir + "/docs.jsonl");
+    const char* texts[] = {"The quick brown fox jumps over the lazy dog.", "LoRA adapts a frozen layer.",
+                           "Ünïcödé 🦊 0123456789 and a longer sentence that goes on and on to be truncated here",
+                           "x", "Instruction: add two numbers. Response: 3 + 4 = 7"};
+    for (const char* t : texts) data << nlohmann::json{{"text", t}}.dump() << "\n";
+  }
+  // One python reference run costs seconds: three cases cover base-only, adapters and families.
+  for (const auto& [family, with_adapter] : {std::pair{"llama", true}, {"gpt2", true}, {"opt", false}}) {
+    INFO(family);
+    const std::string base = kFixtures + "/" + family;
+    {
+      const std::string adapter = with_adapter ? base + "/peft_adapter" : "-";
+      const Result r = sh(fmt::format("{} --model {} {} --data {}/docs.jsonl --max-length 16 --batch-size 2 "
+                                      "--per-doc {}/losses.jsonl", bin("lora-eval"), base,
+                                      adapter == "-" ? "" : "--adapter " + adapter, dir, dir));
+      INFO(r.output);
+      REQUIRE(r.status == 0);
+      CHECK_THAT(r.output, Catch::Contains("documents 4, predicted tokens"));  // "x" is one token: skipped
+      const Result c = sh(check(fmt::format("eval {} {} {}/docs.jsonl 16 {}/losses.jsonl", base, adapter, dir, dir)));
+      INFO(c.output);
+      CHECK(c.status == 0);
+    }
+  }
+}
+
+TEST_CASE("lora-generate greedy ids equal transformers' generate") {
+  for (const std::string family : {"llama", "gpt2", "opt"}) {
+    INFO(family);
+    const std::string base = kFixtures + "/" + family;
+    const Result r = sh(fmt::format("{} --model {} --adapter {}/peft_adapter --prompt 'The quick brown' "
+                                    "--max-new-tokens 12 --ids", bin("lora-generate"), base, base));
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    const std::string ids = r.output.substr(0, r.output.find('\n'));
+    const Result c = sh(check(fmt::format("generate {} {}/peft_adapter 'The quick brown' 12 '{}'", base, base, ids)));
+    INFO(c.output);
+    CHECK(c.status == 0);
+  }
+}
+
+TEST_CASE("lora-generate prints text and samples reproducibly") {
+  const std::string base = kFixtures + "/llama";
+  const std::string cmd = fmt::format("{} --model {} --prompt 'LoRA adapts' --max-new-tokens 8 --temperature 0.8 "
+                                      "--top-p 0.9 --seed 3", bin("lora-generate"), base);
+  const Result a = sh(cmd), b = sh(cmd);
+  INFO(a.output);
+  CHECK(a.status == 0);
+  CHECK_THAT(a.output, Catch::StartsWith("LoRA adapts"));
+  CHECK(a.output == b.output);
+}
