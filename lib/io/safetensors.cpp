@@ -18,6 +18,7 @@ namespace lorarun::io {
 namespace {
 
 constexpr size_t kMaxHeader = 100 << 20;  // the format's own limit is 100 MB
+constexpr uint64_t kMaxNumel = uint64_t{1} << 48;  // elements of a tensor, and of each dimension
 
 struct DTypeName {
   const char* name;
@@ -64,7 +65,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     close(fd);
     throw corrupt(fmt::format("{} bytes is shorter than the 8-byte header length", size_));
   }
-  void* m = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  // Private and writable: tensors may view the mapping directly (zero copy), and an in-place
+  // update of such a tensor (a LoRA merge) gets copy-on-write pages instead of a fault.
+  void* m = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
   close(fd);
   if (m == MAP_FAILED) throw Error(fmt::format("cannot map {}: {}", path, std::strerror(errno)));
   map_ = static_cast<const std::byte*>(m);
@@ -103,7 +106,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       for (const auto& d : v["shape"]) {
         if (!d.is_number_unsigned()) throw corrupt(fmt::format("tensor '{}' has a bad shape", name));
         const uint64_t n = d.get<uint64_t>();
-        if (n != 0 && numel > (uint64_t(1) << 48) / n) throw corrupt(fmt::format("tensor '{}' is too large", name));
+        // Each dimension too, not only the product: [0, 2^64 - 1] has no elements but its
+        // second dimension does not fit the int64 of a tensor shape.
+        if (n > kMaxNumel || (n != 0 && numel > kMaxNumel / n))
+          throw corrupt(fmt::format("tensor '{}' is too large (shape dimension {})", name, n));
         numel *= n;
         t.shape.push_back(static_cast<int64_t>(n));
       }
@@ -147,6 +153,13 @@ const TensorInfo* SafetensorsFile::find(const std::string& name) const {
 
 std::span<const std::byte> SafetensorsFile::bytes(const TensorInfo& t) const {
   return {map_ + data_start_ + t.offset, t.nbytes};
+}
+
+void SafetensorsFile::release(const TensorInfo& t) const {
+  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(map_ + data_start_ + t.offset);
+  const uintptr_t first = (begin + page - 1) / page * page, last = (begin + t.nbytes) / page * page;
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
 }
 
 void write_safetensors(const std::string& path, const std::vector<TensorBytes>& tensors,

@@ -38,6 +38,9 @@ class SafetensorsFile {
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   const TensorInfo* find(const std::string& name) const;
   std::span<const std::byte> bytes(const TensorInfo& t) const;
+  // Drops the tensor's pages from this process (they stay in the page cache): once a tensor is
+  // copied out, its mapped bytes should not count as a second copy in resident memory.
+  void release(const TensorInfo& t) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
  private:

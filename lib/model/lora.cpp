@@ -15,6 +15,7 @@
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
 #include "util/error.hpp"
+#include "util/log.hpp"
 
 namespace lorarun::model {
 namespace {
@@ -99,6 +100,10 @@ std::string trainable_summary(const CausalLM& model) {
 }
 
 void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::string& dir) {
+  // vLLM serves an adapter when r <= --max-lora-rank, whose largest allowed value is 512.
+  if (cfg.r > 512)
+    warn(fmt::format("lora.r = {} is above 512, the largest rank vLLM serves (--max-lora-rank); PEFT and "
+                     "transformers still load it", cfg.r));
   std::set<std::string> targets;
   for (const Linear* l : model.linears())
     if (l->adapted()) targets.insert(short_name(l->name));
@@ -195,7 +200,7 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
                                            : std::vector<int64_t>{l->weight.size(0), cfg.r};
     at::Tensor t;
     try {
-      t = files.load(key, dtype, model.device(), want);
+      t = files.load(key, dtype, model.device(), want).clone();  // owned: it will be trained
     } catch (const Error&) {
       throw Error(fmt::format("{}: '{}' has shape [{}] but this base model and r={} need [{}]: the adapter "
                               "was made for another base model", weights_path.string(), key,

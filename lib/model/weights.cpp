@@ -108,17 +108,24 @@ at::Tensor WeightFiles::load(const std::string& name, at::ScalarType dtype, at::
                             "match this config", file.path(), name, fmt::join(t.shape, ", "), fmt::join(shape, ", ")));
   used_.insert(name);
   auto bytes = file.bytes(t);
-  // from_blob only views the read-only mapping; the copy made by to() is what the model keeps.
-  // A misaligned tensor (legal in the format, rare in practice) is copied out first.
   const auto opts = at::TensorOptions().dtype(to_scalar_type(t.dtype));
+  const bool aligned = reinterpret_cast<uintptr_t>(bytes.data()) % io::dtype_size(t.dtype) == 0;
+  void* data = const_cast<std::byte*>(bytes.data());
+  if (aligned && device.is_cpu() && opts.dtype() == dtype) {
+    // Zero copy: the tensor views the mapping and keeps the file mapped while it lives.
+    std::shared_ptr<io::SafetensorsFile> keep = files_[where_.at(name)];
+    return at::from_blob(data, t.shape, [keep](void*) {}, opts);
+  }
   at::Tensor view;
-  if (reinterpret_cast<uintptr_t>(bytes.data()) % io::dtype_size(t.dtype) == 0) {
-    view = at::from_blob(const_cast<std::byte*>(bytes.data()), t.shape, opts);
-  } else {
+  if (aligned) {
+    view = at::from_blob(data, t.shape, opts);
+  } else {  // legal in the format, rare in practice
     view = at::empty(t.shape, opts);
     std::memcpy(view.data_ptr(), bytes.data(), t.nbytes);
   }
-  return view.to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
+  at::Tensor out = view.to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
+  file.release(t);
+  return out;
 }
 
 void save_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

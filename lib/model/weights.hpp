@@ -30,8 +30,9 @@ class WeightFiles {
   std::vector<std::string> names() const;
   const io::TensorInfo& info(const std::string& name) const;
 
-  // A copy of `name` as `dtype` on `device`; the mapped bytes are read once, no extra host copy
-  // when the dtype already matches. `shape` (if given) must equal the stored shape.
+  // `name` as `dtype` on `device`. On the CPU in the stored dtype the tensor views the mapped
+  // file (no copy; pages load on first touch); otherwise it is a converted copy and the mapped
+  // pages are dropped after copying. `shape` (if given) must equal the stored shape.
   at::Tensor load(const std::string& name, at::ScalarType dtype, at::Device device,
                   const std::vector<int64_t>& shape = {}) const;
   // The names load() was asked for; the caller can report leftovers.

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -18,6 +19,17 @@ using nlohmann::json;
 // GPT-2's pre-tokenization pattern, which ByteLevel applies when use_regex is set.
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+// Sequences inside Sequences: HF cannot load more (serde_json's recursion limit is 128), and
+// each level is a stack frame here.
+constexpr int kMaxSequenceDepth = 64;
+
+int nested(int depth, std::string_view stage) {
+  if (depth >= kMaxSequenceDepth)
+    throw Error(fmt::format("tokenizer.json: {} Sequences are nested more than {} deep", stage,
+                            kMaxSequenceDepth));
+  return depth + 1;
+}
 
 std::string type_of(const json& j, std::string_view stage) {
   if (!j.is_object() || !j.contains("type") || !j["type"].is_string())
@@ -319,7 +331,13 @@ std::unique_ptr<PostProcessor> make_template(const json& j) {
     if (!specials.contains(name))
       throw Error(fmt::format("tokenizer.json: TemplateProcessing uses special token '{}' that "
                               "is not in its special_tokens", name));
-    t->steps.emplace_back(specials[name].at("ids").get<std::vector<int32_t>>());
+    const json& id_list = specials[name].at("ids");
+    if (!id_list.is_array())
+      throw Error(fmt::format("tokenizer.json: TemplateProcessing special token '{}' has no ids array", name));
+    std::vector<int32_t> ids;
+    for (const json& id : id_list)
+      ids.push_back(static_cast<int32_t>(json_int(id, "a TemplateProcessing special token id", 0, INT32_MAX)));
+    t->steps.emplace_back(std::move(ids));
   }
   return t;
 }
@@ -327,9 +345,12 @@ std::unique_ptr<PostProcessor> make_template(const json& j) {
 // BertProcessing / RobertaProcessing on one sequence: cls, the sequence, sep.
 std::unique_ptr<PostProcessor> make_cls_sep(const json& j) {
   auto t = std::make_unique<Template>();
-  t->steps.emplace_back(std::vector<int32_t>{j.at("cls").at(1).get<int32_t>()});
+  auto id = [&](const char* key) {
+    return static_cast<int32_t>(json_int(j.at(key).at(1), fmt::format("post_processor {} id", key), 0, INT32_MAX));
+  };
+  t->steps.emplace_back(std::vector<int32_t>{id("cls")});
   t->steps.emplace_back(std::nullopt);
-  t->steps.emplace_back(std::vector<int32_t>{j.at("sep").at(1).get<int32_t>()});
+  t->steps.emplace_back(std::vector<int32_t>{id("sep")});
   return t;
 }
 
@@ -462,6 +483,19 @@ struct ReplaceDecoder : Decoder {
 
 }  // namespace
 
+int64_t json_int(const json& j, std::string_view what, int64_t lo, int64_t hi) {
+  const bool in_range = j.is_number_integer() &&
+                        !(j.is_number_unsigned() && j.get<uint64_t>() > uint64_t{INT64_MAX}) &&
+                        j.get<int64_t>() >= lo && j.get<int64_t>() <= hi;
+  if (!in_range) {
+    std::string got = j.dump();
+    if (got.size() > 40) got = got.substr(0, 37) + "...";
+    throw Error(fmt::format("tokenizer.json: {} must be an integer in [{}, {}], got {}", what, lo,
+                            hi, got));
+  }
+  return j.get<int64_t>();
+}
+
 const std::string& byte_char(unsigned char b) {
   static const auto table = [] {
     std::array<std::string, 256> t;
@@ -475,12 +509,13 @@ const std::string& byte_char(unsigned char b) {
   return table[b];
 }
 
-std::unique_ptr<Normalizer> make_normalizer(const json& j) {
+std::unique_ptr<Normalizer> make_normalizer(const json& j, int depth) {
   if (j.is_null()) return nullptr;
   std::string type = type_of(j, "normalizer");
   if (type == "Sequence") {
     auto s = std::make_unique<NormalizerSequence>();
-    for (const json& n : j.at("normalizers")) s->steps.push_back(make_normalizer(n));
+    const int inner = nested(depth, "normalizer");
+    for (const json& n : j.at("normalizers")) s->steps.push_back(make_normalizer(n, inner));
     std::erase(s->steps, nullptr);
     return s;
   }
@@ -506,12 +541,13 @@ std::unique_ptr<Normalizer> make_normalizer(const json& j) {
   unsupported("normalizer", type, "Sequence, Prepend, Replace, NFC, NFD, Strip");
 }
 
-std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j) {
+std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, int depth) {
   if (j.is_null()) return nullptr;
   std::string type = type_of(j, "pre_tokenizer");
   if (type == "Sequence") {
     auto s = std::make_unique<PreTokenizerSequence>();
-    for (const json& p : j.at("pretokenizers")) s->steps.push_back(make_pre_tokenizer(p));
+    const int inner = nested(depth, "pre_tokenizer");
+    for (const json& p : j.at("pretokenizers")) s->steps.push_back(make_pre_tokenizer(p, inner));
     std::erase(s->steps, nullptr);
     return s;
   }
@@ -544,7 +580,7 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j) {
   unsupported("pre_tokenizer", type, "Sequence, ByteLevel, Split, Metaspace, Digits");
 }
 
-std::unique_ptr<PostProcessor> make_post_processor(const json& j) {
+std::unique_ptr<PostProcessor> make_post_processor(const json& j, int depth) {
   if (j.is_null()) return nullptr;
   std::string type = type_of(j, "post_processor");
   if (type == "TemplateProcessing") return make_template(j);
@@ -552,7 +588,8 @@ std::unique_ptr<PostProcessor> make_post_processor(const json& j) {
   if (type == "BertProcessing" || type == "RobertaProcessing") return make_cls_sep(j);
   if (type == "Sequence") {
     auto s = std::make_unique<ProcessorSequence>();
-    for (const json& p : j.at("processors")) s->steps.push_back(make_post_processor(p));
+    const int inner = nested(depth, "post_processor");
+    for (const json& p : j.at("processors")) s->steps.push_back(make_post_processor(p, inner));
     std::erase(s->steps, nullptr);
     return s;
   }
@@ -560,12 +597,13 @@ std::unique_ptr<PostProcessor> make_post_processor(const json& j) {
               "TemplateProcessing, ByteLevel, BertProcessing, RobertaProcessing, Sequence");
 }
 
-std::unique_ptr<Decoder> make_decoder(const json& j) {
+std::unique_ptr<Decoder> make_decoder(const json& j, int depth) {
   if (j.is_null()) return nullptr;
   std::string type = type_of(j, "decoder");
   if (type == "Sequence") {
     auto s = std::make_unique<DecoderSequence>();
-    for (const json& d : j.at("decoders")) s->steps.push_back(make_decoder(d));
+    const int inner = nested(depth, "decoder");
+    for (const json& d : j.at("decoders")) s->steps.push_back(make_decoder(d, inner));
     std::erase(s->steps, nullptr);
     return s;
   }
@@ -583,8 +621,8 @@ std::unique_ptr<Decoder> make_decoder(const json& j) {
     std::string c = one_char(j.at("content"), "Strip content");
     size_t i = 0;
     s->content = unicode::next_cp(c, i);
-    s->start = j.at("start").get<size_t>();
-    s->stop = j.at("stop").get<size_t>();
+    s->start = static_cast<size_t>(json_int(j.at("start"), "Strip decoder start", 0, INT64_MAX));
+    s->stop = static_cast<size_t>(json_int(j.at("stop"), "Strip decoder stop", 0, INT64_MAX));
     return s;
   }
   if (type == "Replace") {

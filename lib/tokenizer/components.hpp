@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -43,10 +44,15 @@ struct Decoder {
 };
 
 // Each returns nullptr for a JSON null and throws lorarun::Error for an unsupported type.
-std::unique_ptr<Normalizer> make_normalizer(const nlohmann::json& j);
-std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& j);
-std::unique_ptr<PostProcessor> make_post_processor(const nlohmann::json& j);
-std::unique_ptr<Decoder> make_decoder(const nlohmann::json& j);
+// depth: how many Sequences enclose j (nesting is capped, as serde_json caps it for HF).
+std::unique_ptr<Normalizer> make_normalizer(const nlohmann::json& j, int depth = 0);
+std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& j, int depth = 0);
+std::unique_ptr<PostProcessor> make_post_processor(const nlohmann::json& j, int depth = 0);
+std::unique_ptr<Decoder> make_decoder(const nlohmann::json& j, int depth = 0);
+
+// An integer of tokenizer.json in [lo, hi], or lorarun::Error naming `what`. (nlohmann's
+// get<int>() turns 2^32 + 1 into 1 and 1e30 or -1.5 into undefined behaviour.)
+int64_t json_int(const nlohmann::json& j, std::string_view what, int64_t lo, int64_t hi);
 
 // GPT-2's byte-to-character table: byte b is the character byte_char(b) (UTF-8).
 const std::string& byte_char(unsigned char b);

@@ -47,6 +47,11 @@ struct Tokenizer::Impl {
 
 namespace {
 
+// Far above any real vocabulary (~256k); an id table this size is 128 MB.
+constexpr int64_t kMaxTokenId = (int64_t{1} << 24) - 1;
+// Padding allocates its length in every encode (and decode of the ids): cap a corrupt value.
+constexpr int64_t kMaxPadLength = int64_t{1} << 22;
+
 std::string read_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(fmt::format("{}: cannot read the file (check that it exists and is readable)", path.string()));
@@ -62,6 +67,8 @@ json parse_json(const std::filesystem::path& path) {
   } catch (const json::parse_error& e) {
     throw Error(fmt::format("{}: not valid JSON at byte {} (truncated or corrupt download?); "
                             "fetch the file again", path.string(), e.byte));
+  } catch (const json::exception& e) {  // out_of_range: a number beyond double, like 1e500
+    throw Error(fmt::format("{}: not valid JSON ({}); fetch the file again", path.string(), e.what()));
   }
 }
 
@@ -97,7 +104,9 @@ std::unique_ptr<Bpe> make_model(const json& m) {
   if (m.contains("merges") && !m["merges"].is_array())
     throw Error("tokenizer.json: model.merges must be an array");
   vocab.reserve(v.size());
-  for (const auto& [tok, id] : v.items()) vocab.emplace(tok, id.get<int32_t>());
+  for (const auto& [tok, id] : v.items())  // ids index a table: a stray 2^30 would take GBs
+    vocab.emplace(tok, static_cast<int32_t>(json_int(id, fmt::format("model.vocab id of '{}'", tok), 0,
+                                                     kMaxTokenId)));
   std::vector<std::pair<std::string, std::string>> merges;
   if (m.contains("merges")) {
     merges.reserve(m["merges"].size());
@@ -151,17 +160,19 @@ std::optional<Truncation> parse_truncation(const json& j) {
   if (strategy != "LongestFirst" && strategy != "OnlyFirst")
     throw Error(fmt::format("tokenizer.json: truncation strategy '{}' is not supported for one "
                             "sequence (supported: LongestFirst, OnlyFirst)", strategy));
-  return Truncation{j.at("max_length").get<size_t>(), j.value("direction", std::string("Right")) == "Left"};
+  return Truncation{static_cast<size_t>(json_int(j.at("max_length"), "truncation.max_length", 0, INT64_MAX)),
+                    j.value("direction", std::string("Right")) == "Left"};
 }
 
 std::optional<Padding> parse_padding(const json& j) {
   if (j.is_null()) return std::nullopt;
   Padding p;
   const json& strategy = j.at("strategy");
-  if (strategy.is_object() && strategy.contains("Fixed")) p.fixed = strategy["Fixed"].get<size_t>();
+  if (strategy.is_object() && strategy.contains("Fixed"))
+    p.fixed = static_cast<size_t>(json_int(strategy["Fixed"], "padding Fixed length", 0, kMaxPadLength));
   if (j.contains("pad_to_multiple_of") && !j["pad_to_multiple_of"].is_null())
-    p.multiple = j["pad_to_multiple_of"].get<size_t>();
-  p.pad_id = j.value("pad_id", 0);
+    p.multiple = static_cast<size_t>(json_int(j["pad_to_multiple_of"], "padding.pad_to_multiple_of", 0, kMaxPadLength));
+  if (j.contains("pad_id")) p.pad_id = static_cast<int32_t>(json_int(j["pad_id"], "padding.pad_id", 0, INT32_MAX));
   p.left = j.value("direction", std::string("Right")) == "Left";
   return p;
 }

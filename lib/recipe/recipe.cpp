@@ -1,0 +1,664 @@
+// Loading a recipe: YAML text → tree + overrides → known keys only → typed Recipe → resolved
+// defaults → validate(). And the way back: to_yaml / to_json.
+#include "recipe/recipe.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "recipe/schema.hpp"
+#include "recipe/suggest.hpp"
+#include "util/error.hpp"
+#include "util/secrets.hpp"
+
+namespace lorarun::recipe {
+namespace detail {
+
+std::string quote_string(std::string_view s) {
+  return nlohmann::json(std::string(s)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string format_double(double v) {
+  std::string s = fmt::format("{}", v);  // shortest text that reads back exactly
+  if (s.find_first_of(".en") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string example(std::string_view key) {
+  // Keys whose default makes a poor example (empty, or clearer unquoted).
+  static const std::map<std::string_view, std::string_view> curated{
+      {"model.path", "/models/opt-125m"},
+      {"lora.dropout", "0.05"},
+      {"lora.target_modules", "[q_proj, v_proj]"},
+      {"data.uri", "mongodb://user:password@host:27017/"},
+      {"data.database", "training"},
+      {"data.collection", "examples"},
+      {"data.path", "data/train.jsonl"},
+      {"data.filter", "{split: train}"},
+      {"data.limit", "1000"},
+      {"data.prompt_template", R"("### Instruction:\n{instruction}\n\n### Response:\n")"},
+      {"data.response_field", "output"},
+      {"data.text_field", "text"},
+      {"data.messages_field", "messages"},
+      {"train.max_steps_per_epoch", "100"},
+      {"checkpoint.output_dir", "runs/my-run"},
+      {"checkpoint.epochs_to_save", "[0, 2]"},
+      {"checkpoint.state_every_n_steps", "500"},
+      {"dist.debug_checksum_every_n_steps", "100"},
+      {"track.database", "lorarun"},
+  };
+  if (const auto it = curated.find(key); it != curated.end()) return std::string(it->second);
+  std::string out;
+  const Recipe defaults;
+  for_each_key(defaults, [&](std::string_view k, const auto& v) {
+    if (k == key) out = yaml_text(v);
+  });
+  return out;
+}
+
+std::string hint(std::string_view key) { return fmt::format(" (e.g. {}: {})", key, example(key)); }
+
+std::string show(std::string_view text) {
+  constexpr size_t kMax = 60;
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (out.size() >= kMax && (static_cast<unsigned char>(text[i]) & 0xC0) != 0x80) {
+      out += "…";
+      break;
+    }
+    const char c = text[i];
+    if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else if (c == '\r') out += "\\r";
+    else if (static_cast<unsigned char>(c) < 0x20) out += fmt::format("\\x{:02x}", c);
+    else out += c;
+  }
+  return out;
+}
+
+void fail(const RecipeOrigin& origin, std::string_view key, std::string_view problem) {
+  throw Error(fmt::format("{}: {} {}", origin.at(key), key, problem));
+}
+
+}  // namespace detail
+
+using detail::fail;
+using detail::hint;
+using detail::show;
+
+std::string RecipeOrigin::at(std::string_view key) const {
+  const auto it = overrides.find(key);
+  if (it == overrides.end()) return file;
+  return fmt::format("{} (override '{}')", file, it->second);
+}
+
+std::vector<std::string> known_keys() {
+  std::vector<std::string> keys;
+  const Recipe defaults;
+  detail::for_each_key(defaults, [&](std::string_view key, const auto&) { keys.emplace_back(key); });
+  return keys;
+}
+
+namespace {
+
+// ---- what users wrote, for messages ----------------------------------------------------------
+
+// A YAML value in one short line: 'fast' for scalars, flow style for lists and mappings.
+std::string show_node(const YAML::Node& n) {
+  if (!n || n.IsNull()) return "null";
+  if (n.IsScalar()) return "'" + show(n.Scalar()) + "'";
+  YAML::Emitter e;
+  e.SetMapFormat(YAML::Flow);
+  e.SetSeqFormat(YAML::Flow);
+  e << n;
+  return show(e.c_str());
+}
+
+// ---- scalars ---------------------------------------------------------------------------------
+
+std::optional<int64_t> parse_int(std::string_view s) {
+  if (s.size() > 1 && s[0] == '+' && s[1] != '-') s.remove_prefix(1);
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size()) return std::nullopt;
+  return v;
+}
+
+// Decimal and exponent forms alike: 2.0e-4, 1e-4, .5, 3. Infinity and NaN are not numbers here.
+std::optional<double> parse_float(std::string_view s) {
+  if (s.size() > 1 && s[0] == '+' && s[1] != '-') s.remove_prefix(1);
+  double v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size() || !std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
+std::optional<bool> parse_bool(std::string_view s) {
+  std::string lower(s);
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (lower == "true" || lower == "yes" || lower == "on") return true;
+  if (lower == "false" || lower == "no" || lower == "off") return false;
+  return std::nullopt;
+}
+
+// A YAML scalar in data.filter as JSON, by YAML 1.2's core schema: quoted text stays a string.
+nlohmann::json filter_scalar(const YAML::Node& n) {
+  const std::string& s = n.Scalar();
+  const std::string& tag = n.Tag();
+  if (tag == "!" || (tag.size() >= 4 && tag.ends_with(":str"))) return s;
+  if (s == "true" || s == "True" || s == "TRUE") return true;
+  if (s == "false" || s == "False" || s == "FALSE") return false;
+  if (const auto i = parse_int(s)) return *i;
+  if (const auto f = parse_float(s)) return *f;
+  return s;
+}
+
+// ---- typing one key --------------------------------------------------------------------------
+
+// The key being read, for messages.
+struct Field {
+  std::string_view key;
+  const RecipeOrigin& origin;
+  bool nullable = false;
+
+  [[noreturn]] void expected(std::string_view what, const YAML::Node& got, bool with_hint = true) const {
+    fail(origin, key, fmt::format("must be {}{}, got {}{}", what, nullable ? " or null" : "", show_node(got),
+                                  with_hint ? hint(key) : ""));
+  }
+};
+
+template <class E> std::string choices() {
+  std::string out;
+  for (const auto& [text, v] : EnumNames<E>::values) out += (out.empty() ? "" : "|") + std::string(text);
+  return out;
+}
+
+nlohmann::json yaml_to_json(const YAML::Node& n, const Field& f) {
+  switch (n.Type()) {
+    case YAML::NodeType::Scalar:
+      return filter_scalar(n);
+    case YAML::NodeType::Sequence: {
+      nlohmann::json array = nlohmann::json::array();
+      for (const YAML::Node& item : n) array.push_back(yaml_to_json(item, f));
+      return array;
+    }
+    case YAML::NodeType::Map: {
+      nlohmann::json object = nlohmann::json::object();
+      for (const auto& kv : n) {
+        if (!kv.first.IsScalar()) fail(f.origin, f.key, fmt::format("has a key that is not a name: {}", show_node(kv.first)));
+        const std::string& name = kv.first.Scalar();
+        if (object.contains(name)) fail(f.origin, f.key, fmt::format("has the key '{}' twice; keep one", show(name)));
+        object[name] = yaml_to_json(kv.second, f);
+      }
+      return object;
+    }
+    default:
+      return nullptr;
+  }
+}
+
+void read_modules(const YAML::Node& n, std::vector<std::string>& out, const Field& f) {
+  constexpr std::string_view what = "a list of module names or all-linear";
+  if (n.IsScalar() && n.Scalar() == "all-linear") {
+    out = {"all-linear"};
+    return;
+  }
+  if (!n.IsSequence()) f.expected(what, n);
+  out.clear();
+  for (const YAML::Node& item : n) {
+    if (!item.IsScalar()) f.expected(what, n);
+    out.push_back(item.Scalar());
+  }
+}
+
+void read_epochs(const YAML::Node& n, EpochsToSave& out, const Field& f) {
+  constexpr std::string_view what = "all, none or a list of 0-based epoch indices";
+  if (n.IsScalar() && n.Scalar() == "all") {
+    out = {EpochsToSave::Mode::All, {}};
+  } else if (n.IsScalar() && n.Scalar() == "none") {
+    out = {EpochsToSave::Mode::None, {}};
+  } else if (n.IsSequence()) {
+    out = {n.size() == 0 ? EpochsToSave::Mode::None : EpochsToSave::Mode::List, {}};
+    for (const YAML::Node& item : n) {
+      const auto i = item.IsScalar() ? parse_int(item.Scalar()) : std::nullopt;
+      if (!i || *i < std::numeric_limits<int>::min() || *i > std::numeric_limits<int>::max()) f.expected(what, n);
+      out.epochs.push_back(static_cast<int>(*i));
+    }
+  } else {
+    f.expected(what, n);
+  }
+}
+
+// Reads a YAML value into a member of the member's type, or throws naming the key.
+template <class T> void read(const YAML::Node& n, T& out, Field f) {
+  if constexpr (detail::IsOptional<T>::value) {
+    if (n.IsNull()) {
+      out.reset();
+      return;
+    }
+    typename T::value_type v{};
+    f.nullable = true;
+    read(n, v, f);
+    out = v;
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (n.IsNull()) {  // `key:` with nothing, or null: unset
+      out.clear();
+      return;
+    }
+    if (!n.IsScalar()) f.expected("a string", n);
+    out = n.Scalar();
+  } else if constexpr (std::is_same_v<T, bool>) {
+    const auto b = n.IsScalar() ? parse_bool(n.Scalar()) : std::nullopt;
+    if (!b) f.expected("true or false", n, false);
+    out = *b;
+  } else if constexpr (std::is_enum_v<T>) {
+    if (n.IsScalar())
+      for (const auto& [text, v] : EnumNames<T>::values)
+        if (n.Scalar() == text) {
+          out = v;
+          return;
+        }
+    f.expected("one of " + choices<T>(), n, false);
+  } else if constexpr (std::is_integral_v<T>) {
+    const auto i = n.IsScalar() ? parse_int(n.Scalar()) : std::nullopt;
+    if (!i || *i < std::numeric_limits<T>::min() || *i > std::numeric_limits<T>::max())
+      f.expected("a whole number", n);
+    out = static_cast<T>(*i);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    const auto d = n.IsScalar() ? parse_float(n.Scalar()) : std::nullopt;
+    if (!d) f.expected("a number", n);
+    out = *d;
+  } else if constexpr (std::is_same_v<T, nlohmann::json>) {  // data.filter
+    if (n.IsNull()) {
+      out = nlohmann::json::object();
+      return;
+    }
+    if (!n.IsMap()) f.expected("a mapping (a MongoDB query such as {split: train})", n, false);
+    out = yaml_to_json(n, f);
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {  // lora.target_modules
+    read_modules(n, out, f);
+  } else {
+    static_assert(std::is_same_v<T, EpochsToSave>);
+    read_epochs(n, out, f);
+  }
+}
+
+// ---- known keys and "did you mean" -----------------------------------------------------------
+
+bool is_section(std::string_view name) {
+  return std::find(detail::kSections.begin(), detail::kSections.end(), name) != detail::kSections.end();
+}
+
+std::string section_of(std::string_view key) { return std::string(key.substr(0, key.find('.'))); }
+std::string leaf_of(std::string_view key) { return std::string(key.substr(key.find('.') + 1)); }
+
+const std::vector<std::string>& all_keys() {
+  static const std::vector<std::string> keys = known_keys();
+  return keys;
+}
+
+bool is_key(std::string_view dotted) {
+  return std::find(all_keys().begin(), all_keys().end(), dotted) != all_keys().end();
+}
+
+std::vector<std::string> leaves(std::string_view section) {
+  std::vector<std::string> out;
+  for (const std::string& k : all_keys())
+    if (section_of(k) == section) out.push_back(leaf_of(k));
+  return out;
+}
+
+template <class T> std::string join(const std::vector<T>& items, std::string_view sep) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) out += (i ? std::string(sep) : "") + std::string(items[i]);
+  return out;
+}
+
+// Names other tools (HF Trainer, PEFT, torchtune, axolotl) use for our keys. Section "" = any.
+struct Alias {
+  std::string_view section, name, key;
+};
+constexpr Alias kAliases[] = {
+    {"", "learning_rate", "train.lr"},
+    {"", "num_epochs", "train.epochs"},
+    {"", "num_train_epochs", "train.epochs"},
+    {"", "max_epochs", "train.epochs"},
+    {"", "n_epochs", "train.epochs"},
+    {"", "lora_r", "lora.r"},
+    {"", "rank", "lora.r"},
+    {"", "lora_rank", "lora.r"},
+    {"", "lora_alpha", "lora.alpha"},
+    {"", "lora_dropout", "lora.dropout"},
+    {"", "rslora", "lora.use_rslora"},
+    {"", "lora_target_modules", "lora.target_modules"},
+    {"", "load_in_4bit", "lora.quantize_base"},
+    {"", "qlora", "lora.quantize_base"},
+    {"", "quantize", "lora.quantize_base"},
+    {"", "bnb_4bit_use_double_quant", "lora.double_quant"},
+    {"", "per_device_train_batch_size", "data.batch_size"},
+    {"", "micro_batch_size", "data.batch_size"},
+    {"", "train_batch_size", "data.batch_size"},
+    {"", "max_seq_len", "data.max_length"},
+    {"", "max_seq_length", "data.max_length"},
+    {"", "seq_len", "data.max_length"},
+    {"", "sequence_len", "data.max_length"},
+    {"", "cutoff_len", "data.max_length"},
+    {"", "sample_packing", "data.packing"},
+    {"", "gradient_accumulation", "train.gradient_accumulation_steps"},
+    {"", "accumulate_grad_batches", "train.gradient_accumulation_steps"},
+    {"", "lr_scheduler_type", "train.lr_scheduler"},
+    {"", "scheduler", "train.lr_scheduler"},
+    {"", "warmup", "train.warmup_steps"},
+    {"", "num_warmup_steps", "train.warmup_steps"},
+    {"", "clip_grad_norm", "train.max_grad_norm"},
+    {"", "grad_clip", "train.max_grad_norm"},
+    {"", "gradient_clipping", "train.max_grad_norm"},
+    {"", "gradient_checkpointing", "train.activation_checkpointing"},
+    {"", "enable_activation_checkpointing", "train.activation_checkpointing"},
+    {"", "max_steps", "train.max_steps_per_epoch"},
+    {"", "model_name_or_path", "model.path"},
+    {"", "pretrained_model_name_or_path", "model.path"},
+    {"", "base_model", "model.path"},
+    {"", "model_id", "model.path"},
+    {"model", "name", "model.path"},
+    {"model", "id", "model.path"},
+    {"", "torch_dtype", "model.dtype"},
+    {"", "precision", "model.dtype"},
+    {"", "connection_string", "data.uri"},
+    {"", "mongodb_uri", "data.uri"},
+    {"data", "url", "data.uri"},
+    {"data", "db", "data.database"},
+    {"data", "coll", "data.collection"},
+    {"data", "query", "data.filter"},
+    {"", "template", "data.prompt_template"},
+    {"", "prompt", "data.prompt_template"},
+    {"", "output_field", "data.response_field"},
+    {"", "num_workers", "data.prefetch"},
+    {"checkpoint", "path", "checkpoint.output_dir"},
+    {"checkpoint", "dir", "checkpoint.output_dir"},
+    {"", "save_dir", "checkpoint.output_dir"},
+    {"", "checkpoint_dir", "checkpoint.output_dir"},
+    {"", "resume_from_checkpoint", "checkpoint.resume"},
+    {"", "save_steps", "checkpoint.state_every_n_steps"},
+    {"dist", "timeout", "dist.timeout_s"},
+    {"", "logging_steps", "track.log_every_n_steps"},
+};
+constexpr std::pair<std::string_view, std::string_view> kSectionAliases[] = {
+    {"trainer", "train"},     {"optim", "train"},     {"optimizer", "train"}, {"peft", "lora"},
+    {"adapter", "lora"},      {"ckpt", "checkpoint"}, {"save", "checkpoint"}, {"logging", "track"},
+    {"wandb", "track"},       {"tracking", "track"},  {"dataset", "data"},    {"distributed", "dist"},
+};
+
+std::optional<std::string> alias(std::string_view section, std::string_view name) {
+  for (const Alias& a : kAliases)
+    if (a.name == name && a.section == section) return std::string(a.key);
+  for (const Alias& a : kAliases)
+    if (a.name == name && a.section.empty()) return std::string(a.key);
+  return std::nullopt;
+}
+
+// The dotted key whose leaf is exactly `leaf`, when only one section has it.
+std::optional<std::string> unique_leaf(std::string_view leaf, std::string_view except_section = {}) {
+  std::optional<std::string> found;
+  for (const std::string& k : all_keys()) {
+    if (leaf_of(k) != leaf || section_of(k) == except_section) continue;
+    if (found) return std::nullopt;
+    found = k;
+  }
+  return found;
+}
+
+// The closest known key for `section.leaf`: the same name in another section, a near name in
+// this section, a name other tools use, a near leaf name in another section, a near dotted name.
+std::optional<std::string> suggest_key(std::string_view section, std::string_view leaf) {
+  if (auto k = unique_leaf(leaf, section)) return k;
+  if (auto l = detail::closest(leaf, leaves(section))) return fmt::format("{}.{}", section, *l);
+  if (auto k = alias(section, leaf)) return k;
+  std::vector<std::string> others;
+  for (const std::string& k : all_keys())
+    if (section_of(k) != section) others.push_back(leaf_of(k));
+  if (auto l = detail::closest(leaf, others)) return unique_leaf(*l, section).value_or("");
+  return detail::closest(fmt::format("{}.{}", section, leaf), all_keys());
+}
+
+std::string unknown_key_message(std::string_view section, std::string_view leaf) {
+  if (auto k = suggest_key(section, leaf); k && !k->empty())
+    return fmt::format("unknown key '{}.{}'; did you mean '{}'?", section, show(leaf), *k);
+  return fmt::format("unknown key '{}.{}'; the keys of '{}' are {}", section, show(leaf), section,
+                     join(leaves(section), ", "));
+}
+
+// A top-level name that is not a section: a misspelt section, or a key missing its section.
+std::string unknown_top_message(std::string_view name) {
+  if (auto k = unique_leaf(name)) return fmt::format("unknown key '{}'; did you mean '{}'?", name, *k);
+  for (const auto& [other, section] : kSectionAliases)
+    if (other == name) return fmt::format("unknown section '{}'; did you mean '{}'?", name, section);
+  const std::vector<std::string> sections(detail::kSections.begin(), detail::kSections.end());
+  if (auto s = detail::closest(name, sections)) return fmt::format("unknown section '{}'; did you mean '{}'?", name, *s);
+  if (auto k = alias("", name)) return fmt::format("unknown key '{}'; did you mean '{}'?", name, *k);
+  return fmt::format("unknown section '{}'; the sections are {}", show(name), join(sections, ", "));
+}
+
+// ---- the tree: structure, overrides, typing ---------------------------------------------------
+
+std::string key_name(const YAML::Node& key, const std::string& file) {
+  if (!key.IsScalar()) throw Error(fmt::format("{}: a key must be a name, got {}", file, show_node(key)));
+  return key.Scalar();
+}
+
+// Every section and key is known and appears once. Values are typed later.
+void check_structure(const YAML::Node& root, const RecipeOrigin& origin) {
+  const std::string& file = origin.file;
+  if (!root || root.IsNull()) return;
+  if (!root.IsMap())
+    throw Error(fmt::format("{}: a recipe is a mapping of sections (model:, lora:, data:, train:, checkpoint:, "
+                            "dist:, track:), got {}",
+                            file, show_node(root)));
+  std::set<std::string> sections;
+  for (const auto& kv : root) {
+    const std::string section = key_name(kv.first, file);
+    if (!is_section(section)) throw Error(fmt::format("{}: {}", file, unknown_top_message(section)));
+    if (!sections.insert(section).second)
+      throw Error(fmt::format("{}: section '{}' appears twice; merge its keys under one '{}:'", file, section, section));
+    const YAML::Node& body = kv.second;
+    if (body.IsNull()) continue;
+    if (!body.IsMap())
+      throw Error(fmt::format("{}: section '{}' must be a mapping of keys, got {}; write its keys indented "
+                              "below '{}:' (e.g. {}: {{{}: …}})",
+                              file, section, show_node(body), section, section, leaves(section).front()));
+    std::set<std::string> keys;
+    for (const auto& entry : body) {
+      const std::string leaf = key_name(entry.first, file);
+      const std::string dotted = section + "." + leaf;
+      if (!is_key(dotted)) throw Error(fmt::format("{}: {}", file, unknown_key_message(section, leaf)));
+      if (!keys.insert(leaf).second) throw Error(fmt::format("{}: {} appears twice; keep one", file, dotted));
+    }
+  }
+}
+
+bool is_string_key(std::string_view dotted) {
+  bool result = false;
+  const Recipe defaults;
+  detail::for_each_key(defaults, [&](std::string_view k, const auto& v) {
+    if (k == dotted) result = std::is_same_v<std::decay_t<decltype(v)>, std::string>;
+  });
+  return result;
+}
+
+std::vector<std::string> split(std::string_view s, char sep) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  for (size_t i = 0; i <= s.size(); ++i)
+    if (i == s.size() || s[i] == sep) parts.emplace_back(s.substr(start, i - start)), start = i + 1;
+  return parts;
+}
+
+// The value of `key=value`: YAML flow syntax, except that text keys (paths, templates, URIs)
+// take the text as written unless it is quoted, so '#', ':' and '{' need no escaping there.
+YAML::Node override_value(const std::string& value, bool literal, const std::string& where) {
+  if (literal && !value.starts_with('"') && !value.starts_with('\'')) return YAML::Node(value);
+  try {
+    return YAML::Load(value);
+  } catch (const YAML::ParserException& e) {
+    throw Error(fmt::format("{}: malformed YAML value at column {}: {}; use YAML flow syntax such as [a, b] or "
+                            "{{k: v}}, or quote the value",
+                            where, e.mark.column + 1, e.msg));
+  }
+}
+
+// Sets tree[parts[0]][parts[1]]… = value, creating mappings on the way.
+void set_path(YAML::Node& root, const std::vector<std::string>& parts, const YAML::Node& value) {
+  YAML::Node node;
+  node.reset(root);
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    YAML::Node next = node[parts[i]];
+    if (!next.IsMap()) next = YAML::Node(YAML::NodeType::Map);
+    node.reset(next);
+  }
+  node[parts.back()] = value;
+}
+
+// Applies "section.key=value" overrides to the tree; data.filter.a.b=… reaches into the filter.
+void apply_overrides(YAML::Node& tree, const std::vector<std::string>& overrides, RecipeOrigin& origin) {
+  for (const std::string& o : overrides) {
+    const size_t eq = o.find('=');
+    const std::string key = o.substr(0, eq);
+    const std::string shown = eq == std::string::npos ? redact_uri(o) : key + "=" + redact_uri(o.substr(eq + 1));
+    if (eq == std::string::npos || eq == 0)
+      throw Error(fmt::format("{}: override '{}' is not key=value; write e.g. train.lr=1e-4", origin.file, shown));
+    const std::string where = fmt::format("{} (override '{}')", origin.file, shown);
+    const std::vector<std::string> parts = split(key, '.');
+    if (parts.size() == 1 && is_section(key))
+      throw Error(fmt::format("{}: '{}' is a section; override one key such as {}.{}=…", where, key, key,
+                              leaves(key).front()));
+    if (!is_section(parts[0])) throw Error(fmt::format("{}: {}", where, unknown_top_message(parts[0])));
+    const std::string dotted = parts[0] + "." + parts[1];
+    if (!is_key(dotted)) throw Error(fmt::format("{}: {}", where, unknown_key_message(parts[0], parts[1])));
+    if (parts.size() > 2 && dotted != "data.filter")
+      throw Error(fmt::format("{}: {} has no sub-keys; write {}=VALUE", where, dotted, dotted));
+    const YAML::Node value = override_value(o.substr(eq + 1), parts.size() == 2 && is_string_key(dotted), where);
+    set_path(tree, parts, value);
+    origin.overrides.insert_or_assign(dotted, shown);
+  }
+}
+
+std::optional<YAML::Node> lookup(const YAML::Node& tree, std::string_view dotted) {
+  const YAML::Node section = tree[section_of(dotted)];
+  if (!section || !section.IsMap()) return std::nullopt;
+  const YAML::Node value = section[leaf_of(dotted)];
+  if (!value) return std::nullopt;
+  return value;
+}
+
+// Defaults that depend on other keys, the recipe's name or the environment.
+void resolve(Recipe& r, const std::string& file) {
+  if (r.data.uri.empty())
+    if (const char* env = std::getenv("LORARUN_MONGODB_URI"); env && *env) r.data.uri = env;
+  register_uri_secret(r.data.uri);
+  if (r.track.database.empty()) r.track.database = r.data.database;
+  if (r.checkpoint.output_dir.empty()) {
+    std::string name = std::filesystem::path(file).stem().string();
+    for (char& c : name)
+      if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') c = '-';
+    r.checkpoint.output_dir = "runs/" + (name.empty() ? std::string("run") : name);
+  }
+}
+
+}  // namespace
+
+Recipe recipe_from_yaml(const YAML::Node& root, const std::vector<std::string>& overrides, const std::string& file) {
+  RecipeOrigin origin{file, {}};
+  try {
+    check_structure(root, origin);
+    YAML::Node tree = (!root || root.IsNull()) ? YAML::Node(YAML::NodeType::Map) : YAML::Clone(root);
+    apply_overrides(tree, overrides, origin);
+    Recipe r;
+    const YAML::Node& typed = tree;  // const: lookups must not insert keys
+    detail::for_each_key(r, [&](std::string_view key, auto& member) {
+      if (const auto n = lookup(typed, key)) read(*n, member, Field{key, origin});
+    });
+    resolve(r, file);
+    r.warnings = validate(r, origin);
+    return r;
+  } catch (const YAML::Exception& e) {  // not expected: every access above is checked
+    throw Error(fmt::format("{}: {}", file, e.what()));
+  }
+}
+
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
+  if (std::filesystem::is_directory(path))
+    throw Error(fmt::format("{}: is a directory, not a recipe; give a .yaml file (see configs/)", path));
+  std::ifstream in(path);
+  if (!in) throw Error(fmt::format("{}: cannot open the recipe ({}); check the path", path, std::strerror(errno)));
+  YAML::Node root;
+  try {
+    root = YAML::Load(in);
+  } catch (const YAML::ParserException& e) {
+    throw Error(fmt::format("{}: malformed YAML at line {}, column {}: {} (check the indentation, colons and "
+                            "quotes there)",
+                            path, e.mark.line + 1, e.mark.column + 1, e.msg));
+  }
+  return recipe_from_yaml(root, overrides, path);
+}
+
+Recipe recipe_from_json(const nlohmann::json& j, const std::vector<std::string>& overrides, const std::string& file) {
+  // JSON is YAML flow syntax: one loader, one set of checks.
+  const std::string text = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::ParserException& e) {
+    throw Error(fmt::format("{}: not a recipe: {}", file, e.msg));
+  }
+  return recipe_from_yaml(root, overrides, file);
+}
+
+std::string to_yaml(const Recipe& r, bool redact_secrets) {
+  Recipe shown = r;
+  if (redact_secrets) shown.data.uri = redact_uri(shown.data.uri);
+  std::string out, section;
+  detail::for_each_key(std::as_const(shown), [&](std::string_view key, const auto& value) {
+    if (section_of(key) != section) {
+      section = section_of(key);
+      out += section + ":\n";
+    }
+    out += fmt::format("  {}: {}\n", leaf_of(key), detail::yaml_text(value));
+  });
+  return out;
+}
+
+nlohmann::json to_json(const Recipe& r, bool redact_secrets) {
+  Recipe shown = r;
+  if (redact_secrets) shown.data.uri = redact_uri(shown.data.uri);
+  nlohmann::json j = nlohmann::json::object();
+  detail::for_each_key(std::as_const(shown), [&](std::string_view key, const auto& value) {
+    using T = std::decay_t<decltype(value)>;
+    nlohmann::json& slot = j[section_of(key)][leaf_of(key)];
+    if constexpr (std::is_enum_v<T>) {
+      slot = std::string(name(value));
+    } else if constexpr (detail::IsOptional<T>::value) {
+      slot = value ? nlohmann::json(*value) : nlohmann::json(nullptr);
+    } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+      slot = shown.lora.all_linear() ? nlohmann::json("all-linear") : nlohmann::json(value);
+    } else if constexpr (std::is_same_v<T, EpochsToSave>) {
+      slot = value.mode == EpochsToSave::Mode::List ? nlohmann::json(value.epochs)
+                                                    : nlohmann::json(detail::yaml_text(value));
+    } else {
+      slot = value;
+    }
+  });
+  return j;
+}
+
+}  // namespace lorarun::recipe

@@ -1,0 +1,249 @@
+// The training recipe: ENGINEERING.md §4's YAML as a typed, validated, resolved object.
+//
+// Each section struct maps one-to-one onto its YAML keys, in §4's order, with the default of
+// every key written next to it. Loading = parse YAML → apply command-line overrides to the tree
+// → reject unknown keys ("did you mean …") → type every key → resolve defaults that depend on
+// other keys or the environment → validate(). Every problem is one lorarun::Error line that
+// names the file, the dotted key, what is wrong and how to fix it.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
+
+namespace lorarun::recipe {
+
+enum class Dtype { BF16, FP16, FP32 };
+enum class Device { Auto, Cuda, Cpu };
+enum class Source { MongoDB, Jsonl };
+enum class Format { Instruction, Text, Chat };
+enum class ChatFormat { ChatML, Llama3, Mistral };
+enum class Overlong { Truncate, Skip };
+enum class BadDocuments { Skip, Fail };
+enum class Shuffle { Global, Stream, None };
+enum class Scheduler { Cosine, Linear, Constant };
+enum class Resume { Auto, Never };
+enum class DistBackend { Auto, Nccl, Gloo };
+
+// The YAML spelling of each enum value; the first entry is the key's default.
+template <class E> struct EnumNames;
+template <> struct EnumNames<Dtype> {
+  static constexpr std::array<std::pair<std::string_view, Dtype>, 3> values{
+      {{"bf16", Dtype::BF16}, {"fp16", Dtype::FP16}, {"fp32", Dtype::FP32}}};
+};
+template <> struct EnumNames<Device> {
+  static constexpr std::array<std::pair<std::string_view, Device>, 3> values{
+      {{"auto", Device::Auto}, {"cuda", Device::Cuda}, {"cpu", Device::Cpu}}};
+};
+template <> struct EnumNames<Source> {
+  static constexpr std::array<std::pair<std::string_view, Source>, 2> values{
+      {{"mongodb", Source::MongoDB}, {"jsonl", Source::Jsonl}}};
+};
+template <> struct EnumNames<Format> {
+  static constexpr std::array<std::pair<std::string_view, Format>, 3> values{
+      {{"instruction", Format::Instruction}, {"text", Format::Text}, {"chat", Format::Chat}}};
+};
+template <> struct EnumNames<ChatFormat> {
+  static constexpr std::array<std::pair<std::string_view, ChatFormat>, 3> values{
+      {{"chatml", ChatFormat::ChatML}, {"llama3", ChatFormat::Llama3}, {"mistral", ChatFormat::Mistral}}};
+};
+template <> struct EnumNames<Overlong> {
+  static constexpr std::array<std::pair<std::string_view, Overlong>, 2> values{
+      {{"truncate", Overlong::Truncate}, {"skip", Overlong::Skip}}};
+};
+template <> struct EnumNames<BadDocuments> {
+  static constexpr std::array<std::pair<std::string_view, BadDocuments>, 2> values{
+      {{"skip", BadDocuments::Skip}, {"fail", BadDocuments::Fail}}};
+};
+template <> struct EnumNames<Shuffle> {
+  static constexpr std::array<std::pair<std::string_view, Shuffle>, 3> values{
+      {{"global", Shuffle::Global}, {"stream", Shuffle::Stream}, {"none", Shuffle::None}}};
+};
+template <> struct EnumNames<Scheduler> {
+  static constexpr std::array<std::pair<std::string_view, Scheduler>, 3> values{
+      {{"cosine", Scheduler::Cosine}, {"linear", Scheduler::Linear}, {"constant", Scheduler::Constant}}};
+};
+template <> struct EnumNames<Resume> {
+  static constexpr std::array<std::pair<std::string_view, Resume>, 2> values{
+      {{"auto", Resume::Auto}, {"never", Resume::Never}}};
+};
+template <> struct EnumNames<DistBackend> {
+  static constexpr std::array<std::pair<std::string_view, DistBackend>, 3> values{
+      {{"auto", DistBackend::Auto}, {"nccl", DistBackend::Nccl}, {"gloo", DistBackend::Gloo}}};
+};
+
+// "bf16" for Dtype::BF16, and so on.
+template <class E> constexpr std::string_view name(E value) {
+  for (const auto& [text, v] : EnumNames<E>::values)
+    if (v == value) return text;
+  return "?";
+}
+
+struct ModelSection {
+  std::string path;  // HF model directory, or a model id found in the local HF cache (required)
+  Dtype dtype = Dtype::BF16;
+  Device device = Device::Auto;
+  bool operator==(const ModelSection&) const = default;
+};
+
+struct LoraSection {
+  int r = 8;
+  double alpha = 16;
+  double dropout = 0.0;  // in [0, 1)
+  // Module names (PEFT's suffix match), or {"all-linear"}: every linear but the output head.
+  std::vector<std::string> target_modules = {"q_proj", "v_proj"};
+  bool use_rslora = false;    // scale by alpha/sqrt(r) instead of alpha/r
+  bool quantize_base = false;  // QLoRA: base weights in NF4
+  bool double_quant = true;    // QLoRA: quantise the NF4 block scales too
+  bool all_linear() const { return target_modules == std::vector<std::string>{"all-linear"}; }
+  bool operator==(const LoraSection&) const = default;
+};
+
+struct DataSection {
+  Source source = Source::MongoDB;
+  std::string uri;         // empty: LORARUN_MONGODB_URI at load time (may stay empty)
+  std::string database;    // mongodb: required
+  std::string collection;  // mongodb: required
+  std::string path;        // jsonl: required
+  // MongoDB query; extended JSON ({"$oid": …}) kept as is. nlohmann::json orders keys by name,
+  // so an exact match on a whole sub-document should use dotted paths ({"meta.lang": en}).
+  nlohmann::json filter = nlohmann::json::object();
+  std::optional<int64_t> limit;  // at most this many documents (null: all)
+  Format format = Format::Instruction;
+  std::string prompt_template;  // instruction: text before the response, with {field} placeholders
+  std::string response_field = "output";
+  std::string text_field = "text";
+  std::string messages_field = "messages";
+  ChatFormat chat_format = ChatFormat::ChatML;
+  bool train_on_input = false;
+  int max_length = 1024;  // tokens per example
+  Overlong overlong = Overlong::Truncate;
+  BadDocuments bad_documents = BadDocuments::Skip;
+  Shuffle shuffle = Shuffle::Global;
+  bool packing = false;
+  int batch_size = 4;  // examples per micro-batch per rank
+  int prefetch = 4;    // batches prepared ahead (0: none)
+
+  // The distinct {placeholders} of prompt_template, in order of first use.
+  std::vector<std::string> template_fields() const;
+  bool operator==(const DataSection&) const = default;
+};
+
+struct TrainSection {
+  int epochs = 3;
+  int gradient_accumulation_steps = 1;
+  double lr = 2.0e-4;
+  double weight_decay = 0.0;
+  Scheduler lr_scheduler = Scheduler::Cosine;
+  int warmup_steps = 0;
+  std::optional<double> max_grad_norm = 1.0;  // null: no clipping
+  std::optional<int> max_steps_per_epoch;     // null: the whole epoch
+  int64_t seed = 42;
+  bool activation_checkpointing = false;
+  bool operator==(const TrainSection&) const = default;
+};
+
+// checkpoint.epochs_to_save: `all`, `none` or a list of 0-based epoch indices.
+struct EpochsToSave {
+  enum class Mode { All, None, List };
+  Mode mode = Mode::All;
+  std::vector<int> epochs;  // Mode::List: as written (validated: distinct, in [0, train.epochs))
+  bool operator==(const EpochsToSave&) const = default;
+};
+
+struct CheckpointSection {
+  std::string output_dir;  // empty: runs/<recipe file name without .yaml>, set at load time
+  EpochsToSave epochs_to_save;
+  bool save_last_epoch_only = false;  // wins over epochs_to_save (with a warning when both set)
+  std::optional<int> state_every_n_steps;  // resumable state every N optimizer steps (null: per epoch)
+  Resume resume = Resume::Auto;
+  bool keep_resume_state = false;  // keep the resumable state after the run finishes
+  bool operator==(const CheckpointSection&) const = default;
+};
+
+struct DistSection {
+  DistBackend backend = DistBackend::Auto;  // auto: nccl on CUDA, gloo on CPU
+  int timeout_s = 600;
+  std::optional<int> debug_checksum_every_n_steps;  // compare a parameter checksum across ranks
+  bool operator==(const DistSection&) const = default;
+};
+
+struct TrackSection {
+  bool mongodb = true;   // record the run in MongoDB (metrics.jsonl is always written)
+  std::string database;  // empty: data.database, set at load time
+  int log_every_n_steps = 1;
+  bool operator==(const TrackSection&) const = default;
+};
+
+struct Recipe {
+  ModelSection model;
+  LoraSection lora;
+  DataSection data;
+  TrainSection train;
+  CheckpointSection checkpoint;
+  DistSection dist;
+  TrackSection track;
+  std::vector<std::string> warnings;  // one line each, for the caller to print
+
+  // Same settings (warnings, which name where a recipe came from, are not compared).
+  bool operator==(const Recipe& o) const {
+    return model == o.model && lora == o.lora && data == o.data && train == o.train &&
+           checkpoint == o.checkpoint && dist == o.dist && track == o.track;
+  }
+};
+
+// Where a recipe's text came from, so that messages point at the file or the override.
+struct RecipeOrigin {
+  std::string file = "recipe.yaml";
+  std::map<std::string, std::string, std::less<>> overrides;  // dotted key -> "key=value" as given
+  // "recipe.yaml", or "recipe.yaml (override 'train.lr=fast')" when `key` came from one.
+  std::string at(std::string_view key) const;
+};
+
+// Reads the YAML file at `path`, applies `overrides` ("train.lr=1e-4", values in YAML flow
+// syntax) and returns the validated, resolved recipe. Throws lorarun::Error.
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same from a parsed tree (not modified); `file` names it in messages.
+Recipe recipe_from_yaml(const YAML::Node& root, const std::vector<std::string>& overrides = {},
+                        const std::string& file = "recipe.yaml");
+// The same from to_json()'s output (a run record), e.g. for --from-run.
+Recipe recipe_from_json(const nlohmann::json& j, const std::vector<std::string>& overrides = {},
+                        const std::string& file = "run record");
+
+// Checks ranges, enum-independent requirements and cross-key rules; throws lorarun::Error for
+// the first problem and returns the warnings (e.g. save_last_epoch_only with epochs_to_save).
+std::vector<std::string> validate(const Recipe& r, const RecipeOrigin& origin = {});
+
+// The fully resolved recipe, every key in §4's order; loads back to an equal Recipe.
+// With redact_secrets the password in data.uri becomes "****".
+std::string to_yaml(const Recipe& r, bool redact_secrets = true);
+// The same as JSON (for run records): {"model": {"path": …}, …}.
+nlohmann::json to_json(const Recipe& r, bool redact_secrets = true);
+
+// Every dotted key ("model.path", …) in §4's order.
+std::vector<std::string> known_keys();
+
+// Checkpoint policy (ENGINEERING.md §3): the sorted 0-based epochs whose epoch_<i>/ directories
+// must exist when a run of `epochs` epochs ends. all: every epoch; none: {};
+// save_last_epoch_only: {epochs - 1}, whatever epochs_to_save says.
+std::vector<int> epochs_kept(const CheckpointSection& c, int epochs);
+// Whether epoch `epoch` (0-based) of `epochs` is saved as epoch_<epoch>/ and kept.
+bool save_after_epoch(const CheckpointSection& c, int epoch, int epochs);
+
+// A prompt template split into literal text and {field} placeholders; "{{" and "}}" are
+// literal braces. Throws lorarun::Error (without a file name) for unbalanced or empty braces.
+struct TemplatePart {
+  bool is_field = false;
+  std::string text;  // literal text, or the field name
+  bool operator==(const TemplatePart&) const = default;
+};
+std::vector<TemplatePart> parse_template(std::string_view tmpl);
+
+}  // namespace lorarun::recipe
