@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "app_main.hpp"
+#include "model_args.hpp"
 #include "io/files.hpp"
 #include "model/lora.hpp"
 #include "model/loss.hpp"
@@ -38,23 +39,21 @@ std::vector<std::string> read_texts(const std::string& path, const std::string& 
 
 int run(int argc, char** argv) {
   CLI::App app{"lora-eval: loss and perplexity over JSONL documents"};
-  std::string base, adapter, data, field = "text", per_doc, dtype = "fp32";
+  std::string data, field = "text", per_doc;
   int64_t max_length = 1024, batch_size = 8;
-  app.add_option("--model", base, "base model directory or cached model id")->required();
-  app.add_option("--adapter", adapter, "PEFT LoRA adapter directory");
+  ModelArgs model_args;
+  model_args.add_to(app);
   app.add_option("--data", data, "JSONL file, one document per line")->required();
   app.add_option("--text-field", field, "the field holding each document's text");
   app.add_option("--max-length", max_length, "tokens per document (longer ones are truncated)")->check(CLI::Range(2, 1 << 20));
   app.add_option("--batch-size", batch_size, "documents per forward pass")->check(CLI::Range(1, 4096));
   app.add_option("--per-doc", per_doc, "write {index, tokens, loss} of every document to this JSONL file");
-  app.add_option("--dtype", dtype, "fp32, bf16 or fp16");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  model::CausalLM m = model::CausalLM::load(base, model::parse_dtype(dtype), at::kCPU);
-  if (!adapter.empty()) model::load_adapter(m, adapter, m.dtype());
+  const model::CausalLM m = model_args.load();
   const tok::Tokenizer tokenizer = tok::Tokenizer::from_dir(m.dir());
   const std::vector<std::string> texts = read_texts(data, field);
   std::vector<std::vector<int32_t>> docs = tokenizer.encode_batch(texts);

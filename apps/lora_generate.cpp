@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include "app_main.hpp"
+#include "model_args.hpp"
 #include "model/generate.hpp"
 #include "model/lora.hpp"
 #include "model/transformer.hpp"
@@ -17,25 +18,23 @@ using namespace lorarun;
 
 int run(int argc, char** argv) {
   CLI::App app{"lora-generate: continue a prompt with a base model and optionally a LoRA adapter"};
-  std::string base, adapter, prompt, dtype = "fp32";
+  std::string prompt;
   model::GenerateOptions opt;
   bool ids_only = false;
-  app.add_option("--model", base, "base model directory or cached model id")->required();
-  app.add_option("--adapter", adapter, "PEFT LoRA adapter directory");
+  ModelArgs model_args;
+  model_args.add_to(app);
   app.add_option("--prompt", prompt, "text to continue")->required();
   app.add_option("--max-new-tokens", opt.max_new_tokens, "most tokens to generate")->check(CLI::Range(1, 1 << 20));
   app.add_option("--temperature", opt.temperature, "0 (default): greedy; > 0: sample")->check(CLI::NonNegativeNumber);
   app.add_option("--top-p", opt.top_p, "nucleus sampling mass")->check(CLI::Range(0.0, 1.0));
   app.add_option("--seed", opt.seed, "sampling seed");
-  app.add_option("--dtype", dtype, "fp32, bf16 or fp16");
   app.add_flag("--ids", ids_only, "print the generated token ids as a JSON array instead of text");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  model::CausalLM m = model::CausalLM::load(base, model::parse_dtype(dtype), at::kCPU);
-  if (!adapter.empty()) model::load_adapter(m, adapter, m.dtype());
+  const model::CausalLM m = model_args.load();
   const tok::Tokenizer tokenizer = tok::Tokenizer::from_dir(m.dir());
   const std::vector<int32_t> p32 = tokenizer.encode(prompt);
   opt.eos_id = model::default_eos_id(m);

@@ -5,12 +5,14 @@
 #include <fmt/format.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
-#include <yaml-cpp/yaml.h>
+#include <fmt/ranges.h>
 
 #include "app_main.hpp"
 #include "data/mongo.hpp"
 #include "dist/env.hpp"
 #include "dist/process_group.hpp"
+#include "recipe/recipe.hpp"
+#include "util/log.hpp"
 #include "util/error.hpp"
 #include "util/secrets.hpp"
 
@@ -21,6 +23,7 @@ using namespace lorarun;
 struct Args {
   bool check_env = false;
   bool dist_check = false;
+  bool dry_run = false;
   std::string uri;
   int timeout_ms = 5000;
   std::string backend = "auto";
@@ -92,6 +95,7 @@ int run(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "nccl", "gloo"}));
   app.add_option("--dist-timeout-s", a.dist_timeout_s, "rendezvous and collective timeout")
       ->check(CLI::Range(1, 86400));
+  app.add_flag("--dry-run", a.dry_run, "validate the recipe, print it resolved and the epochs kept, exit");
   app.add_option("recipe", a.recipe, "recipe YAML");
   app.add_option("overrides", a.overrides, "key=value overrides of recipe keys");
   try {
@@ -105,14 +109,17 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (a.recipe.empty()) throw Error("no recipe given: lora-train RECIPE.yaml [key=value…] (see configs/)");
-  try {
-    (void)YAML::LoadFile(a.recipe);
-  } catch (const YAML::Exception& e) {
-    throw Error(fmt::format("cannot read recipe {}: {}", a.recipe, e.what()));
+  const recipe::Recipe r = recipe::load_recipe(a.recipe, a.overrides);
+  for (const std::string& w : r.warnings) warn(w);
+  if (a.dry_run) {
+    fmt::print("{}", recipe::to_yaml(r));
+    fmt::print("# epoch checkpoints kept at the end: [{}]\n",
+               fmt::join(recipe::epochs_kept(r.checkpoint, r.train.epochs), ", "));
+    return 0;
   }
   // Until the trainer lands (issue 5), a recipe run proves the distributed runtime works.
   dist_check(a);
-  fmt::print("recipe {} read; the training loop is not implemented in this version yet\n", a.recipe);
+  fmt::print("recipe {} is valid; the training loop is not implemented in this version yet\n", a.recipe);
   return 0;
 }
 

@@ -43,13 +43,32 @@ TEST_CASE("lora-train alone is a world of one") {
 }
 
 TEST_CASE("a recipe runs lora-train on every rank") {
-  const std::string dir = temp_dir("recipe");
-  std::ofstream(dir + "/r.yaml") << "train: {lr: 1.0e-4}\n";
-  const Result r = sh(fmt::format("{} --nproc-per-node 2 {}/r.yaml train.lr=2e-4", bin("lorarun"), dir));
+  const Result r = sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml train.lr=2e-4",
+                                  LORARUN_SOURCE_DIR, bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 0);
   CHECK_THAT(r.output, Catch::Contains("[rank0]: rank 0/2: all-reduce over gloo on cpu ok"));
   CHECK_THAT(r.output, Catch::Contains("[rank1]: rank 1/2: all-reduce over gloo on cpu ok"));
+}
+
+TEST_CASE("a bad recipe fails on every rank with one clear line") {
+  const Result r = sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml train.learning_rate=2e-4",
+                                  LORARUN_SOURCE_DIR, bin("lorarun")));
+  INFO(r.output);
+  CHECK(r.status == 1);
+  CHECK_THAT(r.output, Catch::Contains("lora-train: error: configs/quickstart.yaml (override 'train.learning_rate=2e-4'): "
+                                       "unknown key 'train.learning_rate'; did you mean 'train.lr'?"));
+  CHECK_THAT(r.output, Catch::Contains("failed first: exited with code 1"));
+}
+
+TEST_CASE("lora-train --dry-run prints the resolved recipe and the epochs it will keep") {
+  const Result r = sh(fmt::format("cd '{}' && {} --dry-run configs/quickstart.yaml checkpoint.epochs_to_save=[0,2] "
+                                  "data.uri=mongodb://u:hunter2@db:27017/", LORARUN_SOURCE_DIR, bin("lora-train")));
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK_THAT(r.output, Catch::Contains("# epoch checkpoints kept at the end: [0, 2]"));
+  CHECK_THAT(r.output, Catch::Contains("mongodb://u:****@db:27017/"));
+  CHECK_THAT(r.output, !Catch::Contains("hunter2"));
 }
 
 TEST_CASE("workers see torchrun's environment and their output is prefixed") {

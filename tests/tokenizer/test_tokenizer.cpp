@@ -180,3 +180,53 @@ TEST_CASE("encode_batch on several threads equals encode") {
   REQUIRE(batch.size() == texts.size());
   for (size_t i = 0; i < texts.size(); ++i) CHECK(batch[i] == t.encode(texts[i]));
 }
+
+// Inputs found by fuzzing (scripts/fuzz, harness fuzz/tokenizer_json_fuzz.cpp): each was a
+// crash, undefined behaviour, a foreign exception or a multi-GB allocation before the fix.
+TEST_CASE("fuzzed tokenizer files are one-line errors, not crashes or huge allocations") {
+  const std::string base = toy_json();
+  // The error of loading the toy tokenizer.json with `from` replaced by `to`, plus `more` files.
+  auto load_error = [&](const std::string& from, const std::string& to,
+                        std::initializer_list<std::pair<const char*, std::string>> more = {}) {
+    std::string json = base;
+    REQUIRE(json.find(from) != std::string::npos);
+    json.replace(json.find(from), from.size(), to);
+    TempModel m({{"tokenizer.json", json}});
+    for (const auto& [name, text] : more) std::ofstream(m.dir / name) << text;
+    std::string msg = error_of([&] { Tokenizer::from_dir(m.dir); });
+    CHECK(msg.find('\n') == std::string::npos);
+    return msg;
+  };
+  const std::string vocab_a = R"("a": 1,)";
+  // A vocabulary id of 288148946 made a 2.3 GB id -> token table.
+  CHECK_THAT(load_error(vocab_a, R"("a": 288148946,)"),
+             Catch::Contains("model.vocab id of 'a' must be an integer in [0, 16777215], got 288148946"));
+  CHECK_THAT(load_error(vocab_a, R"("a": 1e20,)"), Catch::Contains("got 1e+20"));  // UB cast
+  CHECK_THAT(load_error(vocab_a, R"("a": 4294967297,)"), Catch::Contains("got 4294967297"));  // wrapped to 1
+  // A number beyond double escaped as nlohmann::json::out_of_range.
+  CHECK_THAT(load_error(vocab_a, R"("a": 1e500,)"), Catch::Contains("not valid JSON"));
+  CHECK_THAT(load_error(vocab_a, vocab_a, {{"tokenizer_config.json", R"({"bos_token": 1e999})"}}),
+             Catch::Contains("tokenizer_config.json: not valid JSON"));
+  // Padding to 10^11 ids, or to a multiple of 2^64 - 1 (std::length_error), in every encode.
+  const std::string pre = R"("pre_tokenizer": null,)";
+  CHECK_THAT(load_error(pre, pre + R"("padding": {"strategy": {"Fixed": 100000000000}},)"),
+             Catch::Contains("padding Fixed length must be an integer in [0, 4194304]"));
+  CHECK_THAT(load_error(pre, pre + R"("padding": {"strategy": "BatchLongest", "pad_to_multiple_of": 18446744073709551615},)"),
+             Catch::Contains("padding.pad_to_multiple_of must be an integer"));
+  // Floats out of the integer's range were undefined behaviour (UBSan: float-cast-overflow).
+  CHECK_THAT(load_error(pre, pre + R"("padding": {"strategy": "BatchLongest", "pad_id": 1e30},)"),
+             Catch::Contains("padding.pad_id must be an integer"));
+  CHECK_THAT(load_error(pre, pre + R"("truncation": {"max_length": -1.5},)"),
+             Catch::Contains("truncation.max_length must be an integer"));
+  CHECK_THAT(load_error(R"("ids": [9])", R"("ids": [1e30])"),
+             Catch::Contains("TemplateProcessing special token id must be an integer"));
+  CHECK_THAT(load_error(R"({"type": "Fuse"})", R"({"type": "Strip", "content": " ", "start": 1e30, "stop": 0})"),
+             Catch::Contains("Strip decoder start must be an integer"));
+  // Sequences nested 200000 deep overflowed the stack while the stages were built.
+  std::string deep;
+  for (int i = 0; i < 100000; ++i) deep += R"({"type": "Sequence", "normalizers": [)";
+  deep += R"({"type": "NFC"})";
+  for (int i = 0; i < 100000; ++i) deep += "]}";
+  CHECK_THAT(load_error(R"("normalizer": null)", R"("normalizer": )" + deep),
+             Catch::Contains("normalizer Sequences are nested more than 64 deep"));
+}

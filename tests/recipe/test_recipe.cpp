@@ -1,0 +1,751 @@
+// The recipe contract (ENGINEERING.md §4): defaults, overrides, one-line messages, the
+// checkpoint policy, secrets, round trips and every recipe in configs/.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "recipe/recipe.hpp"
+#include "util/error.hpp"
+
+namespace fs = std::filesystem;
+using namespace lorarun::recipe;
+using Strings = std::vector<std::string>;
+
+namespace {
+
+// The least a recipe needs: a model, and where the instruction documents are.
+const std::string kBase =
+    "model: {path: /models/m}\n"
+    "data: {database: db, collection: docs, prompt_template: \"Q: {instruction}\\nA: \"}\n";
+
+Recipe load(const std::string& yaml, const Strings& overrides = {}) {
+  unsetenv("LORARUN_MONGODB_URI");
+  return recipe_from_yaml(YAML::Load(yaml), overrides);
+}
+
+// The message of the lorarun::Error that loading throws.
+std::string error_of(const std::string& yaml, const Strings& overrides = {}) {
+  try {
+    load(yaml, overrides);
+  } catch (const lorarun::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+std::string override_error(const Strings& overrides) { return error_of(kBase, overrides); }
+
+// A file under a fresh temporary directory, removed with it.
+struct TempDir {
+  fs::path dir;
+  TempDir() {
+    dir = fs::temp_directory_path() / ("lorarun-recipe-" + std::to_string(::getpid()) + "-" +
+                                       std::to_string(reinterpret_cast<uintptr_t>(this)));
+    fs::create_directories(dir);
+  }
+  ~TempDir() { fs::remove_all(dir); }
+  std::string write(const std::string& name, const std::string& text) const {
+    std::ofstream(dir / name) << text;
+    return (dir / name).string();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("every key has its documented default") {
+  const Recipe r = load(kBase);
+  CHECK(r.model.path == "/models/m");
+  CHECK(r.model.dtype == Dtype::BF16);
+  CHECK(r.model.device == Device::Auto);
+
+  CHECK(r.lora.r == 8);
+  CHECK(r.lora.alpha == 16.0);
+  CHECK(r.lora.dropout == 0.0);
+  CHECK(r.lora.target_modules == Strings{"q_proj", "v_proj"});
+  CHECK_FALSE(r.lora.all_linear());
+  CHECK_FALSE(r.lora.use_rslora);
+  CHECK_FALSE(r.lora.quantize_base);
+  CHECK(r.lora.double_quant);
+
+  CHECK(r.data.source == Source::MongoDB);
+  CHECK(r.data.uri.empty());
+  CHECK(r.data.database == "db");
+  CHECK(r.data.collection == "docs");
+  CHECK(r.data.path.empty());
+  CHECK(r.data.filter == nlohmann::json::object());
+  CHECK_FALSE(r.data.limit);
+  CHECK(r.data.format == Format::Instruction);
+  CHECK(r.data.prompt_template == "Q: {instruction}\nA: ");
+  CHECK(r.data.response_field == "output");
+  CHECK(r.data.text_field == "text");
+  CHECK(r.data.messages_field == "messages");
+  CHECK(r.data.chat_format == ChatFormat::ChatML);
+  CHECK_FALSE(r.data.train_on_input);
+  CHECK(r.data.max_length == 1024);
+  CHECK(r.data.overlong == Overlong::Truncate);
+  CHECK(r.data.bad_documents == BadDocuments::Skip);
+  CHECK(r.data.shuffle == Shuffle::Global);
+  CHECK_FALSE(r.data.packing);
+  CHECK(r.data.batch_size == 4);
+  CHECK(r.data.prefetch == 4);
+
+  CHECK(r.train.epochs == 3);
+  CHECK(r.train.gradient_accumulation_steps == 1);
+  CHECK(r.train.lr == 2.0e-4);
+  CHECK(r.train.weight_decay == 0.0);
+  CHECK(r.train.lr_scheduler == Scheduler::Cosine);
+  CHECK(r.train.warmup_steps == 0);
+  CHECK(r.train.max_grad_norm == 1.0);
+  CHECK_FALSE(r.train.max_steps_per_epoch);
+  CHECK(r.train.seed == 42);
+  CHECK_FALSE(r.train.activation_checkpointing);
+
+  CHECK(r.checkpoint.output_dir == "runs/recipe");  // runs/<recipe name>
+  CHECK(r.checkpoint.epochs_to_save.mode == EpochsToSave::Mode::All);
+  CHECK_FALSE(r.checkpoint.save_last_epoch_only);
+  CHECK_FALSE(r.checkpoint.state_every_n_steps);
+  CHECK(r.checkpoint.resume == Resume::Auto);
+  CHECK_FALSE(r.checkpoint.keep_resume_state);
+
+  CHECK(r.dist.backend == DistBackend::Auto);
+  CHECK(r.dist.timeout_s == 600);
+  CHECK_FALSE(r.dist.debug_checksum_every_n_steps);
+
+  CHECK(r.track.mongodb);
+  CHECK(r.track.database == "db");  // data.database
+  CHECK(r.track.log_every_n_steps == 1);
+
+  CHECK(r.warnings.empty());
+}
+
+TEST_CASE("the keys are §4's, in its order") {
+  CHECK(known_keys() ==
+        Strings{"model.path",
+                "model.dtype",
+                "model.device",
+                "lora.r",
+                "lora.alpha",
+                "lora.dropout",
+                "lora.target_modules",
+                "lora.use_rslora",
+                "lora.quantize_base",
+                "lora.double_quant",
+                "data.source",
+                "data.uri",
+                "data.database",
+                "data.collection",
+                "data.path",
+                "data.filter",
+                "data.limit",
+                "data.format",
+                "data.prompt_template",
+                "data.response_field",
+                "data.text_field",
+                "data.messages_field",
+                "data.chat_format",
+                "data.train_on_input",
+                "data.max_length",
+                "data.overlong",
+                "data.bad_documents",
+                "data.shuffle",
+                "data.packing",
+                "data.batch_size",
+                "data.prefetch",
+                "train.epochs",
+                "train.gradient_accumulation_steps",
+                "train.lr",
+                "train.weight_decay",
+                "train.lr_scheduler",
+                "train.warmup_steps",
+                "train.max_grad_norm",
+                "train.max_steps_per_epoch",
+                "train.seed",
+                "train.activation_checkpointing",
+                "checkpoint.output_dir",
+                "checkpoint.epochs_to_save",
+                "checkpoint.save_last_epoch_only",
+                "checkpoint.state_every_n_steps",
+                "checkpoint.resume",
+                "checkpoint.keep_resume_state",
+                "dist.backend",
+                "dist.timeout_s",
+                "dist.debug_checksum_every_n_steps",
+                "track.mongodb",
+                "track.database",
+                "track.log_every_n_steps"});
+}
+
+TEST_CASE("every enum value is accepted") {
+  const Recipe r = load(kBase, {"model.dtype=fp16", "model.device=cpu", "data.chat_format=llama3", "data.overlong=skip",
+                         "data.bad_documents=fail", "data.shuffle=none", "train.lr_scheduler=linear",
+                         "checkpoint.resume=never", "dist.backend=gloo"});
+  CHECK(r.model.dtype == Dtype::FP16);
+  CHECK(r.model.device == Device::Cpu);
+  CHECK(r.data.chat_format == ChatFormat::Llama3);
+  CHECK(r.data.overlong == Overlong::Skip);
+  CHECK(r.data.bad_documents == BadDocuments::Fail);
+  CHECK(r.data.shuffle == Shuffle::None);
+  CHECK(r.train.lr_scheduler == Scheduler::Linear);
+  CHECK(r.checkpoint.resume == Resume::Never);
+  CHECK(r.dist.backend == DistBackend::Gloo);
+  CHECK(load(kBase, {"model.dtype=fp32", "data.shuffle=stream", "train.lr_scheduler=constant"}).data.shuffle ==
+        Shuffle::Stream);
+  CHECK(load(kBase, {"data.format=text"}).data.format == Format::Text);
+  CHECK(load(kBase, {"data.format=chat", "data.chat_format=mistral"}).data.chat_format == ChatFormat::Mistral);
+}
+
+TEST_CASE("numbers: decimal and exponent forms are floats, integers are exact") {
+  CHECK(load(kBase + "train: {lr: 2.0e-4}\n").train.lr == 2.0e-4);
+  CHECK(load(kBase + "train: {lr: 1e-4}\n").train.lr == 1e-4);
+  CHECK(load(kBase + "train: {lr: 1E-4}\n").train.lr == 1e-4);
+  CHECK(load(kBase + "train: {lr: .001}\n").train.lr == 0.001);
+  CHECK(load(kBase + "train: {lr: +3e-5}\n").train.lr == 3e-5);
+  CHECK(load(kBase + "train: {lr: 1}\n").train.lr == 1.0);
+  CHECK(load(kBase + "lora: {alpha: 32, dropout: 0.1}\n").lora.alpha == 32.0);
+  CHECK(load(kBase + "train: {seed: 1234567890123}\n").train.seed == 1234567890123);
+  CHECK(load(kBase + "lora: {use_rslora: yes}\n").lora.use_rslora);
+  CHECK(error_of(kBase + "lora: {r: 8.5}\n") == "recipe.yaml: lora.r must be a whole number, got '8.5' (e.g. lora.r: 8)");
+  CHECK(error_of(kBase + "train: {lr: .inf}\n") ==
+        "recipe.yaml: train.lr must be a number, got '.inf' (e.g. train.lr: 0.0002)");
+  CHECK(error_of(kBase + "train: {epochs: 99999999999}\n") ==
+        "recipe.yaml: train.epochs must be a whole number, got '99999999999' (e.g. train.epochs: 3)");
+}
+
+TEST_CASE("overrides: every form") {
+  SECTION("a float") { CHECK(load(kBase, {"train.lr=1e-4"}).train.lr == 1e-4); }
+  SECTION("a list of modules, or all-linear") {
+    CHECK(load(kBase, {"lora.target_modules=[q_proj,k_proj]"}).lora.target_modules == Strings{"q_proj", "k_proj"});
+    const Recipe r = load(kBase, {"lora.target_modules=all-linear"});
+    CHECK(r.lora.target_modules == Strings{"all-linear"});
+    CHECK(r.lora.all_linear());
+  }
+  SECTION("epochs to save") {
+    const Recipe r = load(kBase, {"train.epochs=4", "checkpoint.epochs_to_save=[1,3]"});
+    CHECK(r.checkpoint.epochs_to_save.mode == EpochsToSave::Mode::List);
+    CHECK(r.checkpoint.epochs_to_save.epochs == std::vector<int>{1, 3});
+  }
+  SECTION("a filter in YAML flow syntax, or one filter key") {
+    CHECK(load(kBase, {"data.filter={split: train}"}).data.filter == nlohmann::json{{"split", "train"}});
+    CHECK(load(kBase, {"data.filter.split=train", "data.filter.meta.lang=en"}).data.filter ==
+          nlohmann::json{{"split", "train"}, {"meta", {{"lang", "en"}}}});
+  }
+  SECTION("text keys take the text as written, or a quoted YAML string") {
+    CHECK(load(kBase, {"model.path=/x"}).model.path == "/x");
+    CHECK(load(kBase, {"model.path=/a dir/with: colon #1"}).model.path == "/a dir/with: colon #1");
+    CHECK(load(kBase, {"data.prompt_template=### Instruction: {instruction} ### Response:"}).data.prompt_template ==
+          "### Instruction: {instruction} ### Response:");
+    CHECK(load(kBase, {R"(data.prompt_template="Q: {instruction}\nA: ")"}).data.prompt_template ==
+          "Q: {instruction}\nA: ");
+  }
+  SECTION("null, and an empty value, unset a nullable key") {
+    const Recipe r = load(kBase + "train: {max_steps_per_epoch: 10}\n",
+                          {"train.max_grad_norm=null", "train.max_steps_per_epoch="});
+    CHECK_FALSE(r.train.max_grad_norm);
+    CHECK_FALSE(r.train.max_steps_per_epoch);
+  }
+  SECTION("overrides win over the file, the last one wins, missing sections are made") {
+    const Recipe r = load(kBase + "train: {lr: 0.5}\n", {"train.lr=0.1", "train.lr=0.2", "dist.timeout_s=30"});
+    CHECK(r.train.lr == 0.2);
+    CHECK(r.dist.timeout_s == 30);
+  }
+  SECTION("the same checks apply to overridden values") {
+    CHECK(override_error({"train.lr=fast"}) ==
+          "recipe.yaml (override 'train.lr=fast'): train.lr must be a number, got 'fast' (e.g. train.lr: 0.0002)");
+    CHECK(override_error({"train.epochs=0"}) ==
+          "recipe.yaml (override 'train.epochs=0'): train.epochs must be at least 1, got 0 (e.g. train.epochs: 3)");
+  }
+  SECTION("the caller's tree is left alone") {
+    const YAML::Node root = YAML::Load(kBase);
+    recipe_from_yaml(root, {"model.path=/other", "train.lr=0.1"});
+    CHECK(root["model"]["path"].Scalar() == "/models/m");
+    CHECK_FALSE(root["train"]);
+  }
+}
+
+TEST_CASE("malformed overrides are one-line errors") {
+  CHECK(override_error({"train.lr"}) == "recipe.yaml: override 'train.lr' is not key=value; write e.g. train.lr=1e-4");
+  CHECK(override_error({"=3"}) == "recipe.yaml: override '=3' is not key=value; write e.g. train.lr=1e-4");
+  CHECK(override_error({"train=3"}) ==
+        "recipe.yaml (override 'train=3'): 'train' is a section; override one key such as train.epochs=…");
+  CHECK(override_error({"train.lr.x=3"}) ==
+        "recipe.yaml (override 'train.lr.x=3'): train.lr has no sub-keys; write train.lr=VALUE");
+  CHECK(override_error({"data.filter={split: train"}) ==
+        "recipe.yaml (override 'data.filter={split: train'): malformed YAML value at column 1: end of map flow not "
+        "found; use YAML flow syntax such as [a, b] or {k: v}, or quote the value");
+  CHECK(override_error({"train.learning_rate=1e-4"}) ==
+        "recipe.yaml (override 'train.learning_rate=1e-4'): unknown key 'train.learning_rate'; did you mean "
+        "'train.lr'?");
+  CHECK(override_error({"lr=1e-4"}) == "recipe.yaml (override 'lr=1e-4'): unknown key 'lr'; did you mean 'train.lr'?");
+  CHECK(override_error({"trian.lr=1e-4"}) ==
+        "recipe.yaml (override 'trian.lr=1e-4'): unknown section 'trian'; did you mean 'train'?");
+}
+
+TEST_CASE("unknown keys name the closest known key") {
+  const auto in_file = [](const std::string& yaml) { return error_of(kBase + yaml); };
+  CHECK(in_file("train:\n  learning_rate: 1e-4\n") ==
+        "recipe.yaml: unknown key 'train.learning_rate'; did you mean 'train.lr'?");
+  CHECK(in_file("train: {epoch: 3}\n") == "recipe.yaml: unknown key 'train.epoch'; did you mean 'train.epochs'?");
+  CHECK(in_file("train: {lr_schedular: cosine}\n") ==
+        "recipe.yaml: unknown key 'train.lr_schedular'; did you mean 'train.lr_scheduler'?");
+  CHECK(in_file("train: {grad_accum_steps: 2}\n") ==
+        "recipe.yaml: unknown key 'train.grad_accum_steps'; did you mean 'train.gradient_accumulation_steps'?");
+  CHECK(in_file("train: {dropout: 0.1}\n") == "recipe.yaml: unknown key 'train.dropout'; did you mean 'lora.dropout'?");
+  CHECK(in_file("lora: {rank: 4}\n") == "recipe.yaml: unknown key 'lora.rank'; did you mean 'lora.r'?");
+  CHECK(in_file("lora: {lora_alpha: 32}\n") == "recipe.yaml: unknown key 'lora.lora_alpha'; did you mean 'lora.alpha'?");
+  CHECK(in_file("checkpoint: {epoch_to_save: all}\n") ==
+        "recipe.yaml: unknown key 'checkpoint.epoch_to_save'; did you mean 'checkpoint.epochs_to_save'?");
+  CHECK(in_file("checkpoint: {path: out}\n") ==
+        "recipe.yaml: unknown key 'checkpoint.path'; did you mean 'checkpoint.output_dir'?");
+  CHECK(error_of("model: {path: /m, name: x}\n") == "recipe.yaml: unknown key 'model.name'; did you mean 'model.path'?");
+  CHECK(in_file("track: {log_every: 10}\n") ==
+        "recipe.yaml: unknown key 'track.log_every'; did you mean 'track.log_every_n_steps'?");
+  CHECK(in_file("dist: {zzz: 1}\n") ==
+        "recipe.yaml: unknown key 'dist.zzz'; the keys of 'dist' are backend, timeout_s, debug_checksum_every_n_steps");
+}
+
+TEST_CASE("unknown sections name the closest section, or the key they hold") {
+  CHECK(error_of(kBase + "trian: {lr: 1}\n") == "recipe.yaml: unknown section 'trian'; did you mean 'train'?");
+  CHECK(error_of(kBase + "training: {lr: 1}\n") == "recipe.yaml: unknown section 'training'; did you mean 'train'?");
+  CHECK(error_of(kBase + "checkpoints: {}\n") ==
+        "recipe.yaml: unknown section 'checkpoints'; did you mean 'checkpoint'?");
+  CHECK(error_of(kBase + "optimizer: {}\n") == "recipe.yaml: unknown section 'optimizer'; did you mean 'train'?");
+  CHECK(error_of(kBase + "lr: 1e-4\n") == "recipe.yaml: unknown key 'lr'; did you mean 'train.lr'?");
+  CHECK(error_of(kBase + "learning_rate: 1e-4\n") ==
+        "recipe.yaml: unknown key 'learning_rate'; did you mean 'train.lr'?");
+  CHECK(error_of(kBase + "zzz: 1\n") ==
+        "recipe.yaml: unknown section 'zzz'; the sections are model, lora, data, train, checkpoint, dist, track");
+}
+
+TEST_CASE("the shape of the file is checked before its values") {
+  CHECK(error_of("- a\n- b\n") ==
+        "recipe.yaml: a recipe is a mapping of sections (model:, lora:, data:, train:, checkpoint:, dist:, track:), "
+        "got [a, b]");
+  CHECK(error_of(kBase + "train: 5\n") ==
+        "recipe.yaml: section 'train' must be a mapping of keys, got '5'; write its keys indented below 'train:' "
+        "(e.g. train: {epochs: …})");
+  CHECK(error_of(kBase + "model: {dtype: fp32}\n") ==
+        "recipe.yaml: section 'model' appears twice; merge its keys under one 'model:'");
+  CHECK(error_of("model:\n  path: a\n  path: b\n") == "recipe.yaml: model.path appears twice; keep one");
+  CHECK(error_of("") ==
+        "recipe.yaml: model.path must be set to a HF model directory or a model id in the local HF cache "
+        "(e.g. model.path: /models/opt-125m)");
+  // An empty section is allowed: every key keeps its default.
+  CHECK(load(kBase + "lora:\ntrain:\n").lora.r == 8);
+}
+
+TEST_CASE("wrong types name the key, the value and an example") {
+  const auto in_file = [](const std::string& yaml) { return error_of(kBase + yaml); };
+  CHECK(in_file("train: {lr: fast}\n") == "recipe.yaml: train.lr must be a number, got 'fast' (e.g. train.lr: 0.0002)");
+  CHECK(in_file("train: {epochs: three}\n") ==
+        "recipe.yaml: train.epochs must be a whole number, got 'three' (e.g. train.epochs: 3)");
+  CHECK(in_file("train: {max_steps_per_epoch: [1]}\n") ==
+        "recipe.yaml: train.max_steps_per_epoch must be a whole number or null, got [1] "
+        "(e.g. train.max_steps_per_epoch: 100)");
+  CHECK(in_file("lora: {use_rslora: maybe}\n") == "recipe.yaml: lora.use_rslora must be true or false, got 'maybe'");
+  CHECK(in_file("lora: {target_modules: q_proj}\n") ==
+        "recipe.yaml: lora.target_modules must be a list of module names or all-linear, got 'q_proj' "
+        "(e.g. lora.target_modules: [q_proj, v_proj])");
+  CHECK(in_file("lora: {target_modules: [q_proj, [v_proj]]}\n") ==
+        "recipe.yaml: lora.target_modules must be a list of module names or all-linear, got [q_proj, [v_proj]] "
+        "(e.g. lora.target_modules: [q_proj, v_proj])");
+  CHECK(error_of("model: {path: [a, b]}\n") ==
+        "recipe.yaml: model.path must be a string, got [a, b] (e.g. model.path: /models/opt-125m)");
+  CHECK(error_of("model: {path: /m}\ndata: {database: d, collection: c, prompt_template: x, filter: [1]}\n") ==
+        "recipe.yaml: data.filter must be a mapping (a MongoDB query such as {split: train}), got [1]");
+  CHECK(in_file("checkpoint: {epochs_to_save: some}\n") ==
+        "recipe.yaml: checkpoint.epochs_to_save must be all, none or a list of 0-based epoch indices, got 'some' "
+        "(e.g. checkpoint.epochs_to_save: [0, 2])");
+}
+
+TEST_CASE("enum keys list their values") {
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"train.lr_scheduler=exponential", "train.lr_scheduler must be one of cosine|linear|constant, got 'exponential'"},
+      {"model.dtype=float32", "model.dtype must be one of bf16|fp16|fp32, got 'float32'"},
+      {"model.device=gpu", "model.device must be one of auto|cuda|cpu, got 'gpu'"},
+      {"data.source=postgres", "data.source must be one of mongodb|jsonl, got 'postgres'"},
+      {"data.format=alpaca", "data.format must be one of instruction|text|chat, got 'alpaca'"},
+      {"data.chat_format=vicuna", "data.chat_format must be one of chatml|llama3|mistral, got 'vicuna'"},
+      {"data.overlong=wrap", "data.overlong must be one of truncate|skip, got 'wrap'"},
+      {"data.bad_documents=ignore", "data.bad_documents must be one of skip|fail, got 'ignore'"},
+      {"data.shuffle=random", "data.shuffle must be one of global|stream|none, got 'random'"},
+      {"dist.backend=mpi", "dist.backend must be one of auto|nccl|gloo, got 'mpi'"},
+      {"checkpoint.resume=yes", "checkpoint.resume must be one of auto|never, got 'yes'"},
+  };
+  for (const auto& [o, message] : cases) {
+    INFO(o);
+    CHECK(override_error({o}) == "recipe.yaml (override '" + o + "'): " + message);
+  }
+  CHECK(error_of(kBase + "train: {lr_scheduler: exponential}\n") ==
+        "recipe.yaml: train.lr_scheduler must be one of cosine|linear|constant, got 'exponential'");
+}
+
+TEST_CASE("out-of-range values name the bound and an example") {
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"train.lr=0", "train.lr must be > 0, got 0.0 (e.g. train.lr: 0.0002)"},
+      {"train.lr=-1e-4", "train.lr must be > 0, got -0.0001 (e.g. train.lr: 0.0002)"},
+      {"train.epochs=0", "train.epochs must be at least 1, got 0 (e.g. train.epochs: 3)"},
+      {"lora.r=0", "lora.r must be at least 1, got 0 (e.g. lora.r: 8)"},
+      {"lora.alpha=0", "lora.alpha must be > 0, got 0.0 (e.g. lora.alpha: 16.0)"},
+      {"lora.dropout=1", "lora.dropout must be in [0, 1), got 1.0 (e.g. lora.dropout: 0.05)"},
+      {"lora.dropout=-0.1", "lora.dropout must be in [0, 1), got -0.1 (e.g. lora.dropout: 0.05)"},
+      {"data.batch_size=0", "data.batch_size must be at least 1, got 0 (e.g. data.batch_size: 4)"},
+      {"data.max_length=1", "data.max_length must be at least 2, got 1 (e.g. data.max_length: 1024)"},
+      {"data.prefetch=-1", "data.prefetch must be at least 0, got -1 (e.g. data.prefetch: 4)"},
+      {"data.limit=0", "data.limit must be at least 1 or null, got 0 (e.g. data.limit: 1000)"},
+      {"train.gradient_accumulation_steps=0",
+       "train.gradient_accumulation_steps must be at least 1, got 0 (e.g. train.gradient_accumulation_steps: 1)"},
+      {"train.warmup_steps=-1", "train.warmup_steps must be at least 0, got -1 (e.g. train.warmup_steps: 0)"},
+      {"train.weight_decay=-0.1", "train.weight_decay must be >= 0, got -0.1 (e.g. train.weight_decay: 0.0)"},
+      {"train.max_grad_norm=0",
+       "train.max_grad_norm must be > 0 or null (no clipping), got 0.0 (e.g. train.max_grad_norm: 1.0)"},
+      {"train.max_steps_per_epoch=0",
+       "train.max_steps_per_epoch must be at least 1 or null, got 0 (e.g. train.max_steps_per_epoch: 100)"},
+      {"train.seed=-1", "train.seed must be at least 0, got -1 (e.g. train.seed: 42)"},
+      {"checkpoint.state_every_n_steps=0",
+       "checkpoint.state_every_n_steps must be at least 1 or null, got 0 (e.g. checkpoint.state_every_n_steps: 500)"},
+      {"dist.timeout_s=0", "dist.timeout_s must be at least 1, got 0 (e.g. dist.timeout_s: 600)"},
+      {"dist.debug_checksum_every_n_steps=0",
+       "dist.debug_checksum_every_n_steps must be at least 1 or null, got 0 "
+       "(e.g. dist.debug_checksum_every_n_steps: 100)"},
+      {"track.log_every_n_steps=0",
+       "track.log_every_n_steps must be at least 1, got 0 (e.g. track.log_every_n_steps: 1)"},
+  };
+  for (const auto& [o, message] : cases) {
+    INFO(o);
+    CHECK(override_error({o}) == "recipe.yaml (override '" + o + "'): " + message);
+  }
+  // Boundaries that are allowed.
+  const Recipe r = load(kBase, {"lora.dropout=0.0", "data.max_length=2", "data.prefetch=0", "train.warmup_steps=0"});
+  CHECK(r.data.max_length == 2);
+}
+
+TEST_CASE("lora.target_modules: names, once each, and all-linear alone") {
+  CHECK(override_error({"lora.target_modules=[]"}) ==
+        "recipe.yaml (override 'lora.target_modules=[]'): lora.target_modules must name at least one module or be "
+        "all-linear (e.g. lora.target_modules: [q_proj, v_proj])");
+  CHECK(override_error({"lora.target_modules=[q_proj, q_proj]"}) ==
+        "recipe.yaml (override 'lora.target_modules=[q_proj, q_proj]'): lora.target_modules lists 'q_proj' twice; "
+        "list each module once");
+  CHECK(override_error({"lora.target_modules=[all-linear, q_proj]"}) ==
+        "recipe.yaml (override 'lora.target_modules=[all-linear, q_proj]'): lora.target_modules lists all-linear "
+        "among other names; write lora.target_modules: all-linear alone");
+  CHECK(override_error({"lora.target_modules=[q_proj, '']"}) ==
+        "recipe.yaml (override 'lora.target_modules=[q_proj, '']'): lora.target_modules has an empty module name; "
+        "remove it");
+  CHECK(load(kBase, {"lora.target_modules=[all-linear]"}).lora.all_linear());
+}
+
+TEST_CASE("checkpoint.epochs_to_save and the checkpoint policy") {
+  const auto policy = [](const Strings& overrides) {
+    const Recipe r = load(kBase, overrides);
+    return epochs_kept(r.checkpoint, r.train.epochs);
+  };
+  CHECK(policy({"train.epochs=4", "checkpoint.epochs_to_save=[1,3]"}) == std::vector<int>{1, 3});
+  CHECK(policy({"train.epochs=4", "checkpoint.epochs_to_save=[3, 0]"}) == std::vector<int>{0, 3});
+  CHECK(policy({"train.epochs=4"}) == std::vector<int>{0, 1, 2, 3});
+  CHECK(policy({"train.epochs=4", "checkpoint.epochs_to_save=all"}) == std::vector<int>{0, 1, 2, 3});
+  CHECK(policy({"train.epochs=4", "checkpoint.epochs_to_save=none"}).empty());
+  CHECK(policy({"train.epochs=4", "checkpoint.epochs_to_save=[]"}).empty());
+  CHECK(policy({"train.epochs=4", "checkpoint.save_last_epoch_only=true"}) == std::vector<int>{3});
+
+  CHECK(override_error({"train.epochs=4", "checkpoint.epochs_to_save=[4]"}) ==
+        "recipe.yaml (override 'checkpoint.epochs_to_save=[4]'): checkpoint.epochs_to_save lists epoch 4, but epochs "
+        "are 0-based and train.epochs is 4, so the valid epochs are 0..3");
+  CHECK(error_of(kBase + "train: {epochs: 4}\ncheckpoint: {epochs_to_save: [4]}\n") ==
+        "recipe.yaml: checkpoint.epochs_to_save lists epoch 4, but epochs are 0-based and train.epochs is 4, so the "
+        "valid epochs are 0..3");
+  CHECK(override_error({"checkpoint.epochs_to_save=[-1]"}) ==
+        "recipe.yaml (override 'checkpoint.epochs_to_save=[-1]'): checkpoint.epochs_to_save lists epoch -1, but "
+        "epochs are 0-based and train.epochs is 3, so the valid epochs are 0..2");
+  CHECK(override_error({"checkpoint.epochs_to_save=[a]"}) ==
+        "recipe.yaml (override 'checkpoint.epochs_to_save=[a]'): checkpoint.epochs_to_save must be all, none or a "
+        "list of 0-based epoch indices, got [a] (e.g. checkpoint.epochs_to_save: [0, 2])");
+  CHECK(override_error({"checkpoint.epochs_to_save=[1, 1]"}) ==
+        "recipe.yaml (override 'checkpoint.epochs_to_save=[1, 1]'): checkpoint.epochs_to_save lists epoch 1 twice; "
+        "list each epoch once");
+  CHECK(override_error({"checkpoint.epochs_to_save=[1.5]"}) ==
+        "recipe.yaml (override 'checkpoint.epochs_to_save=[1.5]'): checkpoint.epochs_to_save must be all, none or a "
+        "list of 0-based epoch indices, got [1.5] (e.g. checkpoint.epochs_to_save: [0, 2])");
+
+  SECTION("save_last_epoch_only with an explicit list: a warning, and only the last epoch") {
+    const Recipe r = load(kBase + "train: {epochs: 4}\ncheckpoint: {epochs_to_save: [1, 3], save_last_epoch_only: true}\n");
+    REQUIRE(r.warnings.size() == 1);
+    CHECK(r.warnings[0] ==
+          "recipe.yaml: checkpoint.save_last_epoch_only: true takes precedence over checkpoint.epochs_to_save: "
+          "[1, 3]; only epoch_3/ is kept (remove one of the two keys)");
+    CHECK(epochs_kept(r.checkpoint, 4) == std::vector<int>{3});
+    CHECK_FALSE(save_after_epoch(r.checkpoint, 1, 4));
+    CHECK(save_after_epoch(r.checkpoint, 3, 4));
+    CHECK(load(kBase, {"checkpoint.epochs_to_save=none", "checkpoint.save_last_epoch_only=true"}).warnings.size() == 1);
+    CHECK(load(kBase, {"checkpoint.save_last_epoch_only=true"}).warnings.empty());
+  }
+  SECTION("the policy as a pure function") {
+    CheckpointSection c;
+    CHECK(epochs_kept(c, 1) == std::vector<int>{0});
+    CHECK(epochs_kept(c, 0).empty());
+    c.epochs_to_save = {EpochsToSave::Mode::List, {2, 0}};
+    CHECK(epochs_kept(c, 3) == std::vector<int>{0, 2});
+    CHECK(save_after_epoch(c, 0, 3));
+    CHECK_FALSE(save_after_epoch(c, 1, 3));
+    CHECK(save_after_epoch(c, 2, 3));
+    c.save_last_epoch_only = true;
+    CHECK(epochs_kept(c, 3) == std::vector<int>{2});
+  }
+}
+
+TEST_CASE("requirements that depend on the source and the format") {
+  const std::string model = "model: {path: /m}\n";
+  CHECK(error_of(model + "data: {collection: c, prompt_template: x}\n") ==
+        "recipe.yaml: data.database must be set for data.source: mongodb (e.g. data.database: training)");
+  CHECK(error_of(model + "data: {database: d, prompt_template: x}\n") ==
+        "recipe.yaml: data.collection must be set for data.source: mongodb (e.g. data.collection: examples)");
+  CHECK(error_of(model + "data: {source: jsonl, prompt_template: x}\n") ==
+        "recipe.yaml: data.path must be set for data.source: jsonl (e.g. data.path: data/train.jsonl)");
+  CHECK(load(model + "data: {source: jsonl, path: train.jsonl, prompt_template: x}\n").data.path == "train.jsonl");
+  CHECK(error_of(model + "data: {database: d, collection: c}\n") ==
+        "recipe.yaml: data.prompt_template must be set for data.format: instruction (e.g. data.prompt_template: "
+        "\"### Instruction:\\n{instruction}\\n\\n### Response:\\n\")");
+  CHECK(override_error({"data.response_field="}) ==
+        "recipe.yaml (override 'data.response_field='): data.response_field must be set for data.format: "
+        "instruction (e.g. data.response_field: output)");
+  CHECK(override_error({"data.format=text", "data.text_field="}) ==
+        "recipe.yaml (override 'data.text_field='): data.text_field must be set for data.format: text "
+        "(e.g. data.text_field: text)");
+  CHECK(override_error({"data.format=chat", "data.messages_field="}) ==
+        "recipe.yaml (override 'data.messages_field='): data.messages_field must be set for data.format: chat "
+        "(e.g. data.messages_field: messages)");
+  // Text and chat recipes need no template.
+  CHECK(load(model + "data: {database: d, collection: c, format: text}\n").data.format == Format::Text);
+  CHECK(error_of(kBase, {"model.path="}) ==
+        "recipe.yaml (override 'model.path='): model.path must be set to a HF model directory or a model id in the "
+        "local HF cache (e.g. model.path: /models/opt-125m)");
+  CHECK(override_error({"model.device=cpu", "dist.backend=nccl"}) ==
+        "recipe.yaml (override 'dist.backend=nccl'): dist.backend is nccl, which needs CUDA, but model.device is "
+        "cpu; use dist.backend: gloo (or auto)");
+}
+
+TEST_CASE("data.uri comes from LORARUN_MONGODB_URI when the recipe has none") {
+  setenv("LORARUN_MONGODB_URI", "mongodb://env-user:env-pw@envhost:27017/", 1);
+  const Recipe from_env = recipe_from_yaml(YAML::Load(kBase), {});
+  const Recipe explicit_uri = recipe_from_yaml(YAML::Load(kBase), {"data.uri=mongodb://h2/"});
+  unsetenv("LORARUN_MONGODB_URI");
+  CHECK(from_env.data.uri == "mongodb://env-user:env-pw@envhost:27017/");
+  CHECK(explicit_uri.data.uri == "mongodb://h2/");
+  CHECK(load(kBase).data.uri.empty());
+}
+
+TEST_CASE("data.filter keeps MongoDB's extended JSON and YAML's types") {
+  const Recipe r = load(R"(
+model: {path: /m}
+data:
+  database: d
+  collection: c
+  prompt_template: "{instruction}"
+  filter:
+    _id: {"$oid": "64b7f0c2a1b2c3d4e5f60718"}
+    created: {$gte: {"$date": "2024-01-01T00:00:00Z"}}
+    split: train
+    quoted: "42"
+    n: 3
+    score: {$gt: 0.5}
+    flag: true
+    none: null
+    tags: {$in: [a, b]}
+)");
+  const nlohmann::json expected = nlohmann::json::parse(R"({
+    "_id": {"$oid": "64b7f0c2a1b2c3d4e5f60718"},
+    "created": {"$gte": {"$date": "2024-01-01T00:00:00Z"}},
+    "split": "train", "quoted": "42", "n": 3, "score": {"$gt": 0.5}, "flag": true, "none": null,
+    "tags": {"$in": ["a", "b"]}})");
+  CHECK(r.data.filter == expected);
+  CHECK(r.data.filter["n"].is_number_integer());
+  CHECK(r.data.filter["quoted"].is_string());
+  CHECK(error_of("model: {path: /m}\ndata: {database: d, collection: c, prompt_template: x, filter: {a: 1, a: 2}}\n") ==
+        "recipe.yaml: data.filter has the key 'a' twice; keep one");
+}
+
+TEST_CASE("prompt templates: placeholders, escaped braces, unbalanced braces") {
+  const Recipe r = load(kBase, {"data.prompt_template={instruction} {{literal}} {input} {instruction}"});
+  CHECK(r.data.template_fields() == Strings{"instruction", "input"});
+  CHECK(parse_template("a {x} {{b}} c") ==
+        std::vector<TemplatePart>{{false, "a "}, {true, "x"}, {false, " {b} c"}});
+  CHECK(parse_template("{{{x}}}") == std::vector<TemplatePart>{{false, "{"}, {true, "x"}, {false, "}"}});
+  CHECK(parse_template("").empty());
+
+  CHECK(override_error({"data.prompt_template=### {instruction"}) ==
+        "recipe.yaml (override 'data.prompt_template=### {instruction'): data.prompt_template has an unmatched '{' "
+        "at character 5; close the placeholder with } or write {{ for a literal brace");
+  CHECK(override_error({"data.prompt_template=a } b"}) ==
+        "recipe.yaml (override 'data.prompt_template=a } b'): data.prompt_template has an unmatched '}' at "
+        "character 3; write }} for a literal brace");
+  CHECK(override_error({"data.prompt_template=é {a{b}"}) ==
+        "recipe.yaml (override 'data.prompt_template=é {a{b}'): data.prompt_template has an unmatched '{' at "
+        "character 3; close the placeholder with } or write {{ for a literal brace");
+  CHECK(override_error({"data.prompt_template=x {}"}) ==
+        "recipe.yaml (override 'data.prompt_template=x {}'): data.prompt_template has an empty placeholder {} at "
+        "character 3; name a document field such as {instruction}");
+  CHECK_THROWS_WITH(parse_template("{"), "the prompt template has an unmatched '{' at character 1; close the "
+                                         "placeholder with } or write {{ for a literal brace");
+}
+
+TEST_CASE("files: a missing file, a directory, malformed YAML, the output_dir default") {
+  TempDir tmp;
+  CHECK_THROWS_WITH(load_recipe((tmp.dir / "nope.yaml").string()),
+                    (tmp.dir / "nope.yaml").string() +
+                        ": cannot open the recipe (No such file or directory); check the path");
+  CHECK_THROWS_WITH(load_recipe(tmp.dir.string()),
+                    tmp.dir.string() + ": is a directory, not a recipe; give a .yaml file (see configs/)");
+
+  const std::string bad = tmp.write("bad.yaml", "model:\n  path: m\n  dtype: bf16\n train:\n  lr: 1\n");
+  CHECK_THROWS_WITH(load_recipe(bad), bad + ": malformed YAML at line 4, column 2: end of map not found (check the "
+                                            "indentation, colons and quotes there)");
+  const std::string flow = tmp.write("flow.yaml", "model: {path: m\n");
+  CHECK_THROWS_WITH(load_recipe(flow), flow + ": malformed YAML at line 2, column 1: end of map flow not found "
+                                              "(check the indentation, colons and quotes there)");
+
+  const std::string unknown = tmp.write("my-run.yaml", kBase + "train:\n  learning_rate: 1e-4\n");
+  CHECK_THROWS_WITH(load_recipe(unknown), unknown + ": unknown key 'train.learning_rate'; did you mean 'train.lr'?");
+
+  const std::string good = tmp.write("llama-run.yaml", kBase);
+  unsetenv("LORARUN_MONGODB_URI");
+  CHECK(load_recipe(good).checkpoint.output_dir == "runs/llama-run");
+  CHECK(load_recipe(good, {"checkpoint.output_dir=/out"}).checkpoint.output_dir == "/out");
+}
+
+TEST_CASE("secrets: the password of data.uri never appears in to_yaml, to_json or messages") {
+  const std::string uri = "mongodb://alice:s3cr3t-pw@db.example:27017/?authSource=admin";
+  const Recipe r = load(kBase, {"data.uri=" + uri});
+  CHECK(r.data.uri == uri);  // the loaded recipe keeps it, to connect with
+
+  const std::string yaml = to_yaml(r);
+  CHECK(yaml.find("s3cr3t-pw") == std::string::npos);
+  CHECK(yaml.find("uri: \"mongodb://alice:****@db.example:27017/?authSource=admin\"") != std::string::npos);
+  const std::string json = to_json(r).dump();
+  CHECK(json.find("s3cr3t-pw") == std::string::npos);
+  CHECK(to_json(r)["data"]["uri"] == "mongodb://alice:****@db.example:27017/?authSource=admin");
+  CHECK(to_yaml(r, false).find("s3cr3t-pw") != std::string::npos);  // only when asked
+
+  const std::string message = override_error({"data.uri=" + uri, "data.database="});
+  CHECK(message.find("s3cr3t-pw") == std::string::npos);
+  CHECK(override_error({"data.uri=" + uri, "train.lr=x"}).find("s3cr3t-pw") == std::string::npos);
+  CHECK(override_error({"data.uri=" + uri, "data.uri.x=1"}) ==
+        "recipe.yaml (override 'data.uri.x=1'): data.uri has no sub-keys; write data.uri=VALUE");
+  CHECK(override_error({"data.uri=[" + uri + "]"}).find("s3cr3t-pw") == std::string::npos);
+}
+
+TEST_CASE("round trip: to_yaml and to_json load back to an equal recipe") {
+  const Recipe r = load(R"(
+model: {path: "/models/with \"quotes\" and: colons", dtype: fp16, device: cuda}
+lora: {r: 32, alpha: 64, dropout: 0.1, target_modules: all-linear, use_rslora: true, quantize_base: true,
+       double_quant: false}
+data:
+  source: mongodb
+  uri: "mongodb://u:p%40ss@h:27017/?replicaSet=rs0"
+  database: d
+  collection: c
+  filter: {_id: {"$oid": "64b7f0c2a1b2c3d4e5f60718"}, n: {$gte: 3}, s: "007", f: 2.5, "key with space": [1, x]}
+  limit: 1000
+  prompt_template: "Tab\there, unicode ü → ✓, {{literal}}, {instruction}\n\n"
+  response_field: answer
+  train_on_input: true
+  max_length: 77
+  overlong: skip
+  bad_documents: fail
+  shuffle: stream
+  packing: true
+  batch_size: 3
+  prefetch: 0
+train: {epochs: 5, gradient_accumulation_steps: 7, lr: 3.0e-5, weight_decay: 0.01, lr_scheduler: linear,
+        warmup_steps: 11, max_grad_norm: null, max_steps_per_epoch: 13, seed: 7, activation_checkpointing: true}
+checkpoint: {output_dir: out/x, epochs_to_save: [4, 0], state_every_n_steps: 17, resume: never,
+             keep_resume_state: true}
+dist: {backend: gloo, timeout_s: 19, debug_checksum_every_n_steps: 23}
+track: {mongodb: false, database: runs_db, log_every_n_steps: 29}
+)");
+  CHECK(r.train.lr == 3.0e-5);
+  const Recipe from_yaml = load(to_yaml(r, false));
+  CHECK(from_yaml == r);
+  const Recipe from_json = recipe_from_json(to_json(r, false));
+  CHECK(from_json == r);
+  CHECK(to_yaml(from_yaml, false) == to_yaml(r, false));
+  // Redacted output loads too (with the password replaced).
+  CHECK(load(to_yaml(r)).data.uri == "mongodb://u:****@h:27017/?replicaSet=rs0");
+  // A default recipe and its text.
+  const Recipe defaults = load(kBase);
+  CHECK(load(to_yaml(defaults)) == defaults);
+  CHECK(to_yaml(defaults).starts_with("model:\n  path: \"/models/m\"\n  dtype: bf16\n  device: auto\nlora:\n  r: 8\n"
+                                      "  alpha: 16.0\n  dropout: 0.0\n  target_modules: [\"q_proj\", \"v_proj\"]\n"));
+  CHECK(to_yaml(defaults).find("\ntrain:\n  epochs: 3\n  gradient_accumulation_steps: 1\n  lr: 0.0002\n") !=
+        std::string::npos);
+  CHECK(to_json(defaults)["checkpoint"]["epochs_to_save"] == "all");
+  CHECK(to_json(r)["checkpoint"]["epochs_to_save"] == nlohmann::json{4, 0});
+  CHECK(to_json(r)["lora"]["target_modules"] == "all-linear");
+}
+
+TEST_CASE("every recipe in configs/ loads and round-trips") {
+  unsetenv("LORARUN_MONGODB_URI");
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(LORARUN_CONFIGS_DIR))
+    if (entry.path().extension() == ".yaml" || entry.path().extension() == ".yml") files.push_back(entry.path());
+  std::sort(files.begin(), files.end());
+  REQUIRE(files.size() >= 5);
+  for (const fs::path& f : files) {
+    INFO(f.string());
+    Recipe r;
+    REQUIRE_NOTHROW(r = load_recipe(f.string()));
+    CHECK(r.warnings.empty());
+    CHECK(recipe_from_yaml(YAML::Load(to_yaml(r, false)), {}, f.string()) == r);
+  }
+  const auto config = [](const std::string& name) {
+    return load_recipe(std::string(LORARUN_CONFIGS_DIR) + "/" + name);
+  };
+  const Recipe alpaca = config("opt-125m-alpaca.yaml");
+  CHECK(alpaca.model.path == "facebook/opt-125m");
+  CHECK(alpaca.data.template_fields() == Strings{"instruction", "input"});
+  CHECK(alpaca.data.response_field == "output");
+  CHECK(config("llama3-8b-qlora-1gpu.yaml").lora.quantize_base);
+  CHECK(config("qwen2.5-chat.yaml").data.format == Format::Chat);
+  CHECK(config("qwen2.5-chat.yaml").data.chat_format == ChatFormat::ChatML);
+  CHECK(config("quickstart.yaml").checkpoint.output_dir == "runs/quickstart");
+  // The annotated reference recipe spells out every key.
+  const YAML::Node all = YAML::LoadFile(std::string(LORARUN_CONFIGS_DIR) + "/opt-125m-alpaca.yaml");
+  for (const std::string& key : known_keys()) {
+    INFO(key);
+    const size_t dot = key.find('.');
+    CHECK(all[key.substr(0, dot)][key.substr(dot + 1)].IsDefined());
+  }
+}
+
+TEST_CASE("validate() checks a recipe built in code, naming the given file") {
+  Recipe r;
+  r.model.path = "/m";
+  r.data.database = "d";
+  r.data.collection = "c";
+  r.data.prompt_template = "{instruction}";
+  CHECK_THROWS_WITH(validate(r),
+                    "recipe.yaml: checkpoint.output_dir must be set to the directory for the epoch_<i>/ checkpoints "
+                    "(e.g. checkpoint.output_dir: runs/my-run)");
+  r.checkpoint.output_dir = "runs/x";
+  CHECK(validate(r).empty());
+  r.train.epochs = 2;
+  r.checkpoint.epochs_to_save = {EpochsToSave::Mode::List, {2}};
+  CHECK_THROWS_WITH(validate(r, RecipeOrigin{"mine.yaml", {}}),
+                    "mine.yaml: checkpoint.epochs_to_save lists epoch 2, but epochs are 0-based and train.epochs is "
+                    "2, so the valid epochs are 0..1");
+  // A run record's JSON, with overrides on top (lora-train --from-run ID key=value…).
+  r.checkpoint.epochs_to_save = {EpochsToSave::Mode::List, {1}};
+  const Recipe again = recipe_from_json(to_json(r), {"train.lr=1e-3"});
+  CHECK(again.train.lr == 1e-3);
+  CHECK(again.checkpoint.epochs_to_save.epochs == std::vector<int>{1});
+  CHECK_THROWS_WITH(recipe_from_json(to_json(r), {"train.epochs=1"}),
+                    "run record: checkpoint.epochs_to_save lists epoch 1, but epochs are 0-based and train.epochs is "
+                    "1, so the valid epochs are 0..0");
+}
