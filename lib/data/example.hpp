@@ -1,0 +1,52 @@
+// One training example from one document: rendered by the recipe's format, tokenized, with
+// labels that train only the response (and EOS).
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "recipe/recipe.hpp"
+#include "tokenizer/tokenizer.hpp"
+
+namespace lorarun::data {
+
+struct Example {
+  std::vector<int32_t> ids;
+  std::vector<int32_t> labels;  // the id where trained, -100 where not
+  bool truncated = false;
+};
+
+// A document that yields no example, and why (data.bad_documents / data.overlong decide).
+struct Rejection {
+  enum Kind { BadDocument, Overlong } kind;
+  std::string reason;
+};
+
+class ExampleBuilder {
+ public:
+  // `eos` ends every response; the tokenizer's EOS when not given.
+  ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer, std::optional<int32_t> eos = {});
+
+  std::variant<Example, Rejection> build(const nlohmann::json& doc) const;
+
+ private:
+  std::variant<Example, Rejection> instruction(const nlohmann::json& doc) const;
+  std::variant<Example, Rejection> text(const nlohmann::json& doc) const;
+  std::variant<Example, Rejection> chat(const nlohmann::json& doc) const;
+  // Appends `text` tokens, trained or not.
+  void append(Example& e, const std::string& text, bool trained, bool add_special) const;
+  std::variant<Example, Rejection> finish(Example e, bool add_eos = true) const;
+
+  const recipe::DataSection& cfg_;
+  const tok::Tokenizer& tok_;
+  std::optional<int32_t> eos_;
+  std::vector<recipe::TemplatePart> template_;
+};
+
+// True when `s` is well-formed UTF-8.
+bool valid_utf8(std::string_view s);
+
+}  // namespace lorarun::data
