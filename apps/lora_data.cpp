@@ -6,13 +6,18 @@
 //              out: a JSON array of token ids per line ([9906,198,14957])
 //   detokenize in: a JSON array of ids per line; out: a JSON string literal per line
 #include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdlib>
 #include <fmt/format.h>
+#include <fstream>
 
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "app_main.hpp"
+#include "data/mongo.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "util/error.hpp"
 
@@ -75,6 +80,34 @@ void detokenize(const DetokenizeArgs& a) {
   }
 }
 
+struct ImportArgs {
+  std::string file, uri, db, collection;
+  bool drop = false;
+};
+
+// JSONL file -> MongoDB collection, in batches.
+void import_jsonl(const ImportArgs& a) {
+  const char* env = std::getenv("LORARUN_MONGODB_URI");
+  const std::string uri = !a.uri.empty() ? a.uri : env ? env : "";
+  if (uri.empty()) throw Error("no MongoDB URI: give --uri or set LORARUN_MONGODB_URI");
+  std::ifstream in(a.file);
+  if (!in) throw Error(fmt::format("cannot read {}", a.file));
+  std::vector<json> docs;
+  std::string line;
+  for (size_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    json j = json::parse(line, nullptr, false);
+    if (!j.is_object()) throw Error(fmt::format("{}:{}: not a JSON object", a.file, n));
+    docs.push_back(std::move(j));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  lorarun::data::Client client(uri, std::chrono::milliseconds(10000));
+  if (a.drop) client.drop(a.db, a.collection);
+  const int64_t n = client.insert_many(a.db, a.collection, docs);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fmt::print("imported {} documents into {}.{} in {:.2f} s ({:.0f} docs/s)\n", n, a.db, a.collection, s, n / std::max(s, 1e-9));
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"lora-data: dataset tools"};
   app.require_subcommand(1);
@@ -92,6 +125,15 @@ int run(int argc, char** argv) {
   detok->add_flag("--skip-special", d.skip_special, "leave special tokens out of the text");
   detok->callback([&] { detokenize(d); });
 
+  ImportArgs im;
+  auto* imp = app.add_subcommand("import", "load a JSONL file (one document per line) into a MongoDB collection");
+  imp->add_option("file", im.file, "JSONL file")->required();
+  imp->add_option("--uri", im.uri, "MongoDB URI (default: $LORARUN_MONGODB_URI)");
+  imp->add_option("--db", im.db, "database")->required();
+  imp->add_option("--collection", im.collection, "collection")->required();
+  imp->add_flag("--drop", im.drop, "drop the collection first");
+  imp->callback([&] { import_jsonl(im); });
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -104,12 +146,5 @@ int run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   std::ios::sync_with_stdio(false);
-  try {
-    return run(argc, argv);
-  } catch (const lorarun::Error& e) {
-    fmt::print(stderr, "lora-data: error: {}\n", e.what());
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "lora-data: internal error: {}\n", e.what());
-  }
-  return 1;
+  return lorarun::app_main("lora-data", argc, argv, run);
 }

@@ -12,6 +12,7 @@
 #include "dist/env.hpp"
 #include "dist/process_group.hpp"
 #include "recipe/recipe.hpp"
+#include "train/trainer.hpp"
 #include "util/log.hpp"
 #include "util/error.hpp"
 #include "util/secrets.hpp"
@@ -117,9 +118,7 @@ int run(int argc, char** argv) {
                fmt::join(recipe::epochs_kept(r.checkpoint, r.train.epochs), ", "));
     return 0;
   }
-  // Until the trainer lands (issue 5), a recipe run proves the distributed runtime works.
-  dist_check(a);
-  fmt::print("recipe {} is valid; the training loop is not implemented in this version yet\n", a.recipe);
+  train::run_training(r, dist::DistEnv::from_environment());
   return 0;
 }
 

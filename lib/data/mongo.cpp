@@ -1,6 +1,7 @@
 #include "data/mongo.hpp"
 
 #include <cstdio>
+#include <map>
 #include <cstdlib>
 #include <fmt/format.h>
 #include <mongoc/mongoc.h>
@@ -101,6 +102,127 @@ ServerInfo Client::server_info() {
     }
   }
   return info;
+}
+
+namespace {
+
+struct CollectionDeleter {
+  void operator()(mongoc_collection_t* c) const { mongoc_collection_destroy(c); }
+};
+struct CursorDeleter {
+  void operator()(mongoc_cursor_t* c) const { mongoc_cursor_destroy(c); }
+};
+struct BsonDeleter {
+  void operator()(bson_t* b) const { bson_destroy(b); }
+};
+using BsonPtr = std::unique_ptr<bson_t, BsonDeleter>;
+
+BsonPtr to_bson(const nlohmann::json& j, const char* what) {
+  bson_error_t error;
+  const std::string text = j.dump();
+  BsonPtr b(bson_new_from_json(reinterpret_cast<const uint8_t*>(text.data()), static_cast<ssize_t>(text.size()), &error));
+  if (!b) throw Error(fmt::format("{} is not valid (extended) JSON for MongoDB: {}", what, error.message));
+  return b;
+}
+
+std::string to_json_text(const bson_t* b, bool canonical) {
+  size_t n = 0;
+  char* s = canonical ? bson_as_canonical_extended_json(b, &n) : bson_as_relaxed_extended_json(b, &n);
+  std::string out(s, n);
+  bson_free(s);
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> Client::collections(const std::string& db) {
+  mongoc_database_t* d = mongoc_client_get_database(client_.get(), db.c_str());
+  bson_error_t error;
+  char** names = mongoc_database_get_collection_names_with_opts(d, nullptr, &error);
+  mongoc_database_destroy(d);
+  if (!names) throw Error(fmt::format("listing collections of '{}' at {} failed: {}", db, redacted_uri_, scrub(error.message)));
+  std::vector<std::string> out;
+  for (char** n = names; *n; ++n) out.emplace_back(*n);
+  bson_strfreev(names);
+  return out;
+}
+
+std::vector<std::string> Client::sorted_ids(const std::string& db, const std::string& coll, const nlohmann::json& filter,
+                                            std::optional<int64_t> limit) {
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  const BsonPtr query = to_bson(filter, "data.filter");
+  nlohmann::json opts = {{"projection", {{"_id", 1}}}, {"sort", {{"_id", 1}}}};
+  if (limit) opts["limit"] = *limit;
+  const BsonPtr bopts = to_bson(opts, "query options");
+  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
+  std::vector<std::string> ids;
+  const bson_t* doc = nullptr;
+  while (mongoc_cursor_next(cur.get(), &doc)) ids.push_back(to_json_text(doc, true));
+  bson_error_t error;
+  if (mongoc_cursor_error(cur.get(), &error))
+    throw Error(fmt::format("querying {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+  return ids;
+}
+
+std::vector<nlohmann::json> Client::find_by_ids(const std::string& db, const std::string& coll,
+                                                const std::vector<std::string>& ids, const std::vector<std::string>& fields) {
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  nlohmann::json in = nlohmann::json::array();
+  std::map<std::string, size_t> where;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    in.push_back(nlohmann::json::parse(ids[i])["_id"]);
+    where.emplace(ids[i], i);
+  }
+  const BsonPtr query = to_bson({{"_id", {{"$in", in}}}}, "id query");
+  nlohmann::json opts = nlohmann::json::object();
+  if (!fields.empty()) {
+    for (const std::string& f : fields) opts["projection"][f] = 1;
+  }
+  const BsonPtr bopts = to_bson(opts, "query options");
+  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
+  std::vector<nlohmann::json> out(ids.size());
+  const bson_t* doc = nullptr;
+  while (mongoc_cursor_next(cur.get(), &doc)) {
+    bson_iter_t it;
+    if (!bson_iter_init_find(&it, doc, "_id")) continue;
+    bson_t key = BSON_INITIALIZER;
+    bson_append_iter(&key, "_id", -1, &it);
+    const std::string id = to_json_text(&key, true);
+    bson_destroy(&key);
+    if (auto w = where.find(id); w != where.end())
+      out[w->second] = nlohmann::json::parse(to_json_text(doc, false), nullptr, false);
+  }
+  bson_error_t error;
+  if (mongoc_cursor_error(cur.get(), &error))
+    throw Error(fmt::format("reading {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+  return out;  // a document deleted since listing stays null; the caller treats it as bad
+}
+
+void Client::drop(const std::string& db, const std::string& coll) {
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  bson_error_t error;
+  if (!mongoc_collection_drop(c.get(), &error) && error.code != 26 /* NamespaceNotFound */ &&
+      std::string_view(error.message).find("ns not found") == std::string_view::npos)
+    throw Error(fmt::format("dropping {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+}
+
+int64_t Client::insert_many(const std::string& db, const std::string& coll, const std::vector<nlohmann::json>& docs) {
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  constexpr size_t kBatch = 1000;
+  int64_t inserted = 0;
+  for (size_t start = 0; start < docs.size(); start += kBatch) {
+    std::vector<BsonPtr> owned;
+    std::vector<const bson_t*> batch;
+    for (size_t i = start; i < std::min(docs.size(), start + kBatch); ++i) {
+      owned.push_back(to_bson(docs[i], "a document"));
+      batch.push_back(owned.back().get());
+    }
+    bson_error_t error;
+    if (!mongoc_collection_insert_many(c.get(), batch.data(), batch.size(), nullptr, nullptr, &error))
+      throw Error(fmt::format("inserting into {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+    inserted += static_cast<int64_t>(batch.size());
+  }
+  return inserted;
 }
 
 }  // namespace lorarun::data

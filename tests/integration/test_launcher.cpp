@@ -42,13 +42,13 @@ TEST_CASE("lora-train alone is a world of one") {
   CHECK_THAT(r.output, Catch::Contains("rank 0/1: all-reduce over gloo on cpu ok"));
 }
 
-TEST_CASE("a recipe runs lora-train on every rank") {
-  const Result r = sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml train.lr=2e-4",
+TEST_CASE("a recipe runs lora-train on every rank, with the overrides") {
+  const Result r = sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml train.lr=2e-4 --dry-run",
                                   LORARUN_SOURCE_DIR, bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 0);
-  CHECK_THAT(r.output, Catch::Contains("[rank0]: rank 0/2: all-reduce over gloo on cpu ok"));
-  CHECK_THAT(r.output, Catch::Contains("[rank1]: rank 1/2: all-reduce over gloo on cpu ok"));
+  CHECK_THAT(r.output, Catch::Contains("[rank0]:   lr: 0.0002"));
+  CHECK_THAT(r.output, Catch::Contains("[rank1]:   lr: 0.0002"));
 }
 
 TEST_CASE("a bad recipe fails on every rank with one clear line") {
