@@ -35,7 +35,7 @@ expect(["tokenize", "--model", "{tmp}"], "", "pre_tokenizer type 'Whitespace' is
 expect(["tokenize", "--model", "{tmp}"], "", "model type 'WordPiece' is not supported",
        {"tokenizer.json": '{"model": {"type": "WordPiece", "vocab": {}}}'})
 expect(["tokenize", "--model", "{tmp}"], "", "model.vocab must be an object", {"tokenizer.json": '{"model": {"type": "BPE", "vocab": []}}'})
-expect(["tokenize", "--model", "{tmp}"], "", "malformed", {"tokenizer.json": '{"model": {"type": "BPE", "vocab": {"a": "x"}}}'})
+expect(["tokenize", "--model", "{tmp}"], "", "must be an integer", {"tokenizer.json": '{"model": {"type": "BPE", "vocab": {"a": "x"}}}'})
 gpt2 = os.path.join(a.fixtures, "gpt2")
 if os.path.isdir(gpt2):
     expect(["tokenize", "--model", gpt2], "hello\n", "stdin line 1: not a JSON string literal")
