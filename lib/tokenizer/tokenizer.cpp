@@ -104,9 +104,12 @@ std::unique_ptr<Bpe> make_model(const json& m) {
   if (m.contains("merges") && !m["merges"].is_array())
     throw Error("tokenizer.json: model.merges must be an array");
   vocab.reserve(v.size());
-  for (const auto& [tok, id] : v.items())  // ids index a table: a stray 2^30 would take GBs
-    vocab.emplace(tok, static_cast<int32_t>(json_int(id, fmt::format("model.vocab id of '{}'", tok), 0,
-                                                     kMaxTokenId)));
+  for (const auto& [tok, id] : v.items()) {
+    // Ids index a table (id -> token): a stray 2^30 would allocate gigabytes.
+    if (!id.is_number_unsigned() || id.get<uint64_t>() > uint64_t{kMaxTokenId})
+      json_int(id, fmt::format("model.vocab id of '{}'", tok), 0, kMaxTokenId);  // throws, naming it
+    vocab.emplace(tok, static_cast<int32_t>(id.get<uint64_t>()));
+  }
   std::vector<std::pair<std::string, std::string>> merges;
   if (m.contains("merges")) {
     merges.reserve(m["merges"].size());

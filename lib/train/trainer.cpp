@@ -12,7 +12,7 @@
 
 #include "data/example.hpp"
 #include "data/mongo.hpp"
-#include "data/shard.hpp"
+#include "data/source.hpp"
 #include "dist/process_group.hpp"
 #include "io/files.hpp"
 #include "model/lora.hpp"
@@ -29,76 +29,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-
-// The selected documents, addressable by position in _id order (MongoDB) or file order (JSONL).
-class Documents {
- public:
-  Documents(const recipe::DataSection& d, int64_t timeout_ms) : d_(d) {
-    if (d.source == recipe::Source::Jsonl) {
-      std::ifstream in(d.path);
-      if (!in) throw Error(fmt::format("data.path {} cannot be read", d.path));
-      for (std::string line; std::getline(in, line);)
-        if (line.find_first_not_of(" \t\r") != std::string::npos) lines_.push_back(line);
-      if (d.limit && static_cast<int64_t>(lines_.size()) > *d.limit) lines_.resize(static_cast<size_t>(*d.limit));
-      if (lines_.empty()) throw Error(fmt::format("data.path {} holds no documents", d.path));
-      return;
-    }
-    if (d.uri.empty()) throw Error("data.uri is empty: set it in the recipe or export LORARUN_MONGODB_URI");
-    client_ = std::make_unique<data::Client>(d.uri, std::chrono::milliseconds(timeout_ms));
-    const auto names = client_->collections(d.database);
-    if (std::find(names.begin(), names.end(), d.collection) == names.end())
-      throw Error(fmt::format("collection '{}' does not exist in database '{}' at {}", d.collection, d.database,
-                              client_->redacted_uri()));
-    ids_ = client_->sorted_ids(d.database, d.collection, d.filter, d.limit);
-    if (ids_.empty())
-      throw Error(fmt::format("data.filter {} selects no document of {}.{}", d.filter.dump(), d.database, d.collection));
-  }
-  int64_t size() const { return client_ ? static_cast<int64_t>(ids_.size()) : static_cast<int64_t>(lines_.size()); }
-
-  // The documents at these positions, in order (null where a document vanished or is not JSON).
-  std::vector<nlohmann::json> fetch(const std::vector<int64_t>& positions) const {
-    std::vector<nlohmann::json> out;
-    if (!client_) {
-      for (int64_t p : positions) out.push_back(nlohmann::json::parse(lines_[static_cast<size_t>(p)], nullptr, false));
-      return out;
-    }
-    std::vector<std::string> ids;
-    for (int64_t p : positions) ids.push_back(ids_[static_cast<size_t>(p)]);
-    return client_->find_by_ids(d_.database, d_.collection, ids, {});
-  }
-
- private:
-  const recipe::DataSection& d_;
-  std::unique_ptr<data::Client> client_;
-  std::vector<std::string> ids_;
-  std::vector<std::string> lines_;
-};
-
-// This rank's documents for one epoch, fetched in chunks through its own cursor, so the
-// database is asked once per chunk rather than once per micro-batch.
-class ReadAhead {
- public:
-  ReadAhead(const Documents& docs, const std::vector<int64_t>& order) : docs_(docs), order_(order) {}
-  std::vector<nlohmann::json> take(size_t n) {
-    std::vector<nlohmann::json> out;
-    while (out.size() < n && (next_ < buffer_.size() || fill())) out.push_back(std::move(buffer_[next_++]));
-    return out;
-  }
-
- private:
-  bool fill() {
-    if (fetched_ >= order_.size()) return false;
-    const size_t end = std::min(order_.size(), fetched_ + kChunk);
-    buffer_ = docs_.fetch({order_.begin() + static_cast<std::ptrdiff_t>(fetched_), order_.begin() + static_cast<std::ptrdiff_t>(end)});
-    fetched_ = end, next_ = 0;
-    return !buffer_.empty();
-  }
-  static constexpr size_t kChunk = 1024;
-  const Documents& docs_;
-  const std::vector<int64_t>& order_;
-  std::vector<nlohmann::json> buffer_;
-  size_t fetched_ = 0, next_ = 0;
-};
 
 // A right-padded micro-batch: ids [B, T], labels [B, T] (-100 on padding), attention mask.
 struct Batch {
@@ -159,7 +89,7 @@ void run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
   model::attach_lora(m, lcfg, static_cast<uint64_t>(r.train.seed));  // same seed: identical replicas
   const tok::Tokenizer tokenizer = tok::Tokenizer::from_dir(m.dir());
   const data::ExampleBuilder builder(r.data, tokenizer);
-  const Documents docs(r.data, 1000L * r.dist.timeout_s);
+  const data::Documents docs(r.data, std::chrono::seconds(r.dist.timeout_s));
   if (lead) {
     fmt::print("{}; {} documents, {} rank(s)\n", model::trainable_summary(m), docs.size(), env.world_size);
     fs::create_directories(out);
@@ -168,7 +98,7 @@ void run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
 
   std::vector<at::Tensor> params = model::lora_parameters(m);
   torch::optim::AdamW opt(params, torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay));
-  const int64_t per_rank = (docs.size() + env.world_size - 1) / env.world_size;
+  const int64_t per_rank = data::examples_per_rank(docs.size(), env.world_size);
   const int64_t micro = r.data.batch_size, accum = r.train.gradient_accumulation_steps;
   int64_t steps_per_epoch = (per_rank + micro * accum - 1) / (micro * accum);
   if (r.train.max_steps_per_epoch) steps_per_epoch = std::min<int64_t>(steps_per_epoch, *r.train.max_steps_per_epoch);
@@ -177,25 +107,19 @@ void run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
                                            : r.train.lr_scheduler == recipe::Scheduler::Linear ? "linear" : "constant");
   std::ofstream metrics;
   if (lead) metrics.open(out / "metrics.jsonl", std::ios::app);
-  const auto order = r.data.shuffle == recipe::Shuffle::None ? data::Order::Sorted : data::Order::Shuffled;
   int64_t step = 0, rejected = 0;
   m.training = true;
 
   for (int epoch = 0; epoch < r.train.epochs; ++epoch) {
-    const std::vector<int64_t> mine = data::shard_positions(docs.size(), env.world_size, env.rank,
-                                                            static_cast<uint64_t>(r.train.seed), epoch, order);
-    size_t next = 0;  // position in `mine`
-    ReadAhead ahead(docs, mine);
+    data::ShardReader reader(docs, builder, {env.world_size, env.rank, static_cast<uint64_t>(r.train.seed), epoch,
+                                             r.data.shuffle});
     for (int64_t s = 0; s < steps_per_epoch; ++s, ++step) {
       const auto t0 = Clock::now();
       at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
       int64_t tokens = 0;
       for (int64_t a = 0; a < accum; ++a) {
-        const size_t take = std::min(next + static_cast<size_t>(micro), mine.size()) - std::min(next, mine.size());
-        next += static_cast<size_t>(micro);
         std::vector<data::Example> examples;
-        for (const nlohmann::json& doc : ahead.take(take)) {
-          auto built = builder.build(doc);
+        for (data::Built& built : reader.next(static_cast<size_t>(micro))) {
           if (auto* e = std::get_if<data::Example>(&built)) {
             examples.push_back(std::move(*e));
           } else if (r.data.bad_documents == recipe::BadDocuments::Fail &&
