@@ -1,23 +1,21 @@
 #include "launch.hpp"
 
-#include <CLI/CLI.hpp>
-#include <arpa/inet.h>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <deque>
 #include <fcntl.h>
+#include <filesystem>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <map>
-#include <netinet/in.h>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <poll.h>
-#include <random>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
-#include <thread>
 #include <unistd.h>
 
 #include "util/error.hpp"
@@ -27,43 +25,11 @@ extern char** environ;
 namespace lorarun::launch {
 namespace {
 
+namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-int count_gpus() {
-  int n = 0;
-  for (int i = 0; i < 256; ++i)
-    if (access(fmt::format("/dev/nvidia{}", i).c_str(), F_OK) == 0) ++n;
-  return n;
-}
-
-// A port nobody listens on right now (the same trick torchrun's --standalone uses).
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw Error(fmt::format("cannot create a socket: {}", std::strerror(errno)));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
-    throw Error("cannot find a free port: pass --master-port");
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
-std::string random_id() {
-  std::random_device rd;
-  return fmt::format("{:08x}{:08x}", rd(), rd());
-}
-
-bool is_recipe(const std::string& arg) {
-  auto ends = [&](std::string_view s) {
-    return arg.size() >= s.size() && arg.compare(arg.size() - s.size(), s.size(), s) == 0;
-  };
-  return ends(".yaml") || ends(".yml");
-}
+constexpr size_t kTailLines = 10;    // lines of the failing rank shown in the summary
+constexpr size_t kTailWidth = 2000;  // a longer line is cut there
 
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
@@ -72,11 +38,33 @@ std::string describe_status(int status) {
   return fmt::format("ended with status {}", status);
 }
 
-// Relays one pipe to one of our streams, prefixing every complete line.
+// The message of a torchrun error file: {"message": {"message": "...", "extraInfo": {...}}},
+// or {"message": "..."}. Empty when the rank wrote none.
+std::string error_file_message(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) return {};
+  try {
+    const nlohmann::json j = nlohmann::json::parse(in);
+    const nlohmann::json& m = j.at("message");
+    return m.is_string() ? m.get<std::string>() : m.at("message").get<std::string>();
+  } catch (const std::exception&) {
+    return fmt::format("(unreadable error file {})", path.string());
+  }
+}
+
+struct FileCloser {
+  void operator()(FILE* f) const { std::fclose(f); }
+};
+using File = std::unique_ptr<FILE, FileCloser>;
+
+// Relays one pipe line by line: to the console with the rank's prefix (unless redirected),
+// to a log file (when redirected or teed), and into the rank's last-lines buffer.
 struct LineRelay {
   int fd = -1;
-  FILE* sink = nullptr;
+  FILE* console = nullptr;
+  File file;
   std::string prefix;
+  std::deque<std::string>* tail = nullptr;
   std::string partial;
 
   void read_some() {
@@ -95,10 +83,19 @@ struct LineRelay {
     partial.clear();
     if (fd >= 0) close(fd);
     fd = -1;
+    file.reset();
   }
   void emit(std::string_view line) {
-    fmt::print(sink, "{}{}\n", prefix, line);
-    std::fflush(sink);
+    if (console) {
+      fmt::print(console, "{}{}\n", prefix, line);
+      std::fflush(console);
+    }
+    if (file) {
+      fmt::print(file.get(), "{}\n", line);
+      std::fflush(file.get());  // current on disk even if lorarun is killed
+    }
+    tail->emplace_back(line.substr(0, kTailWidth));
+    if (tail->size() > kTailLines) tail->pop_front();
   }
 };
 
@@ -108,6 +105,8 @@ struct Worker {
   pid_t pid = -1;
   bool alive = false;
   int status = 0;
+  fs::path dir;  // DIR/<run_id>/attempt_<n>/<local_rank>: error.json, stdout.log, stderr.log
+  std::deque<std::string> tail;
   LineRelay out, err;
 };
 
@@ -116,7 +115,7 @@ struct Failure {
   int status;
 };
 
-// NAME=value strings of `base` with `overrides` replacing same-named entries.
+// NAME=value strings of our environment with `overrides` replacing same-named entries.
 std::vector<std::string> merged_env(const std::vector<std::string>& overrides) {
   std::map<std::string, std::string> env;
   for (char** e = environ; *e; ++e) {
@@ -136,15 +135,81 @@ std::vector<char*> c_strings(std::vector<std::string>& v) {
   return out;
 }
 
+bool writes_files(const Config& c) {
+  auto any = [](const StdSpec& s) {
+    if (s.all) return true;
+    for (auto& [rank, bits] : s.per_rank) if (bits) return true;
+    return false;
+  };
+  return any(c.redirects) || any(c.tee);
+}
+
+// Where the per-rank files go: --log-dir, or a temp dir (torchrun's torchelastic_* dir), which
+// is removed at the end unless output was redirected into it.
+class LogRoot {
+ public:
+  explicit LogRoot(const Config& c) : run_id_(c.run_id) {
+    if (!c.log_dir.empty()) {
+      base_ = c.log_dir;
+      return;
+    }
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = fmt::format("{}/lorarun_{}_XXXXXX", tmp && *tmp ? tmp : "/tmp", run_id_);
+    if (!mkdtemp(pattern.data()))
+      throw Error(fmt::format("cannot create a temp dir in {}: {} (set TMPDIR or pass --log-dir)",
+                              tmp && *tmp ? tmp : "/tmp", std::strerror(errno)));
+    base_ = pattern;
+    remove_ = !writes_files(c);
+    if (!remove_) fmt::print(stderr, "lorarun: redirected rank output goes to {}/{}\n", base_.string(), run_id_);
+  }
+  ~LogRoot() {
+    std::error_code ec;
+    if (remove_) fs::remove_all(base_, ec);
+  }
+  LogRoot(const LogRoot&) = delete;
+  LogRoot& operator=(const LogRoot&) = delete;
+
+  // A fresh directory for one rank of one attempt.
+  fs::path rank_dir(int attempt, int local_rank) const {
+    const fs::path dir = base_ / run_id_ / fmt::format("attempt_{}", attempt) / std::to_string(local_rank);
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) throw Error(fmt::format("cannot create {}: {} (check --log-dir)", dir.string(), ec.message()));
+    fs::remove(dir / "error.json", ec);  // a stale one from a run with the same id
+    return dir;
+  }
+  bool temporary() const { return remove_; }
+
+ private:
+  std::string run_id_;
+  fs::path base_;
+  bool remove_ = false;
+};
+
+File open_log(const fs::path& path) {
+  File f(std::fopen(path.c_str(), "we"));
+  if (!f) throw Error(fmt::format("cannot write {}: {} (check --log-dir)", path.string(), std::strerror(errno)));
+  return f;
+}
+
 class Supervisor {
  public:
-  explicit Supervisor(const Config& c) : cfg_(c) {}
+  explicit Supervisor(const Config& c) : cfg_(c), logs_(c) {}
 
   int run() {
     block_signals();
-    start_workers();
-    loop();
+    for (int attempt = 0;; ++attempt) {
+      start_workers(attempt);
+      loop();
+      drain_signals();  // a signal that came as the last rank ended still stops restarts
+      if (first_failure_ || got_signal_)  // leave nothing behind that a rank started in its group
+        for (const Worker& w : workers_)
+          if (w.pid > 0) kill(-w.pid, SIGKILL);
+      if (got_signal_ || !first_failure_ || attempt >= cfg_.max_restarts) break;
+      announce_restart();
+    }
     sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
+    close(sfd_);
     return report();
   }
 
@@ -159,38 +224,61 @@ class Supervisor {
     if (sfd_ < 0) throw Error(fmt::format("signalfd failed: {}", std::strerror(errno)));
   }
 
-  void start_workers() {
-    const pid_t self = getpid();
-    workers_.resize(cfg_.nproc_per_node);
+  void start_workers(int attempt) {
+    attempt_ = attempt;
+    first_failure_.reset();
+    kill_deadline_.reset();
+    workers_.clear();
+    workers_.resize(cfg_.nproc_per_node);  // never resized again this attempt: relays point into it
     std::vector<pid_t> pids;
     for (int lr = 0; lr < cfg_.nproc_per_node; ++lr) {
       Worker& w = workers_[lr];
       w.local_rank = lr;
       w.rank = cfg_.node_rank * cfg_.nproc_per_node + lr;
-      int out[2], err[2];
-      if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0)
-        throw Error(fmt::format("pipe failed: {}", std::strerror(errno)));
-      std::vector<std::string> env = merged_env(worker_env(cfg_, lr));
-      std::vector<std::string> argv = cfg_.command;
-      auto envp = c_strings(env);
-      auto argp = c_strings(argv);
-      const pid_t pid = fork();
-      if (pid < 0) throw Error(fmt::format("fork failed: {}", std::strerror(errno)));
-      if (pid == 0) exec_worker(self, out[1], err[1], argp, envp);
-      setpgid(pid, pid);  // also done in the child; whichever runs first wins the race
-      close(out[1]);
-      close(err[1]);
-      const std::string prefix = fmt::format("[rank{}]: ", w.rank);
-      w.pid = pid;
-      w.alive = true;
-      w.out = {out[0], stdout, prefix, {}};
-      w.err = {err[0], stderr, prefix, {}};
-      pids.push_back(pid);
+      w.dir = logs_.rank_dir(attempt, lr);
+      spawn(w);
+      pids.push_back(w.pid);
     }
-    fmt::print(stderr, "lorarun: started {} rank(s) of world size {} (pids {}), master {}:{}\n",
-               cfg_.nproc_per_node, cfg_.nproc_per_node * cfg_.nnodes, fmt::join(pids, " "),
-               cfg_.master_addr, cfg_.master_port);
+    std::string where = cfg_.nnodes > 1 ? fmt::format(", node {} of {}", cfg_.node_rank, cfg_.nnodes) : "";
+    if (attempt > 0) where += fmt::format(", restart {} of {}", attempt, cfg_.max_restarts);
+    fmt::print(stderr, "lorarun: started {} rank(s) of world size {} (pids {}){}, master {}:{}, run {}\n",
+               cfg_.nproc_per_node, cfg_.nproc_per_node * cfg_.nnodes, fmt::join(pids, " "), where,
+               cfg_.master_addr, cfg_.master_port, cfg_.run_id);
     std::fflush(stderr);
+  }
+
+  // Pipes and log files first (an error then starts nothing), then the child.
+  void spawn(Worker& w) {
+    int out[2], err[2];
+    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0)
+      throw Error(fmt::format("pipe failed: {}", std::strerror(errno)));
+    attach(w.out, w, out[0], stdout, 1, "stdout.log");
+    attach(w.err, w, err[0], stderr, 2, "stderr.log");
+    std::vector<std::string> env =
+        merged_env(worker_env(cfg_, w.local_rank, attempt_, (w.dir / "error.json").string()));
+    std::vector<std::string> argv = cfg_.command;
+    auto envp = c_strings(env);
+    auto argp = c_strings(argv);
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid < 0) throw Error(fmt::format("fork failed: {}", std::strerror(errno)));
+    if (pid == 0) exec_worker(parent, out[1], err[1], argp, envp);
+    setpgid(pid, pid);  // also done in the child; whichever runs first wins the race
+    close(out[1]);
+    close(err[1]);
+    w.pid = pid;
+    w.alive = true;
+  }
+
+  // torchrun's --redirects/--tee: a redirected stream goes to its file only, a teed one to its
+  // file and the console, any other to the console only.
+  void attach(LineRelay& r, Worker& w, int fd, FILE* console, int bit, const char* file_name) {
+    const int redirect = cfg_.redirects.of(w.local_rank), tee = cfg_.tee.of(w.local_rank);
+    r.fd = fd;
+    r.console = (redirect & bit) && !(tee & bit) ? nullptr : console;
+    if ((redirect | tee) & bit) r.file = open_log(w.dir / file_name);
+    r.prefix = fmt::format("[rank{}]: ", w.rank);
+    r.tail = &w.tail;
   }
 
   // In the child: own process group, die with the launcher, stdio to our pipes, exec.
@@ -257,6 +345,7 @@ class Supervisor {
     begin_stop(sig == SIGINT || sig == SIGQUIT ? sig : SIGTERM);
   }
 
+  // Relays output and handles signals until every rank has ended and its pipes are drained.
   void loop() {
     std::optional<Clock::time_point> drain_deadline;
     for (;;) {
@@ -309,25 +398,61 @@ class Supervisor {
     reap();
   }
 
+  // "rank 1 (local rank 1, pid 42) failed first: exited with code 3"
+  std::string first_failure_line() const {
+    const Worker& w = workers_[first_failure_->index];
+    return fmt::format("rank {} (local rank {}, pid {}) failed first: {}", w.rank, w.local_rank, w.pid,
+                       describe_status(first_failure_->status));
+  }
+
+  void announce_restart() {
+    const Worker& w = workers_[first_failure_->index];
+    const std::string message = error_file_message(w.dir / "error.json");
+    fmt::print(stderr, "lorarun: {}{}\n", first_failure_line(), message.empty() ? "" : " (" + message + ")");
+    fmt::print(stderr, "lorarun: restarting all {} rank(s) on this node (restart {} of {})\n",
+               workers_.size(), attempt_ + 1, cfg_.max_restarts);
+    std::fflush(stderr);
+  }
+
+  // One block on stderr: who failed first, how, its error file's message and its last lines.
+  void print_summary() const {
+    const Worker& w = workers_[first_failure_->index];
+    const fs::path error_file = w.dir / "error.json";
+    const std::string message = error_file_message(error_file);
+    const std::string rule(64, '=');
+    std::string out = fmt::format("lorarun: {}\nlorarun: run {} failed", rule, cfg_.run_id);
+    if (cfg_.max_restarts > 0) out += fmt::format(" after {} restart(s) (--max-restarts {})", attempt_, cfg_.max_restarts);
+    out += fmt::format("\nlorarun: {}\n", first_failure_line());
+    if (!message.empty()) {
+      std::string indented = message.substr(0, message.find_last_not_of('\n') + 1);
+      for (size_t at = 0; (at = indented.find('\n', at)) != std::string::npos; ++at)
+        indented.replace(at, 1, "\nlorarun:          ");  // a Python message may span lines
+      out += fmt::format("lorarun:   error: {}\n", indented);
+      if (!logs_.temporary()) out += fmt::format("lorarun:   error file: {}\n", error_file.string());
+    }
+    if (!w.tail.empty()) {
+      out += fmt::format("lorarun:   last {} line(s) of rank {}:\n", w.tail.size(), w.rank);
+      for (const std::string& line : w.tail) out += fmt::format("lorarun:     [rank{}]: {}\n", w.rank, line);
+    }
+    if (workers_.size() > 1)
+      out += fmt::format("lorarun: stopped the other {} rank(s) on this node\n", workers_.size() - 1);
+    fmt::print(stderr, "{}lorarun: {}\n", out, rule);
+  }
+
   int report() {
-    const bool stopped = first_failure_ || got_signal_;
-    if (stopped)  // leave nothing behind that a rank started in its process group
-      for (const Worker& w : workers_) kill(-w.pid, SIGKILL);
-    close(sfd_);
     if (first_failure_) {
-      const Worker& w = workers_[first_failure_->index];
-      fmt::print(stderr, "lorarun: rank {} (local rank {}, pid {}) failed first: {}\n", w.rank,
-                 w.local_rank, w.pid, describe_status(first_failure_->status));
-      if (workers_.size() > 1)
-        fmt::print(stderr, "lorarun: stopped the other {} rank(s) on this node\n", workers_.size() - 1);
+      print_summary();
       return 1;
     }
     if (got_signal_) return 128 + got_signal_;
+    if (attempt_ > 0) fmt::print(stderr, "lorarun: all ranks finished after {} restart(s)\n", attempt_);
     return 0;
   }
 
   const Config& cfg_;
+  LogRoot logs_;
   std::vector<Worker> workers_;
+  int attempt_ = 0;
   sigset_t old_mask_{};
   int sfd_ = -1;
   std::optional<Failure> first_failure_;
@@ -337,68 +462,7 @@ class Supervisor {
 
 }  // namespace
 
-Parsed parse_args(int argc, char** argv, const std::string& self) {
-  CLI::App app{"lorarun: start one lora-train (or any command) per GPU/CPU slot, torchrun-style.\n"
-               "  lorarun [options] RECIPE.yaml [key=value ...]\n"
-               "  lorarun [options] -- COMMAND [ARGS ...]"};
-  app.prefix_command();
-  Config c;
-  std::string nproc = "1";
-  double grace_s = 15;
-  bool standalone = false;
-  app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers on this node: N or auto");
-  app.add_option("--nnodes", c.nnodes, "number of nodes")->check(CLI::Range(1, 100000));
-  app.add_option("--node-rank,--node_rank", c.node_rank, "rank of this node")->check(CLI::NonNegativeNumber);
-  app.add_option("--master-addr,--master_addr", c.master_addr, "address of rank 0's node");
-  app.add_option("--master-port,--master_port", c.master_port,
-                 "rendezvous port (default: a free port on one node, 29500 on several)")
-      ->check(CLI::Range(1, 65535));
-  app.add_flag("--standalone", standalone, "single node, free port, local master");
-  app.add_option("--run-id,--rdzv-id", c.run_id, "job id given to workers as TORCHELASTIC_RUN_ID");
-  app.add_option("--grace-period", grace_s, "seconds between SIGTERM and SIGKILL when stopping ranks")
-      ->check(CLI::Range(0.0, 3600.0));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return {c, app.exit(e)};
-  }
-  if (nproc == "auto") {
-    const int gpus = count_gpus();
-    c.nproc_per_node = gpus > 0 ? gpus : static_cast<int>(std::thread::hardware_concurrency());
-  } else {
-    try {
-      size_t used = 0;
-      c.nproc_per_node = std::stoi(nproc, &used);
-      if (used != nproc.size() || c.nproc_per_node < 1) throw std::invalid_argument(nproc);
-    } catch (const std::exception&) {
-      throw Error(fmt::format("--nproc-per-node '{}' is not a positive integer or 'auto'", nproc));
-    }
-  }
-  if (c.node_rank >= c.nnodes)
-    throw Error(fmt::format("--node-rank {} must be below --nnodes {}", c.node_rank, c.nnodes));
-  if (standalone) {
-    if (c.nnodes != 1) throw Error("--standalone runs on one node: drop --nnodes or --standalone");
-    c.master_addr = "127.0.0.1";
-  }
-  if (c.master_port == 0) c.master_port = c.nnodes == 1 ? free_port() : 29500;
-  if (c.run_id.empty()) c.run_id = random_id();
-  c.grace = std::chrono::milliseconds(static_cast<long>(grace_s * 1000));
-
-  std::vector<std::string> rest = app.remaining();
-  if (!rest.empty() && rest.front() == "--") rest.erase(rest.begin());
-  if (rest.empty())
-    throw Error("nothing to run: give a recipe (lorarun --nproc-per-node 2 RECIPE.yaml) or a "
-                "command after -- (lorarun --nproc-per-node 2 -- CMD ARGS)");
-  if (is_recipe(rest.front())) {
-    const std::string dir = self.substr(0, self.rfind('/') + 1);
-    const std::string beside = dir + "lora-train";
-    rest.insert(rest.begin(), access(beside.c_str(), X_OK) == 0 ? beside : "lora-train");
-  }
-  c.command = rest;
-  return {c, -1};
-}
-
-std::vector<std::string> worker_env(const Config& c, int local_rank) {
+std::vector<std::string> worker_env(const Config& c, int local_rank, int restart, const std::string& error_file) {
   const int world = c.nproc_per_node * c.nnodes;
   const int rank = c.node_rank * c.nproc_per_node + local_rank;
   std::vector<std::string> env = {
@@ -413,12 +477,13 @@ std::vector<std::string> worker_env(const Config& c, int local_rank) {
       "ROLE_NAME=default",
       fmt::format("MASTER_ADDR={}", c.master_addr),
       fmt::format("MASTER_PORT={}", c.master_port),
-      "TORCHELASTIC_RESTART_COUNT=0",
-      "TORCHELASTIC_MAX_RESTARTS=0",
+      fmt::format("TORCHELASTIC_RESTART_COUNT={}", restart),
+      fmt::format("TORCHELASTIC_MAX_RESTARTS={}", c.max_restarts),
       fmt::format("TORCHELASTIC_RUN_ID={}", c.run_id),
       "TORCHELASTIC_USE_AGENT_STORE=False",
       "TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
   };
+  if (!error_file.empty()) env.push_back("TORCHELASTIC_ERROR_FILE=" + error_file);
   // torchrun's default: one OpenMP thread per worker when several share a node.
   if (c.nproc_per_node > 1 && !std::getenv("OMP_NUM_THREADS")) env.push_back("OMP_NUM_THREADS=1");
   return env;

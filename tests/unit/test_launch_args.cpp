@@ -1,8 +1,12 @@
 #include <catch2/catch.hpp>
+#include <cstdlib>
+#include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "launch.hpp"
+#include "slurm.hpp"
 #include "util/error.hpp"
 
 using namespace lorarun::launch;
@@ -14,29 +18,135 @@ Parsed parse(std::vector<std::string> args) {
   for (auto& a : args) argv.push_back(a.data());
   return parse_args(static_cast<int>(argv.size()), argv.data(), "/opt/lorarun/bin/lorarun");
 }
+
+Config parsed(std::vector<std::string> args) {
+  const Parsed p = parse(std::move(args));
+  REQUIRE(p.exit_code < 0);
+  return p.config;
+}
+
+// Sets SLURM_* variables for one scope (parse_args reads the real environment).
+struct SlurmEnv {
+  std::vector<std::string> names;
+  explicit SlurmEnv(const std::map<std::string, std::string>& vars) {
+    for (auto& [k, v] : vars) {
+      setenv(k.c_str(), v.c_str(), 1);
+      names.push_back(k);
+    }
+  }
+  ~SlurmEnv() {
+    for (auto& k : names) unsetenv(k.c_str());
+  }
+};
+
+using Env = std::map<std::string, std::string>;
+std::optional<SlurmNode> slurm(const Env& env) {
+  return slurm_node([&](const char* name) -> const char* {
+    const auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
 }  // namespace
 
 TEST_CASE("a command after -- is run as given") {
-  const Parsed p = parse({"--nproc-per-node", "3", "--master-port", "29999", "--", "echo", "--nproc-per-node", "x"});
-  REQUIRE(p.exit_code < 0);
-  CHECK(p.config.nproc_per_node == 3);
-  CHECK(p.config.master_port == 29999);
-  CHECK(p.config.command == std::vector<std::string>{"echo", "--nproc-per-node", "x"});
+  const Config c = parsed({"--nproc-per-node", "3", "--master-port", "29999", "--", "echo", "--nproc-per-node", "x"});
+  CHECK(c.nproc_per_node == 3);
+  CHECK(c.master_port == 29999);
+  CHECK(c.command == std::vector<std::string>{"echo", "--nproc-per-node", "x"});
 }
 
 TEST_CASE("a recipe runs lora-train with the recipe and its overrides") {
-  const Parsed p = parse({"--nproc-per-node", "2", "configs/q.yaml", "train.lr=1e-4"});
-  REQUIRE(p.exit_code < 0);
+  const Config c = parsed({"--nproc-per-node", "2", "configs/q.yaml", "train.lr=1e-4"});
   // Not installed beside this fake path, so lora-train comes from PATH.
-  CHECK(p.config.command == std::vector<std::string>{"lora-train", "configs/q.yaml", "train.lr=1e-4"});
-  CHECK(p.config.master_port > 0);  // single node: a free port was chosen
+  CHECK(c.command == std::vector<std::string>{"lora-train", "configs/q.yaml", "train.lr=1e-4"});
+  CHECK(c.master_port > 0);  // single node: a free port was chosen
+}
+
+TEST_CASE("lorarun --from-run is passed to every lora-train rank") {
+  CHECK(parsed({"--from-run", "r1", "train.lr=1e-4"}).command ==
+        std::vector<std::string>{"lora-train", "--from-run", "r1", "train.lr=1e-4"});
+  CHECK(parsed({"--from-run", "r1"}).command == std::vector<std::string>{"lora-train", "--from-run", "r1"});
+  CHECK(parsed({"--from-run", "r1", "q.yaml"}).command ==
+        std::vector<std::string>{"lora-train", "--from-run", "r1", "q.yaml"});
+  CHECK(parsed({"--from-run", "r1", "--", "./my-train", "-v"}).command ==
+        std::vector<std::string>{"./my-train", "--from-run", "r1", "-v"});
+}
+
+TEST_CASE("every torchrun flag is read") {
+  const Config c = parsed({"--nproc_per_node", "2", "--nnodes", "3", "--node_rank", "2", "--master_addr", "10.1.2.3",
+                           "--master_port", "29400", "--run-id", "job9", "--max-restarts", "4", "--log-dir", "/tmp/l",
+                           "--redirects", "3", "--tee", "0:1,1:2", "--grace-period", "2.5", "--", "true"});
+  CHECK(c.nproc_per_node == 2);
+  CHECK(c.nnodes == 3);
+  CHECK(c.node_rank == 2);
+  CHECK(c.master_addr == "10.1.2.3");
+  CHECK(c.master_port == 29400);
+  CHECK(c.run_id == "job9");
+  CHECK(c.max_restarts == 4);
+  CHECK(c.log_dir == "/tmp/l");
+  CHECK(c.redirects.of(0) == 3);
+  CHECK(c.redirects.of(7) == 3);
+  CHECK(c.tee.of(0) == 1);
+  CHECK(c.tee.of(1) == 2);
+  CHECK(c.tee.of(2) == 0);
+  CHECK(c.grace == std::chrono::milliseconds(2500));
+  CHECK(parsed({"--rdzv-id", "j", "-r", "1", "-t", "2", "--", "true"}).run_id == "j");
+}
+
+TEST_CASE("defaults: one node, a free port, a random run id, no restarts") {
+  const Config c = parsed({"--", "true"});
+  CHECK(c.nproc_per_node == 1);
+  CHECK(c.nnodes == 1);
+  CHECK(c.master_addr == "127.0.0.1");
+  CHECK(c.master_port > 0);
+  CHECK(c.run_id.size() == 16);
+  CHECK(c.run_id != parsed({"--", "true"}).run_id);
+  CHECK(c.max_restarts == 0);
+  CHECK(c.log_dir.empty());
+  CHECK(c.redirects.of(0) == 0);
+  CHECK(c.tee.of(0) == 0);
+  CHECK(c.grace == std::chrono::milliseconds(15000));
+}
+
+TEST_CASE("several nodes meet on port 29500 unless told otherwise") {
+  CHECK(parsed({"--nnodes", "2", "--", "true"}).master_port == 29500);
+  CHECK(parsed({"--nnodes", "2", "--master-port", "1234", "--", "true"}).master_port == 1234);
+}
+
+TEST_CASE("lorarun --nproc-per-node auto counts GPUs, else CPUs") {
+  const int n = parsed({"--nproc-per-node", "auto", "--", "true"}).nproc_per_node;
+  CHECK(n >= 1);
+  if (std::system("ls /dev/nvidia[0-9]* >/dev/null 2>&1") != 0)
+    CHECK(n == static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+TEST_CASE("lorarun --standalone is one node with a local master") {
+  const Config c = parsed({"--standalone", "--master-addr", "10.0.0.9", "--", "true"});
+  CHECK(c.nnodes == 1);
+  CHECK(c.master_addr == "127.0.0.1");
+  CHECK(c.master_port > 0);
 }
 
 TEST_CASE("bad launcher arguments are one clear error") {
   CHECK_THROWS_WITH(parse({"--nproc-per-node", "two", "--", "true"}), Catch::Contains("'two' is not a positive integer"));
+  CHECK_THROWS_WITH(parse({"--nproc-per-node", "0", "--", "true"}), Catch::Contains("'0' is not a positive integer"));
   CHECK_THROWS_WITH(parse({"--nproc-per-node", "2"}), Catch::Contains("nothing to run"));
+  CHECK_THROWS_WITH(parse({"--nproc-per-node", "2", "--"}), Catch::Contains("nothing to run"));
   CHECK_THROWS_WITH(parse({"--nnodes", "2", "--node-rank", "2", "--", "true"}),
                     Catch::Contains("--node-rank 2 must be below --nnodes 2"));
+  CHECK_THROWS_WITH(parse({"--standalone", "--nnodes", "2", "--", "true"}),
+                    Catch::Contains("--standalone runs on one node"));
+  CHECK_THROWS_WITH(parse({"--redirects", "4", "--", "true"}), Catch::Contains("--redirects '4': use 0-3"));
+  CHECK_THROWS_WITH(parse({"--tee", "0:1,x:2", "--", "true"}), Catch::Contains("--tee '0:1,x:2'"));
+  CHECK_THROWS_WITH(parse({"--tee", "0:", "--", "true"}), Catch::Contains("--tee '0:'"));
+  CHECK_THROWS_WITH(parse({"--run-id", "a/b", "--", "true"}), Catch::Contains("use no '/'"));
+  // CLI11's own checks print their message and give a non-zero exit status.
+  CHECK(parse({"--max-restarts", "-1", "--", "true"}).exit_code > 0);
+  CHECK(parse({"--nnodes", "0", "--", "true"}).exit_code > 0);
+  CHECK(parse({"--master-port", "70000", "--", "true"}).exit_code > 0);
+  CHECK(parse({"--grace-period", "x", "--", "true"}).exit_code > 0);
+  CHECK_THROWS_WITH(parse({"--no-such-flag", "--", "true"}), Catch::Contains("unknown lorarun flag '--no-such-flag'"));
+  CHECK(parse({"--help"}).exit_code == 0);
 }
 
 TEST_CASE("workers get torchrun's environment") {
@@ -47,15 +157,65 @@ TEST_CASE("workers get torchrun's environment") {
   c.master_addr = "10.0.0.1";
   c.master_port = 29500;
   c.run_id = "job7";
-  const auto env = worker_env(c, 2);
+  c.max_restarts = 3;
+  const auto env = worker_env(c, 2, 1, "/tmp/x/error.json");
   auto has = [&](const std::string& kv) { return std::find(env.begin(), env.end(), kv) != env.end(); };
-  CHECK(has("RANK=6"));
-  CHECK(has("LOCAL_RANK=2"));
-  CHECK(has("WORLD_SIZE=8"));
-  CHECK(has("LOCAL_WORLD_SIZE=4"));
-  CHECK(has("GROUP_RANK=1"));
-  CHECK(has("MASTER_ADDR=10.0.0.1"));
-  CHECK(has("MASTER_PORT=29500"));
-  CHECK(has("TORCHELASTIC_RUN_ID=job7"));
-  CHECK(has("TORCHELASTIC_RESTART_COUNT=0"));
+  for (const char* kv : {"RANK=6", "LOCAL_RANK=2", "WORLD_SIZE=8", "LOCAL_WORLD_SIZE=4", "GROUP_RANK=1",
+                         "GROUP_WORLD_SIZE=2", "ROLE_RANK=6", "ROLE_WORLD_SIZE=8", "ROLE_NAME=default",
+                         "MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500", "TORCHELASTIC_RUN_ID=job7",
+                         "TORCHELASTIC_RESTART_COUNT=1", "TORCHELASTIC_MAX_RESTARTS=3",
+                         "TORCHELASTIC_USE_AGENT_STORE=False", "TORCHELASTIC_ERROR_FILE=/tmp/x/error.json"}) {
+    INFO(kv);
+    CHECK(has(kv));
+  }
+}
+
+TEST_CASE("Slurm node lists expand like scontrol show hostnames") {
+  using V = std::vector<std::string>;
+  CHECK(expand_nodelist("gpu[003-005,010],cpu1") == V{"gpu003", "gpu004", "gpu005", "gpu010", "cpu1"});
+  CHECK(expand_nodelist("node1") == V{"node1"});
+  CHECK(expand_nodelist("a1,b2") == V{"a1", "b2"});
+  CHECK(expand_nodelist("n[8-10]") == V{"n8", "n9", "n10"});
+  CHECK(expand_nodelist("n[09-10]-ib") == V{"n09-ib", "n10-ib"});
+  CHECK(expand_nodelist("r[1-2]-n[01,03]") == V{"r1-n01", "r1-n03", "r2-n01", "r2-n03"});
+  CHECK(expand_nodelist("x[7],y[1-2]") == V{"x7", "y1", "y2"});
+  CHECK_THROWS_WITH(expand_nodelist("gpu[1-2"), Catch::Contains("'[' without ']'") && Catch::Contains("--master-addr"));
+  CHECK_THROWS_WITH(expand_nodelist("gpu[5-2]"), Catch::Contains("bad range '5-2'"));
+  CHECK_THROWS_WITH(expand_nodelist("gpu[a-b]"), Catch::Contains("'a' is not a number"));
+  CHECK_THROWS_WITH(expand_nodelist("gpu1]"), Catch::Contains("']' without '['"));
+}
+
+TEST_CASE("a Slurm job gives nodes, node rank, master and run id") {
+  CHECK_FALSE(slurm({{"SLURM_NNODES", "2"}}));  // no SLURM_JOB_ID: not a Slurm job
+  const auto n = slurm({{"SLURM_JOB_ID", "777"}, {"SLURM_NNODES", "4"}, {"SLURM_NODEID", "3"},
+                        {"SLURM_JOB_NODELIST", "gpu[003-005,010]"}});
+  REQUIRE(n);
+  CHECK(n->job_id == "777");
+  CHECK(n->nnodes == 4);
+  CHECK(n->node_rank == 3);
+  CHECK(n->first_host == "gpu003");
+  const auto old = slurm({{"SLURM_JOB_ID", "8"}, {"SLURM_JOB_NUM_NODES", "2"}, {"SLURM_NODELIST", "a,b"}});
+  REQUIRE(old);
+  CHECK(old->nnodes == 2);
+  CHECK(old->node_rank == 0);
+  CHECK(old->first_host == "a");
+  CHECK_THROWS_WITH(slurm({{"SLURM_JOB_ID", "8"}, {"SLURM_NODEID", "x"}}),
+                    Catch::Contains("SLURM_NODEID='x' is not a count: pass --node-rank"));
+}
+
+TEST_CASE("under Slurm, flags not given come from the job") {
+  SlurmEnv env({{"SLURM_JOB_ID", "4242"}, {"SLURM_NNODES", "2"}, {"SLURM_NODEID", "1"},
+                {"SLURM_JOB_NODELIST", "gpu[007-008]"}});
+  const Config c = parsed({"--nproc-per-node", "8", "q.yaml"});
+  CHECK(c.nnodes == 2);
+  CHECK(c.node_rank == 1);
+  CHECK(c.master_addr == "gpu007");
+  CHECK(c.master_port == 29500);
+  CHECK(c.run_id == "4242");
+  const Config given = parsed({"--nnodes", "3", "--node-rank", "0", "--master-addr", "h", "--run-id", "r", "q.yaml"});
+  CHECK(given.nnodes == 3);
+  CHECK(given.node_rank == 0);
+  CHECK(given.master_addr == "h");
+  CHECK(given.run_id == "r");
+  CHECK(parsed({"--standalone", "q.yaml"}).nnodes == 1);  // --standalone ignores the job
 }

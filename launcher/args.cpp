@@ -1,0 +1,201 @@
+// lorarun's command line: torchrun's flags, Slurm's defaults, and the worker command.
+#include <CLI/CLI.hpp>
+#include <arpa/inet.h>
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <random>
+#include <sys/socket.h>
+#include <thread>
+#include <unistd.h>
+
+#include "launch.hpp"
+#include "slurm.hpp"
+#include "util/error.hpp"
+
+namespace lorarun::launch {
+namespace {
+
+// GPUs torch would see: /dev/nvidiaN, narrowed by CUDA_VISIBLE_DEVICES when it is set.
+int count_gpus() {
+  int n = 0;
+  for (int i = 0; i < 256; ++i)
+    if (access(fmt::format("/dev/nvidia{}", i).c_str(), F_OK) == 0) ++n;
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (n == 0 || !visible) return n;
+  int listed = 0;
+  for (std::string_view v(visible); !v.empty();) {
+    const size_t comma = v.find(',');
+    listed += !v.substr(0, comma).empty();
+    v = comma == std::string_view::npos ? std::string_view() : v.substr(comma + 1);
+  }
+  return std::min(n, listed);
+}
+
+// torchrun's `auto`: one worker per GPU, else one per CPU.
+int parse_nproc(const std::string& nproc) {
+  if (nproc == "auto") {
+    const int gpus = count_gpus();
+    return gpus > 0 ? gpus : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  }
+  int n = 0;
+  const auto [end, ec] = std::from_chars(nproc.data(), nproc.data() + nproc.size(), n);
+  if (ec != std::errc() || end != nproc.data() + nproc.size() || n < 1)
+    throw Error(fmt::format("--nproc-per-node '{}' is not a positive integer or 'auto'", nproc));
+  return n;
+}
+
+// A port nobody listens on right now (the same trick torchrun's --standalone uses).
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error(fmt::format("cannot create a socket: {}", std::strerror(errno)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(fd);
+    throw Error("cannot find a free port: pass --master-port");
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string random_id() {
+  std::random_device rd;
+  return fmt::format("{:08x}{:08x}", rd(), rd());
+}
+
+bool is_recipe(const std::string& arg) {
+  auto ends = [&](std::string_view s) {
+    return arg.size() >= s.size() && arg.compare(arg.size() - s.size(), s.size(), s) == 0;
+  };
+  return ends(".yaml") || ends(".yml");
+}
+
+// Flags the user gave; Slurm only fills in the others.
+struct Given {
+  bool nnodes, node_rank, master_addr, run_id;
+};
+
+void apply_slurm(Config& c, const Given& given) {
+  const auto node = slurm_node([](const char* name) { return std::getenv(name); });
+  if (!node) return;
+  if (!given.nnodes) c.nnodes = node->nnodes;
+  if (!given.node_rank) c.node_rank = node->node_rank;
+  if (!given.master_addr && !node->first_host.empty()) c.master_addr = node->first_host;
+  if (!given.run_id) c.run_id = node->job_id;
+}
+
+// The worker argv: `-- CMD ARGS`, or lora-train (beside lorarun) for a recipe or --from-run.
+std::vector<std::string> worker_command(std::vector<std::string> rest, const std::string& from_run,
+                                        const std::string& self) {
+  const bool explicit_cmd = !rest.empty() && rest.front() == "--";
+  if (explicit_cmd) rest.erase(rest.begin());
+  if (rest.empty() && (explicit_cmd || from_run.empty()))
+    throw Error("nothing to run: give a recipe (lorarun --nproc-per-node 2 RECIPE.yaml) or a "
+                "command after -- (lorarun --nproc-per-node 2 -- CMD ARGS)");
+  if (!explicit_cmd && from_run.empty() && rest.front().starts_with('-'))
+    throw Error(fmt::format("unknown lorarun flag '{}': see lorarun --help (a command's own flags go "
+                            "after --: lorarun -- CMD ARGS)", rest.front()));
+  if (!explicit_cmd && (!from_run.empty() || is_recipe(rest.front()))) {
+    const std::string beside = self.substr(0, self.rfind('/') + 1) + "lora-train";
+    rest.insert(rest.begin(), access(beside.c_str(), X_OK) == 0 ? beside : "lora-train");
+  }
+  if (!from_run.empty()) rest.insert(rest.begin() + 1, {"--from-run", from_run});
+  return rest;
+}
+
+}  // namespace
+
+int StdSpec::of(int local_rank) const {
+  const auto it = per_rank.find(local_rank);
+  return it == per_rank.end() ? all : it->second;
+}
+
+StdSpec parse_std_spec(const std::string& spec, const std::string& flag) {
+  // A number in [0, max]; anything else is the one error below.
+  auto number = [&](std::string_view s, int max) {
+    int v = -1;
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (ec != std::errc() || end != s.data() + s.size() || v < 0 || v > max)
+      throw Error(fmt::format("{} '{}': use 0-3 (1 stdout, 2 stderr, 3 both) for every rank, or "
+                              "LOCAL_RANK:VALUE pairs like 0:3,1:2", flag, spec));
+    return v;
+  };
+  StdSpec out;
+  if (spec.find(':') == std::string::npos) {
+    out.all = number(spec, 3);
+    return out;
+  }
+  for (std::string_view rest(spec); !rest.empty();) {
+    const size_t comma = rest.find(',');
+    const std::string_view pair = rest.substr(0, comma);
+    const size_t colon = pair.find(':');
+    const int local_rank = number(pair.substr(0, colon), 1 << 20);
+    out.per_rank[local_rank] = number(colon == std::string_view::npos ? "" : pair.substr(colon + 1), 3);
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+  }
+  return out;
+}
+
+Parsed parse_args(int argc, char** argv, const std::string& self) {
+  CLI::App app{"lorarun: start one lora-train (or any command) per GPU/CPU slot, torchrun-style.\n"
+               "  lorarun [options] RECIPE.yaml [key=value ...]\n"
+               "  lorarun [options] --from-run DATABASE/ID [key=value ...]\n"
+               "  lorarun [options] -- COMMAND [ARGS ...]"};
+  app.prefix_command();
+  Config c;
+  std::string nproc = "1", redirects = "0", tee = "0", from_run;
+  double grace_s = 15;
+  bool standalone = false;
+  app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers on this node: N or auto (GPUs, else CPUs)");
+  auto* nnodes = app.add_option("--nnodes", c.nnodes, "number of nodes")->check(CLI::Range(1, 100000));
+  auto* node_rank = app.add_option("--node-rank,--node_rank", c.node_rank, "rank of this node")
+                        ->check(CLI::NonNegativeNumber);
+  auto* master_addr = app.add_option("--master-addr,--master_addr", c.master_addr, "address of node 0");
+  app.add_option("--master-port,--master_port", c.master_port,
+                 "rendezvous port (default: a free port on one node, 29500 on several)")
+      ->check(CLI::Range(1, 65535));
+  app.add_flag("--standalone", standalone, "single node, free port, local master");
+  auto* run_id = app.add_option("--run-id,--rdzv-id,--rdzv_id", c.run_id,
+                                "job id given to workers as TORCHELASTIC_RUN_ID (default: SLURM_JOB_ID or random)");
+  app.add_option("--max-restarts,--max_restarts", c.max_restarts,
+                 "restart the whole group up to N times when a rank fails")
+      ->check(CLI::Range(0, 1000000));
+  app.add_option("--log-dir,--log_dir", c.log_dir, "per-rank files go to DIR/RUN_ID/attempt_N/LOCAL_RANK/");
+  app.add_option("-r,--redirects", redirects, "streams written only to the log files: 0-3 or 0:1,1:2 (1 out, 2 err)");
+  app.add_option("-t,--tee", tee, "streams written to the log files and the console (as --redirects)");
+  app.add_option("--from-run", from_run, "repeat a recorded run (DATABASE/ID): passed to every lora-train rank");
+  app.add_option("--grace-period", grace_s, "seconds between SIGTERM and SIGKILL when stopping ranks")
+      ->check(CLI::Range(0.0, 3600.0));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return {c, app.exit(e)};
+  }
+  c.nproc_per_node = parse_nproc(nproc);
+  c.redirects = parse_std_spec(redirects, "--redirects");
+  c.tee = parse_std_spec(tee, "--tee");
+  if (standalone) {
+    if (c.nnodes != 1) throw Error("--standalone runs on one node: drop --nnodes or --standalone");
+    c.master_addr = "127.0.0.1";
+  } else {
+    apply_slurm(c, {nnodes->count() > 0, node_rank->count() > 0, master_addr->count() > 0, run_id->count() > 0});
+  }
+  if (c.nnodes < 1) throw Error(fmt::format("--nnodes {} must be at least 1", c.nnodes));
+  if (c.node_rank >= c.nnodes)
+    throw Error(fmt::format("--node-rank {} must be below --nnodes {}", c.node_rank, c.nnodes));
+  if (c.master_port == 0) c.master_port = c.nnodes == 1 ? free_port() : 29500;
+  if (c.run_id.empty()) c.run_id = random_id();
+  if (c.run_id.find('/') != std::string::npos || c.run_id == "." || c.run_id == "..")
+    throw Error(fmt::format("--run-id '{}' names a directory under --log-dir: use no '/'", c.run_id));
+  c.grace = std::chrono::milliseconds(static_cast<long>(grace_s * 1000));
+  c.command = worker_command(app.remaining(), from_run, self);
+  return {c, -1};
+}
+
+}  // namespace lorarun::launch
