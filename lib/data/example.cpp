@@ -92,6 +92,19 @@ std::variant<Example, Rejection> ExampleBuilder::build(const nlohmann::json& doc
   return bad("unknown format");
 }
 
+std::vector<std::string> ExampleBuilder::fields() const {
+  switch (cfg_.format) {
+    case recipe::Format::Instruction: {
+      std::vector<std::string> f = cfg_.template_fields();
+      if (std::find(f.begin(), f.end(), cfg_.response_field) == f.end()) f.push_back(cfg_.response_field);
+      return f;
+    }
+    case recipe::Format::Text: return {cfg_.text_field};
+    case recipe::Format::Chat: return {cfg_.messages_field};
+  }
+  return {};
+}
+
 std::variant<Example, Rejection> ExampleBuilder::instruction(const nlohmann::json& doc) const {
   std::string prompt;
   for (const recipe::TemplatePart& part : template_) {

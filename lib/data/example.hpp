@@ -23,6 +23,7 @@ struct Example {
 struct Rejection {
   enum Kind { BadDocument, Overlong } kind;
   std::string reason;
+  std::string document = {};  // its _id (or "#position" in a JSONL file) when the reader knows it
 };
 
 class ExampleBuilder {
@@ -31,6 +32,9 @@ class ExampleBuilder {
   ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer, std::optional<int32_t> eos = {});
 
   std::variant<Example, Rejection> build(const nlohmann::json& doc) const;
+  // The top-level fields build() reads (template fields + response, text or messages): the
+  // projection a source fetches.
+  std::vector<std::string> fields() const;
 
  private:
   std::variant<Example, Rejection> instruction(const nlohmann::json& doc) const;

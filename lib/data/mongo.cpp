@@ -128,12 +128,30 @@ BsonPtr to_bson(const nlohmann::json& j, const char* what) {
 std::string to_json_text(const bson_t* b, bool canonical) {
   size_t n = 0;
   char* s = canonical ? bson_as_canonical_extended_json(b, &n) : bson_as_relaxed_extended_json(b, &n);
+  if (!s) return {};  // no JSON form (invalid UTF-8): the caller sees a discarded document
   std::string out(s, n);
   bson_free(s);
   return out;
 }
 
+// A failed query as one line; connection failures (and a server shutting down) as
+// ConnectionError, so that a reader can retry them.
+[[noreturn]] void query_failed(const bson_error_t& e, const std::string& what) {
+  const std::string msg = fmt::format("{}: {}", what, scrub(e.message));
+  const bool shutdown = e.domain == MONGOC_ERROR_SERVER &&
+                        (e.code == 91 || e.code == 11600 || e.code == 11602 || e.code == 189 || e.code == 6);
+  if (e.domain == MONGOC_ERROR_STREAM || e.domain == MONGOC_ERROR_SERVER_SELECTION || shutdown)
+    throw ConnectionError(msg);
+  throw Error(msg);
+}
+
 }  // namespace
+
+std::string relaxed_id(const std::string& canonical_id) {
+  const BsonPtr b = to_bson(nlohmann::json::parse(canonical_id), "an _id");
+  const auto j = nlohmann::json::parse(to_json_text(b.get(), false), nullptr, false);
+  return j.is_object() && j.contains("_id") ? j["_id"].dump() : canonical_id;
+}
 
 std::vector<std::string> Client::collections(const std::string& db) {
   mongoc_database_t* d = mongoc_client_get_database(client_.get(), db.c_str());
@@ -194,8 +212,49 @@ std::vector<nlohmann::json> Client::find_by_ids(const std::string& db, const std
   }
   bson_error_t error;
   if (mongoc_cursor_error(cur.get(), &error))
-    throw Error(fmt::format("reading {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+    query_failed(error, fmt::format("reading {}.{} at {} failed", db, coll, redacted_uri_));
   return out;  // a document deleted since listing stays null; the caller treats it as bad
+}
+
+int64_t Client::count(const std::string& db, const std::string& coll, const nlohmann::json& filter,
+                      std::optional<int64_t> limit) {
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  const BsonPtr query = to_bson(filter, "data.filter");
+  const BsonPtr opts = to_bson(limit ? nlohmann::json{{"limit", *limit}} : nlohmann::json::object(), "count options");
+  bson_error_t error;
+  const int64_t n = mongoc_collection_count_documents(c.get(), query.get(), opts.get(), nullptr, nullptr, &error);
+  if (n < 0) query_failed(error, fmt::format("counting {}.{} at {} failed", db, coll, redacted_uri_));
+  return n;
+}
+
+std::vector<Found> Client::find_sorted(const std::string& db, const std::string& coll, const nlohmann::json& filter,
+                                       const std::string& after, int64_t skip, int64_t limit,
+                                       const std::vector<std::string>& fields) {
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  nlohmann::json q = filter;
+  if (!after.empty()) {
+    const nlohmann::json past = {{"_id", {{"$gt", nlohmann::json::parse(after)["_id"]}}}};
+    q = filter.empty() ? past : nlohmann::json{{"$and", {filter, past}}};
+  }
+  const BsonPtr query = to_bson(q, "data.filter");
+  nlohmann::json opts = {{"sort", {{"_id", 1}}}, {"limit", limit}};
+  if (after.empty() && skip > 0) opts["skip"] = skip;
+  for (const std::string& f : fields) opts["projection"][f] = 1;
+  const BsonPtr bopts = to_bson(opts, "query options");
+  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
+  std::vector<Found> out;
+  const bson_t* doc = nullptr;
+  while (mongoc_cursor_next(cur.get(), &doc)) {
+    bson_iter_t it;
+    if (!bson_iter_init_find(&it, doc, "_id")) continue;
+    Bson key;
+    bson_append_iter(&key.b, "_id", -1, &it);
+    out.push_back({to_json_text(&key.b, true), nlohmann::json::parse(to_json_text(doc, false), nullptr, false)});
+  }
+  bson_error_t error;
+  if (mongoc_cursor_error(cur.get(), &error))
+    query_failed(error, fmt::format("reading {}.{} at {} failed", db, coll, redacted_uri_));
+  return out;
 }
 
 void Client::drop(const std::string& db, const std::string& coll) {
@@ -223,6 +282,61 @@ int64_t Client::insert_many(const std::string& db, const std::string& coll, cons
     inserted += static_cast<int64_t>(batch.size());
   }
   return inserted;
+}
+
+}  // namespace lorarun::data
+
+// --- Single documents, for run records (lib/track) ---
+namespace lorarun::data {
+
+std::string Client::insert_one(const std::string& db, const std::string& coll, nlohmann::json doc) {
+  std::string id;
+  if (!doc.contains("_id")) {
+    bson_oid_t oid;
+    bson_oid_init(&oid, nullptr);
+    char hex[25];
+    bson_oid_to_string(&oid, hex);
+    id = hex;
+    doc["_id"] = {{"$oid", id}};
+  } else {
+    id = doc["_id"].contains("$oid") ? doc["_id"]["$oid"].get<std::string>() : doc["_id"].dump();
+  }
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  const BsonPtr b = to_bson(doc, "a document");
+  bson_error_t error;
+  if (!mongoc_collection_insert_one(c.get(), b.get(), nullptr, nullptr, &error))
+    throw Error(fmt::format("inserting into {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+  return id;
+}
+
+bool Client::update_one(const std::string& db, const std::string& coll, const nlohmann::json& filter,
+                        const nlohmann::json& update) {
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  const BsonPtr query = to_bson(filter, "update filter");
+  const BsonPtr change = to_bson(update, "update");
+  Bson reply;
+  bson_error_t error;
+  const bool ok = mongoc_collection_update_one(c.get(), query.get(), change.get(), nullptr, &reply.b, &error);
+  if (!ok) throw Error(fmt::format("updating {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+  bson_iter_t it;
+  return bson_iter_init_find(&it, &reply.b, "matchedCount") && bson_iter_as_int64(&it) > 0;
+}
+
+std::vector<nlohmann::json> Client::find(const std::string& db, const std::string& coll, const nlohmann::json& filter,
+                                         std::optional<int64_t> limit) {
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  const BsonPtr query = to_bson(filter, "query filter");
+  nlohmann::json opts = {{"sort", {{"_id", 1}}}};
+  if (limit) opts["limit"] = *limit;
+  const BsonPtr bopts = to_bson(opts, "query options");
+  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
+  std::vector<nlohmann::json> out;
+  const bson_t* doc = nullptr;
+  while (mongoc_cursor_next(cur.get(), &doc)) out.push_back(nlohmann::json::parse(to_json_text(doc, false)));
+  bson_error_t error;
+  if (mongoc_cursor_error(cur.get(), &error))
+    throw Error(fmt::format("querying {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+  return out;
 }
 
 }  // namespace lorarun::data

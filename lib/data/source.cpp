@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <fmt/format.h>
 #include <fstream>
+#include <functional>
 
 #include "data/mongo.hpp"
 #include "data/shard.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::data {
+
+// ---------------------------------------------------------------------------------- Documents
 
 Documents::Documents(const recipe::DataSection& d, std::chrono::milliseconds timeout) : d_(d) {
   if (d.source == recipe::Source::Jsonl) {
@@ -18,23 +21,36 @@ Documents::Documents(const recipe::DataSection& d, std::chrono::milliseconds tim
       if (line.find_first_not_of(" \t\r") != std::string::npos) lines_.push_back(line);
     if (d.limit && static_cast<int64_t>(lines_.size()) > *d.limit) lines_.resize(static_cast<size_t>(*d.limit));
     if (lines_.empty()) throw Error(fmt::format("data.path {} holds no documents", d.path));
+    size_ = static_cast<int64_t>(lines_.size());
     return;
   }
   if (d.uri.empty()) throw Error("data.uri is empty: set it in the recipe or export LORARUN_MONGODB_URI");
   client_ = std::make_unique<Client>(d.uri, timeout);
   const auto names = client_->collections(d.database);
   if (std::find(names.begin(), names.end(), d.collection) == names.end())
-    throw Error(fmt::format("collection '{}' does not exist in database '{}' at {}", d.collection, d.database,
-                            client_->redacted_uri()));
-  ids_ = client_->sorted_ids(d.database, d.collection, d.filter, d.limit);
-  if (ids_.empty())
-    throw Error(fmt::format("data.filter {} selects no document of {}.{}", d.filter.dump(), d.database, d.collection));
+    throw Error(fmt::format("collection '{}' does not exist in database '{}' at {}: check data.database and "
+                            "data.collection", d.collection, d.database, client_->redacted_uri()));
+  if (d.shuffle == recipe::Shuffle::Stream) {
+    size_ = client_->count(d.database, d.collection, d.filter, d.limit);  // never the whole id list
+  } else {
+    list_ids();
+    size_ = static_cast<int64_t>(ids_.size());
+  }
+  if (size_ == 0)
+    throw Error(fmt::format("data.filter {} selects no document of {}.{} at {}: fix data.filter", d.filter.dump(),
+                            d.database, d.collection, client_->redacted_uri()));
 }
 
 Documents::~Documents() = default;
 
-int64_t Documents::size() const {
-  return static_cast<int64_t>(client_ ? ids_.size() : lines_.size());
+// Called with mu_ held (or from the constructor).
+void Documents::list_ids() const {
+  if (listed_) return;
+  ids_ = client_->sorted_ids(d_.database, d_.collection, d_.filter, d_.limit);
+  listed_ = true;
+  if (size_ && static_cast<int64_t>(ids_.size()) != size_)
+    throw Error(fmt::format("{}.{} changed while training ({} documents, then {}): keep the selection fixed",
+                            d_.database, d_.collection, size_, ids_.size()));
 }
 
 std::string Documents::describe() const {
@@ -42,47 +58,331 @@ std::string Documents::describe() const {
   return fmt::format("{}.{} {}", d_.database, d_.collection, d_.filter.dump());
 }
 
+std::string Documents::server() const { return client_ ? "MongoDB at " + client_->redacted_uri() : d_.path; }
+
 std::vector<nlohmann::json> Documents::fetch(const std::vector<int64_t>& positions) const {
   std::vector<nlohmann::json> out;
+  for (Found& f : fetch_found(positions, {})) out.push_back(std::move(f.doc));
+  return out;
+}
+
+std::vector<Found> Documents::fetch_found(const std::vector<int64_t>& positions,
+                                          const std::vector<std::string>& fields) const {
+  std::vector<Found> out;
   if (!client_) {
-    for (int64_t p : positions) out.push_back(nlohmann::json::parse(lines_[static_cast<size_t>(p)], nullptr, false));
+    for (int64_t p : positions)
+      out.push_back({fmt::format("#{}", p), nlohmann::json::parse(lines_[static_cast<size_t>(p)], nullptr, false)});
     return out;
   }
+  std::lock_guard lock(mu_);
+  list_ids();
   std::vector<std::string> ids;
   for (int64_t p : positions) ids.push_back(ids_[static_cast<size_t>(p)]);
-  return client_->find_by_ids(d_.database, d_.collection, ids, {});
+  std::vector<nlohmann::json> docs = client_->find_by_ids(d_.database, d_.collection, ids, fields);
+  for (size_t i = 0; i < ids.size(); ++i) out.push_back({ids[i], std::move(docs[i])});
+  return out;
+}
+
+std::vector<Found> Documents::run(int64_t pos, const std::string& after, int64_t n,
+                                  const std::vector<std::string>& fields) const {
+  if (!client_) {
+    std::vector<int64_t> positions;
+    for (int64_t p = pos; p < std::min(pos + n, size_); ++p) positions.push_back(p);
+    return fetch_found(positions, fields);
+  }
+  std::lock_guard lock(mu_);
+  return client_->find_sorted(d_.database, d_.collection, d_.filter, after, pos, n, fields);
 }
 
 int64_t examples_per_rank(int64_t documents, int world) { return (documents + world - 1) / world; }
 
+// ------------------------------------------------------------------------- plans and retries
+
+namespace {
+
+constexpr int64_t kChunk = 256;       // documents per round trip and per queued chunk
+constexpr double kMaxBackoff = 30.0;  // seconds
+constexpr int64_t kMaxRuns = 64;      // stream: runs per rank (each one skip on the server)
+
+struct Stopping {};  // the reader is being destroyed: unwind the prefetch thread
+
+uint64_t mix(uint64_t a, uint64_t b) {
+  uint64_t z = a * 0x9e3779b97f4a7c15ULL + b + 0x632be59bd9b4e019ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Runs a server request; a ConnectionError is retried after backoff, backoff*2, … (capped),
+// up to `retries` times. Each attempt repeats the same request, so no document is skipped or
+// read twice. Past the budget: one Error naming the server, the attempts and the fix.
+struct Retry {
+  std::string server;
+  int retries;
+  double backoff;
+  std::function<bool(double)> pause;  // false: stop now
+
+  std::vector<Found> operator()(const std::function<std::vector<Found>()>& request) const {
+    double wait = backoff, waited = 0;
+    for (int attempt = 1;; ++attempt) {
+      try {
+        return request();
+      } catch (const ConnectionError& e) {
+        if (attempt > retries)
+          throw Error(fmt::format("lost {}: {} attempt(s) over {:.1f} s failed (last: {}); restart the server or "
+                                  "fix the network, or raise data.retries ({}) / data.retry_backoff_s ({})",
+                                  server, attempt, waited, e.what(), retries, backoff));
+        if (!pause(wait)) throw Stopping{};
+        waited += wait;
+        wait = std::min(wait * 2, kMaxBackoff);
+      }
+    }
+  }
+};
+
+}  // namespace
+
+// A rank's order for one epoch and how to read it: next_chunk() gives the next documents of it
+// in order (empty at the end).
+struct ShardReader::Plan {
+  virtual ~Plan() = default;
+  virtual std::vector<Found> next_chunk() = 0;
+};
+
+namespace {
+
+// global and none: this rank's positions (shard_positions), fetched by id, kChunk at a time.
+class PositionPlan : public ShardReader::Plan {
+ public:
+  PositionPlan(const Documents& docs, std::vector<std::string> fields, const ShardSpec& s, int64_t start, Retry retry)
+      : docs_(docs), fields_(std::move(fields)), retry_(std::move(retry)) {
+    const Order order = s.shuffle == recipe::Shuffle::None ? Order::Sorted : Order::Shuffled;
+    order_ = shard_positions(docs.size(), s.world, s.rank, s.seed, s.epoch, order);
+    next_ = static_cast<size_t>(start);
+  }
+  std::vector<Found> next_chunk() override {
+    const size_t end = std::min(order_.size(), next_ + static_cast<size_t>(kChunk));
+    const std::vector<int64_t> positions(order_.begin() + static_cast<std::ptrdiff_t>(next_),
+                                         order_.begin() + static_cast<std::ptrdiff_t>(end));
+    if (positions.empty()) return {};
+    std::vector<Found> out = retry_([&] { return docs_.fetch_found(positions, fields_); });
+    next_ = end;  // only after success: a retry re-reads the same ids
+    return out;
+  }
+
+ private:
+  const Documents& docs_;
+  const std::vector<std::string> fields_;
+  const Retry retry_;
+  std::vector<int64_t> order_;
+  size_t next_ = 0;
+};
+
+// stream: this rank's _id-sorted positions [rank*per, (rank+1)*per) modulo n, cut into at most
+// kMaxRuns runs read in a (seed, epoch, rank) order, each run through a cursor that resumes
+// after the last id read; the stream is shuffled window by window (shuffle_buffer documents).
+// Memory: the runs (positions) and one window, whatever the collection's size.
+class StreamPlan : public ShardReader::Plan {
+ public:
+  StreamPlan(const Documents& docs, std::vector<std::string> fields, const ShardSpec& s, int64_t start, Retry retry)
+      : docs_(docs), fields_(std::move(fields)), retry_(std::move(retry)),
+        window_size_(docs.config().shuffle_buffer), seed_(mix(s.seed, static_cast<uint64_t>(s.rank))),
+        epoch_(s.epoch) {
+    const int64_t n = docs.size(), per = examples_per_rank(n, s.world);
+    size_ = per;
+    const int64_t piece = std::max<int64_t>(window_size_, (per + kMaxRuns - 1) / kMaxRuns);
+    for (int64_t g = s.rank * per; g < (s.rank + 1) * per;) {  // g: index in the padded _id order
+      const int64_t from = g % n, len = std::min((s.rank + 1) * per - g, n - from);
+      for (int64_t o = 0; o < len; o += piece) runs_.push_back({from + o, std::min(piece, len - o)});
+      g += len;
+    }
+    const std::vector<int64_t> p = permutation(static_cast<int64_t>(runs_.size()), seed_, s.epoch);
+    std::vector<Run> ordered;
+    for (int64_t i : p) ordered.push_back(runs_[static_cast<size_t>(i)]);
+    runs_ = std::move(ordered);
+    // Resume at `start`: reopen at its window, drop what was delivered of it.
+    window_ = start / window_size_;
+    skip_ = start - window_ * window_size_;
+    for (int64_t k = window_ * window_size_; k > 0; ++run_) {
+      if (k < runs_[run_].n) {
+        offset_ = k;
+        break;
+      }
+      k -= runs_[run_].n;
+    }
+  }
+
+  std::vector<Found> next_chunk() override {
+    if (ready_next_ == ready_.size() && !load_window()) return {};
+    const size_t end = std::min(ready_.size(), ready_next_ + static_cast<size_t>(kChunk));
+    std::vector<Found> out(std::make_move_iterator(ready_.begin() + static_cast<std::ptrdiff_t>(ready_next_)),
+                           std::make_move_iterator(ready_.begin() + static_cast<std::ptrdiff_t>(end)));
+    ready_next_ = end;
+    return out;
+  }
+
+ private:
+  struct Run {
+    int64_t pos, n;  // sorted positions [pos, pos + n)
+  };
+
+  // Reads the next window and permutes it by (seed, rank, window, epoch).
+  bool load_window() {
+    const int64_t begin = window_ * window_size_;
+    if (begin >= size_) return false;
+    const int64_t n = std::min(window_size_, size_ - begin);
+    std::vector<Found> w = read(n);
+    ready_.clear();
+    for (int64_t i : permutation(n, mix(seed_, static_cast<uint64_t>(window_)), epoch_))
+      if (skip_ > 0) --skip_; else ready_.push_back(std::move(w[static_cast<size_t>(i)]));
+    ready_next_ = 0, ++window_;
+    return !ready_.empty() || load_window();
+  }
+
+  // The next n documents of the stream, in run order; one round trip per kChunk of a run
+  // (at most kChunk read ahead of the window).
+  std::vector<Found> read(int64_t n) {
+    std::vector<Found> out;
+    while (static_cast<int64_t>(out.size()) < n) {
+      if (ahead_next_ < ahead_.size()) {
+        out.push_back(std::move(ahead_[ahead_next_++]));
+        continue;
+      }
+      if (offset_ == runs_[run_].n) ++run_, offset_ = 0, last_.clear();
+      const Run& r = runs_[run_];
+      const int64_t want = std::min(r.n - offset_, kChunk);
+      ahead_ = retry_([&] { return docs_.run(r.pos + offset_, last_, want, fields_); });
+      ahead_.resize(static_cast<size_t>(want));  // short: documents deleted since counting stay null
+      for (const Found& f : ahead_)
+        if (!f.id.empty()) last_ = f.id;
+      ahead_next_ = 0, offset_ += want;
+    }
+    return out;
+  }
+
+  const Documents& docs_;
+  const std::vector<std::string> fields_;
+  const Retry retry_;
+  const int64_t window_size_;
+  const uint64_t seed_;
+  const int64_t epoch_;
+  int64_t size_ = 0;
+  std::vector<Run> runs_;
+  size_t run_ = 0;
+  int64_t offset_ = 0;  // within runs_[run_]
+  std::string last_;    // id of the last document read in runs_[run_] (empty: seek by skip)
+  std::vector<Found> ahead_;  // read from runs_[run_], not yet in a window
+  size_t ahead_next_ = 0;
+  int64_t window_ = 0, skip_ = 0;
+  std::vector<Found> ready_;
+  size_t ready_next_ = 0;
+};
+
+// {"_id": {"$oid": "65f…"}} → {"$oid":"65f…"}, {"_id": {"$numberInt": "7"}} → 7; "#12" stays.
+std::string shown_id(const std::string& id) { return id.empty() || id[0] == '#' ? id : relaxed_id(id); }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------- ShardReader
+
 ShardReader::ShardReader(const Documents& docs, const ExampleBuilder& builder, const ShardSpec& s, int64_t start)
-    : docs_(docs), builder_(builder) {
-  const Order order = s.shuffle == recipe::Shuffle::None ? Order::Sorted : Order::Shuffled;
-  order_ = shard_positions(docs.size(), s.world, s.rank, s.seed, s.epoch, order);
-  fetched_ = static_cast<size_t>(std::clamp<int64_t>(start, 0, size()));
-  delivered_ = static_cast<int64_t>(fetched_);
+    : builder_(builder), depth_(static_cast<size_t>(std::max(0, docs.config().prefetch))) {
+  if (s.world < 1 || s.rank < 0 || s.rank >= s.world)
+    throw Error(fmt::format("rank {} of world size {} is not a valid shard", s.rank, s.world));
+  const recipe::DataSection& d = docs.config();
+  size_ = examples_per_rank(docs.size(), s.world);
+  delivered_ = std::clamp<int64_t>(start, 0, size_);
+  Retry retry{docs.server(), d.retries, d.retry_backoff_s, [this](double t) { return pause(t); }};
+  if (s.shuffle == recipe::Shuffle::Stream)
+    plan_ = std::make_unique<StreamPlan>(docs, builder.fields(), s, delivered_, std::move(retry));
+  else
+    plan_ = std::make_unique<PositionPlan>(docs, builder.fields(), s, delivered_, std::move(retry));
+  if (depth_ > 0) thread_ = std::thread([this] { run(); });
+}
+
+ShardReader::~ShardReader() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
 }
 
 std::vector<Built> ShardReader::next(size_t n) {
-  const auto t0 = std::chrono::steady_clock::now();
   std::vector<Built> out;
-  while (out.size() < n && (next_ < buffer_.size() || fill())) out.push_back(std::move(buffer_[next_++]));
+  while (out.size() < n) {
+    if (next_ < current_.size()) {
+      count(current_[next_]);
+      out.push_back(std::move(current_[next_++]));
+      continue;
+    }
+    if (end_) break;
+    const auto t0 = std::chrono::steady_clock::now();
+    current_ = take();
+    wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    next_ = 0, end_ = current_.empty();
+  }
   delivered_ += static_cast<int64_t>(out.size());
-  wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;
 }
 
-// Fetches the next chunk of this rank's order: one database round trip per 1,024 documents.
-bool ShardReader::fill() {
-  constexpr size_t kChunk = 1024;
-  if (fetched_ >= order_.size()) return false;
-  const size_t end = std::min(order_.size(), fetched_ + kChunk);
-  const auto docs = docs_.fetch({order_.begin() + static_cast<std::ptrdiff_t>(fetched_),
-                                 order_.begin() + static_cast<std::ptrdiff_t>(end)});
-  buffer_.clear();
-  for (const auto& d : docs) buffer_.push_back(builder_.build(d));
-  fetched_ = end, next_ = 0;
-  return !buffer_.empty();
+void ShardReader::count(const Built& b) {
+  const auto* r = std::get_if<Rejection>(&b);
+  if (!r) return;
+  ++rejected_[r->kind];
+  if (first_rejected_.size() < 5) first_rejected_.push_back(fmt::format("{}: {}", r->document, r->reason));
+}
+
+// The next chunk of documents, built into examples (or rejections naming the document).
+std::vector<Built> ShardReader::produce() {
+  std::vector<Found> docs = plan_->next_chunk();
+  std::vector<Built> out;
+  out.reserve(docs.size());
+  for (const Found& f : docs) {
+    Built b = f.doc.is_discarded() ? Rejection{Rejection::BadDocument, "not valid JSON or not valid UTF-8"}
+              : f.doc.is_null()    ? Rejection{Rejection::BadDocument, "no longer in the collection"}
+                                   : builder_.build(f.doc);
+    if (auto* r = std::get_if<Rejection>(&b)) r->document = shown_id(f.id);
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+std::vector<Built> ShardReader::take() {
+  if (depth_ == 0) return produce();
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return !queue_.empty() || error_; });
+  if (queue_.empty()) std::rethrow_exception(error_);  // after every chunk read before it
+  std::vector<Built> chunk = std::move(queue_.front());
+  queue_.pop_front();
+  cv_.notify_all();
+  return chunk;
+}
+
+void ShardReader::run() {
+  try {
+    for (;;) {
+      std::vector<Built> chunk = produce();
+      const bool end = chunk.empty();
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || queue_.size() < depth_; });
+      if (stop_) return;
+      queue_.push_back(std::move(chunk));
+      cv_.notify_all();
+      if (end) return;
+    }
+  } catch (const Stopping&) {
+  } catch (...) {
+    std::lock_guard lock(mu_);
+    error_ = std::current_exception();
+    cv_.notify_all();
+  }
+}
+
+bool ShardReader::pause(double seconds) {
+  std::unique_lock lock(mu_);
+  return !cv_.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return stop_; });
 }
 
 }  // namespace lorarun::data

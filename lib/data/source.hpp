@@ -2,10 +2,15 @@
 // them for one epoch, built into examples ahead of the trainer.
 #pragma once
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <variant>
 #include <vector>
 
@@ -15,24 +20,39 @@
 namespace lorarun::data {
 
 class Client;
+struct Found;
 
 // The selected documents, addressable by position 0..size()-1 in _id order (MongoDB) or file
-// order (JSONL). Construction checks that the selection exists and is not empty.
+// order (JSONL). Construction checks that the selection exists and is not empty. With
+// data.shuffle: stream a MongoDB selection is only counted, never listed: memory does not grow
+// with the collection (fetch() by position lists the ids on first use). Thread-safe.
 class Documents {
  public:
   Documents(const recipe::DataSection& d, std::chrono::milliseconds timeout);
   ~Documents();
-  int64_t size() const;
+  int64_t size() const { return size_; }
+  const recipe::DataSection& config() const { return d_; }
   // "db.collection {filter}" or the JSONL path, secrets scrubbed (for logs and run records).
   std::string describe() const;
+  // "mongodb://host:port/" (password redacted) or the JSONL path: who to blame in errors.
+  std::string server() const;
   // The documents at these positions, in order (null where one vanished or is not JSON).
   std::vector<nlohmann::json> fetch(const std::vector<int64_t>& positions) const;
+  // The same with ids, fetching only `fields` (all when empty).
+  std::vector<Found> fetch_found(const std::vector<int64_t>& positions, const std::vector<std::string>& fields) const;
+  // Up to `n` documents from sorted position `pos` on, where `after` is the id of the one
+  // before `pos` (empty: seek to `pos`, a server-side skip). Stream mode's cursor step.
+  std::vector<Found> run(int64_t pos, const std::string& after, int64_t n, const std::vector<std::string>& fields) const;
 
  private:
+  void list_ids() const;
   const recipe::DataSection& d_;
   std::unique_ptr<Client> client_;
-  std::vector<std::string> ids_;    // mongodb: canonical {"_id": …} per position
-  std::vector<std::string> lines_;  // jsonl: one document per position
+  int64_t size_ = 0;
+  mutable std::mutex mu_;                     // one request at a time on client_
+  mutable std::vector<std::string> ids_;      // mongodb: canonical {"_id": …} per position
+  mutable bool listed_ = false;
+  std::vector<std::string> lines_;            // jsonl: one document per position
 };
 
 // Which shard of which epoch a reader delivers.
@@ -43,31 +63,65 @@ struct ShardSpec {
   recipe::Shuffle shuffle = recipe::Shuffle::Global;
 };
 
-// Examples per rank per epoch: equal on every rank (DistributedSampler's padding).
+// Examples per rank per epoch: ceil(documents / world) on every rank, in every shuffle mode.
+// The remainder is padded as torch's DistributedSampler (drop_last=False) does: the first
+// world*per_rank - documents documents of the epoch's order (of the _id order with stream)
+// are read a second time, so at most world-1 documents appear twice in an epoch.
 int64_t examples_per_rank(int64_t documents, int world);
 
 using Built = std::variant<Example, Rejection>;
 
-// One rank's documents for one epoch, from position `start` of its order on, fetched in chunks
-// through its own cursor and built into examples.
+// One rank's documents for one epoch, from position `start` of its order on, in chunks fetched
+// through its own cursor and built into examples by a background thread, data.prefetch chunks
+// ahead (0: in next() itself). A dropped connection is retried data.retries times with
+// exponential backoff, re-reading the same documents; past that next() throws the Error.
+//   global: the sorted _id list permuted by (seed, epoch); rank r takes r, r+W, r+2W, …
+//   none:   sorted by _id, contiguous slices.
+//   stream: rank r reads the _id-sorted positions [r*per_rank, (r+1)*per_rank) (wrapping to the
+//           start for the padding), split into at most 64 runs read in a (seed, epoch) order,
+//           each window of data.shuffle_buffer documents permuted. No id list is held.
 class ShardReader {
  public:
   ShardReader(const Documents& docs, const ExampleBuilder& builder, const ShardSpec& spec, int64_t start = 0);
+  ~ShardReader();  // stops the thread; waits for at most the request in flight
+  ShardReader(const ShardReader&) = delete;
+  ShardReader& operator=(const ShardReader&) = delete;
+
   // The next n documents' results in order; fewer (or none) at the end of the shard.
   std::vector<Built> next(size_t n);
   int64_t position() const { return delivered_; }  // documents delivered so far (incl. start)
-  int64_t size() const { return static_cast<int64_t>(order_.size()); }
-  double wait_seconds() const { return wait_s_; }  // time next() spent fetching/building
+  int64_t size() const { return size_; }
+  double wait_seconds() const { return wait_s_; }  // time next() spent blocked on data
+  // Rejections delivered so far, by kind, and the first few as "id: reason" (for the log).
+  int64_t rejected(Rejection::Kind kind) const { return rejected_[kind]; }
+  const std::vector<std::string>& first_rejected() const { return first_rejected_; }
+
+  struct Plan;  // the order and how to read it (source.cpp)
 
  private:
-  bool fill();
-  const Documents& docs_;
+  std::vector<Built> produce();  // the next chunk, built; empty at the end
+  std::vector<Built> take();     // the next chunk from the queue (or produce())
+  void run();                    // the prefetch thread
+  bool pause(double seconds);    // false when stopping
+  void count(const Built& b);
+
   const ExampleBuilder& builder_;
-  std::vector<int64_t> order_;
-  std::vector<Built> buffer_;
-  size_t fetched_ = 0, next_ = 0;
-  int64_t delivered_ = 0;
+  std::unique_ptr<Plan> plan_;
+  int64_t size_ = 0, delivered_ = 0;
   double wait_s_ = 0;
+  int64_t rejected_[2] = {0, 0};
+  std::vector<std::string> first_rejected_;
+  std::vector<Built> current_;
+  size_t next_ = 0;
+  bool end_ = false;
+
+  size_t depth_;  // chunks ready ahead
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::vector<Built>> queue_;  // an empty chunk marks the end
+  std::exception_ptr error_;
+  bool stop_ = false;
+  std::thread thread_;
 };
 
 }  // namespace lorarun::data

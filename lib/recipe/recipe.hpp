@@ -102,6 +102,7 @@ struct LoraSection {
   bool use_rslora = false;    // scale by alpha/sqrt(r) instead of alpha/r
   bool quantize_base = false;  // QLoRA: base weights in NF4
   bool double_quant = true;    // QLoRA: quantise the NF4 block scales too
+  std::string init_from;       // a PEFT adapter directory to start from (empty: fresh A, B = 0)
   bool all_linear() const { return target_modules == std::vector<std::string>{"all-linear"}; }
   bool operator==(const LoraSection&) const = default;
 };
@@ -129,7 +130,10 @@ struct DataSection {
   Shuffle shuffle = Shuffle::Global;
   bool packing = false;
   int batch_size = 4;  // examples per micro-batch per rank
-  int prefetch = 4;    // batches prepared ahead (0: none)
+  int prefetch = 4;    // chunks (of 256 documents) fetched and built ahead by a thread (0: none)
+  int shuffle_buffer = 4096;     // shuffle: stream: documents shuffled together (bounds memory)
+  int retries = 5;               // retries of a fetch after a dropped connection (0: fail at once)
+  double retry_backoff_s = 1.0;  // first wait before a retry; doubles each time, capped at 30 s
 
   // The distinct {placeholders} of prompt_template, in order of first use.
   std::vector<std::string> template_fields() const;

@@ -29,6 +29,7 @@ template <class R, class V> void for_each_key(R& r, V&& v) {
   v("lora.use_rslora", r.lora.use_rslora);
   v("lora.quantize_base", r.lora.quantize_base);
   v("lora.double_quant", r.lora.double_quant);
+  v("lora.init_from", r.lora.init_from);
 
   v("data.source", r.data.source);
   v("data.uri", r.data.uri);
@@ -51,6 +52,9 @@ template <class R, class V> void for_each_key(R& r, V&& v) {
   v("data.packing", r.data.packing);
   v("data.batch_size", r.data.batch_size);
   v("data.prefetch", r.data.prefetch);
+  v("data.shuffle_buffer", r.data.shuffle_buffer);
+  v("data.retries", r.data.retries);
+  v("data.retry_backoff_s", r.data.retry_backoff_s);
 
   v("train.epochs", r.train.epochs);
   v("train.gradient_accumulation_steps", r.train.gradient_accumulation_steps);

@@ -96,6 +96,9 @@ TEST_CASE("every key has its documented default") {
   CHECK_FALSE(r.data.packing);
   CHECK(r.data.batch_size == 4);
   CHECK(r.data.prefetch == 4);
+  CHECK(r.data.shuffle_buffer == 4096);
+  CHECK(r.data.retries == 5);
+  CHECK(r.data.retry_backoff_s == 1.0);
 
   CHECK(r.train.epochs == 3);
   CHECK(r.train.gradient_accumulation_steps == 1);
@@ -138,6 +141,7 @@ TEST_CASE("the keys are §4's, in its order") {
                 "lora.use_rslora",
                 "lora.quantize_base",
                 "lora.double_quant",
+                "lora.init_from",
                 "data.source",
                 "data.uri",
                 "data.database",
@@ -159,6 +163,9 @@ TEST_CASE("the keys are §4's, in its order") {
                 "data.packing",
                 "data.batch_size",
                 "data.prefetch",
+                "data.shuffle_buffer",
+                "data.retries",
+                "data.retry_backoff_s",
                 "train.epochs",
                 "train.gradient_accumulation_steps",
                 "train.lr",
@@ -400,6 +407,10 @@ TEST_CASE("out-of-range values name the bound and an example") {
       {"data.max_length=1", "data.max_length must be at least 2, got 1 (e.g. data.max_length: 1024)"},
       {"data.prefetch=-1", "data.prefetch must be at least 0, got -1 (e.g. data.prefetch: 4)"},
       {"data.limit=0", "data.limit must be at least 1 or null, got 0 (e.g. data.limit: 1000)"},
+      {"data.shuffle_buffer=0", "data.shuffle_buffer must be at least 1, got 0 (e.g. data.shuffle_buffer: 4096)"},
+      {"data.retries=-1", "data.retries must be at least 0, got -1 (e.g. data.retries: 5)"},
+      {"data.retry_backoff_s=-1",
+       "data.retry_backoff_s must be in [0, 3600] seconds, got -1.0 (e.g. data.retry_backoff_s: 1.0)"},
       {"train.gradient_accumulation_steps=0",
        "train.gradient_accumulation_steps must be at least 1, got 0 (e.g. train.gradient_accumulation_steps: 1)"},
       {"train.warmup_steps=-1", "train.warmup_steps must be at least 0, got -1 (e.g. train.warmup_steps: 0)"},
@@ -423,8 +434,10 @@ TEST_CASE("out-of-range values name the bound and an example") {
     CHECK(override_error({o}) == "recipe.yaml (override '" + o + "'): " + message);
   }
   // Boundaries that are allowed.
-  const Recipe r = load(kBase, {"lora.dropout=0.0", "data.max_length=2", "data.prefetch=0", "train.warmup_steps=0"});
+  const Recipe r = load(kBase, {"lora.dropout=0.0", "data.max_length=2", "data.prefetch=0", "train.warmup_steps=0",
+                                "data.retries=0", "data.retry_backoff_s=0"});
   CHECK(r.data.max_length == 2);
+  CHECK(r.data.retries == 0);
 }
 
 TEST_CASE("lora.target_modules: names, once each, and all-linear alone") {
