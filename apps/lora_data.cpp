@@ -1,30 +1,60 @@
-// lora-data: dataset tools. Subcommands: tokenize, detokenize (more can be added beside them).
+// lora-data: dataset tools.
+//   tokenize, detokenize      text <-> token ids under a model's tokenizer (line protocol below)
+//   stats RECIPE [k=v…]       what training would see: counts, bad documents, token lengths
+//   preview N RECIPE [k=v…]   the first N documents as training sees them, trained part marked
+//   import FILE.jsonl         a JSONL file into a MongoDB collection, 1,000 documents per insert
 //
 // Line protocol (one record per line, so any text survives, newlines and CR included):
 //   tokenize   in: a JSON string literal per line ("Hello\nworld"), or with --raw each line
 //              itself as plain text (without its \n)
 //              out: a JSON array of token ids per line ([9906,198,14957])
 //   detokenize in: a JSON array of ids per line; out: a JSON string literal per line
+//
+// Positions (#N) are 0-based: _id order for MongoDB, order of the non-blank lines for JSONL —
+// the positions training shards and `preview --json` reports.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <fstream>
-
-#include <cstdio>
 #include <iostream>
+#include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
+#include <unistd.h>
 
 #include "app_main.hpp"
 #include "data/mongo.hpp"
+#include "data/source.hpp"
+#include "model/resolve.hpp"
+#include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "util/error.hpp"
 
 namespace {
 
+namespace data = lorarun::data;
+namespace recipe = lorarun::recipe;
+namespace tok = lorarun::tok;
 using lorarun::Error;
 using nlohmann::json;
+
+// Server selection / connect timeout unless the URI sets its own.
+constexpr std::chrono::milliseconds kMongoTimeout{10000};
+
+std::string ids_json(const std::vector<int32_t>& ids) {
+  std::string out = "[";
+  for (size_t i = 0; i < ids.size(); ++i) fmt::format_to(std::back_inserter(out), "{}{}", i ? "," : "", ids[i]);
+  out += "]\n";
+  return out;
+}
+
+// ---- tokenize / detokenize ----------------------------------------------------------------
 
 struct TokenizeArgs {
   std::string model;
@@ -37,15 +67,8 @@ struct DetokenizeArgs {
   bool skip_special = false;
 };
 
-std::string ids_json(const std::vector<int32_t>& ids) {
-  std::string out = "[";
-  for (size_t i = 0; i < ids.size(); ++i) fmt::format_to(std::back_inserter(out), "{}{}", i ? "," : "", ids[i]);
-  out += "]\n";
-  return out;
-}
-
 void tokenize(const TokenizeArgs& a) {
-  auto tok = lorarun::tok::Tokenizer::from_dir(a.model);
+  auto tok = tok::Tokenizer::from_dir(a.model);
   std::string line;
   for (size_t n = 1; std::getline(std::cin, line); ++n) {
     std::string text;
@@ -64,7 +87,7 @@ void tokenize(const TokenizeArgs& a) {
 }
 
 void detokenize(const DetokenizeArgs& a) {
-  auto tok = lorarun::tok::Tokenizer::from_dir(a.model);
+  auto tok = tok::Tokenizer::from_dir(a.model);
   std::string line;
   for (size_t n = 1; std::getline(std::cin, line); ++n) {
     json j = json::parse(line, nullptr, false);
@@ -80,32 +103,267 @@ void detokenize(const DetokenizeArgs& a) {
   }
 }
 
+// ---- a recipe's data, built as training builds it -----------------------------------------
+
+struct RecipeArgs {
+  std::string recipe;
+  std::vector<std::string> overrides;
+  bool as_json = false;
+};
+
+// A recipe, its model's tokenizer and its selected documents. Not movable: docs refers to
+// recipe.data.
+struct Dataset {
+  explicit Dataset(const RecipeArgs& a)
+      : recipe(recipe::load_recipe(a.recipe, a.overrides)),
+        tokenizer(tok::Tokenizer::from_dir(lorarun::model::resolve_model_path(recipe.model.path))),
+        docs(recipe.data, kMongoTimeout) {}
+  Dataset(const Dataset&) = delete;
+  const recipe::Recipe recipe;
+  const tok::Tokenizer tokenizer;
+  const data::Documents docs;
+};
+
+// What the trainer's builder makes of `doc`; a line that is not a JSON object says so.
+data::Built build(const data::ExampleBuilder& b, const json& doc, recipe::Source source) {
+  if (doc.is_object()) return b.build(doc);
+  const char* why = doc.is_discarded()                                       ? "not valid JSON"
+                    : doc.is_null() && source == recipe::Source::MongoDB ? "no longer in the collection"
+                                                                             : "not a JSON object";
+  return data::Rejection{data::Rejection::BadDocument, why};
+}
+
+// Calls f(position, document) for positions [0, n) in order, fetching 1,024 at a time.
+template <class F>
+void for_each_document(const Dataset& d, int64_t n, F f) {
+  constexpr int64_t kChunk = 1024;
+  for (int64_t start = 0; start < n; start += kChunk) {
+    std::vector<int64_t> positions;
+    for (int64_t p = start; p < std::min(n, start + kChunk); ++p) positions.push_back(p);
+    const std::vector<json> docs = d.docs.fetch(positions);
+    for (size_t i = 0; i < docs.size(); ++i) f(positions[i], docs[i]);
+  }
+}
+
+// "#12", or "#12 (_id 65f0…)" when the document has an _id.
+std::string where(int64_t position, const json& doc) {
+  if (!doc.is_object() || !doc.contains("_id")) return fmt::format("#{}", position);
+  const json& id = doc["_id"];
+  const std::string text = id.is_object() && id.contains("$oid") ? id["$oid"].get<std::string>() : id.dump();
+  return fmt::format("#{} (_id {})", position, text);
+}
+
+int64_t trained_tokens(const data::Example& e) {
+  return std::count_if(e.labels.begin(), e.labels.end(), [](int32_t l) { return l != -100; });
+}
+
+// ---- stats --------------------------------------------------------------------------------
+
+struct Stats {
+  struct Bad {
+    int64_t count = 0;
+    std::vector<std::string> first;  // where the first few are
+  };
+  int64_t documents = 0, examples = 0, overlong = 0, trained = 0;
+  std::vector<int64_t> lengths;  // untruncated example lengths (overlong ones included)
+  std::map<std::string, Bad> bad;  // by reason
+
+  void reject(const std::string& reason, int64_t position, const json& doc) {
+    Bad& b = bad[reason];
+    if (++b.count <= 5) b.first.push_back(where(position, doc));
+  }
+  int64_t bad_total() const {
+    int64_t n = 0;
+    for (const auto& [reason, b] : bad) n += b.count;
+    return n;
+  }
+};
+
+// Builds every document twice over at most: untruncated for its length, then as training does
+// when it is longer than data.max_length (shorter ones come out the same either way).
+Stats collect(const Dataset& d) {
+  recipe::DataSection wide = d.recipe.data;
+  wide.max_length = std::numeric_limits<int>::max();
+  const data::ExampleBuilder untruncated(wide, d.tokenizer), builder(d.recipe.data, d.tokenizer);
+  Stats s;
+  s.documents = d.docs.size();
+  for_each_document(d, s.documents, [&](int64_t position, const json& doc) {
+    data::Built built = build(untruncated, doc, d.recipe.data.source);
+    if (auto* r = std::get_if<data::Rejection>(&built)) return s.reject(r->reason, position, doc);
+    const auto length = static_cast<int64_t>(std::get<data::Example>(built).ids.size());
+    s.lengths.push_back(length);
+    if (length > d.recipe.data.max_length) {
+      ++s.overlong;
+      built = build(builder, doc, d.recipe.data.source);
+    }
+    if (auto* e = std::get_if<data::Example>(&built)) {
+      ++s.examples;
+      s.trained += trained_tokens(*e);
+    } else if (const auto& r = std::get<data::Rejection>(built); r.kind == data::Rejection::BadDocument) {
+      s.reject(r.reason, position, doc);  // e.g. nothing left to train on after truncation
+    }
+  });
+  std::sort(s.lengths.begin(), s.lengths.end());
+  return s;
+}
+
+// Nearest-rank percentile of sorted values: the smallest value with at least p% at or below it.
+int64_t percentile(const std::vector<int64_t>& sorted, int p) {
+  const auto n = static_cast<int64_t>(sorted.size());
+  return sorted[static_cast<size_t>(std::max<int64_t>((p * n + 99) / 100 - 1, 0))];
+}
+
+nlohmann::ordered_json stats_json(const Dataset& d, const Stats& s) {
+  nlohmann::ordered_json bad = nlohmann::ordered_json::array();
+  for (const auto& [reason, b] : s.bad) bad.push_back({{"reason", reason}, {"count", b.count}, {"first", b.first}});
+  nlohmann::ordered_json lengths = nullptr;
+  if (!s.lengths.empty())
+    lengths = {{"p50", percentile(s.lengths, 50)}, {"p90", percentile(s.lengths, 90)},
+               {"p99", percentile(s.lengths, 99)}, {"max", s.lengths.back()}};
+  return {{"data", d.docs.describe()},
+          {"documents", s.documents},
+          {"examples", s.examples},
+          {"bad_documents", s.bad_total()},
+          {"bad_by_reason", bad},
+          {"token_length", lengths},
+          {"max_length", d.recipe.data.max_length},
+          {"overlong", s.overlong},
+          {"overlong_policy", recipe::name(d.recipe.data.overlong)},
+          {"trained_tokens", s.trained}};
+}
+
+void print_stats(const Dataset& d, const Stats& s) {
+  const recipe::DataSection& c = d.recipe.data;
+  const auto row = [](std::string_view label, const std::string& value) { fmt::print("{:<16}{}\n", label, value); };
+  row("data", d.docs.describe());
+  row("documents", fmt::format("{} selected", s.documents));
+  row("examples", fmt::format("{}", s.examples));
+  row("bad documents", fmt::format("{}{}", s.bad_total(),
+                                   s.bad.empty() || c.bad_documents == recipe::BadDocuments::Skip
+                                       ? "" : " (data.bad_documents is fail: training stops at the first)"));
+  for (const auto& [reason, b] : s.bad)
+    fmt::print("  {:>6}  {}: {}{}\n", b.count, reason, fmt::join(b.first, ", "), b.count > 5 ? ", …" : "");
+  if (s.lengths.empty()) {
+    row("token lengths", "- (no example)");
+  } else {
+    row("token lengths", fmt::format("p50 {}  p90 {}  p99 {}  max {}  (untruncated, {} examples)",
+                                     percentile(s.lengths, 50), percentile(s.lengths, 90), percentile(s.lengths, 99),
+                                     s.lengths.back(), s.lengths.size()));
+  }
+  row("overlong", fmt::format("{} exceed data.max_length {} ({})", s.overlong, c.max_length,
+                              c.overlong == recipe::Overlong::Skip ? "skipped" : "truncated"));
+  row("trained tokens", fmt::format("{}", s.trained));
+}
+
+void stats(const RecipeArgs& a) {
+  const Dataset d(a);
+  const Stats s = collect(d);
+  if (a.as_json) fmt::print("{}\n", stats_json(d, s).dump());
+  else print_stats(d, s);
+}
+
+// ---- preview ------------------------------------------------------------------------------
+
+// The example's text, trained spans marked: ⟦…⟧, or green on a terminal.
+std::string render(const tok::Tokenizer& tokenizer, const data::Example& e, bool colour) {
+  std::string out;
+  for (size_t i = 0; i < e.ids.size();) {
+    const bool trained = e.labels[i] != -100;
+    size_t j = i;
+    while (j < e.ids.size() && (e.labels[j] != -100) == trained) ++j;
+    const std::string text = tokenizer.decode(std::span(e.ids).subspan(i, j - i));
+    out += !trained ? text : colour ? "\x1b[32m" + text + "\x1b[0m" : "⟦" + text + "⟧";
+    i = j;
+  }
+  return out;
+}
+
+void print_preview(const Dataset& d, int64_t position, const json& doc, const data::Built& built, bool colour) {
+  if (const auto* r = std::get_if<data::Rejection>(&built)) {
+    fmt::print("── {}  rejected: {}\n\n", where(position, doc), r->reason);
+    return;
+  }
+  const auto& e = std::get<data::Example>(built);
+  fmt::print("── {}  {} tokens, {} trained{}\n{}\n\n", where(position, doc), e.ids.size(), trained_tokens(e),
+             e.truncated ? fmt::format(" (truncated to data.max_length {})", d.recipe.data.max_length) : "",
+             render(d.tokenizer, e, colour));
+}
+
+// {"position", "ids", "labels"} or {"position", "rejected"}, keys in that order.
+nlohmann::ordered_json preview_json(int64_t position, const data::Built& built) {
+  if (const auto* r = std::get_if<data::Rejection>(&built)) return {{"position", position}, {"rejected", r->reason}};
+  const auto& e = std::get<data::Example>(built);
+  return {{"position", position}, {"ids", e.ids}, {"labels", e.labels}};
+}
+
+void preview(int64_t n, const RecipeArgs& a) {
+  if (n < 0) throw Error(fmt::format("preview {}: N must be a count of documents, 0 or more", n));
+  const Dataset d(a);
+  const data::ExampleBuilder builder(d.recipe.data, d.tokenizer);
+  const bool colour = !a.as_json && isatty(STDOUT_FILENO) && !std::getenv("NO_COLOR");
+  for_each_document(d, std::min(n, d.docs.size()), [&](int64_t position, const json& doc) {
+    const data::Built built = build(builder, doc, d.recipe.data.source);
+    if (a.as_json) fmt::print("{}\n", preview_json(position, built).dump());
+    else print_preview(d, position, doc, built, colour);
+  });
+}
+
+// ---- import -------------------------------------------------------------------------------
+
 struct ImportArgs {
   std::string file, uri, db, collection;
   bool drop = false;
 };
 
-// JSONL file -> MongoDB collection, in batches.
+// JSONL file -> MongoDB collection, streamed 1,000 documents per insert. A bad line stops the
+// import before its batch: only whole batches before it are in the collection (and --drop
+// drops only once the first batch is known good).
 void import_jsonl(const ImportArgs& a) {
   const char* env = std::getenv("LORARUN_MONGODB_URI");
   const std::string uri = !a.uri.empty() ? a.uri : env ? env : "";
   if (uri.empty()) throw Error("no MongoDB URI: give --uri or set LORARUN_MONGODB_URI");
   std::ifstream in(a.file);
   if (!in) throw Error(fmt::format("cannot read {}", a.file));
-  std::vector<json> docs;
-  std::string line;
-  for (size_t n = 1; std::getline(in, line); ++n) {
+  const auto t0 = std::chrono::steady_clock::now();
+  data::Client client(uri, kMongoTimeout);
+  std::vector<json> batch;
+  int64_t inserted = 0;
+  size_t n = 0, batch_start = 1;
+  const auto so_far = [&] {
+    return fmt::format("{} documents inserted: the whole batches of 1,000 before it, nothing from its batch on", inserted);
+  };
+  const auto flush = [&] {
+    try {
+      if (a.drop && inserted == 0) client.drop(a.db, a.collection);
+      inserted += client.insert_many(a.db, a.collection, batch);
+    } catch (const Error& e) {
+      throw Error(fmt::format("{}:{}-{}: {} ({})", a.file, batch_start, n, e.what(), so_far()));
+    }
+    batch.clear();
+  };
+  for (std::string line; std::getline(in, line);) {
+    ++n;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     json j = json::parse(line, nullptr, false);
-    if (!j.is_object()) throw Error(fmt::format("{}:{}: not a JSON object", a.file, n));
-    docs.push_back(std::move(j));
+    if (!j.is_object())
+      throw Error(fmt::format("{}:{}: {} ({}; fix the line and import again with --drop)", a.file, n,
+                              j.is_discarded() ? "not valid JSON" : "not a JSON object", so_far()));
+    if (batch.empty()) batch_start = n;
+    batch.push_back(std::move(j));
+    if (batch.size() == 1000) flush();
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  lorarun::data::Client client(uri, std::chrono::milliseconds(10000));
-  if (a.drop) client.drop(a.db, a.collection);
-  const int64_t n = client.insert_many(a.db, a.collection, docs);
+  if (!batch.empty() || (a.drop && inserted == 0)) flush();
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  fmt::print("imported {} documents into {}.{} in {:.2f} s ({:.0f} docs/s)\n", n, a.db, a.collection, s, n / std::max(s, 1e-9));
+  fmt::print("imported {} documents into {}.{} in {:.2f} s ({:.0f} docs/s)\n", inserted, a.db, a.collection, s,
+             static_cast<double>(inserted) / std::max(s, 1e-9));
+}
+
+// ---- command line -------------------------------------------------------------------------
+
+void recipe_args(CLI::App* cmd, RecipeArgs& a, const char* json_help) {
+  cmd->add_option("recipe", a.recipe, "recipe YAML")->required();
+  cmd->add_option("overrides", a.overrides, "key=value overrides of recipe keys (data.max_length=512)");
+  cmd->add_flag("--json", a.as_json, json_help);
 }
 
 int run(int argc, char** argv) {
@@ -113,17 +371,29 @@ int run(int argc, char** argv) {
   app.require_subcommand(1);
 
   TokenizeArgs t;
-  auto* tok = app.add_subcommand("tokenize", "JSON string lines (or --raw text lines) on stdin to JSON id arrays on stdout");
-  tok->add_option("--model", t.model, "model directory with tokenizer.json")->required();
-  tok->add_flag("--no-special", t.no_special, "do not add the post-processor's special tokens");
-  tok->add_flag("--raw", t.raw, "input lines are plain text, not JSON string literals");
-  tok->callback([&] { tokenize(t); });
+  auto* tkn = app.add_subcommand("tokenize", "JSON string lines (or --raw text lines) on stdin to JSON id arrays on stdout");
+  tkn->add_option("--model", t.model, "model directory with tokenizer.json")->required();
+  tkn->add_flag("--no-special", t.no_special, "do not add the post-processor's special tokens");
+  tkn->add_flag("--raw", t.raw, "input lines are plain text, not JSON string literals");
+  tkn->callback([&] { tokenize(t); });
 
   DetokenizeArgs d;
   auto* detok = app.add_subcommand("detokenize", "JSON id arrays on stdin to JSON string lines on stdout");
   detok->add_option("--model", d.model, "model directory with tokenizer.json")->required();
   detok->add_flag("--skip-special", d.skip_special, "leave special tokens out of the text");
   detok->callback([&] { detokenize(d); });
+
+  RecipeArgs st;
+  auto* sts = app.add_subcommand("stats", "counts, bad documents and token lengths of a recipe's data");
+  recipe_args(sts, st, "one JSON object");
+  sts->callback([&] { stats(st); });
+
+  RecipeArgs pv;
+  int64_t count = 0;
+  auto* prev = app.add_subcommand("preview", "the first N documents as training sees them, trained part marked");
+  prev->add_option("n", count, "how many documents")->required();
+  recipe_args(prev, pv, "one JSON line per document: {position, ids, labels} or {position, rejected}");
+  prev->callback([&] { preview(count, pv); });
 
   ImportArgs im;
   auto* imp = app.add_subcommand("import", "load a JSONL file (one document per line) into a MongoDB collection");
@@ -137,7 +407,8 @@ int run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    throw Error(fmt::format("{} (see lora-data --help)", e.what()));
   }
   return 0;
 }
