@@ -12,6 +12,7 @@
 #include "dist/env.hpp"
 #include "dist/process_group.hpp"
 #include "recipe/recipe.hpp"
+#include "track/from_run.hpp"
 #include "train/trainer.hpp"
 #include "util/log.hpp"
 #include "util/error.hpp"
@@ -31,6 +32,8 @@ struct Args {
   int dist_timeout_s = 600;
   std::string recipe;
   std::vector<std::string> overrides;
+  std::string from_run;  // DATABASE/ID of a recorded run
+  std::string runs_db;
 };
 
 std::string env_or(const char* name, std::string fallback) {
@@ -84,11 +87,22 @@ void dist_check(const Args& a) {
   pg.barrier();
 }
 
+// --from-run: the recipe is the run record's; the first positional argument is then an override.
+recipe::Recipe from_run(Args a) {
+  if (!a.recipe.empty()) {
+    if (a.recipe.find('=') == std::string::npos)
+      throw Error(fmt::format("give a recipe ({}) or --from-run {}, not both", a.recipe, a.from_run));
+    a.overrides.insert(a.overrides.begin(), a.recipe);
+  }
+  const std::string uri = a.uri.empty() ? env_or("LORARUN_MONGODB_URI", "") : a.uri;
+  return track::recipe_from_run(a.from_run, a.runs_db, uri, a.overrides, std::chrono::milliseconds(a.timeout_ms));
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"lora-train: one rank of a LoRA fine-tuning job (run it under lorarun)"};
   Args a;
   app.add_flag("--check-env", a.check_env, "print torch/CUDA/NCCL/MongoDB facts and exit");
-  app.add_option("--uri", a.uri, "MongoDB URI for --check-env (default: $LORARUN_MONGODB_URI)");
+  app.add_option("--uri", a.uri, "MongoDB URI for --check-env and --from-run (default: $LORARUN_MONGODB_URI)");
   app.add_option("--timeout-ms", a.timeout_ms, "MongoDB server selection timeout")
       ->check(CLI::Range(1, 600000));
   app.add_flag("--dist-check", a.dist_check, "join the process group, all-reduce, check the sum");
@@ -97,6 +111,8 @@ int run(int argc, char** argv) {
   app.add_option("--dist-timeout-s", a.dist_timeout_s, "rendezvous and collective timeout")
       ->check(CLI::Range(1, 86400));
   app.add_flag("--dry-run", a.dry_run, "validate the recipe, print it resolved and the epochs kept, exit");
+  app.add_option("--from-run", a.from_run, "repeat a recorded run (DATABASE/ID, as printed at its start) with overrides");
+  app.add_option("--runs-db", a.runs_db, "the run records' database, for a --from-run ID without one");
   app.add_option("recipe", a.recipe, "recipe YAML");
   app.add_option("overrides", a.overrides, "key=value overrides of recipe keys");
   try {
@@ -109,8 +125,9 @@ int run(int argc, char** argv) {
     dist_check(a);
     return 0;
   }
-  if (a.recipe.empty()) throw Error("no recipe given: lora-train RECIPE.yaml [key=value…] (see configs/)");
-  const recipe::Recipe r = recipe::load_recipe(a.recipe, a.overrides);
+  if (a.recipe.empty() && a.from_run.empty())
+    throw Error("no recipe given: lora-train RECIPE.yaml [key=value…] (see configs/) or --from-run DATABASE/ID");
+  const recipe::Recipe r = a.from_run.empty() ? recipe::load_recipe(a.recipe, a.overrides) : from_run(a);
   for (const std::string& w : r.warnings) warn(w);
   if (a.dry_run) {
     fmt::print("{}", recipe::to_yaml(r));
@@ -118,8 +135,7 @@ int run(int argc, char** argv) {
                fmt::join(recipe::epochs_kept(r.checkpoint, r.train.epochs), ", "));
     return 0;
   }
-  train::run_training(r, dist::DistEnv::from_environment());
-  return 0;
+  return train::run_training(r, dist::DistEnv::from_environment());
 }
 
 }  // namespace

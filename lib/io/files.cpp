@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
+#include <ftw.h>
+#include <sys/stat.h>
 #include <sstream>
 #include <unistd.h>
 
@@ -72,6 +74,14 @@ void sync_dir(const std::string& dir) {
     fsync(fd);
     close(fd);
   }
+}
+
+void remove_tree(const std::string& path) {
+  struct stat st {};
+  if (lstat(path.c_str(), &st) != 0) return;
+  auto remove_one = [](const char* p, const struct stat*, int, FTW*) { return std::remove(p) == 0 ? 0 : -1; };
+  if (nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0)
+    throw Error(fmt::format("cannot remove {}: {}", path, std::strerror(errno)));
 }
 
 }  // namespace lorarun::io

@@ -26,6 +26,11 @@ void write_file_atomic(const std::string& path, const std::string& contents);
 // The whole file, or lorarun::Error naming it.
 std::string read_file(const std::string& path);
 
+// Removes `path` and everything below it; no error when it does not exist. (Not
+// std::filesystem::remove_all: libtorch.so exports its own copy of that symbol, which the
+// dynamic linker may bind instead of libstdc++'s, and it crashes on non-empty directories.)
+void remove_tree(const std::string& path);
+
 // fsync a directory so a rename inside it is durable.
 void sync_dir(const std::string& dir);
 

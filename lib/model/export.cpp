@@ -39,7 +39,7 @@ void export_hf_model(const CausalLM& model, const std::string& out_dir, at::Scal
   if (fs::exists(out_dir))
     throw Error(fmt::format("{} already exists: choose another output directory or remove it", out_dir));
   const fs::path tmp = fmt::format("{}.tmp.{}", out_dir, getpid());
-  fs::remove_all(tmp);
+  io::remove_tree(tmp.string());
   fs::create_directories(tmp);
   try {
     // Group tensors into shards in state-dict order.
@@ -77,8 +77,10 @@ void export_hf_model(const CausalLM& model, const std::string& out_dir, at::Scal
     fs::rename(tmp, out_dir);
     io::sync_dir(fs::path(out_dir).parent_path().string());
   } catch (...) {
-    std::error_code ec;
-    fs::remove_all(tmp, ec);
+    try {
+      io::remove_tree(tmp.string());
+    } catch (const Error&) {  // the first error is the one to report
+    }
     throw;
   }
 }

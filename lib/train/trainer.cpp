@@ -1,26 +1,29 @@
 #include "train/trainer.hpp"
 
 #include <ATen/ATen.h>
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
+#include <sys/resource.h>
 #include <torch/cuda.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
+#include <torch/version.h>
 #include <unistd.h>
 
-#include "data/example.hpp"
-#include "data/mongo.hpp"
 #include "data/source.hpp"
 #include "dist/process_group.hpp"
 #include "io/files.hpp"
 #include "model/lora.hpp"
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
-#include "model/weights.hpp"
 #include "tokenizer/tokenizer.hpp"
+#include "track/record.hpp"
 #include "train/schedule.hpp"
+#include "train/state.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
 
@@ -29,6 +32,20 @@ namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
+
+// SIGTERM / SIGINT (preemption, Ctrl-C, the launcher tearing down): finish the step, save the
+// resumable state on every rank's agreement, exit kExitPreempted.
+std::atomic<bool> g_stop_requested{false};
+void request_stop(int) { g_stop_requested = true; }
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = request_stop;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
 
 // A right-padded micro-batch: ids [B, T], labels [B, T] (-100 on padding), attention mask.
 struct Batch {
@@ -62,142 +79,386 @@ at::ScalarType dtype_of(recipe::Dtype d) {
 // Writes the adapter to <dir>.tmp.<pid>, then renames it: a reader never sees half of it.
 void save_epoch(const model::CausalLM& m, const model::LoraConfig& cfg, const fs::path& dir) {
   const fs::path tmp = dir.string() + fmt::format(".tmp.{}", getpid());
-  fs::remove_all(tmp);
+  io::remove_tree(tmp.string());
   model::save_adapter(m, cfg, tmp.string());
-  fs::remove_all(dir);
+  io::remove_tree(dir.string());
   fs::rename(tmp, dir);
   io::sync_dir(dir.parent_path().string());
 }
 
+// Removes every epoch_<i>/ not in `kept`, also those and the temporary directories a crashed
+// earlier run left behind.
+void remove_unkept_epochs(const fs::path& out, const std::vector<int>& kept) {
+  for (const auto& e : fs::directory_iterator(out)) {
+    const std::string name = e.path().filename().string();
+    if (name.find(".tmp.") != std::string::npos) {
+      io::remove_tree(e.path().string());
+      continue;
+    }
+    if (!e.is_directory() || name.rfind("epoch_", 0) != 0) continue;
+    const std::string digits = name.substr(6);
+    if (digits.empty() || digits.size() > 6 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (std::find(kept.begin(), kept.end(), std::stoi(digits)) == kept.end()) io::remove_tree(e.path().string());
+  }
+}
+
+double peak_rss_mb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
+std::string clock_text(double seconds) {
+  const auto s = static_cast<int64_t>(seconds);
+  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60) : fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+// What one optimizer step did, summed over ranks where it says so.
+struct StepResult {
+  double loss = 0, lr = 0, grad_norm = 0, seconds = 0;
+  double tokens = 0;        // trained tokens, all ranks
+  double rank_tokens = 0;   // trained tokens, this rank
+  double data_wait = 0;     // mean share of the step the ranks spent waiting for data
+  bool stop = false;        // some rank was asked to stop
+};
+
+class Trainer {
+ public:
+  Trainer(const recipe::Recipe& r, const dist::DistEnv& env);
+  int run();
+  void record_failure(const std::string& error);
+
+ private:
+  StepResult step(data::ShardReader& reader);
+  std::vector<data::Example> examples(data::ShardReader& reader);
+  void log_step(const StepResult& s, int epoch, int64_t s_in_epoch);
+  void save_checkpoint(int epoch);
+  void save_state(const Progress& p);
+  void all_agree(bool ok, const std::string& why, const std::string& what);
+  void check_replicas();
+  void start_record(Progress& p, bool resumed);
+  int stopped();
+  int finish();
+
+  const recipe::Recipe& r_;
+  const dist::DistEnv env_;
+  const bool lead_, cuda_, tty_;
+  const at::Device device_;
+  const fs::path out_;
+  dist::ProcessGroup pg_;
+  model::CausalLM m_;
+  model::LoraConfig lcfg_;
+  tok::Tokenizer tokenizer_;
+  std::unique_ptr<data::ExampleBuilder> builder_;
+  std::unique_ptr<data::Documents> docs_;
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<torch::optim::AdamW> opt_;
+  Schedule schedule_ = Schedule::Cosine;
+  int64_t steps_per_epoch_ = 0, total_steps_ = 0, step_ = 0, rejected_ = 0;
+  std::ofstream metrics_;
+  Clock::time_point started_ = Clock::now();
+  int64_t steps_this_process_ = 0;
+  std::unique_ptr<track::RunRecorder> record_;  // rank 0, when the run is recorded in MongoDB
+  nlohmann::json last_row_ = nlohmann::json::object();
+};
+
+at::Device pick_device(const recipe::Recipe& r, const dist::DistEnv& env, bool cuda) {
+  if (r.model.device == recipe::Device::Cuda && !cuda)
+    throw Error("model.device is cuda but no GPU is visible: set model.device=cpu or run on a GPU machine");
+  return cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)) : at::Device(at::kCPU);
+}
+
+dist::Backend backend_of(recipe::DistBackend b, bool cuda) {
+  if (b == recipe::DistBackend::Auto) return cuda ? dist::Backend::Nccl : dist::Backend::Gloo;
+  return b == recipe::DistBackend::Nccl ? dist::Backend::Nccl : dist::Backend::Gloo;
+}
+
+Schedule schedule_of(recipe::Scheduler s) {
+  return s == recipe::Scheduler::Cosine ? Schedule::Cosine : s == recipe::Scheduler::Linear ? Schedule::Linear
+                                                                                             : Schedule::Constant;
+}
+
+bool want_cuda(const recipe::Recipe& r) { return r.model.device != recipe::Device::Cpu && torch::cuda::is_available(); }
+
+Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
+    : r_(r), env_(env), lead_(env.rank == 0), cuda_(want_cuda(r)), tty_(lead_ && isatty(STDOUT_FILENO)),
+      device_(pick_device(r, env, cuda_)), out_(r.checkpoint.output_dir),
+      pg_(env, backend_of(r.dist.backend, cuda_), std::chrono::seconds(r.dist.timeout_s)),
+      m_(model::CausalLM::load(r.model.path, dtype_of(r.model.dtype), device_)),
+      tokenizer_(tok::Tokenizer::from_dir(m_.dir())) {
+  lcfg_.r = r.lora.r, lcfg_.alpha = r.lora.alpha, lcfg_.dropout = r.lora.dropout, lcfg_.use_rslora = r.lora.use_rslora;
+  lcfg_.target_modules = r.lora.target_modules;
+  lcfg_.base_model_name_or_path = r.model.path;
+  if (r.lora.init_from.empty()) {
+    model::attach_lora(m_, lcfg_, static_cast<uint64_t>(r.train.seed));  // same seed: identical replicas
+  } else {
+    const model::LoraConfig from = model::load_adapter(m_, r.lora.init_from);
+    if (from.r != lcfg_.r || from.alpha != lcfg_.alpha)
+      throw Error(fmt::format("lora.init_from {} has r={} alpha={} but the recipe says lora.r={} lora.alpha={}: make "
+                              "them equal", r.lora.init_from, from.r, from.alpha, lcfg_.r, lcfg_.alpha));
+  }
+  builder_ = std::make_unique<data::ExampleBuilder>(r.data, tokenizer_);
+  docs_ = std::make_unique<data::Documents>(r.data, std::chrono::seconds(r.dist.timeout_s));
+  params_ = model::lora_parameters(m_);
+  opt_ = std::make_unique<torch::optim::AdamW>(
+      params_, torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay));
+  const int64_t per_rank = data::examples_per_rank(docs_->size(), env.world_size);
+  const int64_t per_step = int64_t{r.data.batch_size} * r.train.gradient_accumulation_steps;
+  steps_per_epoch_ = (per_rank + per_step - 1) / per_step;
+  if (r.train.max_steps_per_epoch) steps_per_epoch_ = std::min<int64_t>(steps_per_epoch_, *r.train.max_steps_per_epoch);
+  total_steps_ = steps_per_epoch_ * r.train.epochs;
+  schedule_ = schedule_of(r.train.lr_scheduler);
+}
+
+// The run, as the recipe describes it: resume if there is a state, then epochs of steps, each
+// epoch ending with its checkpoint (per the policy) and a resumable state.
+int Trainer::run() {
+  const nlohmann::json recipe_json = recipe::to_json(r_);
+  std::optional<Progress> resumed;
+  if (r_.checkpoint.resume == recipe::Resume::Auto)
+    resumed = load_state(out_.string(), m_, *opt_, params_, env_.rank, env_.world_size, cuda_, recipe_json);
+  Progress p = resumed.value_or(Progress{});
+  // Ranks must agree on where they stand (a state visible to only some ranks is an error).
+  at::Tensor where = at::full({1}, static_cast<double>(p.step), at::TensorOptions().dtype(at::kDouble).device(device_));
+  pg_.all_reduce_sum(where);
+  if (where.item<double>() != static_cast<double>(p.step) * env_.world_size)
+    throw Error(fmt::format("rank {} resumes at step {} but the ranks disagree: checkpoint.output_dir {} must be the same "
+                            "directory (a shared filesystem) for every rank", env_.rank, p.step, out_.string()));
+  step_ = p.step;
+  if (lead_) {
+    fs::create_directories(out_);
+    io::write_file_atomic((out_ / "recipe.yaml").string(), recipe::to_yaml(r_));
+    metrics_.open(out_ / "metrics.jsonl", resumed ? std::ios::app : std::ios::trunc);
+    info(fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch", model::trainable_summary(m_),
+                     docs_->size(), docs_->describe(), env_.world_size, steps_per_epoch_));
+    if (resumed) info(fmt::format("resuming at epoch {} step {} (step {} of {})", p.epoch, p.step_in_epoch, p.step, total_steps_));
+    start_record(p, resumed.has_value());
+  }
+  m_.training = true;
+  bool stop = false;
+  for (int epoch = p.epoch; epoch < r_.train.epochs; ++epoch) {
+    const int64_t first = epoch == p.epoch ? p.step_in_epoch : 0;
+    const int64_t per_step = int64_t{r_.data.batch_size} * r_.train.gradient_accumulation_steps;
+    data::ShardReader reader(*docs_, *builder_,
+                             {env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch, r_.data.shuffle},
+                             first * per_step);
+    for (int64_t s = first; s < steps_per_epoch_; ++s) {
+      const StepResult res = step(reader);
+      stop = res.stop;
+      ++step_, ++steps_this_process_;
+      log_step(res, epoch, s);
+      if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) check_replicas();
+      const bool last = s + 1 == steps_per_epoch_;
+      const auto every = r_.checkpoint.state_every_n_steps;
+      if (!last && (res.stop || (every && step_ % *every == 0))) save_state({epoch, s + 1, step_, p.run_id});
+      if (!last && stop) return stopped();
+    }
+    if (tty_) std::fputs("\n", stdout);
+    save_checkpoint(epoch);
+    if (epoch + 1 < r_.train.epochs) save_state({epoch + 1, 0, step_, p.run_id});
+    if (stop && epoch + 1 < r_.train.epochs) return stopped();
+  }
+  return finish();
+}
+
+// One optimizer step: `accum` micro-batches forward and backward, then one all-reduce of every
+// LoRA gradient with the loss sum, the token count, the stop flag and the data wait, so the
+// gradient is normalised by the global number of trained tokens of the step.
+StepResult Trainer::step(data::ShardReader& reader) {
+  const auto t0 = Clock::now();
+  const double wait0 = reader.wait_seconds();
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  int64_t tokens = 0;
+  for (int a = 0; a < r_.train.gradient_accumulation_steps; ++a) {
+    const Batch b = collate(examples(reader), device_);
+    if (b.tokens == 0) continue;  // an empty micro-batch still joins the all-reduce below
+    const model::LossSum l = model::causal_lm_loss(m_.forward(b.ids, b.mask), b.labels);
+    l.sum.backward();
+    loss_sum += l.sum.detach();
+    tokens += b.tokens;
+  }
+  const double busy = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::vector<at::Tensor> flat;
+  for (at::Tensor& p : params_) flat.push_back(p.grad().defined() ? p.grad().reshape(-1) : at::zeros({p.numel()}, p.options()));
+  const auto opts = params_[0].options();
+  flat.push_back(loss_sum.reshape(1).to(opts.dtype()));
+  flat.push_back(at::tensor({static_cast<double>(tokens), g_stop_requested ? 1.0 : 0.0,
+                             busy > 0 ? (reader.wait_seconds() - wait0) / busy : 0.0}, opts));
+  at::Tensor all = at::cat(flat);
+  if (env_.world_size > 1) pg_.all_reduce_sum(all);
+  const at::Tensor tail = all.narrow(0, all.numel() - 4, 4).to(at::kCPU, at::kDouble);
+  const double* t = tail.data_ptr<double>();
+  StepResult res;
+  res.tokens = t[1], res.rank_tokens = static_cast<double>(tokens), res.stop = t[2] > 0, res.data_wait = t[3] / env_.world_size;
+  res.loss = res.tokens > 0 ? t[0] / res.tokens : 0.0;
+  int64_t offset = 0;
+  for (at::Tensor& p : params_) {
+    const at::Tensor g = all.narrow(0, offset, p.numel()).view_as(p) / std::max(1.0, res.tokens);
+    if (p.grad().defined()) p.mutable_grad().copy_(g); else p.mutable_grad() = g.clone();
+    offset += p.numel();
+  }
+  if (r_.train.max_grad_norm) res.grad_norm = torch::nn::utils::clip_grad_norm_(params_, *r_.train.max_grad_norm);
+  res.lr = r_.train.lr * lr_factor(schedule_, step_, r_.train.warmup_steps, total_steps_);
+  for (auto& group : opt_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(res.lr);
+  opt_->step();
+  opt_->zero_grad();
+  res.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return res;
+}
+
+// The next micro-batch's examples; rejected documents are counted (or fatal, per the recipe).
+std::vector<data::Example> Trainer::examples(data::ShardReader& reader) {
+  std::vector<data::Example> out;
+  for (data::Built& built : reader.next(static_cast<size_t>(r_.data.batch_size))) {
+    if (auto* e = std::get_if<data::Example>(&built)) {
+      out.push_back(std::move(*e));
+      continue;
+    }
+    const auto& why = std::get<data::Rejection>(built);
+    if (r_.data.bad_documents == recipe::BadDocuments::Fail && why.kind == data::Rejection::BadDocument)
+      throw Error(fmt::format("rank {}: bad document ({}) and data.bad_documents is fail: fix the document or set "
+                              "data.bad_documents=skip", env_.rank, why.reason));
+    if (rejected_++ < 3) warn(fmt::format("rank {}: skipping a document: {}", env_.rank, why.reason));
+  }
+  return out;
+}
+
+// Rank 0: a progress line on a TTY every step; every log_every_n_steps a line (log file, and the
+// console when not a TTY) and a metrics.jsonl row. Other ranks: their own log file.
+void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
+  const double elapsed = std::chrono::duration<double>(Clock::now() - started_).count();
+  const double eta = elapsed / static_cast<double>(steps_this_process_) * static_cast<double>(total_steps_ - step_);
+  const std::string line =
+      fmt::format("epoch {}/{} step {}/{} loss {:.4f} lr {:.3g} grad_norm {:.3f} tokens/s {:.0f} data_wait {:.0f}% "
+                  "eta {}", epoch, r_.train.epochs, s_in_epoch + 1, steps_per_epoch_, s.loss, s.lr, s.grad_norm,
+                  s.tokens / s.seconds, 100 * s.data_wait, clock_text(eta));
+  if (tty_) {
+    std::fputs(("\r\033[K" + line).c_str(), stdout);
+    std::fflush(stdout);
+  }
+  if (step_ % r_.track.log_every_n_steps != 0) return;
+  info(line, lead_ && !tty_);
+  if (!lead_) return;
+  const nlohmann::json row = {{"epoch", epoch}, {"step", step_}, {"loss", s.loss}, {"lr", s.lr},
+                              {"grad_norm", s.grad_norm}, {"tokens", s.tokens}, {"tokens_per_s", s.tokens / s.seconds},
+                              {"tokens_per_s_rank0", s.rank_tokens / s.seconds}, {"data_wait_share", s.data_wait},
+                              {"peak_rss_mb", peak_rss_mb()}, {"seconds", s.seconds}};
+  metrics_ << row.dump() << "\n" << std::flush;
+  if (record_) record_->metrics(row);
+  last_row_ = row;
+}
+
+// track.mongodb: the run document in <track.database>.runs (continued when resuming).
+void Trainer::start_record(Progress& p, bool resumed) {
+  if (!r_.track.mongodb || r_.data.uri.empty() || r_.track.database.empty()) return;
+  record_ = std::make_unique<track::RunRecorder>(r_.data.uri, r_.track.database, std::chrono::seconds(30));
+  const nlohmann::json run_info = {{"torch_version", TORCH_VERSION}, {"world_size", env_.world_size},
+                                   {"device", cuda_ ? "cuda" : "cpu"}, {"data", docs_->describe()},
+                                   {"documents", docs_->size()}, {"steps_per_epoch", steps_per_epoch_},
+                                   {"output_dir", fs::absolute(out_).string()}};
+  const std::optional<std::string> again = resumed && !p.run_id.empty() ? std::optional(p.run_id) : std::nullopt;
+  p.run_id = record_->begin(recipe::to_json(r_), run_info, again);
+  info(fmt::format("run recorded as {} (lora-train --from-run {} repeats it)", record_->ref(), record_->ref()));
+}
+
+void Trainer::record_failure(const std::string& error) {
+  if (record_) record_->finish("failed", last_row_, error);
+}
+
+// Every rank learns whether rank 0's write worked, so a failed save stops all, never hangs.
+void Trainer::all_agree(bool ok, const std::string& why, const std::string& what) {
+  at::Tensor failed = at::full({1}, ok ? 0.0 : 1.0, at::TensorOptions().dtype(at::kFloat).device(device_));
+  if (env_.world_size > 1) pg_.all_reduce_sum(failed);
+  if (failed.item<double>() > 0)
+    throw Error(lead_ ? fmt::format("writing {} failed: {}", what, why) : fmt::format("rank 0 could not write {}; stopping", what));
+}
+
+void Trainer::save_checkpoint(int epoch) {
+  std::string why;
+  if (lead_ && recipe::save_after_epoch(r_.checkpoint, epoch, r_.train.epochs)) {
+    try {
+      save_epoch(m_, lcfg_, out_ / fmt::format("epoch_{}", epoch));
+      info(fmt::format("saved {}", (out_ / fmt::format("epoch_{}", epoch)).string()));
+      if (record_) record_->checkpoint(epoch, (out_ / fmt::format("epoch_{}", epoch)).string());
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+  }
+  all_agree(why.empty(), why, fmt::format("epoch_{}", epoch));
+}
+
+// Every rank's RNG goes to rank 0 (each in its own row of a sum), which writes the state.
+void Trainer::save_state(const Progress& p) {
+  const at::Tensor mine = rng_state(cuda_);
+  at::Tensor rngs = at::zeros({env_.world_size, mine.numel()}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  rngs[env_.rank].copy_(mine.to(at::kFloat));
+  if (env_.world_size > 1) pg_.all_reduce_sum(rngs);
+  std::string why;
+  if (lead_) {
+    try {
+      train::save_state(out_.string(), m_, lcfg_, *opt_, params_, p, rngs.to(at::kCPU, at::kByte), recipe::to_json(r_));
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+  }
+  all_agree(why.empty(), why, state_dir(out_.string()));
+}
+
+// Replicas must stay identical: every rank puts its parameter checksum in its own slot.
+void Trainer::check_replicas() {
+  at::Tensor sums = at::zeros({env_.world_size}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  double mine = 0;
+  for (size_t i = 0; i < params_.size(); ++i) mine += params_[i].to(at::kDouble).sum().item<double>() * double(i + 1);
+  sums[env_.rank].fill_(mine);
+  if (env_.world_size > 1) pg_.all_reduce_sum(sums);
+  const at::Tensor h = sums.cpu();
+  for (int k = 0; k < env_.world_size; ++k)
+    if (h[k].item<double>() != mine)
+      throw Error(fmt::format("rank {}'s parameters differ from rank {}'s at step {} (checksum {} vs {}): the replicas "
+                              "diverged", env_.rank, k, step_, mine, h[k].item<double>()));
+}
+
+int Trainer::stopped() {
+  if (lead_) info(fmt::format("stopped at step {} on request; the resumable state is in {}: run the same command to "
+                              "resume", step_, state_dir(out_.string())));
+  if (record_) record_->finish("interrupted", last_row_);
+  pg_.barrier();
+  return kExitStopped;
+}
+
+int Trainer::finish() {
+  if (lead_) {
+    remove_unkept_epochs(out_, recipe::epochs_kept(r_.checkpoint, r_.train.epochs));
+    if (!r_.checkpoint.keep_resume_state) remove_state(out_.string());
+    if (rejected_) warn(fmt::format("{} documents were skipped on rank 0 (bad or overlong)", rejected_));
+    info(fmt::format("done: {} steps; adapters in {}", step_, out_.string()));
+    if (record_) record_->finish("completed", last_row_);
+  }
+  pg_.barrier();
+  return 0;
+}
+
 }  // namespace
 
-void run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
-  const bool cuda = r.model.device != recipe::Device::Cpu && torch::cuda::is_available();
-  if (r.model.device == recipe::Device::Cuda && !cuda) throw Error("model.device is cuda but no GPU is visible");
-  const at::Device device = cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)) : at::Device(at::kCPU);
-  const auto backend_name = r.dist.backend == recipe::DistBackend::Nccl ? "nccl"
-                            : r.dist.backend == recipe::DistBackend::Gloo ? "gloo" : "auto";
-  dist::ProcessGroup pg(env, dist::resolve_backend(backend_name, cuda), std::chrono::seconds(r.dist.timeout_s));
-  const bool lead = env.rank == 0;
-  const fs::path out = r.checkpoint.output_dir;
-
-  model::CausalLM m = model::CausalLM::load(r.model.path, dtype_of(r.model.dtype), device);
-  model::LoraConfig lcfg;
-  lcfg.r = r.lora.r, lcfg.alpha = r.lora.alpha, lcfg.dropout = r.lora.dropout, lcfg.use_rslora = r.lora.use_rslora;
-  lcfg.target_modules = r.lora.target_modules;
-  lcfg.base_model_name_or_path = r.model.path;
-  model::attach_lora(m, lcfg, static_cast<uint64_t>(r.train.seed));  // same seed: identical replicas
-  const tok::Tokenizer tokenizer = tok::Tokenizer::from_dir(m.dir());
-  const data::ExampleBuilder builder(r.data, tokenizer);
-  const data::Documents docs(r.data, std::chrono::seconds(r.dist.timeout_s));
-  if (lead) {
-    fmt::print("{}; {} documents, {} rank(s)\n", model::trainable_summary(m), docs.size(), env.world_size);
-    fs::create_directories(out);
-    io::write_file_atomic((out / "recipe.yaml").string(), recipe::to_yaml(r));
+int run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
+  install_stop_handlers();
+  log_to_file((fs::path(r.checkpoint.output_dir) / "logs" / fmt::format("rank_{}.log", env.rank)).string());
+  info(fmt::format("rank {}/{} (local {}) on {}; lorarun {}, torch {}", env.rank, env.world_size, env.local_rank,
+                   want_cuda(r) ? "cuda" : "cpu", LORARUN_VERSION, TORCH_VERSION), false);
+  std::unique_ptr<Trainer> t;
+  try {
+    t = std::make_unique<Trainer>(r, env);
+    return t->run();
+  } catch (const std::exception& e) {
+    log_error(e.what());
+    if (t) t->record_failure(e.what());
+    // Gloo reports a peer that died as an I/O error; the peer's own error is the one that matters.
+    const std::string what = e.what();
+    if (!dynamic_cast<const Error*>(&e) && what.find("gloo") != std::string::npos)
+      throw Error(fmt::format("rank {} lost its connection to another rank ({}): that rank stopped first, and its "
+                              "error says why", env.rank, what.substr(what.find(']') + 2)));
+    throw;
   }
-
-  std::vector<at::Tensor> params = model::lora_parameters(m);
-  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay));
-  const int64_t per_rank = data::examples_per_rank(docs.size(), env.world_size);
-  const int64_t micro = r.data.batch_size, accum = r.train.gradient_accumulation_steps;
-  int64_t steps_per_epoch = (per_rank + micro * accum - 1) / (micro * accum);
-  if (r.train.max_steps_per_epoch) steps_per_epoch = std::min<int64_t>(steps_per_epoch, *r.train.max_steps_per_epoch);
-  const int64_t total_steps = steps_per_epoch * r.train.epochs;
-  const Schedule schedule = parse_schedule(r.train.lr_scheduler == recipe::Scheduler::Cosine   ? "cosine"
-                                           : r.train.lr_scheduler == recipe::Scheduler::Linear ? "linear" : "constant");
-  std::ofstream metrics;
-  if (lead) metrics.open(out / "metrics.jsonl", std::ios::app);
-  int64_t step = 0, rejected = 0;
-  m.training = true;
-
-  for (int epoch = 0; epoch < r.train.epochs; ++epoch) {
-    data::ShardReader reader(docs, builder, {env.world_size, env.rank, static_cast<uint64_t>(r.train.seed), epoch,
-                                             r.data.shuffle});
-    for (int64_t s = 0; s < steps_per_epoch; ++s, ++step) {
-      const auto t0 = Clock::now();
-      at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
-      int64_t tokens = 0;
-      for (int64_t a = 0; a < accum; ++a) {
-        std::vector<data::Example> examples;
-        for (data::Built& built : reader.next(static_cast<size_t>(micro))) {
-          if (auto* e = std::get_if<data::Example>(&built)) {
-            examples.push_back(std::move(*e));
-          } else if (r.data.bad_documents == recipe::BadDocuments::Fail &&
-                     std::get<data::Rejection>(built).kind == data::Rejection::BadDocument) {
-            throw Error(fmt::format("rank {}: bad document ({}) and data.bad_documents is fail", env.rank,
-                                    std::get<data::Rejection>(built).reason));
-          } else {
-            ++rejected;
-          }
-        }
-        const Batch b = collate(examples, device);
-        if (b.tokens == 0) continue;  // an empty micro-batch still joins the all-reduce below
-        const model::LossSum l = model::causal_lm_loss(m.forward(b.ids, b.mask), b.labels);
-        l.sum.backward();
-        loss_sum += l.sum.detach();
-        tokens += b.tokens;
-      }
-      // One all-reduce: every LoRA gradient, the loss sum and the token count, so the loss is
-      // normalised by the global number of trained tokens of this step.
-      std::vector<at::Tensor> flat;
-      for (at::Tensor& p : params) flat.push_back(p.grad().defined() ? p.grad().reshape(-1) : at::zeros({p.numel()}, p.options()));
-      flat.push_back(loss_sum.reshape(1).to(params[0].scalar_type()));
-      flat.push_back(at::full({1}, static_cast<double>(tokens), params[0].options()));
-      at::Tensor all = at::cat(flat);
-      if (env.world_size > 1) pg.all_reduce_sum(all);
-      const double global_tokens = all[-1].item<double>();
-      const double mean_loss = global_tokens > 0 ? all[-2].item<double>() / global_tokens : 0.0;
-      int64_t offset = 0;
-      for (at::Tensor& p : params) {
-        const at::Tensor g = all.narrow(0, offset, p.numel()).view_as(p) / std::max(1.0, global_tokens);
-        if (p.grad().defined()) p.mutable_grad().copy_(g); else p.mutable_grad() = g.clone();
-        offset += p.numel();
-      }
-      const double grad_norm = r.train.max_grad_norm ? torch::nn::utils::clip_grad_norm_(params, *r.train.max_grad_norm)
-                                                     : 0.0;
-      const double lr = r.train.lr * lr_factor(schedule, step, r.train.warmup_steps, total_steps);
-      for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-      opt.step();
-      opt.zero_grad();
-      const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-      if (lead && (step + 1) % r.track.log_every_n_steps == 0) {
-        fmt::print("epoch {} step {}/{} loss {:.4f} lr {:.3g} grad_norm {:.3f} tokens/s {:.0f}\n", epoch, s + 1,
-                   steps_per_epoch, mean_loss, lr, grad_norm, global_tokens / seconds);
-        std::fflush(stdout);
-        metrics << nlohmann::json{{"epoch", epoch}, {"step", step + 1}, {"loss", mean_loss}, {"lr", lr},
-                                  {"grad_norm", grad_norm}, {"tokens", global_tokens},
-                                  {"tokens_per_s", global_tokens / seconds}}.dump() << "\n" << std::flush;
-      }
-    }
-    // Rank 0 writes; every rank learns whether it worked, so a failed save stops all, never hangs.
-    int failed = 0;
-    std::string why;
-    if (lead && recipe::save_after_epoch(r.checkpoint, epoch, r.train.epochs)) {
-      try {
-        save_epoch(m, lcfg, out / fmt::format("epoch_{}", epoch));
-      } catch (const std::exception& e) {
-        failed = 1, why = e.what();
-      }
-    }
-    at::Tensor status = at::full({1}, failed, at::TensorOptions().dtype(at::kFloat).device(device));
-    if (env.world_size > 1) pg.all_reduce_sum(status);
-    if (status.item<double>() > 0)
-      throw Error(lead ? fmt::format("saving epoch_{} failed: {}", epoch, why)
-                       : fmt::format("rank 0 could not save epoch_{}; stopping", epoch));
-  }
-  if (lead) {  // exactly the epochs the recipe keeps, also after an interrupted earlier run
-    const std::vector<int> kept = recipe::epochs_kept(r.checkpoint, r.train.epochs);
-    for (const auto& e : fs::directory_iterator(out)) {
-      const std::string name = e.path().filename().string();
-      if (!e.is_directory() || name.rfind("epoch_", 0) != 0) continue;
-      const std::string digits = name.substr(6);
-      if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) continue;
-      if (std::find(kept.begin(), kept.end(), std::stoi(digits)) == kept.end()) fs::remove_all(e.path());
-    }
-    if (rejected) warn(fmt::format("{} documents were skipped on rank 0 (bad or overlong)", rejected));
-    fmt::print("done: {} steps; adapters in {}\n", step, out.string());
-  }
-  pg.barrier();
 }
 
 }  // namespace lorarun::train

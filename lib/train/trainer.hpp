@@ -1,13 +1,19 @@
 // The training loop of one rank: data shard -> forward -> loss -> backward -> all-reduce ->
-// clip -> AdamW -> schedule, with epoch checkpoints per the recipe's policy.
+// clip -> AdamW -> schedule, with epoch checkpoints per the recipe's policy and a resumable
+// state (at each epoch end, every checkpoint.state_every_n_steps, and on SIGTERM/SIGINT).
 #pragma once
 #include "dist/env.hpp"
 #include "recipe/recipe.hpp"
 
 namespace lorarun::train {
 
-// Trains the recipe on this rank. Every rank runs the same number of optimizer steps; a rank
-// that cannot go on throws lorarun::Error and the others stop at their next collective.
-void run_training(const recipe::Recipe& r, const dist::DistEnv& env);
+// lora-train's exit status after SIGTERM/SIGINT: the ranks finished their step, saved the
+// resumable state and stopped; running the same command again resumes (EX_TEMPFAIL).
+inline constexpr int kExitStopped = 75;
+
+// Trains the recipe on this rank; returns 0 when done, kExitStopped when stopped on request.
+// Every rank runs the same number of optimizer steps; a rank that cannot go on throws
+// lorarun::Error and the others stop at their next collective.
+int run_training(const recipe::Recipe& r, const dist::DistEnv& env);
 
 }  // namespace lorarun::train

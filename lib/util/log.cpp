@@ -1,14 +1,65 @@
 #include "util/log.hpp"
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fmt/format.h>
+#include <mutex>
 
+#include "util/error.hpp"
 #include "util/secrets.hpp"
 
 namespace lorarun {
+namespace {
+
+// The one piece of global mutable state the house rules allow: where log lines go.
+std::mutex g_mutex;
+std::FILE* g_file = nullptr;
+
+void to_file(const std::string& line) {
+  if (!g_file) return;
+  std::time_t now = std::time(nullptr);
+  char stamp[32];
+  std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  std::fprintf(g_file, "%s %s\n", stamp, line.c_str());
+  std::fflush(g_file);
+}
+
+}  // namespace
+
+void log_to_file(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  if (!f) throw Error(fmt::format("cannot open the log file {}: {}", path, std::strerror(errno)));
+  std::lock_guard lock(g_mutex);
+  if (g_file) std::fclose(g_file);
+  g_file = f;
+}
+
+void info(const std::string& message, bool console) {
+  const std::string line = scrub(message);
+  std::lock_guard lock(g_mutex);
+  if (console) {
+    std::fprintf(stdout, "%s\n", line.c_str());
+    std::fflush(stdout);
+  }
+  to_file(line);
+}
 
 void warn(const std::string& message) {
-  std::fprintf(stderr, "warning: %s\n", scrub(message).c_str());
+  const std::string line = "warning: " + scrub(message);
+  std::lock_guard lock(g_mutex);
+  std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);
+  to_file(line);
+}
+
+void log_error(const std::string& message) {
+  std::lock_guard lock(g_mutex);
+  to_file("error: " + scrub(message));
 }
 
 }  // namespace lorarun

@@ -1,9 +1,20 @@
-// Warnings for the user: one line on stderr, secrets scrubbed.
+// Messages for the user: one line each, secrets scrubbed, copied to this rank's log file.
 #pragma once
 #include <string>
 
 namespace lorarun {
 
+// From now on, also append every line to `path` (a rank's log: <output_dir>/logs/rank_N.log).
+// The directory is created. Throws lorarun::Error when the file cannot be opened.
+void log_to_file(const std::string& path);
+
+// An informational line: on stdout when `console`, always in the log file.
+void info(const std::string& message, bool console = true);
+
+// "warning: …" on stderr and in the log file.
 void warn(const std::string& message);
+
+// "error: …" in the log file only (each main prints the error itself).
+void log_error(const std::string& message);
 
 }  // namespace lorarun

@@ -1,0 +1,53 @@
+// The resumable state of a run: what it takes to continue at the exact optimizer step after a
+// crash or a preemption (adapter, AdamW moments, RNG of every rank, data position, counters).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torch::optim {
+class AdamW;
+}
+namespace lorarun::model {
+class CausalLM;
+struct LoraConfig;
+}  // namespace lorarun::model
+
+namespace lorarun::train {
+
+// Where a run stands between two optimizer steps.
+struct Progress {
+  int epoch = 0;              // the epoch to continue
+  int64_t step_in_epoch = 0;  // optimizer steps of that epoch already done
+  int64_t step = 0;           // optimizer steps done in all
+  std::string run_id;         // the run record to continue ("" when not tracked)
+};
+
+// <output_dir>/resume_state: written to a temporary name and swapped in, so a reader finds
+// either the previous state or the new one, never half of one.
+std::string state_dir(const std::string& output_dir);
+
+// This process's random generators (CPU, and CUDA's when `cuda`) as bytes.
+at::Tensor rng_state(bool cuda);
+void set_rng_state(const at::Tensor& bytes, bool cuda);
+
+// Writes the state (rank 0). `rngs` is [world, S] uint8: every rank's rng_state(); `recipe` the
+// run's resolved recipe as JSON (checked on resume).
+void save_state(const std::string& output_dir, const model::CausalLM& m, const model::LoraConfig& cfg,
+                torch::optim::AdamW& opt, const std::vector<at::Tensor>& params, const Progress& p,
+                const at::Tensor& rngs, const nlohmann::json& recipe);
+
+// Restores a saved state into `m` (whose adapters are attached), `opt` and this rank's RNG.
+// Returns nullopt when there is none. Throws lorarun::Error when the state was written by a
+// different recipe (naming the first key that differs) or a different world size.
+std::optional<Progress> load_state(const std::string& output_dir, model::CausalLM& m, torch::optim::AdamW& opt,
+                                   const std::vector<at::Tensor>& params, int rank, int world, bool cuda,
+                                   const nlohmann::json& recipe);
+
+// Removes the state (the run finished).
+void remove_state(const std::string& output_dir);
+
+}  // namespace lorarun::train

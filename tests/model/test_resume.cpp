@@ -1,0 +1,181 @@
+// Training against the reference, and resumption: lora-train step by step against transformers
+// + PEFT + torch AdamW; SIGTERM and kill -9 mid-epoch, then the same command again, must end
+// with the very adapter an uninterrupted run ends with.
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "io/safetensors.hpp"
+#include "support/process.hpp"
+
+using namespace lorarun::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+void write_data(const std::string& path, int n) {
+  std::ofstream data(path);
+  for (int i = 0; i < n; ++i)
+    data << nlohmann::json{{"instruction", fmt::format("Add {} and {}", i, 3 * i + 1)}, {"output", std::to_string(4 * i + 1)}}
+                .dump()
+         << "\n";
+}
+
+// A recipe on the llama fixture; `extra` is appended YAML (more sections or keys).
+std::string write_recipe(const std::string& dir, const std::string& name, const std::string& train,
+                         const std::string& data_extra, const std::string& extra = "") {
+  const std::string path = fmt::format("{}/{}.yaml", dir, name);
+  std::ofstream(path) << fmt::format(R"(model: {{path: {}/llama, dtype: fp32, device: cpu}}
+lora: {{r: 4, alpha: 8, target_modules: all-linear}}
+data: {{source: jsonl, path: {}/data.jsonl, format: instruction, prompt_template: "Q: {{instruction}}\nA: ", shuffle: none{}}}
+train: {{{}}}
+checkpoint: {{output_dir: {}/{}}}
+track: {{mongodb: false}}
+{})", LORARUN_MODEL_FIXTURES, dir, data_extra, train, dir, name, extra);
+  return path;
+}
+
+// Largest absolute difference between two adapter files, tensor by tensor (inf if keys differ).
+double adapter_diff(const std::string& a, const std::string& b) {
+  const lorarun::io::SafetensorsFile fa(a), fb(b);
+  if (fa.tensors().size() != fb.tensors().size()) return INFINITY;
+  double worst = 0;
+  for (const auto& t : fa.tensors()) {
+    const auto* u = fb.find(t.name);
+    if (!u || u->nbytes != t.nbytes) return INFINITY;
+    const auto x = fa.bytes(t), y = fb.bytes(*u);
+    const auto* px = reinterpret_cast<const float*>(x.data());
+    const auto* py = reinterpret_cast<const float*>(y.data());
+    for (size_t i = 0; i < t.nbytes / 4; ++i) worst = std::max(worst, double(std::abs(px[i] - py[i])));
+  }
+  return worst;
+}
+
+std::vector<std::string> entries(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Runs `cmd` in the background, waits until its output shows `marker`, runs `act` (a shell
+// snippet; $pid is the command, $log its output), waits for the command and prints exit=<status>.
+Result interrupt(const std::string& cmd, const std::string& log, const std::string& marker, const std::string& act) {
+  return sh(fmt::format("log='{}'; {} > \"$log\" 2>&1 & pid=$!; "
+                        "for i in $(seq 1 1200); do grep -q '{}' \"$log\" && break; sleep 0.05; done; {}; "
+                        "wait $pid; echo exit=$?",
+                        log, cmd, marker, act));
+}
+
+}  // namespace
+
+TEST_CASE("lora-train follows transformers + PEFT + AdamW step by step, on 1 and 2 ranks", "[train][reference]") {
+  const std::string dir = temp_dir("equiv");
+  write_data(dir + "/data.jsonl", 30);
+  const Result init = sh(fmt::format("'{}' '{}/reference/train_reference.py' init {}/llama {}/init 4 8 7", LORARUN_PYTHON,
+                                     LORARUN_SOURCE_DIR "/tests", LORARUN_MODEL_FIXTURES, dir));
+  REQUIRE(init.status == 0);
+  // (world, micro-batch, accumulation): the same 8 documents per step cut three ways.
+  for (const auto& [world, batch, accum] : {std::tuple{1, 4, 2}, std::tuple{2, 2, 2}, std::tuple{2, 4, 1}}) {
+    const std::string name = fmt::format("w{}b{}a{}", world, batch, accum);
+    const std::string good = write_recipe(dir, name, "epochs: 5, lr: 5.0e-3, warmup_steps: 3, lr_scheduler: cosine",
+                                          fmt::format(", batch_size: {}", batch));
+    // lora.init_from: the reference's initial adapter (A and B random), as an override.
+    const Result t = sh(fmt::format("{} --nproc-per-node {} {} lora.init_from={}/init train.gradient_accumulation_steps={}",
+                                    bin("lorarun"), world, good, dir, accum));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    const Result ref = sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' check {}/llama {}/init {}/data.jsonl "
+                                      "{}/{} {} {} {} 5 5e-3 3",
+                                      LORARUN_PYTHON, LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir, dir, dir, name,
+                                      world, batch, accum));
+    INFO(ref.output);
+    CHECK(ref.status == 0);
+    CHECK_THAT(ref.output, Catch::Contains("match"));
+  }
+}
+
+TEST_CASE("SIGTERM mid-epoch saves the state; the same command resumes to the uninterrupted result", "[train][resume]") {
+  const std::string dir = temp_dir("sigterm");
+  write_data(dir + "/data.jsonl", 240);
+  const std::string train = "epochs: 3, lr: 1.0e-3, warmup_steps: 5";
+  const std::string full = write_recipe(dir, "full", train, ", batch_size: 1");
+  const std::string cut = write_recipe(dir, "cut", train, ", batch_size: 1");
+  const Result a = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), full));
+  INFO(a.output);
+  REQUIRE(a.status == 0);
+
+  const std::string cmd = fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), cut);
+  const Result b = interrupt(cmd, dir + "/cut.log", "epoch 0/3 step 30/120", "kill -TERM $pid");
+  const std::string log = read_file(dir + "/cut.log");
+  INFO(log);
+  CHECK_THAT(b.output, Catch::Contains("exit=143"));  // lorarun itself was asked to stop
+  CHECK_THAT(log, Catch::Contains("the resumable state is in"));
+  CHECK_THAT(read_file(dir + "/cut/logs/rank_1.log"), Catch::Contains("rank 1/2"));
+  REQUIRE(fs::exists(dir + "/cut/resume_state/state.json"));
+  CHECK(fs::exists(dir + "/cut/resume_state/adapter_model.safetensors"));  // a loadable adapter too
+
+  const Result c = sh(cmd);
+  INFO(c.output);
+  REQUIRE(c.status == 0);
+  CHECK_THAT(c.output, Catch::Contains("resuming at epoch"));
+  CHECK_THAT(c.output, Catch::Contains("done: 360 steps"));
+  CHECK(entries(dir + "/cut") == std::vector<std::string>{"epoch_0", "epoch_1", "epoch_2", "logs", "metrics.jsonl", "recipe.yaml"});
+  CHECK(entries(dir + "/cut/logs") == std::vector<std::string>{"rank_0.log", "rank_1.log"});
+  CHECK(adapter_diff(dir + "/full/epoch_2/adapter_model.safetensors", dir + "/cut/epoch_2/adapter_model.safetensors") == 0.0);
+  // Every optimizer step appears once in metrics.jsonl across the two processes' lifetimes.
+  int lines = 0;
+  std::ifstream metrics(dir + "/cut/metrics.jsonl");
+  std::set<int> steps;
+  for (std::string line; std::getline(metrics, line); ++lines) steps.insert(nlohmann::json::parse(line)["step"].get<int>());
+  CHECK(steps.size() == 360);
+  CHECK(lines >= 360);
+}
+
+TEST_CASE("kill -9 of a rank: the run fails; rerunning resumes from the last periodic state", "[train][resume]") {
+  const std::string dir = temp_dir("kill9");
+  write_data(dir + "/data.jsonl", 160);
+  const std::string train = "epochs: 2, lr: 1.0e-3";
+  const std::string full = write_recipe(dir, "full", train, ", batch_size: 1", "");
+  const std::string cut = write_recipe(dir, "cut", train, ", batch_size: 1", "");
+  const Result a = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), full));
+  REQUIRE(a.status == 0);
+  const std::string cmd = fmt::format("{} --nproc-per-node 2 {} checkpoint.state_every_n_steps=25", bin("lorarun"), cut);
+  const Result b = interrupt(cmd, dir + "/cut.log", "epoch 0/2 step 60/80",
+                             "kill -9 $(sed -n 's/.*(pids [0-9]* \\([0-9]*\\)).*/\\1/p' \"$log\")");
+  const std::string log = read_file(dir + "/cut.log");
+  INFO(log);
+  CHECK_THAT(b.output, Catch::Contains("exit=1"));
+  REQUIRE(fs::exists(dir + "/cut/resume_state/state.json"));
+  const Result c = sh(cmd);
+  INFO(c.output);
+  REQUIRE(c.status == 0);
+  CHECK_THAT(c.output, Catch::Contains("resuming at epoch"));
+  CHECK(adapter_diff(dir + "/full/epoch_1/adapter_model.safetensors", dir + "/cut/epoch_1/adapter_model.safetensors") == 0.0);
+  CHECK_FALSE(fs::exists(dir + "/cut/resume_state"));
+}
+
+TEST_CASE("a resumable state is not used by a different recipe", "[train][resume]") {
+  const std::string dir = temp_dir("resume-changed");
+  write_data(dir + "/data.jsonl", 24);
+  const std::string recipe = write_recipe(dir, "run", "epochs: 2, lr: 1.0e-3", ", batch_size: 2");
+  const Result a = sh(fmt::format("{} --nproc-per-node 2 {} checkpoint.keep_resume_state=true", bin("lorarun"), recipe));
+  INFO(a.output);
+  REQUIRE(a.status == 0);
+  REQUIRE(fs::exists(dir + "/run/resume_state/state.json"));
+  const Result b = sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3", bin("lorarun"), recipe));
+  INFO(b.output);
+  CHECK(b.status == 1);
+  CHECK_THAT(b.output, Catch::Contains("was written with train.lr = 0.001, this run has 0.002"));
+  const Result c = sh(fmt::format("{} --nproc-per-node 1 {}", bin("lorarun"), recipe));
+  INFO(c.output);
+  CHECK(c.status == 1);
+  CHECK_THAT(c.output, Catch::Contains("was written by 2 ranks and this run has 1"));
+  // checkpoint.resume=never starts over and replaces it.
+  const Result d = sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3 checkpoint.resume=never", bin("lorarun"), recipe));
+  INFO(d.output);
+  CHECK(d.status == 0);
+  CHECK_THAT(d.output, !Catch::Contains("resuming"));
+}

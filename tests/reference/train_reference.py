@@ -1,0 +1,130 @@
+"""The training reference: transformers + PEFT + torch AdamW doing what lora-train does, step by step.
+
+usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
+           a PEFT adapter (all-linear) whose lora_A and lora_B are both random, so that every
+           LoRA weight gets a gradient from the first step on
+       train_reference.py check MODEL_DIR INIT_DIR DATA.jsonl OURS_DIR WORLD BATCH ACCUM EPOCHS LR WARMUP
+           replays lora-train's run (instruction documents {"instruction", "output"}, template
+           "Q: {instruction}\\nA: ", shuffle none, cosine schedule, max_grad_norm 1.0) and compares
+           the loss of every step (OURS_DIR/metrics.jsonl) and the final adapter
+           (OURS_DIR/epoch_<EPOCHS-1>); exits 1 when they differ beyond the tolerances.
+
+Batches follow lora-train's rules: world W ranks, shuffle none, DistributedSampler padding (the
+order is padded to a multiple of W with its first documents), rank r reads the contiguous slice
+r; each optimizer step takes ACCUM micro-batches of BATCH from every rank. The loss is summed over
+trained tokens and divided by the step's token count over all ranks and micro-batches.
+"""
+import json
+import math
+import sys
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+
+TEMPLATE = "Q: {instruction}\nA: "
+
+
+def init(model_dir, out_dir, r, alpha, seed):
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(out_dir)
+
+
+def examples(model_dir, data):
+    tok = Tokenizer.from_file(model_dir + "/tokenizer.json")
+    eos = json.load(open(model_dir + "/config.json")).get("eos_token_id")
+    out = []
+    for line in open(data):
+        if not line.strip():
+            continue
+        doc = json.loads(line)
+        prompt = tok.encode(TEMPLATE.replace("{instruction}", doc["instruction"])).ids
+        response = tok.encode(doc["output"], add_special_tokens=False).ids + ([eos] if eos is not None else [])
+        out.append((prompt + response, [-100] * len(prompt) + response))
+    return out
+
+
+def collate(batch):
+    T = max(len(ids) for ids, _ in batch)
+    ids = torch.zeros(len(batch), T, dtype=torch.long)
+    labels = torch.full((len(batch), T), -100, dtype=torch.long)
+    mask = torch.zeros(len(batch), T, dtype=torch.long)
+    for i, (x, y) in enumerate(batch):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
+    return ids, labels, mask
+
+
+def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warmup):
+    exs = examples(model_dir, data)
+    n = len(exs)
+    per_rank = math.ceil(n / world)
+    order = list(range(n))
+    order += order[: per_rank * world - n]
+    slices = [order[r * per_rank:(r + 1) * per_rank] for r in range(world)]
+    steps_per_epoch = math.ceil(per_rank / (batch * accum))
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = get_cosine_schedule_with_warmup(opt, warmup, steps_per_epoch * epochs)
+    losses = []
+    for _ in range(epochs):
+        for s in range(steps_per_epoch):
+            total, tokens = 0.0, 0
+            for mine in slices:
+                for a in range(accum):
+                    start = (s * accum + a) * batch
+                    chunk = [exs[i] for i in mine[start:start + batch]]
+                    if not chunk:
+                        continue
+                    ids, labels, mask = collate(chunk)
+                    logits = model(input_ids=ids, attention_mask=mask).logits
+                    loss = torch.nn.functional.cross_entropy(
+                        logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                        ignore_index=-100, reduction="sum")
+                    loss.backward()
+                    total += loss.item()
+                    tokens += int((labels[:, 1:] != -100).sum())
+            for p in params:
+                p.grad /= max(1, tokens)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(total / tokens)
+
+    got = [json.loads(line)["loss"] for line in open(ours + "/metrics.jsonl")]
+    worst_loss = max(abs(a - b) / max(1e-6, abs(b)) for a, b in zip(got, losses)) if got else math.inf
+    want = {k.replace(".default", ""): v.detach() for k, v in model.state_dict().items() if "lora_" in k}
+    mine = load_file(f"{ours}/epoch_{epochs - 1}/adapter_model.safetensors")
+    worst_w = max((mine[k] - v).abs().max().item() / max(1e-6, v.abs().max().item()) for k, v in want.items())
+    moved = max((v - load_file(init_dir + "/adapter_model.safetensors")[k]).abs().max().item() for k, v in want.items())
+    print(f"steps {len(losses)} (ours {len(got)}); loss first {losses[0]:.6f} last {losses[-1]:.6f}; "
+          f"worst relative loss diff {worst_loss:.2e}; worst relative weight diff {worst_w:.2e}; "
+          f"largest weight change {moved:.2e}; tensors {len(want)} (ours {len(mine)})")
+    ok = len(got) == len(losses) and set(mine) == set(want) and worst_loss < 1e-4 and worst_w < 1e-3 and moved > 1e-3
+    print("match" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    cmd, args = sys.argv[1], sys.argv[2:]
+    if cmd == "init":
+        init(args[0], args[1], int(args[2]), float(args[3]), int(args[4]))
+    elif cmd == "check":
+        sys.exit(check(args[0], args[1], args[2], args[3], int(args[4]), int(args[5]), int(args[6]), int(args[7]),
+                       float(args[8]), int(args[9])))
+    else:
+        sys.exit(__doc__)
