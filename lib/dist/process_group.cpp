@@ -75,7 +75,11 @@ ProcessGroup::ProcessGroup(const DistEnv& env, Backend backend, std::chrono::sec
     opts.waitWorkers = true;
     opts.timeout = ms;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
-    impl_->store = c10::make_intrusive<c10d::PrefixStore>("lorarun/default_pg", tcp);
+    // Keys per restart attempt, as torchrun's /worker/attempt_N: a restarted group never reads
+    // what the previous attempt left in a store that outlived it.
+    const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    impl_->store = c10::make_intrusive<c10d::PrefixStore>(
+        fmt::format("lorarun/attempt_{}/default_pg", attempt && *attempt ? attempt : "0"), tcp);
   } catch (const c10::Error& e) {
     throw Error(fmt::format("rank {}: rendezvous at {}:{} failed ({}): check MASTER_ADDR/MASTER_PORT "
                             "and that all {} ranks were started", env.rank, env.master_addr,
@@ -113,6 +117,38 @@ void ProcessGroup::all_reduce_sum(at::Tensor& t) {
     throw Error(fmt::format("rank {}: all-reduce failed, another rank has probably stopped: {}",
                             impl_->env.rank, short_message(e)));
   }
+}
+
+struct ProcessGroup::Pending::Impl {
+  c10::intrusive_ptr<c10d::Work> work;
+  int rank = 0;
+};
+ProcessGroup::Pending::Pending(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ProcessGroup::Pending::Pending(Pending&&) noexcept = default;
+ProcessGroup::Pending::~Pending() = default;
+
+void ProcessGroup::Pending::wait() {
+  try {
+    impl_->work->wait();
+  } catch (const c10::Error& e) {
+    throw Error(fmt::format("rank {}: all-reduce failed, another rank has probably stopped: {}", impl_->rank,
+                            short_message(e)));
+  }
+}
+
+ProcessGroup::Pending ProcessGroup::all_reduce_sum_async(at::Tensor& t) {
+  std::vector<at::Tensor> tensors{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  auto impl = std::make_unique<Pending::Impl>();
+  impl->rank = impl_->env.rank;
+  try {
+    impl->work = impl_->pg->allreduce(tensors, opts);
+  } catch (const c10::Error& e) {
+    throw Error(fmt::format("rank {}: all-reduce failed, another rank has probably stopped: {}",
+                            impl_->env.rank, short_message(e)));
+  }
+  return Pending(std::move(impl));
 }
 
 void ProcessGroup::barrier() {

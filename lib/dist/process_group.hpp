@@ -43,6 +43,21 @@ class ProcessGroup {
 
   // Sums `t` over all ranks, in place. `t` must live on the backend's device.
   void all_reduce_sum(at::Tensor& t);
+  // The same, started and not waited for: `t` holds the sum once wait() returns. Every rank must
+  // start its collectives in the same order.
+  class Pending {
+   public:
+    Pending(Pending&&) noexcept;
+    ~Pending();
+    void wait();
+
+   private:
+    friend class ProcessGroup;
+    struct Impl;
+    explicit Pending(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+  };
+  Pending all_reduce_sum_async(at::Tensor& t);
   void barrier();
 
  private:

@@ -176,6 +176,7 @@ struct DistSection {
   DistBackend backend = DistBackend::Auto;  // auto: nccl on CUDA, gloo on CPU
   int timeout_s = 600;
   std::optional<int> debug_checksum_every_n_steps;  // compare a parameter checksum across ranks
+  double bucket_mb = 25;  // gradient all-reduce buckets (MiB), started while backward goes on
   bool operator==(const DistSection&) const = default;
 };
 

@@ -77,6 +77,7 @@ template <class R, class V> void for_each_key(R& r, V&& v) {
   v("dist.backend", r.dist.backend);
   v("dist.timeout_s", r.dist.timeout_s);
   v("dist.debug_checksum_every_n_steps", r.dist.debug_checksum_every_n_steps);
+  v("dist.bucket_mb", r.dist.bucket_mb);
 
   v("track.mongodb", r.track.mongodb);
   v("track.database", r.track.database);

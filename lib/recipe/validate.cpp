@@ -211,6 +211,7 @@ std::vector<std::string> validate(const Recipe& r, const RecipeOrigin& o) {
   at_least(o, "dist.timeout_s", r.dist.timeout_s, 1);
   if (r.dist.debug_checksum_every_n_steps)
     at_least(o, "dist.debug_checksum_every_n_steps", *r.dist.debug_checksum_every_n_steps, 1, true);
+  positive(o, "dist.bucket_mb", r.dist.bucket_mb);
   at_least(o, "track.log_every_n_steps", r.track.log_every_n_steps, 1);
   return warnings;
 }

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "data/source.hpp"
+#include "dist/grad_buckets.hpp"
 #include "dist/process_group.hpp"
 #include "io/files.hpp"
 #include "model/lora.hpp"
@@ -136,6 +137,7 @@ class Trainer {
   void save_state(const Progress& p);
   void all_agree(bool ok, const std::string& why, const std::string& what);
   void check_replicas();
+  bool ranks_agree(double value);
   void start_record(Progress& p, bool resumed);
   int stopped();
   int finish();
@@ -153,6 +155,7 @@ class Trainer {
   std::unique_ptr<data::Documents> docs_;
   std::vector<at::Tensor> params_;
   std::unique_ptr<torch::optim::AdamW> opt_;
+  std::unique_ptr<dist::GradBuckets> sync_;
   Schedule schedule_ = Schedule::Cosine;
   int64_t steps_per_epoch_ = 0, total_steps_ = 0, step_ = 0, rejected_ = 0;
   std::ofstream metrics_;
@@ -200,6 +203,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
   builder_ = std::make_unique<data::ExampleBuilder>(r.data, tokenizer_);
   docs_ = std::make_unique<data::Documents>(r.data, std::chrono::seconds(r.dist.timeout_s));
   params_ = model::lora_parameters(m_);
+  sync_ = std::make_unique<dist::GradBuckets>(pg_, params_, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4));
   opt_ = std::make_unique<torch::optim::AdamW>(
       params_, torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay));
   const int64_t per_rank = data::examples_per_rank(docs_->size(), env.world_size);
@@ -219,9 +223,7 @@ int Trainer::run() {
     resumed = load_state(out_.string(), m_, *opt_, params_, env_.rank, env_.world_size, cuda_, recipe_json);
   Progress p = resumed.value_or(Progress{});
   // Ranks must agree on where they stand (a state visible to only some ranks is an error).
-  at::Tensor where = at::full({1}, static_cast<double>(p.step), at::TensorOptions().dtype(at::kDouble).device(device_));
-  pg_.all_reduce_sum(where);
-  if (where.item<double>() != static_cast<double>(p.step) * env_.world_size)
+  if (!ranks_agree(static_cast<double>(p.step)))
     throw Error(fmt::format("rank {} resumes at step {} but the ranks disagree: checkpoint.output_dir {} must be the same "
                             "directory (a shared filesystem) for every rank", env_.rank, p.step, out_.string()));
   step_ = p.step;
@@ -229,8 +231,9 @@ int Trainer::run() {
     fs::create_directories(out_);
     io::write_file_atomic((out_ / "recipe.yaml").string(), recipe::to_yaml(r_));
     metrics_.open(out_ / "metrics.jsonl", resumed ? std::ios::app : std::ios::trunc);
-    info(fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch", model::trainable_summary(m_),
-                     docs_->size(), docs_->describe(), env_.world_size, steps_per_epoch_));
+    info(fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch, gradients all-reduced in {} "
+                     "bucket(s)", model::trainable_summary(m_), docs_->size(), docs_->describe(), env_.world_size,
+                     steps_per_epoch_, std::max<size_t>(1, sync_->buckets())));
     if (resumed) info(fmt::format("resuming at epoch {} step {} (step {} of {})", p.epoch, p.step_in_epoch, p.step, total_steps_));
     start_record(p, resumed.has_value());
   }
@@ -238,6 +241,9 @@ int Trainer::run() {
   bool stop = false;
   for (int epoch = p.epoch; epoch < r_.train.epochs; ++epoch) {
     const int64_t first = epoch == p.epoch ? p.step_in_epoch : 0;
+    if (!ranks_agree(static_cast<double>(steps_per_epoch_ - first)))  // a mismatch would hang a collective
+      throw Error(fmt::format("rank {} plans {} steps in epoch {} but the ranks disagree: every rank must see the same "
+                              "documents and recipe", env_.rank, steps_per_epoch_ - first, epoch));
     const int64_t per_step = int64_t{r_.data.batch_size} * r_.train.gradient_accumulation_steps;
     data::ShardReader reader(*docs_, *builder_,
                              {env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch, r_.data.shuffle},
@@ -261,42 +267,37 @@ int Trainer::run() {
   return finish();
 }
 
-// One optimizer step: `accum` micro-batches forward and backward, then one all-reduce of every
-// LoRA gradient with the loss sum, the token count, the stop flag and the data wait, so the
-// gradient is normalised by the global number of trained tokens of the step.
+// One optimizer step: `accum` micro-batches forward and backward; during the last backward the
+// gradients are summed over ranks in buckets; then one small all-reduce of the loss sum, the token
+// count, the stop flag and the data wait, so the gradient is normalised by the global number of
+// trained tokens of the step.
 StepResult Trainer::step(data::ShardReader& reader) {
   const auto t0 = Clock::now();
   const double wait0 = reader.wait_seconds();
   at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
   int64_t tokens = 0;
   for (int a = 0; a < r_.train.gradient_accumulation_steps; ++a) {
+    if (a + 1 == r_.train.gradient_accumulation_steps) sync_->arm();
     const Batch b = collate(examples(reader), device_);
-    if (b.tokens == 0) continue;  // an empty micro-batch still joins the all-reduce below
+    if (b.tokens == 0) continue;  // an empty micro-batch: GradBuckets::finish() still joins in
     const model::LossSum l = model::causal_lm_loss(m_.forward(b.ids, b.mask), b.labels);
     l.sum.backward();
     loss_sum += l.sum.detach();
     tokens += b.tokens;
   }
   const double busy = std::chrono::duration<double>(Clock::now() - t0).count();
-  std::vector<at::Tensor> flat;
-  for (at::Tensor& p : params_) flat.push_back(p.grad().defined() ? p.grad().reshape(-1) : at::zeros({p.numel()}, p.options()));
-  const auto opts = params_[0].options();
-  flat.push_back(loss_sum.reshape(1).to(opts.dtype()));
-  flat.push_back(at::tensor({static_cast<double>(tokens), g_stop_requested ? 1.0 : 0.0,
-                             busy > 0 ? (reader.wait_seconds() - wait0) / busy : 0.0}, opts));
-  at::Tensor all = at::cat(flat);
-  if (env_.world_size > 1) pg_.all_reduce_sum(all);
-  const at::Tensor tail = all.narrow(0, all.numel() - 4, 4).to(at::kCPU, at::kDouble);
-  const double* t = tail.data_ptr<double>();
+  sync_->finish();
+  at::Tensor stats = at::stack({loss_sum.to(at::kDouble), at::scalar_tensor(static_cast<double>(tokens), at::kDouble).to(device_),
+                                at::scalar_tensor(g_stop_requested ? 1.0 : 0.0, at::kDouble).to(device_),
+                                at::scalar_tensor(busy > 0 ? (reader.wait_seconds() - wait0) / busy : 0.0, at::kDouble).to(device_)});
+  if (env_.world_size > 1) pg_.all_reduce_sum(stats);
+  const at::Tensor host = stats.to(at::kCPU);
+  const double* t = host.data_ptr<double>();
   StepResult res;
   res.tokens = t[1], res.rank_tokens = static_cast<double>(tokens), res.stop = t[2] > 0, res.data_wait = t[3] / env_.world_size;
   res.loss = res.tokens > 0 ? t[0] / res.tokens : 0.0;
-  int64_t offset = 0;
-  for (at::Tensor& p : params_) {
-    const at::Tensor g = all.narrow(0, offset, p.numel()).view_as(p) / std::max(1.0, res.tokens);
-    if (p.grad().defined()) p.mutable_grad().copy_(g); else p.mutable_grad() = g.clone();
-    offset += p.numel();
-  }
+  for (at::Tensor& p : params_)
+    if (p.grad().defined()) p.mutable_grad().div_(std::max(1.0, res.tokens));
   if (r_.train.max_grad_norm) res.grad_norm = torch::nn::utils::clip_grad_norm_(params_, *r_.train.max_grad_norm);
   res.lr = r_.train.lr * lr_factor(schedule_, step_, r_.train.warmup_steps, total_steps_);
   for (auto& group : opt_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(res.lr);
@@ -404,18 +405,21 @@ void Trainer::save_state(const Progress& p) {
   all_agree(why.empty(), why, state_dir(out_.string()));
 }
 
+// Whether every rank holds the same `value`: each puts it in its own slot of a sum.
+bool Trainer::ranks_agree(double value) {
+  at::Tensor slots = at::zeros({env_.world_size}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  slots[env_.rank].fill_(value);
+  if (env_.world_size > 1) pg_.all_reduce_sum(slots);
+  return (slots.cpu() == value).all().item<bool>();
+}
+
 // Replicas must stay identical: every rank puts its parameter checksum in its own slot.
 void Trainer::check_replicas() {
-  at::Tensor sums = at::zeros({env_.world_size}, at::TensorOptions().dtype(at::kDouble).device(device_));
   double mine = 0;
   for (size_t i = 0; i < params_.size(); ++i) mine += params_[i].to(at::kDouble).sum().item<double>() * double(i + 1);
-  sums[env_.rank].fill_(mine);
-  if (env_.world_size > 1) pg_.all_reduce_sum(sums);
-  const at::Tensor h = sums.cpu();
-  for (int k = 0; k < env_.world_size; ++k)
-    if (h[k].item<double>() != mine)
-      throw Error(fmt::format("rank {}'s parameters differ from rank {}'s at step {} (checksum {} vs {}): the replicas "
-                              "diverged", env_.rank, k, step_, mine, h[k].item<double>()));
+  if (!ranks_agree(mine))
+    throw Error(fmt::format("rank {}'s LoRA parameters differ from another rank's at step {} (checksum {}): the "
+                            "replicas diverged", env_.rank, step_, mine));
 }
 
 int Trainer::stopped() {

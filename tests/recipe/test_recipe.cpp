@@ -185,6 +185,7 @@ TEST_CASE("the keys are §4's, in its order") {
                 "dist.backend",
                 "dist.timeout_s",
                 "dist.debug_checksum_every_n_steps",
+                "dist.bucket_mb",
                 "track.mongodb",
                 "track.database",
                 "track.log_every_n_steps"});
@@ -315,7 +316,7 @@ TEST_CASE("unknown keys name the closest known key") {
   CHECK(in_file("track: {log_every: 10}\n") ==
         "recipe.yaml: unknown key 'track.log_every'; did you mean 'track.log_every_n_steps'?");
   CHECK(in_file("dist: {zzz: 1}\n") ==
-        "recipe.yaml: unknown key 'dist.zzz'; the keys of 'dist' are backend, timeout_s, debug_checksum_every_n_steps");
+        "recipe.yaml: unknown key 'dist.zzz'; the keys of 'dist' are backend, timeout_s, debug_checksum_every_n_steps, bucket_mb");
 }
 
 TEST_CASE("unknown sections name the closest section, or the key they hold") {
