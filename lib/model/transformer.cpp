@@ -14,8 +14,12 @@ namespace lorarun::model {
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   at::Tensor y = at::linear(x, weight, bias);
   if (!adapted()) return y;
-  const at::Tensor xd = training && dropout > 0 ? at::dropout(x, dropout, true) : x;
-  return y + at::linear(at::linear(xd, lora_a), lora_b) * scaling;
+  // As PEFT: the adapter path runs in the adapters' dtype (fp32 master weights under a bf16 or
+  // fp16 base), its result is cast back to the base output's dtype.
+  at::Tensor xd = training && dropout > 0 ? at::dropout(x, dropout, true) : x;
+  if (xd.scalar_type() != lora_a.scalar_type()) xd = xd.to(lora_a.scalar_type());
+  const at::Tensor delta = at::linear(at::linear(xd, lora_a), lora_b) * scaling;
+  return y + (delta.scalar_type() == y.scalar_type() ? delta : delta.to(y.scalar_type()));
 }
 
 namespace {

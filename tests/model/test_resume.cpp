@@ -196,3 +196,25 @@ TEST_CASE("2 ranks: save_last_epoch_only keeps exactly the last epoch, replicas 
   CHECK(fs::exists(dir + "/run/epoch_2/adapter_model.safetensors"));
   CHECK(fs::exists(dir + "/run/epoch_2/adapter_config.json"));
 }
+
+TEST_CASE("bf16 base weights train with fp32 adapters (the recipe default dtype)", "[train]") {
+  const std::string dir = temp_dir("bf16");
+  write_data(dir + "/data.jsonl", 16);
+  const std::string recipe = write_recipe(dir, "run", "epochs: 1, lr: 1.0e-3", ", batch_size: 4");
+  const Result fp32 = sh(fmt::format("{} {} checkpoint.output_dir={}/fp32", bin("lora-train"), recipe, dir));
+  INFO(fp32.output);
+  REQUIRE(fp32.status == 0);
+  const Result bf16 = sh(fmt::format("{} {} model.dtype=bf16 checkpoint.output_dir={}/bf16", bin("lora-train"), recipe, dir));
+  INFO(bf16.output);
+  REQUIRE(bf16.status == 0);
+  // The same steps, losses within bf16's precision of the fp32 run's; adapters saved in fp32.
+  std::ifstream a(dir + "/fp32/metrics.jsonl"), b(dir + "/bf16/metrics.jsonl");
+  int steps = 0;
+  for (std::string la, lb; std::getline(a, la) && std::getline(b, lb); ++steps) {
+    const double x = nlohmann::json::parse(la)["loss"], y = nlohmann::json::parse(lb)["loss"];
+    CHECK(std::abs(x - y) / x < 2e-2);
+  }
+  CHECK(steps == 4);
+  const lorarun::io::SafetensorsFile f(dir + "/bf16/epoch_0/adapter_model.safetensors");
+  CHECK(f.tensors().front().dtype == lorarun::io::DType::F32);
+}
