@@ -120,7 +120,7 @@ void save_state(const std::string& output_dir, const model::CausalLM& m, const m
   io::sync_dir(output_dir);
 }
 
-std::optional<Progress> load_state(const std::string& output_dir, model::CausalLM&, torch::optim::AdamW& opt,
+std::optional<Progress> load_state(const std::string& output_dir, torch::optim::AdamW& opt,
                                    const std::vector<at::Tensor>& params, int rank, int world, bool cuda,
                                    const nlohmann::json& recipe) {
   fs::path dir = state_dir(output_dir);

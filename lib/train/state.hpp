@@ -40,10 +40,10 @@ void save_state(const std::string& output_dir, const model::CausalLM& m, const m
                 torch::optim::AdamW& opt, const std::vector<at::Tensor>& params, const Progress& p,
                 const at::Tensor& rngs, const nlohmann::json& recipe);
 
-// Restores a saved state into `m` (whose adapters are attached), `opt` and this rank's RNG.
+// Restores a saved state into the LoRA `params`, `opt` and this rank's RNG.
 // Returns nullopt when there is none. Throws lorarun::Error when the state was written by a
 // different recipe (naming the first key that differs) or a different world size.
-std::optional<Progress> load_state(const std::string& output_dir, model::CausalLM& m, torch::optim::AdamW& opt,
+std::optional<Progress> load_state(const std::string& output_dir, torch::optim::AdamW& opt,
                                    const std::vector<at::Tensor>& params, int rank, int world, bool cuda,
                                    const nlohmann::json& recipe);
 

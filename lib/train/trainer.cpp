@@ -157,6 +157,7 @@ class Trainer {
   std::unique_ptr<torch::optim::AdamW> opt_;
   std::unique_ptr<dist::GradBuckets> sync_;
   Schedule schedule_ = Schedule::Cosine;
+  const int64_t examples_per_step_ = int64_t{r_.data.batch_size} * r_.train.gradient_accumulation_steps;
   int64_t steps_per_epoch_ = 0, total_steps_ = 0, step_ = 0, rejected_ = 0;
   std::ofstream metrics_;
   Clock::time_point started_ = Clock::now();
@@ -207,8 +208,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
   opt_ = std::make_unique<torch::optim::AdamW>(
       params_, torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay));
   const int64_t per_rank = data::examples_per_rank(docs_->size(), env.world_size);
-  const int64_t per_step = int64_t{r.data.batch_size} * r.train.gradient_accumulation_steps;
-  steps_per_epoch_ = (per_rank + per_step - 1) / per_step;
+  steps_per_epoch_ = (per_rank + examples_per_step_ - 1) / examples_per_step_;
   if (r.train.max_steps_per_epoch) steps_per_epoch_ = std::min<int64_t>(steps_per_epoch_, *r.train.max_steps_per_epoch);
   total_steps_ = steps_per_epoch_ * r.train.epochs;
   schedule_ = schedule_of(r.train.lr_scheduler);
@@ -220,7 +220,7 @@ int Trainer::run() {
   const nlohmann::json recipe_json = recipe::to_json(r_);
   std::optional<Progress> resumed;
   if (r_.checkpoint.resume == recipe::Resume::Auto)
-    resumed = load_state(out_.string(), m_, *opt_, params_, env_.rank, env_.world_size, cuda_, recipe_json);
+    resumed = load_state(out_.string(), *opt_, params_, env_.rank, env_.world_size, cuda_, recipe_json);
   Progress p = resumed.value_or(Progress{});
   // Ranks must agree on where they stand (a state visible to only some ranks is an error).
   if (!ranks_agree(static_cast<double>(p.step)))
@@ -244,10 +244,9 @@ int Trainer::run() {
     if (!ranks_agree(static_cast<double>(steps_per_epoch_ - first)))  // a mismatch would hang a collective
       throw Error(fmt::format("rank {} plans {} steps in epoch {} but the ranks disagree: every rank must see the same "
                               "documents and recipe", env_.rank, steps_per_epoch_ - first, epoch));
-    const int64_t per_step = int64_t{r_.data.batch_size} * r_.train.gradient_accumulation_steps;
     data::ShardReader reader(*docs_, *builder_,
                              {env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch, r_.data.shuffle},
-                             first * per_step);
+                             first * examples_per_step_);
     for (int64_t s = first; s < steps_per_epoch_; ++s) {
       const StepResult res = step(reader);
       stop = res.stop;
