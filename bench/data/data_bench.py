@@ -7,6 +7,11 @@ HF tokenizers doing the same work in Python, on the same collection, in the same
 Both: list the sorted _ids, permute, fetch 256 at a time by {_id: {$in: …}} with a projection of
 the template's fields, render the Alpaca prompt, tokenize prompt and response (labels masked),
 append EOS. HF runs encode_batch per chunk with RAYON_NUM_THREADS=1 (ours is one thread too).
+
+With --train-bin, also what training consumes from the same collection: lora-train (1 rank, 2
+threads) on a random llama with the same tokenizer (hidden 512, 4 layers, fp32, LoRA r=16
+all-linear, batch 8, max_length 1024), documents/s over 8 steps after the first, and each
+pipeline's rate as a multiple of it (the aim: at least 5x).
 """
 import argparse
 import json
@@ -61,12 +66,49 @@ def make_collection(uri, db, coll, n):
         c.insert_many(docs[s:s + 5000])
 
 
+def consumption(train_bin, uri, db, coll, tokenizer_dir, work):
+    """Documents/s lora-train consumes on this collection (median step time, steps 2..)."""
+    import shutil
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model_dir = os.path.join(work, "llama-bench")
+    if not os.path.exists(os.path.join(model_dir, "model.safetensors")):
+        os.makedirs(model_dir, exist_ok=True)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            if os.path.exists(os.path.join(tokenizer_dir, f)):
+                shutil.copy(os.path.join(tokenizer_dir, f), model_dir)
+        from tokenizers import Tokenizer
+        vocab = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                                     num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True)
+                         ).save_pretrained(model_dir)
+    out = os.path.join(work, "train")
+    recipe = os.path.join(work, "train.yaml")
+    template = json.dumps(TEMPLATE)
+    with open(recipe, "w") as f:
+        f.write(f"""model: {{path: {model_dir}, dtype: fp32, device: cpu}}
+lora: {{r: 16, alpha: 32, target_modules: all-linear}}
+data: {{uri: "{uri}", database: {db}, collection: {coll}, format: instruction, prompt_template: {template},
+        response_field: output, max_length: 1024, batch_size: 8}}
+train: {{epochs: 1, max_steps_per_epoch: 9, lr_scheduler: constant}}
+checkpoint: {{output_dir: {out}, resume: never, epochs_to_save: none}}
+track: {{mongodb: false}}
+""")
+    subprocess.run([train_bin, recipe], check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    seconds = sorted(r["seconds"] for r in rows[1:])[len(rows[1:]) // 2]
+    return 8 / seconds, max(r["data_wait_share"] for r in rows[1:])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bench-bin", required=True)
     ap.add_argument("--uri", required=True)
     ap.add_argument("--documents", type=int, default=20000)
     ap.add_argument("--tokenizer", default=os.path.join(ROOT, ".fixtures", "tokenizers", "llama3"))
+    ap.add_argument("--train-bin", help="lora-train: also measure what training consumes")
+    ap.add_argument("--work", default="/tmp/lorarun-data-bench")
     a = ap.parse_args()
     db, coll = "lorarun_bench", "alpaca"
     make_collection(a.uri, db, coll, a.documents)
@@ -82,11 +124,17 @@ def main():
     py = json.loads(out.stdout)
     rows.append(("pymongo + HF tokenizers", py))
     py_rate = py["documents"] / py["seconds"]
+    consumed, wait = consumption(a.train_bin, a.uri, db, coll, a.tokenizer, a.work) if a.train_bin else (None, None)
     print(f"{a.documents} documents, one rank, tokenizer {os.path.basename(a.tokenizer)}")
-    print(f"{'pipeline':32} {'docs':>7} {'seconds':>8} {'docs/s':>9} {'ratio':>6}")
+    print(f"{'pipeline':32} {'docs':>7} {'seconds':>8} {'docs/s':>9} {'vs py':>6} {'tokens/s':>9}"
+          + (f" {'vs training':>12}" if consumed else ""))
     for name, r in rows:
         rate = r["documents"] / r["seconds"]
-        print(f"{name:32} {r['documents']:>7} {r['seconds']:>8.2f} {rate:>9.0f} {rate / py_rate:>5.2f}x")
+        print(f"{name:32} {r['documents']:>7} {r['seconds']:>8.2f} {rate:>9.0f} {rate / py_rate:>5.2f}x "
+              f"{r['tokens'] / r['seconds']:>9.0f}" + (f" {rate / consumed:>11.1f}x" if consumed else ""))
+    if consumed:
+        print(f"training consumes {consumed:.1f} documents/s (lora-train, 1 rank x 2 threads; "
+              f"largest data-wait share {100 * wait:.1f}%)")
 
 
 if __name__ == "__main__":

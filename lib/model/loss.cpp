@@ -1,6 +1,7 @@
 #include "model/loss.hpp"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 namespace lorarun::model {
 namespace {
@@ -25,6 +26,50 @@ LossSum causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
 at::Tensor per_sequence_loss(const at::Tensor& logits, const at::Tensor& labels) {
   auto [loss, trained] = token_losses(logits, labels);
   return loss.sum(1) / trained.sum(1).clamp_min(1).to(at::kFloat);
+}
+
+}  // namespace lorarun::model
+
+namespace lorarun::model {
+namespace {
+
+// Fused output projection + cross-entropy over rows of hidden states, chunked over rows.
+// forward: h [N, H], W [V, H], targets [N] -> sum of -log softmax(h W^T)[target] (float32).
+struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
+                            const at::Tensor& targets, int64_t chunk_rows, bool need_grad) {
+    at::Tensor loss = at::zeros({}, h.options().dtype(at::kFloat));
+    at::Tensor grad = need_grad ? at::empty_like(h) : at::Tensor();
+    for (int64_t s = 0; s < h.size(0); s += chunk_rows) {
+      const int64_t n = std::min(chunk_rows, h.size(0) - s);
+      const at::Tensor t = targets.narrow(0, s, n).unsqueeze(1);
+      at::Tensor logits = at::linear(h.narrow(0, s, n), w).to(at::kFloat);  // [n, V], as HF: logits.float()
+      const at::Tensor lse = at::logsumexp(logits, 1, true);                  // [n, 1]
+      loss += (lse - logits.gather(1, t)).sum();
+      if (!need_grad) continue;
+      logits.sub_(lse).exp_().scatter_add_(1, t, at::full_like(t, -1.0, at::kFloat));  // softmax - one-hot
+      at::Tensor rows = grad.narrow(0, s, n);
+      at::mm_out(rows, logits.to(w.scalar_type()), w);
+    }
+    ctx->save_for_backward({grad});
+    return loss;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    const at::Tensor grad = ctx->get_saved_variables()[0];
+    return {grad * grad_out[0].to(grad.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+LossSum lm_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,
+                     const at::Tensor& targets, int64_t chunk_bytes) {
+  const int64_t V = lm_head.size(0);
+  const int64_t chunk_rows = std::max<int64_t>(1, chunk_bytes / (V * 4));
+  const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).index_select(0, rows);  // [N, H]
+  const at::Tensor sum = LinearCrossEntropy::apply(h, lm_head, targets, chunk_rows, h.requires_grad());
+  return {sum, at::scalar_tensor(rows.size(0), at::kLong)};
 }
 
 }  // namespace lorarun::model

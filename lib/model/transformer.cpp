@@ -1,10 +1,12 @@
 #include "model/transformer.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <cmath>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "model/checkpoint.hpp"
 #include "model/resolve.hpp"
 #include "model/weights.hpp"
 #include "util/error.hpp"
@@ -15,11 +17,15 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   at::Tensor y = at::linear(x, weight, bias);
   if (!adapted()) return y;
   // As PEFT: the adapter path runs in the adapters' dtype (fp32 master weights under a bf16 or
-  // fp16 base), its result is cast back to the base output's dtype.
+  // fp16 base); the sum is cast back to the base output's dtype.
   at::Tensor xd = training && dropout > 0 ? at::dropout(x, dropout, true) : x;
   if (xd.scalar_type() != lora_a.scalar_type()) xd = xd.to(lora_a.scalar_type());
-  const at::Tensor delta = at::linear(at::linear(xd, lora_a), lora_b) * scaling;
-  return y + (delta.scalar_type() == y.scalar_type() ? delta : delta.to(y.scalar_type()));
+  const at::Tensor xa = at::linear(xd, lora_a);  // [.., r]
+  const int64_t out = lora_b.size(0);
+  // Same dtype: y += scaling * xa B^T as one GEMM accumulating into y (no [.., out] temporaries).
+  if (y.scalar_type() == lora_b.scalar_type())
+    return y.view({-1, out}).addmm_(xa.reshape({-1, xa.size(-1)}), lora_b.t(), 1.0, scaling).view(y.sizes());
+  return (y + at::linear(xa * scaling, lora_b)).to(y.scalar_type());  // summed in fp32, as PEFT
 }
 
 namespace {
@@ -86,6 +92,26 @@ at::Tensor attention_mask(const at::Tensor& key_valid, int64_t tq, int64_t past,
   at::Tensor allowed = kj <= qi;
   if (window) allowed = allowed.logical_and(qi - kj < *window);
   return allowed.unsqueeze(0).unsqueeze(0).logical_and(key_valid.to(at::kBool).unsqueeze(1).unsqueeze(1));
+}
+
+// Packed rows: segments [B, T] number the documents of each row (0 = padding). A token sees the
+// earlier tokens of its own document only (padding sees padding, so no row is fully masked).
+at::Tensor packed_attention_mask(const at::Tensor& segments, std::optional<int64_t> window) {
+  const int64_t T = segments.size(1);
+  const at::Tensor idx = at::arange(T, segments.options().dtype(at::kLong));
+  const at::Tensor qi = idx.unsqueeze(1), kj = idx.unsqueeze(0);
+  at::Tensor allowed = kj <= qi;
+  if (window) allowed = allowed.logical_and(qi - kj < *window);
+  return allowed.unsqueeze(0).logical_and(segments.unsqueeze(2) == segments.unsqueeze(1)).unsqueeze(1);
+}
+
+// Positions restarting at 0 at each document's first token: segments [B, T] -> [B, T].
+at::Tensor positions_in_document(const at::Tensor& segments) {
+  const int64_t T = segments.size(1);
+  const at::Tensor idx = at::arange(T, segments.options().dtype(at::kLong)).unsqueeze(0).expand_as(segments);
+  const at::Tensor starts = at::cat({at::ones_like(segments.narrow(1, 0, 1), at::kBool),
+                                     segments.narrow(1, 1, T - 1) != segments.narrow(1, 0, T - 1)}, 1);
+  return idx - std::get<0>(at::cummax(at::where(starts, idx, at::zeros_like(idx)), 1));
 }
 
 at::Tensor activation(const std::string& name, const at::Tensor& x) {
@@ -233,7 +259,7 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
 }
 
 at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor& attention_mask_in,
-                                   KVCache* cache) const {
+                                   KVCache* cache, bool packed) const {
   const ModelConfig& c = config_;
   const int64_t B = input_ids.size(0), T = input_ids.size(1);
   const int64_t past = cache ? cache->length() : 0;
@@ -242,8 +268,15 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
                                                  : at::ones({B, past + T}, long_opts);
   if (valid.size(1) == T && past > 0)  // a mask for the new tokens only: past ones were real
     valid = at::cat({at::ones({B, past}, long_opts), valid}, 1);
-  const at::Tensor mask = attention_mask(valid, T, past, c.sliding_window);
-  const at::Tensor positions = at::arange(past, past + T, long_opts).unsqueeze(0).expand({B, T});
+  at::Tensor mask, positions;
+  if (packed) {
+    if (cache) throw Error("packed sequences are for training; generation takes one document per row");
+    mask = packed_attention_mask(valid, c.sliding_window);
+    positions = positions_in_document(valid);
+  } else {
+    mask = attention_mask(valid, T, past, c.sliding_window);
+    positions = at::arange(past, past + T, long_opts).unsqueeze(0).expand({B, T});
+  }
 
   at::Tensor h = at::embedding(embed_tokens_, input_ids.to(device_));
   at::Tensor cos, sin;
@@ -255,21 +288,30 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
   } else if (c.family == Family::Opt) {
     if (project_in_.weight.defined()) h = project_in_.forward(h, training);
     // OPT counts positions over real tokens only, offset by 2 (HF's OPTLearnedPositionalEmbedding).
-    const at::Tensor pos = (at::cumsum(valid, 1) * valid - 1).narrow(1, past, T) + 2;
+    const at::Tensor pos = (packed ? positions : (at::cumsum(valid, 1) * valid - 1).narrow(1, past, T)) + 2;
     h = h + at::embedding(embed_positions_, pos);
   } else {
     h = h + at::embedding(embed_positions_, positions);
   }
 
+  const bool recompute = checkpoint_activations && training && c10::GradMode::is_enabled();
   for (size_t i = 0; i < blocks_.size(); ++i) {
-    const Block& b = blocks_[i];
-    if (c.family == Family::Opt && !c.do_layer_norm_before) {  // post-LN OPT (350m)
-      h = norm(b.norm1, h + attention(b, h, mask, cos, sin, cache, i));
-      h = norm(b.norm2, h + mlp(b, h));
+    // Captures by value: with checkpointing it runs again during backward.
+    auto block = [this, i, mask, cos, sin, cache](const at::Tensor& x) {
+      const Block& b = blocks_[i];
+      if (config_.family == Family::Opt && !config_.do_layer_norm_before) {  // post-LN OPT (350m)
+        const at::Tensor y = norm(b.norm1, x + attention(b, x, mask, cos, sin, cache, i));
+        return norm(b.norm2, y + mlp(b, y));
+      }
+      const at::Tensor y = x + attention(b, norm(b.norm1, x), mask, cos, sin, cache, i);
+      return y + mlp(b, norm(b.norm2, y));
+    };
+    if (!recompute) {
+      h = block(h);
       continue;
     }
-    h = h + attention(b, norm(b.norm1, h), mask, cos, sin, cache, i);
-    h = h + mlp(b, norm(b.norm2, h));
+    if (!h.requires_grad()) h = h.detach().requires_grad_(true);  // frozen embeddings: a leaf
+    h = checkpointed(block, h);
   }
   if (final_norm_.weight.defined()) h = norm(final_norm_, h);
   if (project_out_.weight.defined()) h = project_out_.forward(h, training);

@@ -57,10 +57,13 @@ class CausalLM {
 
   // input_ids [B, T] (int64), attention_mask [B, T] (1 = token, 0 = right padding) or undefined.
   // Returns the final hidden states [B, T, H'] (before the output projection).
+  // packed: several documents share a row; attention_mask then numbers them (1, 2, .. per row,
+  // 0 = padding): a token attends within its document only, positions restart per document.
   at::Tensor hidden_states(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                           KVCache* cache = nullptr) const;
+                           KVCache* cache = nullptr, bool packed = false) const;
   // hidden [.., H'] -> logits [.., vocab]
   at::Tensor logits(const at::Tensor& hidden) const;
+  const at::Tensor& lm_head() const { return lm_head_; }  // [vocab, H'], frozen
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask) const {
     return logits(hidden_states(input_ids, attention_mask));
   }
@@ -75,6 +78,8 @@ class CausalLM {
   std::vector<std::pair<std::string, at::Tensor>> state_dict() const;
 
   bool training = false;
+  // Recompute each decoder block's activations in backward instead of keeping them (training).
+  bool checkpoint_activations = false;
 
  private:
   at::Tensor attention(const Block& b, const at::Tensor& x, const at::Tensor& mask,

@@ -128,8 +128,10 @@ struct DataSection {
   Overlong overlong = Overlong::Truncate;
   BadDocuments bad_documents = BadDocuments::Skip;
   Shuffle shuffle = Shuffle::Global;
-  bool packing = false;
+  bool packing = false;      // a micro-batch's documents share rows of max_length (no cross-attention)
   int batch_size = 4;  // examples per micro-batch per rank
+  bool group_by_length = false;  // micro-batches of similar lengths, within windows of group_window steps
+  int group_window = 64;         // optimizer steps whose examples are grouped together
   int prefetch = 4;    // chunks (of 256 documents) fetched and built ahead by a thread (0: none)
   int shuffle_buffer = 4096;     // shuffle: stream: documents shuffled together (bounds memory)
   int retries = 5;               // retries of a fetch after a dropped connection (0: fail at once)

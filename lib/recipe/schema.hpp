@@ -53,6 +53,8 @@ template <class R, class V> void for_each_key(R& r, V&& v) {
   v("data.batch_size", r.data.batch_size);
   v("data.prefetch", r.data.prefetch);
   v("data.shuffle_buffer", r.data.shuffle_buffer);
+  v("data.group_by_length", r.data.group_by_length);
+  v("data.group_window", r.data.group_window);
   v("data.retries", r.data.retries);
   v("data.retry_backoff_s", r.data.retry_backoff_s);
 

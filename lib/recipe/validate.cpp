@@ -157,6 +157,7 @@ void validate_data(const DataSection& d, const RecipeOrigin& o) {
   at_least(o, "data.batch_size", d.batch_size, 1);
   at_least(o, "data.prefetch", d.prefetch, 0);
   at_least(o, "data.shuffle_buffer", d.shuffle_buffer, 1);
+  at_least(o, "data.group_window", d.group_window, 1);
   at_least(o, "data.retries", d.retries, 0);
   if (!(d.retry_backoff_s >= 0 && d.retry_backoff_s <= 3600))
     fail(o, "data.retry_backoff_s", fmt::format("must be in [0, 3600] seconds, got {}{}",

@@ -9,11 +9,11 @@
 #include <fstream>
 #include <sys/resource.h>
 #include <torch/cuda.h>
-#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 #include <torch/version.h>
 #include <unistd.h>
 
+#include "data/batches.hpp"
 #include "data/source.hpp"
 #include "dist/grad_buckets.hpp"
 #include "dist/process_group.hpp"
@@ -48,28 +48,60 @@ void install_stop_handlers() {
   sigaction(SIGINT, &sa, nullptr);
 }
 
-// A right-padded micro-batch: ids [B, T], labels [B, T] (-100 on padding), attention mask.
+// A micro-batch on the device: rows of token ids [R, T] with their mask (1 = token, 0 = padding;
+// packed: the document's number within its row), and the N flat positions of [R*T] that predict
+// a trained token, with those tokens. Documents never predict across a boundary.
 struct Batch {
-  at::Tensor ids, labels, mask;
-  int64_t tokens = 0;  // trained tokens in it
+  at::Tensor ids, mask, rows, targets;
+  int64_t tokens = 0;           // trained tokens (N)
+  int64_t real = 0, slots = 0;  // document tokens and row slots (R*T): the padding share
 };
 
-Batch collate(const std::vector<data::Example>& examples, at::Device device) {
+// Host vector -> device tensor of `shape`; through pinned memory, without blocking, on CUDA.
+at::Tensor upload(const std::vector<int64_t>& v, at::IntArrayRef shape, at::Device device) {
+  const auto opts = at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda());
+  at::Tensor host = at::empty(shape, opts);
+  std::copy(v.begin(), v.end(), host.data_ptr<int64_t>());
+  return device.is_cuda() ? host.to(device, /*non_blocking=*/true) : host;
+}
+
+// Examples -> rows: one per example, right-padded to the longest; or, packed, the examples
+// share rows of `capacity` tokens (first-fit decreasing), padded to the fullest row.
+Batch collate(const std::vector<data::Example>& examples, bool packed, size_t capacity, at::Device device) {
   Batch b;
   if (examples.empty()) return b;
-  int64_t T = 0;
-  for (const auto& e : examples) T = std::max<int64_t>(T, static_cast<int64_t>(e.ids.size()));
-  const int64_t B = static_cast<int64_t>(examples.size());
-  at::Tensor ids = at::zeros({B, T}, at::kLong), labels = at::full({B, T}, -100, at::kLong), mask = at::zeros({B, T}, at::kLong);
-  for (int64_t i = 0; i < B; ++i) {
-    const auto& e = examples[static_cast<size_t>(i)];
-    const auto n = static_cast<int64_t>(e.ids.size());
-    ids[i].narrow(0, 0, n).copy_(at::tensor(std::vector<int64_t>(e.ids.begin(), e.ids.end())));
-    labels[i].narrow(0, 0, n).copy_(at::tensor(std::vector<int64_t>(e.labels.begin(), e.labels.end())));
-    mask[i].narrow(0, 0, n).fill_(1);
+  std::vector<std::vector<size_t>> layout;
+  if (packed) {
+    std::vector<size_t> lengths;
+    for (const auto& e : examples) lengths.push_back(e.ids.size());
+    layout = data::pack_rows(lengths, std::max(capacity, *std::max_element(lengths.begin(), lengths.end())));
+  } else {
+    for (size_t i = 0; i < examples.size(); ++i) layout.push_back({i});
   }
-  b.tokens = (labels.narrow(1, 1, T - 1) != -100).sum().item<int64_t>();
-  b.ids = ids.to(device), b.labels = labels.to(device), b.mask = mask.to(device);
+  size_t T = 0;
+  for (const auto& row : layout) {
+    size_t n = 0;
+    for (size_t i : row) n += examples[i].ids.size();
+    T = std::max(T, n);
+  }
+  const size_t R = layout.size();
+  std::vector<int64_t> ids(R * T, 0), mask(R * T, 0), rows, targets;
+  for (size_t r = 0; r < R; ++r) {
+    size_t at = r * T;
+    int64_t doc = 1;
+    for (size_t i : layout[r]) {
+      const data::Example& e = examples[i];
+      for (size_t k = 0; k < e.ids.size(); ++k, ++at) {
+        ids[at] = e.ids[k], mask[at] = packed ? doc : 1;
+        if (k + 1 < e.ids.size() && e.labels[k + 1] != -100) rows.push_back(int64_t(at)), targets.push_back(e.labels[k + 1]);
+      }
+      b.real += int64_t(e.ids.size()), ++doc;
+    }
+  }
+  const auto shape = std::vector<int64_t>{int64_t(R), int64_t(T)};
+  b.ids = upload(ids, shape, device), b.mask = upload(mask, shape, device);
+  b.tokens = int64_t(rows.size()), b.slots = int64_t(R * T);
+  b.rows = upload(rows, {b.tokens}, device), b.targets = upload(targets, {b.tokens}, device);
   return b;
 }
 
@@ -120,6 +152,7 @@ struct StepResult {
   double tokens = 0;        // trained tokens, all ranks
   double rank_tokens = 0;   // trained tokens, this rank
   double data_wait = 0;     // mean share of the step the ranks spent waiting for data
+  double padding = 0;       // share of the row slots that held padding, all ranks
   bool stop = false;        // some rank was asked to stop
 };
 
@@ -130,8 +163,8 @@ class Trainer {
   void record_failure(const std::string& error);
 
  private:
-  StepResult step(data::ShardReader& reader);
-  std::vector<data::Example> examples(data::ShardReader& reader);
+  StepResult step(data::MicroBatches& batches);
+  std::vector<data::Example> examples(data::MicroBatches& batches);
   void log_step(const StepResult& s, int epoch, int64_t s_in_epoch);
   void save_checkpoint(int epoch);
   void save_state(const Progress& p);
@@ -166,10 +199,17 @@ class Trainer {
   nlohmann::json last_row_ = nlohmann::json::object();
 };
 
+// cuda:LOCAL_RANK. More ranks than GPUs share them round-robin, which Gloo allows (NCCL refuses
+// two ranks on one GPU, so that is an error there).
 at::Device pick_device(const recipe::Recipe& r, const dist::DistEnv& env, bool cuda) {
   if (r.model.device == recipe::Device::Cuda && !cuda)
     throw Error("model.device is cuda but no GPU is visible: set model.device=cpu or run on a GPU machine");
-  return cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)) : at::Device(at::kCPU);
+  if (!cuda) return at::Device(at::kCPU);
+  const int gpus = static_cast<int>(torch::cuda::device_count());
+  if (env.local_rank >= gpus && r.dist.backend != recipe::DistBackend::Gloo)
+    throw Error(fmt::format("local rank {} has no GPU of its own ({} visible): start at most {} ranks per node, or set "
+                            "dist.backend=gloo to share GPUs", env.local_rank, gpus, gpus));
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank % gpus));
 }
 
 dist::Backend backend_of(recipe::DistBackend b, bool cuda) {
@@ -201,6 +241,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       throw Error(fmt::format("lora.init_from {} has r={} alpha={} but the recipe says lora.r={} lora.alpha={}: make "
                               "them equal", r.lora.init_from, from.r, from.alpha, lcfg_.r, lcfg_.alpha));
   }
+  m_.checkpoint_activations = r.train.activation_checkpointing;
   builder_ = std::make_unique<data::ExampleBuilder>(r.data, tokenizer_);
   docs_ = std::make_unique<data::Documents>(r.data, std::chrono::seconds(r.dist.timeout_s));
   params_ = model::lora_parameters(m_);
@@ -244,11 +285,13 @@ int Trainer::run() {
     if (!ranks_agree(static_cast<double>(steps_per_epoch_ - first)))  // a mismatch would hang a collective
       throw Error(fmt::format("rank {} plans {} steps in epoch {} but the ranks disagree: every rank must see the same "
                               "documents and recipe", env_.rank, steps_per_epoch_ - first, epoch));
-    data::ShardReader reader(*docs_, *builder_,
-                             {env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch, r_.data.shuffle},
-                             first * examples_per_step_);
+    data::MicroBatches batches(*docs_, *builder_,
+                               {env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch, r_.data.shuffle},
+                               {r_.data.batch_size, r_.train.gradient_accumulation_steps,
+                                r_.data.group_by_length ? r_.data.group_window : 1, static_cast<uint64_t>(r_.train.seed), epoch},
+                               first);
     for (int64_t s = first; s < steps_per_epoch_; ++s) {
-      const StepResult res = step(reader);
+      const StepResult res = step(batches);
       stop = res.stop;
       ++step_, ++steps_this_process_;
       log_step(res, epoch, s);
@@ -268,48 +311,61 @@ int Trainer::run() {
 
 // One optimizer step: `accum` micro-batches forward and backward; during the last backward the
 // gradients are summed over ranks in buckets; then one small all-reduce of the loss sum, the token
-// count, the stop flag and the data wait, so the gradient is normalised by the global number of
-// trained tokens of the step.
-StepResult Trainer::step(data::ShardReader& reader) {
+// count, the stop flag, the data wait and the padding, so the gradient is normalised by the
+// global number of trained tokens of the step. The host waits for the device once, at the end.
+StepResult Trainer::step(data::MicroBatches& batches) {
   const auto t0 = Clock::now();
-  const double wait0 = reader.wait_seconds();
-  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
-  int64_t tokens = 0;
+  const double wait0 = batches.reader().wait_seconds();
+  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
+  at::Tensor loss_sum = at::zeros({}, f64.dtype(at::kFloat));
+  int64_t tokens = 0, real = 0, slots = 0;
   for (int a = 0; a < r_.train.gradient_accumulation_steps; ++a) {
     if (a + 1 == r_.train.gradient_accumulation_steps) sync_->arm();
-    const Batch b = collate(examples(reader), device_);
+    const Batch b = collate(examples(batches), r_.data.packing, static_cast<size_t>(r_.data.max_length), device_);
+    real += b.real, slots += b.slots;
     if (b.tokens == 0) continue;  // an empty micro-batch: GradBuckets::finish() still joins in
-    const model::LossSum l = model::causal_lm_loss(m_.forward(b.ids, b.mask), b.labels);
+    const at::Tensor hidden = m_.hidden_states(b.ids, b.mask, nullptr, r_.data.packing);
+    const model::LossSum l = model::lm_head_loss(hidden, m_.lm_head(), b.rows, b.targets);
     l.sum.backward();
     loss_sum += l.sum.detach();
     tokens += b.tokens;
   }
   const double busy = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double wait = busy > 0 ? (batches.reader().wait_seconds() - wait0) / busy : 0.0;
   sync_->finish();
-  at::Tensor stats = at::stack({loss_sum.to(at::kDouble), at::scalar_tensor(static_cast<double>(tokens), at::kDouble).to(device_),
-                                at::scalar_tensor(g_stop_requested ? 1.0 : 0.0, at::kDouble).to(device_),
-                                at::scalar_tensor(busy > 0 ? (reader.wait_seconds() - wait0) / busy : 0.0, at::kDouble).to(device_)});
+  const at::Tensor host = at::tensor({0.0, double(tokens), g_stop_requested ? 1.0 : 0.0, wait, double(real), double(slots)},
+                                     at::kDouble);
+  at::Tensor stats = host.to(device_, /*non_blocking=*/false);
+  stats[0].add_(loss_sum);
   if (env_.world_size > 1) pg_.all_reduce_sum(stats);
-  const at::Tensor host = stats.to(at::kCPU);
-  const double* t = host.data_ptr<double>();
-  StepResult res;
-  res.tokens = t[1], res.rank_tokens = static_cast<double>(tokens), res.stop = t[2] > 0, res.data_wait = t[3] / env_.world_size;
-  res.loss = res.tokens > 0 ? t[0] / res.tokens : 0.0;
+  std::vector<at::Tensor> grads;
   for (at::Tensor& p : params_)
-    if (p.grad().defined()) p.mutable_grad().div_(std::max(1.0, res.tokens));
-  if (r_.train.max_grad_norm) res.grad_norm = torch::nn::utils::clip_grad_norm_(params_, *r_.train.max_grad_norm);
+    if (p.grad().defined()) grads.push_back(p.mutable_grad());
+  if (!grads.empty()) at::_foreach_div_(grads, stats[1].clamp_min(1.0));
+  at::Tensor grad_norm;
+  if (r_.train.max_grad_norm && !grads.empty()) {  // torch's clip_grad_norm_, without reading the norm back
+    grad_norm = at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2);
+    at::_foreach_mul_(grads, (*r_.train.max_grad_norm / (grad_norm + 1e-6)).clamp_max(1.0));
+  }
+  StepResult res;
   res.lr = r_.train.lr * lr_factor(schedule_, step_, r_.train.warmup_steps, total_steps_);
   for (auto& group : opt_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(res.lr);
   opt_->step();
   opt_->zero_grad();
+  const at::Tensor done = (grad_norm.defined() ? at::cat({stats, grad_norm.to(at::kDouble).view({1})}) : stats).cpu();
+  const double* t = done.data_ptr<double>();
+  res.tokens = t[1], res.rank_tokens = double(tokens), res.stop = t[2] > 0, res.data_wait = t[3] / env_.world_size;
+  res.loss = res.tokens > 0 ? t[0] / res.tokens : 0.0;
+  res.padding = t[5] > 0 ? 1.0 - t[4] / t[5] : 0.0;
+  res.grad_norm = grad_norm.defined() ? t[6] : 0.0;
   res.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return res;
 }
 
 // The next micro-batch's examples; rejected documents are counted (or fatal, per the recipe).
-std::vector<data::Example> Trainer::examples(data::ShardReader& reader) {
+std::vector<data::Example> Trainer::examples(data::MicroBatches& batches) {
   std::vector<data::Example> out;
-  for (data::Built& built : reader.next(static_cast<size_t>(r_.data.batch_size))) {
+  for (data::Built& built : batches.next()) {
     if (auto* e = std::get_if<data::Example>(&built)) {
       out.push_back(std::move(*e));
       continue;
@@ -342,6 +398,7 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
   const nlohmann::json row = {{"epoch", epoch}, {"step", step_}, {"loss", s.loss}, {"lr", s.lr},
                               {"grad_norm", s.grad_norm}, {"tokens", s.tokens}, {"tokens_per_s", s.tokens / s.seconds},
                               {"tokens_per_s_rank0", s.rank_tokens / s.seconds}, {"data_wait_share", s.data_wait},
+                              {"padding_share", s.padding},
                               {"peak_rss_mb", peak_rss_mb()}, {"seconds", s.seconds}};
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);

@@ -1,0 +1,66 @@
+#include "model/checkpoint.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <mutex>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/custom_class.h>
+
+namespace lorarun::model {
+namespace {
+
+// What backward needs besides x: the function and the random state it started from.
+struct Replay : torch::CustomClassHolder {
+  std::function<at::Tensor(const at::Tensor&)> fn;
+  at::Generator gen;
+  at::Tensor rng;
+};
+
+at::Tensor swap_state(at::Generator& gen, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  at::Tensor before = gen.get_state();
+  gen.set_state(state);
+  return before;
+}
+
+struct Checkpoint : torch::autograd::Function<Checkpoint> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            c10::intrusive_ptr<Replay> replay) {
+    replay->gen = x.is_cuda() ? at::globalContext().defaultGenerator(x.device())
+                              : at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(replay->gen.mutex());
+      replay->rng = replay->gen.get_state();
+    }
+    ctx->save_for_backward({x});
+    at::Tensor y = replay->fn(x);  // grad mode is off here: nothing is kept
+    ctx->saved_data["replay"] = at::IValue::make_capsule(std::move(replay));
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    auto replay = c10::static_intrusive_pointer_cast<Replay>(ctx->saved_data["replay"].toCapsule());
+    const at::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    const at::Tensor now = swap_state(replay->gen, replay->rng);
+    at::Tensor y;
+    {
+      at::AutoGradMode enable(true);
+      y = replay->fn(x);
+    }
+    swap_state(replay->gen, now);
+    torch::autograd::backward({y}, {grad_out[0]});
+    return {x.grad(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor checkpointed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x) {
+  auto replay = c10::make_intrusive<Replay>();
+  replay->fn = std::move(fn);
+  return Checkpoint::apply(x, std::move(replay));
+}
+
+}  // namespace lorarun::model

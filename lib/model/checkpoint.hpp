@@ -1,0 +1,16 @@
+// Activation checkpointing: run a piece of the model without keeping its activations, and run
+// it again during backward to get its gradients (torch.utils.checkpoint, reentrant flavour).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <functional>
+
+namespace lorarun::model {
+
+// y = fn(x), keeping only x for backward. In backward, fn runs again on x with grad enabled and
+// the same random state (so dropout draws the same mask); the gradients of the parameters fn
+// uses accumulate into their .grad as in a plain backward. x must require grad (the caller makes
+// a frozen input a leaf that does), and fn must hold its captures by value: it runs after the
+// caller has returned.
+at::Tensor checkpointed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x);
+
+}  // namespace lorarun::model
