@@ -29,7 +29,9 @@ DistEnv DistEnv::from_environment() {
   e.local_rank = int_var("LOCAL_RANK", e.rank);
   e.local_world_size = int_var("LOCAL_WORLD_SIZE", e.world_size);
   if (const char* a = std::getenv("MASTER_ADDR"); a && *a) e.master_addr = a;
-  e.master_port = int_var("MASTER_PORT", 29500);
+  // A world of one started by hand binds any free port (as torchrun --standalone picks one), so
+  // two single-rank runs on one machine never collide on 29500.
+  e.master_port = int_var("MASTER_PORT", e.world_size == 1 ? 0 : 29500);
   if (e.world_size < 1) throw Error("WORLD_SIZE=0: it must be at least 1");
   if (e.rank >= e.world_size)
     throw Error(fmt::format("RANK={} is not below WORLD_SIZE={}: each rank must be in "
@@ -37,7 +39,7 @@ DistEnv DistEnv::from_environment() {
   if (e.local_rank >= e.local_world_size)
     throw Error(fmt::format("LOCAL_RANK={} is not below LOCAL_WORLD_SIZE={}", e.local_rank,
                             e.local_world_size));
-  if (e.master_port < 1 || e.master_port > 65535)
+  if ((e.master_port < 1 && !(e.master_port == 0 && e.world_size == 1)) || e.master_port > 65535)
     throw Error(fmt::format("MASTER_PORT={} is not a TCP port (1-65535)", e.master_port));
   return e;
 }

@@ -10,7 +10,7 @@ struct DistEnv {
   int world_size = 1;
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
+  int master_port = 29500;  // 0: any free port (a world of one without MASTER_PORT)
   bool launched = false;  // true when RANK/WORLD_SIZE came from a launcher
 
   // Reads RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.

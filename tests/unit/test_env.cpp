@@ -20,6 +20,7 @@ TEST_CASE("DistEnv without a launcher is a world of one") {
   CHECK(e.rank == 0);
   CHECK(e.world_size == 1);
   CHECK(e.master_addr == "127.0.0.1");
+  CHECK(e.master_port == 0);  // any free port: two hand-started runs never collide
 }
 
 TEST_CASE("DistEnv reads torchrun's variables") {
