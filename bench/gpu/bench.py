@@ -563,9 +563,9 @@ def cmd_row_speed(a):
     ref = json.load(open(a.ref)) if a.ref else None
     ours = [{"tokens": r["tokens"], "seconds": r["seconds"]} for r in read_metrics(a.ours)] if a.ours else None
     notes, status = [], "ok"
-    if a.fail:
-        status = "FAIL"
-        notes.append(a.fail)
+    if a.fail or a.skip:
+        status = "FAIL" if a.fail else "SKIP"
+        notes.append(a.fail or a.skip)
     if ours and not a.packed:
         want = [sum(tok_ex[i] for i in s) for s in slices[:len(ours)]]
         if [int(s["tokens"]) for s in ours] != want:
@@ -675,6 +675,7 @@ def main():
     rs.add_argument("--ref-mem", type=float)
     rs.add_argument("--mem-kind", default="GPU memory.used")
     rs.add_argument("--fail", help="our run failed: this reason (the row still shows the reference)")
+    rs.add_argument("--skip", help="our run was not started: this reason (the row still shows the reference)")
     rs.add_argument("--note", help="appended to the notes")
     rs.add_argument("--aim-ratio", type=float)
     rs.add_argument("--aim-mfu", type=float)
