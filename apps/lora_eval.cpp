@@ -1,5 +1,6 @@
 // lora-eval: mean loss and perplexity of a base model (+ adapter) over JSONL documents,
-// optionally the loss of every document.
+// optionally the loss of every document, on the CPU or a GPU; --dump-logits writes the first
+// batch's logits for reference checks (scripts/gpu-check compares them with transformers').
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <c10/core/GradMode.h>
@@ -39,7 +40,7 @@ std::vector<std::string> read_texts(const std::string& path, const std::string& 
 
 int run(int argc, char** argv) {
   CLI::App app{"lora-eval: loss and perplexity over JSONL documents"};
-  std::string data, field = "text", per_doc;
+  std::string data, field = "text", per_doc, dump_logits;
   int64_t max_length = 1024, batch_size = 8;
   ModelArgs model_args;
   model_args.add_to(app);
@@ -48,6 +49,10 @@ int run(int argc, char** argv) {
   app.add_option("--max-length", max_length, "tokens per document (longer ones are truncated)")->check(CLI::Range(2, 1 << 20));
   app.add_option("--batch-size", batch_size, "documents per forward pass")->check(CLI::Range(1, 4096));
   app.add_option("--per-doc", per_doc, "write {index, tokens, loss} of every document to this JSONL file");
+  app.add_option("--device", model_args.device, "cpu, cuda or cuda:N");
+  app.add_option("--dump-logits", dump_logits,
+                 "write the first batch's input_ids, attention_mask [B, T] and logits [B, T, vocab] (fp32) to this "
+                 ".safetensors file");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -77,7 +82,12 @@ int run(int argc, char** argv) {
       ids[static_cast<int64_t>(i - start)].narrow(0, 0, n).copy_(row);
       labels[static_cast<int64_t>(i - start)].narrow(0, 0, n).copy_(row);
     }
-    const at::Tensor losses = model::per_sequence_loss(m.forward(ids, labels != -100), labels);
+    const at::Tensor mask = labels != -100;
+    const at::Tensor logits = m.forward(ids.to(m.device()), mask.to(m.device()));
+    if (start == 0 && !dump_logits.empty())
+      model::save_tensors(dump_logits, {{"input_ids", ids}, {"attention_mask", mask.to(at::kLong)},
+                                        {"logits", logits.to(at::kFloat)}});
+    const at::Tensor losses = model::per_sequence_loss(logits, labels.to(m.device())).cpu();
     for (size_t i = start; i < end; ++i) {
       const int64_t n = static_cast<int64_t>(docs[i].size()) - 1;  // tokens that are predicted
       if (n < 1) {

@@ -45,6 +45,32 @@ TEST_CASE("lora-eval per-document losses equal transformers + PEFT's") {
   }
 }
 
+// scripts/gpu-check compares these dumps with transformers on a GPU; here the same comparison
+// (bench/gpu/bench.py ref-small) runs on the CPU, so the dump format and the check cannot drift.
+TEST_CASE("lora-eval --dump-logits writes transformers' logits in bf16 and fp32") {
+  const std::string dir = temp_dir("dump-logits");
+  {
+    std::ofstream data(dir + "/docs.jsonl");
+    for (const char* t : {"The quick brown fox jumps over the lazy dog.", "LoRA adapts", "x y z 0123456789"})
+      data << nlohmann::json{{"text", t}}.dump() << "\n";
+  }
+  const std::string base = kFixtures + "/llama";
+  for (const char* dtype : {"bf16", "fp32"}) {
+    const Result r = sh(fmt::format("{} --model {} --data {}/docs.jsonl --batch-size 3 --dtype {} --device cpu "
+                                    "--dump-logits {}/{}.safetensors", bin("lora-eval"), base, dir, dtype, dir, dtype));
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+  }
+  const Result c = sh(fmt::format("'{}' '{}/bench/gpu/bench.py' ref-small --model {} --ours-bf16 {}/bf16.safetensors "
+                                  "--ours-fp32 {}/fp32.safetensors --device cpu", LORARUN_PYTHON, LORARUN_SOURCE_DIR,
+                                  base, dir, dir));
+  INFO(c.output);
+  REQUIRE(c.status == 0);
+  const std::string json = c.output.substr(c.output.rfind("{\"rows\""));
+  CHECK(nlohmann::json::parse(json.substr(0, json.find('\n')))["rows"].size() == 2);
+  CHECK_THAT(c.output, !Catch::Contains("\"FAIL\""));
+}
+
 TEST_CASE("lora-generate greedy ids equal transformers' generate") {
   for (const std::string family : {"llama", "gpt2", "opt"}) {
     INFO(family);
