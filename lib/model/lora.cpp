@@ -56,7 +56,7 @@ void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::Scal
   int matched = 0;
   for (Linear* l : model.linears()) {
     if (!matches_target(l->name, cfg)) continue;
-    const int64_t in = l->weight.size(1), out = l->weight.size(0);
+    const int64_t in = l->in_features(), out = l->out_features();
     const double bound = 1.0 / std::sqrt(static_cast<double>(in));  // kaiming_uniform_(a=sqrt(5))
     at::Tensor a = at::empty({cfg.r, in}, at::kFloat).uniform_(-bound, bound, gen);
     l->lora_a = a.to(model.device(), dtype).set_requires_grad(true);
@@ -196,8 +196,8 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
                               "another base model", weights_path.string(), m[1].str(), model.config().model_type));
     Linear* l = it->second;
     const bool is_a = m[2] == "A";
-    const std::vector<int64_t> want = is_a ? std::vector<int64_t>{cfg.r, l->weight.size(1)}
-                                           : std::vector<int64_t>{l->weight.size(0), cfg.r};
+    const std::vector<int64_t> want = is_a ? std::vector<int64_t>{cfg.r, l->in_features()}
+                                           : std::vector<int64_t>{l->out_features(), cfg.r};
     at::Tensor t;
     try {
       t = files.load(key, dtype, model.device(), want).clone();  // owned: it will be trained
@@ -221,6 +221,9 @@ void merge_lora(CausalLM& model) {
   c10::NoGradGuard no_grad;
   for (Linear* l : model.linears()) {
     if (!l->adapted()) continue;
+    if (l->nf4)
+      throw Error(fmt::format("{} holds NF4 weights: merge into a base loaded without quantisation (lora-merge "
+                              "--qlora rounds it through NF4 first)", l->name));
     const at::Tensor delta = at::matmul(l->lora_b.to(at::kFloat), l->lora_a.to(at::kFloat)) * l->scaling;
     l->weight.add_(delta.to(l->weight.scalar_type()));
     l->lora_a = at::Tensor();

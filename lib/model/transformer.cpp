@@ -5,6 +5,7 @@
 #include <cmath>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <map>
 
 #include "model/checkpoint.hpp"
 #include "model/resolve.hpp"
@@ -14,7 +15,7 @@
 namespace lorarun::model {
 
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
-  at::Tensor y = at::linear(x, weight, bias);
+  at::Tensor y = nf4 ? nf4_linear(x, *nf4, bias) : at::linear(x, weight, bias);
   if (!adapted()) return y;
   // As PEFT: the adapter path runs in the adapters' dtype (fp32 master weights under a bf16 or
   // fp16 base); the sum is cast back to the base output's dtype.
@@ -36,19 +37,27 @@ struct Loader {
   const WeightFiles& files;
   at::ScalarType dtype;
   at::Device device;
+  LoadOptions opts;
   std::vector<Named>& named;
 
   at::Tensor get(const std::string& name, std::vector<int64_t> shape, bool transpose = false) const {
     at::Tensor t = files.load(name, dtype, device, shape);
     if (transpose) t = t.t().contiguous();
-    named.push_back({name, t, transpose});
+    named.push_back({name, t, transpose, t.numel()});
     return t;
   }
+  // With opts.quantize the weight is quantised at once and its full-precision copy dropped, so
+  // the whole unquantised model is never in memory.
   Linear linear(const std::string& name, int64_t in, int64_t out, bool bias, bool conv1d = false) const {
     Linear l;
     l.name = name;
     l.conv1d = conv1d;
     l.weight = conv1d ? get(name + ".weight", {in, out}, true) : get(name + ".weight", {out, in});
+    if (opts.quantize) {
+      l.nf4 = quantize_nf4(l.weight, opts.double_quant);
+      l.weight = named.back().tensor = at::Tensor();
+      files.release(name + ".weight");
+    }
     if (bias) l.bias = get(name + ".bias", {out});
     return l;
   }
@@ -124,7 +133,8 @@ at::Tensor activation(const std::string& name, const at::Tensor& x) {
 
 }  // namespace
 
-CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at::Device device) {
+CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at::Device device,
+                        const LoadOptions& opts) {
   const std::string dir = resolve_model_path(path_or_id);
   CausalLM m;
   m.config_ = load_config(dir);
@@ -133,7 +143,7 @@ CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at:
   m.device_ = device;
   const ModelConfig& c = m.config_;
   const WeightFiles files = WeightFiles::open_dir(dir);
-  const Loader<NamedWeight> L{files, dtype, device, m.named_};
+  const Loader<NamedWeight> L{files, dtype, device, opts, m.named_};
   const int64_t H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
   const int64_t q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;
 
@@ -231,7 +241,7 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
   const ModelConfig& c = config_;
   const int64_t B = x.size(0), T = x.size(1), hd = c.head_dim;
   at::Tensor q, k, v;
-  if (b.qkv.weight.defined()) {
+  if (b.qkv.defined()) {
     auto parts = b.qkv.forward(x, training).split(c.hidden_size, -1);
     q = parts[0], k = parts[1], v = parts[2];
   } else {
@@ -286,7 +296,7 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
     cos = emb.cos().to(dtype_).unsqueeze(1);  // [B, 1, T, hd]
     sin = emb.sin().to(dtype_).unsqueeze(1);
   } else if (c.family == Family::Opt) {
-    if (project_in_.weight.defined()) h = project_in_.forward(h, training);
+    if (project_in_.defined()) h = project_in_.forward(h, training);
     // OPT counts positions over real tokens only, offset by 2 (HF's OPTLearnedPositionalEmbedding).
     const at::Tensor pos = (packed ? positions : (at::cumsum(valid, 1) * valid - 1).narrow(1, past, T)) + 2;
     h = h + at::embedding(embed_positions_, pos);
@@ -314,15 +324,24 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
     h = checkpointed(block, h);
   }
   if (final_norm_.weight.defined()) h = norm(final_norm_, h);
-  if (project_out_.weight.defined()) h = project_out_.forward(h, training);
+  if (project_out_.defined()) h = project_out_.forward(h, training);
   return h;
 }
 
 at::Tensor CausalLM::logits(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_); }
 
 std::vector<std::pair<std::string, at::Tensor>> CausalLM::state_dict() const {
+  std::map<std::string, const Linear*> by_weight;
+  for (const Linear* l : linears()) by_weight[l->name + ".weight"] = l;
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const NamedWeight& w : named_) out.emplace_back(w.name, w.transposed ? w.tensor.t() : w.tensor);
+  for (const NamedWeight& w : named_) {
+    at::Tensor t = w.tensor;
+    if (!t.defined()) {  // quantised: its Linear holds it
+      const Linear& l = *by_weight.at(w.name);
+      t = l.nf4 ? l.nf4->dequantize() : l.weight;
+    }
+    out.emplace_back(w.name, w.transposed ? t.t() : t);
+  }
   return out;
 }
 
@@ -330,9 +349,9 @@ std::vector<Linear*> CausalLM::linears() {
   std::vector<Linear*> out;
   for (Block& b : blocks_)
     for (Linear* l : {&b.q, &b.k, &b.v, &b.qkv, &b.o, &b.gate, &b.up, &b.down})
-      if (l->weight.defined()) out.push_back(l);
+      if (l->defined()) out.push_back(l);
   for (Linear* l : {&project_in_, &project_out_})
-    if (l->weight.defined()) out.push_back(l);
+    if (l->defined()) out.push_back(l);
   return out;
 }
 
@@ -344,7 +363,7 @@ std::vector<const Linear*> CausalLM::linears() const {
 
 int64_t CausalLM::base_parameter_count() const {
   int64_t n = 0;
-  for (const NamedWeight& w : named_) n += w.tensor.numel();
+  for (const NamedWeight& w : named_) n += w.numel;
   return n;
 }
 

@@ -3,18 +3,22 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "model/config.hpp"
+#include "model/nf4.hpp"
 
 namespace lorarun::model {
 
 // A frozen linear layer, y = x W^T + b, plus an optional LoRA adapter:
 //   y += scaling * B A dropout(x),  A [r, in], B [out, r]   (PEFT's LoraLayer)
+// W is either `weight` or, for QLoRA, `nf4` (dequantised on the fly).
 struct Linear {
   std::string name;        // the HF module name, e.g. "model.layers.0.self_attn.q_proj"
-  at::Tensor weight;       // [out, in], frozen
+  at::Tensor weight;       // [out, in], frozen; undefined when the weight is in NF4
+  std::optional<Nf4Weight> nf4;
   at::Tensor bias;         // [out] or undefined
   bool conv1d = false;     // GPT-2 Conv1D: the file stores the weight as [in, out]
   at::Tensor lora_a;       // [r, in]; defined when adapted
@@ -24,6 +28,9 @@ struct Linear {
 
   at::Tensor forward(const at::Tensor& x, bool training) const;
   bool adapted() const { return lora_a.defined(); }
+  bool defined() const { return weight.defined() || nf4.has_value(); }  // families leave some empty
+  int64_t out_features() const { return nf4 ? nf4->shape[0] : weight.size(0); }
+  int64_t in_features() const { return nf4 ? nf4->shape[1] : weight.size(1); }
 };
 
 struct Norm {
@@ -43,12 +50,21 @@ struct KVCache {
   int64_t length() const { return k.empty() || !k[0].defined() ? 0 : k[0].size(2); }
 };
 
+// How the base weights are held.
+struct LoadOptions {
+  bool quantize = false;     // QLoRA: every linear LoRA may adapt in NF4, quantised as it is loaded
+  bool double_quant = true;  // with quantize: the NF4 block scales in 8 bits too
+};
+
 class CausalLM {
  public:
   // Loads a HF model directory or cached model id (config.json + model.safetensors or a sharded
-  // index; see resolve_model_path), converting weights to
-  // `dtype` on `device`. Throws lorarun::Error when weights are missing or disagree with config.
-  static CausalLM load(const std::string& path_or_id, at::ScalarType dtype, at::Device device);
+  // index; see resolve_model_path), converting weights to `dtype` on `device`; with
+  // opts.quantize each linear of linears() is quantised from `dtype` (embeddings, norms and the
+  // output projection stay, as transformers + bitsandbytes leave them). Throws lorarun::Error
+  // when weights are missing or disagree with config.
+  static CausalLM load(const std::string& path_or_id, at::ScalarType dtype, at::Device device,
+                       const LoadOptions& opts = {});
 
   const ModelConfig& config() const { return config_; }
   const std::string& dir() const { return dir_; }
@@ -74,7 +90,7 @@ class CausalLM {
   // Number of parameters of the base model (tied weights counted once).
   int64_t base_parameter_count() const;
   // The base weights under their HF names, in the file's layout (GPT-2 Conv1D as [in, out]).
-  // They share storage with the model, so a merge shows up here.
+  // They share storage with the model, so a merge shows up here; NF4 weights come dequantised.
   std::vector<std::pair<std::string, at::Tensor>> state_dict() const;
 
   bool training = false;
@@ -100,8 +116,9 @@ class CausalLM {
   at::Tensor lm_head_;       // [vocab, E]; may alias embed_tokens_
   struct NamedWeight {
     std::string name;
-    at::Tensor tensor;
-    bool transposed;  // stored here as [out, in], in the file as [in, out]
+    at::Tensor tensor;  // undefined for an NF4 weight: its Linear holds it
+    bool transposed;    // stored here as [out, in], in the file as [in, out]
+    int64_t numel;
   };
   std::vector<NamedWeight> named_;  // every weight loaded, in file naming
 };

@@ -35,6 +35,8 @@ class WeightFiles {
   // pages are dropped after copying. `shape` (if given) must equal the stored shape.
   at::Tensor load(const std::string& name, at::ScalarType dtype, at::Device device,
                   const std::vector<int64_t>& shape = {}) const;
+  // Drops the mapped pages of `name` once no tensor views them (a quantised weight's source).
+  void release(const std::string& name) const { files_[where_.at(name)]->release(info(name)); }
   // The names load() was asked for; the caller can report leftovers.
   const std::set<std::string>& used() const { return used_; }
 

@@ -141,6 +141,15 @@ double peak_rss_mb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
+// "base linears in NF4: 6815744 parameters in 3.4 MiB (0.5159 bytes each)"
+std::string nf4_summary(const model::CausalLM& m) {
+  int64_t params = 0, bytes = 0;
+  for (const model::Linear* l : m.linears())
+    if (l->nf4) params += l->nf4->numel(), bytes += l->nf4->bytes();
+  return fmt::format("base linears in NF4: {} parameters in {:.1f} MiB ({:.4f} bytes each)", params,
+                     static_cast<double>(bytes) / (1 << 20), static_cast<double>(bytes) / static_cast<double>(params));
+}
+
 std::string clock_text(double seconds) {
   const auto s = static_cast<int64_t>(seconds);
   return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60) : fmt::format("{}:{:02}", s / 60, s % 60);
@@ -228,7 +237,8 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
     : r_(r), env_(env), lead_(env.rank == 0), cuda_(want_cuda(r)), tty_(lead_ && isatty(STDOUT_FILENO)),
       device_(pick_device(r, env, cuda_)), out_(r.checkpoint.output_dir),
       pg_(env, backend_of(r.dist.backend, cuda_), std::chrono::seconds(r.dist.timeout_s)),
-      m_(model::CausalLM::load(r.model.path, dtype_of(r.model.dtype), device_)),
+      m_(model::CausalLM::load(r.model.path, dtype_of(r.model.dtype), device_,
+                               {.quantize = r.lora.quantize_base, .double_quant = r.lora.double_quant})),
       tokenizer_(tok::Tokenizer::from_dir(m_.dir())) {
   lcfg_.r = r.lora.r, lcfg_.alpha = r.lora.alpha, lcfg_.dropout = r.lora.dropout, lcfg_.use_rslora = r.lora.use_rslora;
   lcfg_.target_modules = r.lora.target_modules;
@@ -275,6 +285,7 @@ int Trainer::run() {
     info(fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch, gradients all-reduced in {} "
                      "bucket(s)", model::trainable_summary(m_), docs_->size(), docs_->describe(), env_.world_size,
                      steps_per_epoch_, std::max<size_t>(1, sync_->buckets())));
+    if (r_.lora.quantize_base) info(nf4_summary(m_));
     if (resumed) info(fmt::format("resuming at epoch {} step {} (step {} of {})", p.epoch, p.step_in_epoch, p.step, total_steps_));
     start_record(p, resumed.has_value());
   }
