@@ -209,8 +209,9 @@ TEST_CASE("QLoRA logits equal transformers + PEFT on bitsandbytes' NF4 weights")
   CHECK(r.status == 0);
 }
 
-TEST_CASE("lora-train with lora.quantize_base follows transformers + PEFT on the NF4 base; PEFT loads the adapter "
-          "onto a 4-bit model; lora-eval --quantize-base agrees", "[train][reference]") {
+// (No semicolons in test names: CTest's test discovery splits names there.)
+TEST_CASE("lora-train with lora.quantize_base follows transformers + PEFT on the NF4 base, PEFT loads the adapter "
+          "onto a 4-bit model, lora-eval --quantize-base agrees", "[train][reference]") {
   const std::string dir = test::temp_dir("qlora-train");
   {
     std::ofstream data(dir + "/data.jsonl"), docs(dir + "/docs.jsonl");
