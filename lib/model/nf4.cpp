@@ -111,8 +111,9 @@ at::Tensor Nf4Weight::dequantize() const {
   const int64_t n = numel();
   const at::Tensor scales = block_absmax();
   at::Tensor out = at::empty({n}, packed.options().dtype(dtype));
-  for (int64_t start = 0; start < n; start += kChunk) {
-    const int64_t len = std::min(kChunk, n - start);
+  const int64_t chunk = packed.is_cuda() ? kChunk << 4 : kChunk;  // fewer kernel launches on a GPU
+  for (int64_t start = 0; start < n; start += chunk) {
+    const int64_t len = std::min(chunk, n - start);
     // One lookup per byte gives both of its levels: [bytes, 2] -> [2 * bytes] in element order.
     const at::Tensor bytes = packed.narrow(0, start / 2, (len + 1) / 2);
     const at::Tensor levels = pad_to_blocks(pairs.index_select(0, bytes.to(at::kInt)).view(-1), kBlock);
