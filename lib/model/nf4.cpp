@@ -227,8 +227,16 @@ struct Nf4LinearFn : torch::autograd::Function<Nf4LinearFn> {
 }  // namespace
 
 at::Tensor nf4_linear(const at::Tensor& x, const Nf4Weight& w, const at::Tensor& bias) {
-  if (!x.requires_grad()) return at::linear(x, w.dequantize(), bias);
-  return Nf4LinearFn::apply(x, bias.defined() ? std::optional(bias) : std::nullopt, w);
+  // The Function sees [N, in] -> [N, out], as at::linear computes it, and the reshapes stay
+  // outside: a view made inside a custom Function could not be modified in place afterwards
+  // (Linear::forward adds the LoRA path into the result).
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  const at::Tensor y2 = x.requires_grad()
+                            ? Nf4LinearFn::apply(x2, bias.defined() ? std::optional(bias) : std::nullopt, w)
+                            : at::linear(x2, w.dequantize(), bias);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = w.shape[0];
+  return y2.view(sizes);
 }
 
 }  // namespace lorarun::model
