@@ -83,7 +83,7 @@ int64_t padding(const std::vector<MicroBatch>& mbs, const std::map<int64_t, int6
 
 }  // namespace
 
-TEST_CASE("micro-batches: reading order without grouping; same documents, less padding with it") {
+TEST_CASE("micro-batches: reading order without grouping, and with it the same documents with less padding") {
   const recipe::DataSection d = documents(400);
   const data::Documents docs(d, std::chrono::seconds(10));
   const data::ExampleBuilder builder(d, tokenizer());

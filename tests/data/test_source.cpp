@@ -160,7 +160,7 @@ TEST_CASE("shards: 1, 2, 3 ranks in every mode are complete, disjoint and equal 
     }
 }
 
-TEST_CASE("stream: many runs and windows, resumable; memory bounded by the window") {
+TEST_CASE("stream: many runs and windows, resumable, memory bounded by the window") {
   NEED_SERVER();
   const int64_t n = 301;
   recipe::DataSection d = with_documents(test_uri(), n, Shuffle::Stream);
@@ -177,7 +177,7 @@ TEST_CASE("stream: many runs and windows, resumable; memory bounded by the windo
   CHECK(all.size() == 301);
 }
 
-TEST_CASE("order depends on (seed, epoch) only; none is sorted") {
+TEST_CASE("order depends on (seed, epoch) only and none is sorted") {
   NEED_SERVER();
   for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream, Shuffle::None}) {
     INFO(recipe::name(mode));

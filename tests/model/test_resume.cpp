@@ -98,7 +98,7 @@ TEST_CASE("lora-train follows transformers + PEFT + AdamW step by step, on 1 and
   }
 }
 
-TEST_CASE("SIGTERM mid-epoch saves the state; the same command resumes to the uninterrupted result", "[train][resume]") {
+TEST_CASE("SIGTERM mid-epoch saves the state and the same command resumes to the uninterrupted result", "[train][resume]") {
   const std::string dir = temp_dir("sigterm");
   write_data(dir + "/data.jsonl", 240);
   const std::string train = "epochs: 3, lr: 1.0e-3, warmup_steps: 5";
@@ -135,7 +135,7 @@ TEST_CASE("SIGTERM mid-epoch saves the state; the same command resumes to the un
   CHECK(lines >= 360);
 }
 
-TEST_CASE("kill -9 of a rank: the run fails; rerunning resumes from the last periodic state", "[train][resume]") {
+TEST_CASE("kill -9 of a rank: the run fails and rerunning resumes from the last periodic state", "[train][resume]") {
   const std::string dir = temp_dir("kill9");
   write_data(dir + "/data.jsonl", 160);
   const std::string train = "epochs: 2, lr: 1.0e-3";
@@ -219,7 +219,7 @@ TEST_CASE("bf16 base weights train with fp32 adapters (the recipe default dtype)
   CHECK(f.tensors().front().dtype == lorarun::io::DType::F32);
 }
 
-TEST_CASE("packing and activation checkpointing train the same; packing and length grouping pad less", "[train][memory]") {
+TEST_CASE("packing and activation checkpointing train the same and packing and length grouping pad less", "[train][memory]") {
   const std::string dir = temp_dir("packing");
   {
     std::ofstream data(dir + "/data.jsonl");
