@@ -6,6 +6,7 @@
 #include <cmath>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/custom_class.h>
 
 #include "util/error.hpp"
 
@@ -185,42 +186,23 @@ namespace {
 
 using torch::autograd::AutogradContext;
 
-// saved_data holds IValues: the weight goes in as its tensors and shape, and comes back out.
-void save(AutogradContext* ctx, const Nf4Weight& w) {
-  auto& s = ctx->saved_data;
-  s["packed"] = w.packed, s["pairs"] = w.pairs, s["shape"] = w.shape, s["dtype"] = static_cast<int64_t>(w.dtype);
-  if (!w.double_quant()) {
-    s["absmax"] = w.absmax;
-    return;
-  }
-  s["offset"] = w.offset, s["codes8"] = w.absmax8.codes, s["absmax8"] = w.absmax8.absmax;
-  s["code8"] = w.absmax8.code, s["block8"] = w.absmax8.blocksize;
-}
-
-Nf4Weight restore(AutogradContext* ctx) {
-  auto& s = ctx->saved_data;
+// The weight rides in saved_data as a capsule: its tensors are shared, not copied.
+struct Held : torch::CustomClassHolder {
+  explicit Held(const Nf4Weight& weight) : w(weight) {}
   Nf4Weight w;
-  w.packed = s["packed"].toTensor(), w.pairs = s["pairs"].toTensor(), w.shape = s["shape"].toIntVector();
-  w.dtype = static_cast<at::ScalarType>(s["dtype"].toInt());
-  if (s.count("absmax")) {
-    w.absmax = s["absmax"].toTensor();
-    return w;
-  }
-  w.offset = s["offset"].toTensor();
-  w.absmax8 = {s["codes8"].toTensor(), s["absmax8"].toTensor(), s["code8"].toTensor(), s["block8"].toInt()};
-  return w;
-}
+};
 
 // Saves only the (4-bit) weight for backward, never its dequantised copy.
 struct Nf4LinearFn : torch::autograd::Function<Nf4LinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& bias,
                             const Nf4Weight& w) {
-    save(ctx, w);
+    ctx->saved_data["w"] = at::IValue::make_capsule(c10::make_intrusive<Held>(w));
     return at::linear(x, w.dequantize(), bias);
   }
   // dy [.., out] -> dx = dy W [.., in]; none for b (frozen) or the weight argument.
   static torch::autograd::variable_list backward(AutogradContext* ctx, torch::autograd::variable_list dy) {
-    return {at::matmul(dy[0], restore(ctx).dequantize()), at::Tensor(), at::Tensor()};
+    const auto held = c10::static_intrusive_pointer_cast<Held>(ctx->saved_data["w"].toCapsule());
+    return {at::matmul(dy[0], held->w.dequantize()), at::Tensor(), at::Tensor()};
   }
 };
 
