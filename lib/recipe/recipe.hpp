@@ -136,6 +136,7 @@ struct DataSection {
   int shuffle_buffer = 4096;     // shuffle: stream: documents shuffled together (bounds memory)
   int retries = 5;               // retries of a fetch after a dropped connection (0: fail at once)
   double retry_backoff_s = 1.0;  // first wait before a retry; doubles each time, capped at 30 s
+  int timeout_s = 20;            // connecting to / selecting the MongoDB server, per attempt
 
   // The distinct {placeholders} of prompt_template, in order of first use.
   std::vector<std::string> template_fields() const;
@@ -171,6 +172,7 @@ struct CheckpointSection {
   std::optional<int> state_every_n_steps;  // resumable state every N optimizer steps (null: per epoch)
   Resume resume = Resume::Auto;
   bool keep_resume_state = false;  // keep the resumable state after the run finishes
+  bool overwrite = false;          // a new run may replace another run's finished adapters in output_dir
   bool operator==(const CheckpointSection&) const = default;
 };
 

@@ -57,6 +57,7 @@ template <class R, class V> void for_each_key(R& r, V&& v) {
   v("data.group_window", r.data.group_window);
   v("data.retries", r.data.retries);
   v("data.retry_backoff_s", r.data.retry_backoff_s);
+  v("data.timeout_s", r.data.timeout_s);
 
   v("train.epochs", r.train.epochs);
   v("train.gradient_accumulation_steps", r.train.gradient_accumulation_steps);
@@ -75,6 +76,7 @@ template <class R, class V> void for_each_key(R& r, V&& v) {
   v("checkpoint.state_every_n_steps", r.checkpoint.state_every_n_steps);
   v("checkpoint.resume", r.checkpoint.resume);
   v("checkpoint.keep_resume_state", r.checkpoint.keep_resume_state);
+  v("checkpoint.overwrite", r.checkpoint.overwrite);
 
   v("dist.backend", r.dist.backend);
   v("dist.timeout_s", r.dist.timeout_s);

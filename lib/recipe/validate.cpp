@@ -210,6 +210,7 @@ std::vector<std::string> validate(const Recipe& r, const RecipeOrigin& o) {
   if (r.dist.backend == DistBackend::Nccl && r.model.device == Device::Cpu)
     fail(o, "dist.backend", "is nccl, which needs CUDA, but model.device is cpu; use dist.backend: gloo (or auto)");
   at_least(o, "dist.timeout_s", r.dist.timeout_s, 1);
+  at_least(o, "data.timeout_s", r.data.timeout_s, 1);
   if (r.dist.debug_checksum_every_n_steps)
     at_least(o, "dist.debug_checksum_every_n_steps", *r.dist.debug_checksum_every_n_steps, 1, true);
   positive(o, "dist.bucket_mb", r.dist.bucket_mb);
