@@ -128,14 +128,16 @@ int run(int argc, char** argv) {
   if (a.recipe.empty() && a.from_run.empty())
     throw Error("no recipe given: lora-train RECIPE.yaml [key=value…] (see configs/) or --from-run DATABASE/ID");
   const recipe::Recipe r = a.from_run.empty() ? recipe::load_recipe(a.recipe, a.overrides) : from_run(a);
-  for (const std::string& w : r.warnings) warn(w);
+  const dist::DistEnv env = dist::DistEnv::from_environment();
+  if (env.rank == 0)  // the same recipe on every rank: one copy of its warnings
+    for (const std::string& w : r.warnings) warn(w);
   if (a.dry_run) {
     fmt::print("{}", recipe::to_yaml(r));
     fmt::print("# epoch checkpoints kept at the end: [{}]\n",
                fmt::join(recipe::epochs_kept(r.checkpoint, r.train.epochs), ", "));
     return 0;
   }
-  return train::run_training(r, dist::DistEnv::from_environment());
+  return train::run_training(r, env);
 }
 
 }  // namespace

@@ -69,9 +69,18 @@ Client::Client(const std::string& uri_text, std::chrono::milliseconds timeout) {
   driver_notes = nullptr;
   if (!uri)
     throw Error(fmt::format("invalid MongoDB URI '{}': {}{}; expected "
-                            "mongodb://[user:password@]host[:port]/[database][?options]",
+                            "mongodb://[user:password@]host[:port]/[database][?options], with '@', '/' and ':' in "
+                            "the user name or password percent-encoded (%40, %2F, %3A)",
                             redacted_uri_, scrub(error.message),
                             notes.empty() ? "" : " (" + scrub(notes) + ")"));
+  // The driver ends the password at the first '@'; a password with an unescaped '@' would be cut
+  // there and its tail taken for a host name (and shown in the driver's messages).
+  if (const char* parsed = mongoc_uri_get_password(uri.get())) {
+    register_secret(parsed);
+    if (parsed != percent_decode(uri_password(uri_text)))
+      throw Error(fmt::format("the password in MongoDB URI '{}' holds an unescaped '@': percent-encode it as %40",
+                              redacted_uri_));
+  }
   const auto ms = static_cast<int32_t>(timeout.count());
   for (const char* key : {MONGOC_URI_SERVERSELECTIONTIMEOUTMS, MONGOC_URI_CONNECTTIMEOUTMS})
     if (!mongoc_uri_has_option(uri.get(), key)) mongoc_uri_set_option_as_int32(uri.get(), key, ms);

@@ -16,8 +16,15 @@
 
 #include "data/example.hpp"
 #include "recipe/recipe.hpp"
+#include "util/error.hpp"
 
 namespace lorarun::data {
+
+// The data source gave up (retries spent, or stopped while waiting to retry): the run can go on
+// later from where it stands, unlike a bad-input Error.
+struct DataUnavailable : Error {
+  using Error::Error;
+};
 
 class Client;
 struct Found;

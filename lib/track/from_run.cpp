@@ -10,8 +10,10 @@
 namespace lorarun::track {
 namespace {
 
-// "h1:27017,h2" of "mongodb://user:pw@h1:27017,h2/db?opts".
-std::string hosts_of(const std::string& uri) {
+// "h1:27017,h2" of "mongodb://user:pw@h1:27017,h2/db?opts". Read from the redacted form, whose
+// password holds none of "/?#@" whatever the real one holds.
+std::string hosts_of(const std::string& given) {
+  const std::string uri = redact_uri(given);
   const size_t scheme = uri.find("://");
   if (scheme == std::string::npos) return uri;
   const size_t start = scheme + 3;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "io/files.hpp"
+#include "io/sha256.hpp"
 #include "io/safetensors.hpp"
 #include "model/lora.hpp"
 #include "util/error.hpp"
@@ -54,6 +55,54 @@ at::Tensor load_tensor(const io::SafetensorsFile& f, const std::string& name, at
                                   f.path(), name));
   const auto bytes = f.bytes(*t);
   return at::from_blob(const_cast<std::byte*>(bytes.data()), t->shape, at::TensorOptions().dtype(dtype)).clone();
+}
+
+// Every state file's sha256 in manifest.json, written last: a state without it, or whose files
+// do not match it, was cut short or changed by hand.
+void write_manifest(const fs::path& dir) {
+  nlohmann::json files = nlohmann::json::object();
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file()) files[e.path().filename().string()] = io::sha256_file(e.path().string());
+  io::write_file_atomic((dir / "manifest.json").string(), nlohmann::json{{"sha256", files}}.dump(1));
+}
+
+[[noreturn]] void refuse(const fs::path& dir, const std::string& problem) {
+  throw Error(fmt::format("the resumable state in {} {}: restore it, or set checkpoint.resume=never to start over (the "
+                          "state is then replaced)", dir.string(), problem));
+}
+
+void verify_manifest(const fs::path& dir) {
+  const fs::path path = dir / "manifest.json";
+  if (!fs::exists(path)) refuse(dir, "is incomplete (manifest.json is missing)");
+  const nlohmann::json m = nlohmann::json::parse(io::read_file(path.string()), nullptr, false);
+  if (!m.is_object() || !m.contains("sha256") || !m["sha256"].is_object()) refuse(dir, "has a damaged manifest.json");
+  for (const char* needed : {"state.json", "state.safetensors"})
+    if (!m["sha256"].contains(needed)) refuse(dir, fmt::format("has a manifest without {}", needed));
+  for (const auto& [name, sum] : m["sha256"].items()) {
+    if (!fs::exists(dir / name)) refuse(dir, fmt::format("is incomplete ({} is missing)", name));
+    if (!sum.is_string() || io::sha256_file((dir / name).string()) != sum.get<std::string>())
+      refuse(dir, fmt::format("was changed after it was written ({} does not match its checksum)", name));
+  }
+}
+
+// The counters must describe a step of this run: inside its epochs, and step = epoch × steps per
+// epoch + step in epoch (which fails when the data selection changed size).
+void check_counters(const fs::path& dir, const Progress& p, const RunShape& shape) {
+  if (p.epoch < 0 || p.epoch >= shape.epochs)
+    refuse(dir, fmt::format("is at epoch {}, outside this run's epochs 0..{}", p.epoch, shape.epochs - 1));
+  if (p.step_in_epoch < 0 || p.step_in_epoch >= shape.steps_per_epoch)
+    refuse(dir, fmt::format("is at step {} of epoch {}, outside 0..{} (steps per epoch of this run)", p.step_in_epoch,
+                            p.epoch, shape.steps_per_epoch - 1));
+  if (p.step != int64_t{p.epoch} * shape.steps_per_epoch + p.step_in_epoch)
+    refuse(dir, fmt::format("counts {} steps in all, but epoch {} step {} with {} steps per epoch make {} (did the "
+                            "data selection change?)", p.step, p.epoch, p.step_in_epoch, shape.steps_per_epoch,
+                            int64_t{p.epoch} * shape.steps_per_epoch + p.step_in_epoch));
+}
+
+at::Tensor finite_tensor(const io::SafetensorsFile& f, const fs::path& dir, const std::string& name) {
+  at::Tensor t = load_tensor(f, name, at::kFloat);
+  if (!at::isfinite(t).all().item<bool>()) refuse(dir, fmt::format("holds non-finite values in {}", name));
+  return t;
 }
 
 }  // namespace
@@ -112,6 +161,7 @@ void save_state(const std::string& output_dir, const model::CausalLM& m, const m
                                {"run_id", p.run_id}, {"world_size", rngs.size(0)}, {"adam_steps", steps},
                                {"recipe", recipe}};
   io::write_file_atomic((tmp / "state.json").string(), meta.dump(1));
+  write_manifest(tmp);
   io::sync_dir(tmp.string());
   io::remove_tree(old.string());
   if (fs::exists(dir)) fs::rename(dir, old);
@@ -122,37 +172,48 @@ void save_state(const std::string& output_dir, const model::CausalLM& m, const m
 
 std::optional<Progress> load_state(const std::string& output_dir, torch::optim::AdamW& opt,
                                    const std::vector<at::Tensor>& params, int rank, int world, bool cuda,
-                                   const nlohmann::json& recipe) {
+                                   const nlohmann::json& recipe, const RunShape& shape) {
   fs::path dir = state_dir(output_dir);
-  if (!fs::exists(dir / "state.json")) dir = dir.string() + ".old";  // a swap cut short by a crash
-  if (!fs::exists(dir / "state.json")) return std::nullopt;
+  if (!fs::exists(dir)) dir = dir.string() + ".old";  // a swap cut short by a crash
+  if (!fs::exists(dir)) return std::nullopt;
+  verify_manifest(dir);
   nlohmann::json meta = nlohmann::json::parse(io::read_file((dir / "state.json").string()), nullptr, false);
-  if (meta.is_discarded() || !meta.contains("recipe"))
-    throw Error(fmt::format("{}/state.json is damaged: move {} away to start over", dir.string(), dir.string()));
-  if (meta["world_size"].get<int>() != world)
-    throw Error(fmt::format("the resumable state in {} was written by {} ranks and this run has {}: run with {} ranks, "
-                            "or set checkpoint.resume=never to start over", dir.string(),
-                            meta["world_size"].get<int>(), world, meta["world_size"].get<int>()));
+  if (meta.is_discarded() || !meta.is_object() || !meta.contains("recipe")) refuse(dir, "has a damaged state.json");
+  Progress p;
+  std::vector<int64_t> steps;
+  try {
+    p = Progress{meta.at("epoch").get<int>(), meta.at("step_in_epoch").get<int64_t>(), meta.at("step").get<int64_t>(),
+                 meta.at("run_id").get<std::string>()};
+    steps = meta.at("adam_steps").get<std::vector<int64_t>>();
+    if (meta.at("world_size").get<int>() != world)
+      throw Error(fmt::format("the resumable state in {} was written by {} ranks and this run has {}: run with {} "
+                              "ranks, or set checkpoint.resume=never to start over", dir.string(),
+                              meta["world_size"].get<int>(), world, meta["world_size"].get<int>()));
+  } catch (const nlohmann::json::exception& e) {
+    refuse(dir, fmt::format("has a damaged state.json ({})", e.what()));
+  }
   check_same_recipe(meta["recipe"], recipe, dir.string());
+  check_counters(dir, p, shape);
   const io::SafetensorsFile f((dir / "state.safetensors").string());
-  const auto steps = meta["adam_steps"].get<std::vector<int64_t>>();
   if (steps.size() != params.size())
     throw Error(fmt::format("{} holds {} LoRA tensors, this model has {}: set checkpoint.resume=never to start over",
                             dir.string(), steps.size(), params.size()));
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {
-    at::Tensor& p = const_cast<at::Tensor&>(params[i]);
-    p.copy_(load_tensor(f, fmt::format("{}.param", i), at::kFloat).view_as(p));
+    if (steps[i] < 0 || steps[i] > p.step) refuse(dir, fmt::format("counts {} AdamW steps for tensor {}", steps[i], i));
+    at::Tensor& t = const_cast<at::Tensor&>(params[i]);
+    t.copy_(finite_tensor(f, dir, fmt::format("{}.param", i)).view_as(t));
     if (steps[i] == 0) continue;
     auto s = std::make_unique<torch::optim::AdamWParamState>();
     s->step(steps[i]);
-    s->exp_avg(load_tensor(f, fmt::format("{}.exp_avg", i), at::kFloat).to(p.options()).view_as(p));
-    s->exp_avg_sq(load_tensor(f, fmt::format("{}.exp_avg_sq", i), at::kFloat).to(p.options()).view_as(p));
-    opt.state()[p.unsafeGetTensorImpl()] = std::move(s);
+    s->exp_avg(finite_tensor(f, dir, fmt::format("{}.exp_avg", i)).to(t.options()).view_as(t));
+    s->exp_avg_sq(finite_tensor(f, dir, fmt::format("{}.exp_avg_sq", i)).to(t.options()).view_as(t));
+    opt.state()[t.unsafeGetTensorImpl()] = std::move(s);
   }
-  set_rng_state(load_tensor(f, "rng", at::kByte)[rank], cuda);
-  return Progress{meta["epoch"].get<int>(), meta["step_in_epoch"].get<int64_t>(), meta["step"].get<int64_t>(),
-                  meta["run_id"].get<std::string>()};
+  const at::Tensor rngs = load_tensor(f, "rng", at::kByte);
+  if (rngs.dim() != 2 || rngs.size(0) != world) refuse(dir, "holds random-generator states of another world size");
+  set_rng_state(rngs[rank], cuda);
+  return p;
 }
 
 void remove_state(const std::string& output_dir) {

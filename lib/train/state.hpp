@@ -40,12 +40,20 @@ void save_state(const std::string& output_dir, const model::CausalLM& m, const m
                 torch::optim::AdamW& opt, const std::vector<at::Tensor>& params, const Progress& p,
                 const at::Tensor& rngs, const nlohmann::json& recipe);
 
+// What a state's counters must fit: this run's epochs and optimizer steps per epoch.
+struct RunShape {
+  int epochs = 0;
+  int64_t steps_per_epoch = 0;
+};
+
 // Restores a saved state into the LoRA `params`, `opt` and this rank's RNG.
-// Returns nullopt when there is none. Throws lorarun::Error when the state was written by a
-// different recipe (naming the first key that differs) or a different world size.
+// Returns nullopt when there is none. Throws lorarun::Error, naming the problem and
+// checkpoint.resume=never, when the state is incomplete or was changed (its manifest.json of
+// sha256 sums, written last, does not match), holds non-finite tensors or counters outside
+// `shape`, or was written by a different recipe (naming the first key that differs) or world size.
 std::optional<Progress> load_state(const std::string& output_dir, torch::optim::AdamW& opt,
                                    const std::vector<at::Tensor>& params, int rank, int world, bool cuda,
-                                   const nlohmann::json& recipe);
+                                   const nlohmann::json& recipe, const RunShape& shape);
 
 // Removes the state (the run finished).
 void remove_state(const std::string& output_dir);

@@ -2,10 +2,13 @@
 
 #include <ATen/ATen.h>
 #include <atomic>
+#include <cmath>
 #include <chrono>
 #include <csignal>
+#include <ctime>
 #include <filesystem>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <fstream>
 #include <sys/resource.h>
 #include <torch/cuda.h>
@@ -23,6 +26,7 @@
 #include "model/transformer.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "track/record.hpp"
+#include "train/output_dir.hpp"
 #include "train/schedule.hpp"
 #include "train/state.hpp"
 #include "util/error.hpp"
@@ -162,7 +166,9 @@ struct StepResult {
   double rank_tokens = 0;   // trained tokens, this rank
   double data_wait = 0;     // mean share of the step the ranks spent waiting for data
   double padding = 0;       // share of the row slots that held padding, all ranks
+  double rejected = 0;      // documents skipped in this step, all ranks
   bool stop = false;        // some rank was asked to stop
+  bool data_failed = false; // some rank lost its data source: nothing of this step was applied
 };
 
 class Trainer {
@@ -172,11 +178,17 @@ class Trainer {
   void record_failure(const std::string& error);
 
  private:
+  void begin(Progress& p, bool resumed);
+  std::optional<int> run_epoch(int epoch, int64_t first, const std::string& run_id);
   StepResult step(data::MicroBatches& batches);
   std::vector<data::Example> examples(data::MicroBatches& batches);
   void log_step(const StepResult& s, int epoch, int64_t s_in_epoch);
   void save_checkpoint(int epoch);
   void save_state(const Progress& p);
+  void check_finite_adapter(const std::string& what);
+  void start_from_adapter();
+  void open_metrics(const std::optional<Progress>& resumed);
+  int data_lost(const Progress& p);
   void all_agree(bool ok, const std::string& why, const std::string& what);
   void check_replicas();
   bool ranks_agree(double value);
@@ -200,7 +212,12 @@ class Trainer {
   std::unique_ptr<dist::GradBuckets> sync_;
   Schedule schedule_ = Schedule::Cosine;
   const int64_t examples_per_step_ = int64_t{r_.data.batch_size} * r_.train.gradient_accumulation_steps;
-  int64_t steps_per_epoch_ = 0, total_steps_ = 0, step_ = 0, rejected_ = 0;
+  int64_t steps_per_epoch_ = 0, total_steps_ = 0, step_ = 0;
+  int64_t rejected_here_ = 0;    // documents this rank skipped in the current step
+  double rejected_total_ = 0;    // documents all ranks skipped, this process's steps
+  int warned_ = 0;               // skipped documents this rank has warned about
+  at::Tensor rng_at_step_start_;  // this rank's generators before the current step
+  std::string data_error_;       // why this rank's data source gave up (empty: it did not)
   std::ofstream metrics_;
   Clock::time_point started_ = Clock::now();
   int64_t steps_this_process_ = 0;
@@ -240,17 +257,16 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       m_(model::CausalLM::load(r.model.path, dtype_of(r.model.dtype), device_,
                                {.quantize = r.lora.quantize_base, .double_quant = r.lora.double_quant})),
       tokenizer_(tok::Tokenizer::from_dir(m_.dir())) {
+  // Dropout draws from the default generators: one stream per rank, derived from train.seed,
+  // so the same recipe on the same world size gives the same adapter bit for bit.
+  at::manual_seed(static_cast<uint64_t>(r.train.seed) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(env.rank) + 1);
   lcfg_.r = r.lora.r, lcfg_.alpha = r.lora.alpha, lcfg_.dropout = r.lora.dropout, lcfg_.use_rslora = r.lora.use_rslora;
   lcfg_.target_modules = r.lora.target_modules;
   lcfg_.base_model_name_or_path = r.model.path;
-  if (r.lora.init_from.empty()) {
+  if (r.lora.init_from.empty())
     model::attach_lora(m_, lcfg_, static_cast<uint64_t>(r.train.seed));  // same seed: identical replicas
-  } else {
-    const model::LoraConfig from = model::load_adapter(m_, r.lora.init_from);
-    if (from.r != lcfg_.r || from.alpha != lcfg_.alpha)
-      throw Error(fmt::format("lora.init_from {} has r={} alpha={} but the recipe says lora.r={} lora.alpha={}: make "
-                              "them equal", r.lora.init_from, from.r, from.alpha, lcfg_.r, lcfg_.alpha));
-  }
+  else
+    start_from_adapter();
   m_.checkpoint_activations = r.train.activation_checkpointing;
   builder_ = std::make_unique<data::ExampleBuilder>(r.data, tokenizer_);
   docs_ = std::make_unique<data::Documents>(r.data, std::chrono::seconds(r.dist.timeout_s));
@@ -265,71 +281,118 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
   schedule_ = schedule_of(r.train.lr_scheduler);
 }
 
+// lora.init_from: the adapter's weights, under the recipe's LoRA keys. Keys that change what the
+// weights compute (r, alpha, use_rslora, the adapted layers) must agree, or the saved
+// adapter_config.json would describe other weights; dropout is the recipe's to choose.
+void Trainer::start_from_adapter() {
+  const std::string& from_dir = r_.lora.init_from;
+  const model::LoraConfig from = model::load_adapter(m_, from_dir);
+  auto differ = [&](const std::string& key, const std::string& adapter, const std::string& recipe) {
+    throw Error(fmt::format("lora.init_from {} was trained with {} but the recipe says {}={}: make them equal",
+                            from_dir, adapter, key, recipe));
+  };
+  if (from.r != lcfg_.r) differ("lora.r", fmt::format("r={}", from.r), std::to_string(lcfg_.r));
+  if (from.alpha != lcfg_.alpha) differ("lora.alpha", fmt::format("lora_alpha={}", from.alpha), fmt::format("{}", lcfg_.alpha));
+  if (from.use_rslora != lcfg_.use_rslora)
+    differ("lora.use_rslora", fmt::format("use_rslora={}", from.use_rslora), lcfg_.use_rslora ? "true" : "false");
+  std::vector<std::string> adapted, wanted;
+  for (model::Linear* l : m_.linears()) {
+    if (l->adapted()) adapted.push_back(l->name);
+    if (model::matches_target(l->name, lcfg_)) wanted.push_back(l->name);
+    l->dropout = lcfg_.dropout;
+  }
+  if (adapted != wanted)
+    differ("lora.target_modules", fmt::format("{} adapted layers (target_modules {})", adapted.size(),
+                                              fmt::join(from.target_modules, ", ")),
+           fmt::format("[{}] ({} layers)", fmt::join(lcfg_.target_modules, ", "), wanted.size()));
+  if (from.dropout != lcfg_.dropout && lead_)
+    info(fmt::format("lora.init_from {} was trained with lora_dropout={}; this run uses lora.dropout={}", from_dir,
+                     from.dropout, lcfg_.dropout));
+}
+
 // The run, as the recipe describes it: resume if there is a state, then epochs of steps, each
 // epoch ending with its checkpoint (per the policy) and a resumable state.
 int Trainer::run() {
-  const nlohmann::json recipe_json = recipe::to_json(r_);
   std::optional<Progress> resumed;
   if (r_.checkpoint.resume == recipe::Resume::Auto)
-    resumed = load_state(out_.string(), *opt_, params_, env_.rank, env_.world_size, cuda_, recipe_json);
+    resumed = load_state(out_.string(), *opt_, params_, env_.rank, env_.world_size, cuda_, recipe::to_json(r_),
+                         {r_.train.epochs, steps_per_epoch_});
   Progress p = resumed.value_or(Progress{});
   // Ranks must agree on where they stand (a state visible to only some ranks is an error).
   if (!ranks_agree(static_cast<double>(p.step)))
     throw Error(fmt::format("rank {} resumes at step {} but the ranks disagree: checkpoint.output_dir {} must be the same "
                             "directory (a shared filesystem) for every rank", env_.rank, p.step, out_.string()));
   step_ = p.step;
-  if (lead_) {
-    fs::create_directories(out_);
-    io::write_file_atomic((out_ / "recipe.yaml").string(), recipe::to_yaml(r_));
-    metrics_.open(out_ / "metrics.jsonl", resumed ? std::ios::app : std::ios::trunc);
-    info(fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch, gradients all-reduced in {} "
-                     "bucket(s)", model::trainable_summary(m_), docs_->size(), docs_->describe(), env_.world_size,
-                     steps_per_epoch_, std::max<size_t>(1, sync_->buckets())));
-    if (r_.lora.quantize_base) info(nf4_summary(m_));
-    if (resumed) info(fmt::format("resuming at epoch {} step {} (step {} of {})", p.epoch, p.step_in_epoch, p.step, total_steps_));
-    start_record(p, resumed.has_value());
-  }
+  if (lead_) begin(p, resumed.has_value());
   m_.training = true;
-  bool stop = false;
-  for (int epoch = p.epoch; epoch < r_.train.epochs; ++epoch) {
-    const int64_t first = epoch == p.epoch ? p.step_in_epoch : 0;
-    if (!ranks_agree(static_cast<double>(steps_per_epoch_ - first)))  // a mismatch would hang a collective
-      throw Error(fmt::format("rank {} plans {} steps in epoch {} but the ranks disagree: every rank must see the same "
-                              "documents and recipe", env_.rank, steps_per_epoch_ - first, epoch));
-    data::MicroBatches batches(*docs_, *builder_,
-                               {env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch, r_.data.shuffle},
-                               {r_.data.batch_size, r_.train.gradient_accumulation_steps,
-                                r_.data.group_by_length ? r_.data.group_window : 1, static_cast<uint64_t>(r_.train.seed), epoch},
-                               first);
-    for (int64_t s = first; s < steps_per_epoch_; ++s) {
-      const StepResult res = step(batches);
-      stop = res.stop;
-      ++step_, ++steps_this_process_;
-      log_step(res, epoch, s);
-      if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) check_replicas();
-      const bool last = s + 1 == steps_per_epoch_;
-      const auto every = r_.checkpoint.state_every_n_steps;
-      if (!last && (res.stop || (every && step_ % *every == 0))) save_state({epoch, s + 1, step_, p.run_id});
-      if (!last && stop) return stopped();
-    }
-    if (tty_) std::fputs("\n", stdout);
-    save_checkpoint(epoch);
-    if (epoch + 1 < r_.train.epochs) save_state({epoch + 1, 0, step_, p.run_id});
-    if (stop && epoch + 1 < r_.train.epochs) return stopped();
-  }
+  for (int epoch = p.epoch; epoch < r_.train.epochs; ++epoch)
+    if (const auto ended = run_epoch(epoch, epoch == p.epoch ? p.step_in_epoch : 0, p.run_id)) return *ended;
   return finish();
 }
 
+// Rank 0, before the first step: the resolved recipe, metrics.jsonl, what is about to run, the record.
+void Trainer::begin(Progress& p, bool resumed) {
+  fs::create_directories(out_);
+  io::write_file_atomic((out_ / "recipe.yaml").string(), recipe::to_yaml(r_));
+  open_metrics(resumed ? std::optional(p) : std::nullopt);
+  info(fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch, gradients all-reduced in {} "
+                   "bucket(s)", model::trainable_summary(m_), docs_->size(), docs_->describe(), env_.world_size,
+                   steps_per_epoch_, std::max<size_t>(1, sync_->buckets())));
+  if (r_.lora.quantize_base) info(nf4_summary(m_));
+  if (resumed) info(fmt::format("resuming at epoch {} step {} (step {} of {})", p.epoch, p.step_in_epoch, p.step, total_steps_));
+  start_record(p, resumed);
+}
+
+// One epoch from step `first`: its steps, then its checkpoint and the state the next one starts
+// from. Returns the exit status when the run ends inside it (stopped, data lost).
+std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::string& run_id) {
+  if (!ranks_agree(static_cast<double>(steps_per_epoch_ - first)))  // a mismatch would hang a collective
+    throw Error(fmt::format("rank {} plans {} steps in epoch {} but the ranks disagree: every rank must see the same "
+                            "documents and recipe", env_.rank, steps_per_epoch_ - first, epoch));
+  data::MicroBatches batches(*docs_, *builder_,
+                             {env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch, r_.data.shuffle},
+                             {r_.data.batch_size, r_.train.gradient_accumulation_steps,
+                              r_.data.group_by_length ? r_.data.group_window : 1, static_cast<uint64_t>(r_.train.seed), epoch},
+                             first);
+  double epoch_tokens = 0;
+  bool stop = false;
+  for (int64_t s = first; s < steps_per_epoch_; ++s) {
+    const StepResult res = step(batches);
+    if (res.data_failed) return data_lost({epoch, s, step_, run_id});
+    stop = res.stop, epoch_tokens += res.tokens;
+    ++step_, ++steps_this_process_;
+    log_step(res, epoch, s);
+    if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) check_replicas();
+    const bool last = s + 1 == steps_per_epoch_;
+    const auto every = r_.checkpoint.state_every_n_steps;
+    if (!last && (res.stop || (every && step_ % *every == 0))) save_state({epoch, s + 1, step_, run_id});
+    if (!last && stop) return stopped();
+  }
+  if (tty_) std::fputs("\n", stdout);
+  if (first == 0 && epoch_tokens == 0)
+    throw Error(fmt::format("epoch {} trained on no token: every document of the selection was rejected ({} skipped: "
+                            "bad, longer than data.max_length with data.overlong=skip, or with no trained token); fix "
+                            "the data or the data.* keys (see the warnings above)", epoch, rejected_total_));
+  save_checkpoint(epoch);
+  if (epoch + 1 < r_.train.epochs) save_state({epoch + 1, 0, step_, run_id});
+  if (stop && epoch + 1 < r_.train.epochs) return stopped();
+  return std::nullopt;
+}
+
 // One optimizer step: `accum` micro-batches forward and backward; during the last backward the
-// gradients are summed over ranks in buckets; then one small all-reduce of the loss sum, the token
-// count, the stop flag, the data wait and the padding, so the gradient is normalised by the
-// global number of trained tokens of the step. The host waits for the device once, at the end.
+// gradients are summed over ranks in buckets; then one small all-reduce of the step's figures
+// (loss sum, token count, stop and data-failure flags, data wait, padding, skipped documents), so
+// the gradient is normalised by the global number of trained tokens of the step. The host reads
+// the device once, before the optimizer step: a non-finite loss or gradient norm, or a rank that
+// lost its data, leaves the adapter as it was, on every rank alike.
 StepResult Trainer::step(data::MicroBatches& batches) {
   const auto t0 = Clock::now();
   const double wait0 = batches.reader().wait_seconds();
   const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
   at::Tensor loss_sum = at::zeros({}, f64.dtype(at::kFloat));
   int64_t tokens = 0, real = 0, slots = 0;
+  rejected_here_ = 0;
+  rng_at_step_start_ = rng_state(cuda_);  // a step given up for lost data must not move the streams
   for (int a = 0; a < r_.train.gradient_accumulation_steps; ++a) {
     if (a + 1 == r_.train.gradient_accumulation_steps) sync_->arm();
     const Batch b = collate(examples(batches), r_.data.packing, static_cast<size_t>(r_.data.max_length), device_);
@@ -344,7 +407,8 @@ StepResult Trainer::step(data::MicroBatches& batches) {
   const double busy = std::chrono::duration<double>(Clock::now() - t0).count();
   const double wait = busy > 0 ? (batches.reader().wait_seconds() - wait0) / busy : 0.0;
   sync_->finish();
-  const at::Tensor host = at::tensor({0.0, double(tokens), g_stop_requested ? 1.0 : 0.0, wait, double(real), double(slots)},
+  const at::Tensor host = at::tensor({0.0, double(tokens), g_stop_requested ? 1.0 : 0.0, wait, double(real),
+                                      double(slots), double(rejected_here_), data_error_.empty() ? 0.0 : 1.0},
                                      at::kDouble);
   at::Tensor stats = host.to(device_, /*non_blocking=*/false);
   stats[0].add_(loss_sum);
@@ -353,22 +417,31 @@ StepResult Trainer::step(data::MicroBatches& batches) {
   for (at::Tensor& p : params_)
     if (p.grad().defined()) grads.push_back(p.mutable_grad());
   if (!grads.empty()) at::_foreach_div_(grads, stats[1].clamp_min(1.0));
-  at::Tensor grad_norm;
-  if (r_.train.max_grad_norm && !grads.empty()) {  // torch's clip_grad_norm_, without reading the norm back
-    grad_norm = at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2);
-    at::_foreach_mul_(grads, (*r_.train.max_grad_norm / (grad_norm + 1e-6)).clamp_max(1.0));
-  }
-  StepResult res;
-  res.lr = r_.train.lr * lr_factor(schedule_, step_, r_.train.warmup_steps, total_steps_);
-  for (auto& group : opt_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(res.lr);
-  opt_->step();
-  opt_->zero_grad();
-  const at::Tensor done = (grad_norm.defined() ? at::cat({stats, grad_norm.to(at::kDouble).view({1})}) : stats).cpu();
+  const at::Tensor grad_norm = grads.empty() ? at::zeros({}, f64)
+                                             : at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2);
+  const at::Tensor done = at::cat({stats, grad_norm.to(at::kDouble).view({1})}).cpu();
   const double* t = done.data_ptr<double>();
+  StepResult res;
   res.tokens = t[1], res.rank_tokens = double(tokens), res.stop = t[2] > 0, res.data_wait = t[3] / env_.world_size;
   res.loss = res.tokens > 0 ? t[0] / res.tokens : 0.0;
   res.padding = t[5] > 0 ? 1.0 - t[4] / t[5] : 0.0;
-  res.grad_norm = grad_norm.defined() ? t[6] : 0.0;
+  res.rejected = t[6], res.data_failed = t[7] > 0, res.grad_norm = t[8];
+  rejected_total_ += res.rejected;
+  res.lr = r_.train.lr * lr_factor(schedule_, step_, r_.train.warmup_steps, total_steps_);
+  if (res.data_failed) {
+    opt_->zero_grad();
+    return res;
+  }
+  if (!std::isfinite(t[0]) || !std::isfinite(res.grad_norm))
+    throw Error(fmt::format("training diverged at step {}: the loss is {} and the gradient norm {}; nothing of this "
+                            "step was applied or saved. Lower train.lr (now {:g}), set train.max_grad_norm, or check "
+                            "the data, then start over (checkpoint.resume=never)",
+                            step_ + 1, res.loss, res.grad_norm, r_.train.lr));
+  if (r_.train.max_grad_norm && !grads.empty())  // torch's clip_grad_norm_
+    at::_foreach_mul_(grads, (*r_.train.max_grad_norm / (grad_norm + 1e-6)).clamp_max(1.0));
+  for (auto& group : opt_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(res.lr);
+  opt_->step();
+  opt_->zero_grad();
   res.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return res;
 }
@@ -376,7 +449,16 @@ StepResult Trainer::step(data::MicroBatches& batches) {
 // The next micro-batch's examples; rejected documents are counted (or fatal, per the recipe).
 std::vector<data::Example> Trainer::examples(data::MicroBatches& batches) {
   std::vector<data::Example> out;
-  for (data::Built& built : batches.next()) {
+  if (!data_error_.empty()) return out;
+  std::vector<data::Built> next;
+  try {
+    next = batches.next();
+  } catch (const data::DataUnavailable& e) {  // the step goes on empty; all ranks then stop together
+    data_error_ = e.what();
+    log_error(fmt::format("rank {}: {}", env_.rank, data_error_));
+    return out;
+  }
+  for (data::Built& built : next) {
     if (auto* e = std::get_if<data::Example>(&built)) {
       out.push_back(std::move(*e));
       continue;
@@ -385,7 +467,8 @@ std::vector<data::Example> Trainer::examples(data::MicroBatches& batches) {
     if (r_.data.bad_documents == recipe::BadDocuments::Fail && why.kind == data::Rejection::BadDocument)
       throw Error(fmt::format("rank {}: bad document ({}) and data.bad_documents is fail: fix the document or set "
                               "data.bad_documents=skip", env_.rank, why.reason));
-    if (rejected_++ < 3) warn(fmt::format("rank {}: skipping a document: {}", env_.rank, why.reason));
+    ++rejected_here_;
+    if (warned_++ < 3) warn(fmt::format("rank {}: skipping a document: {}", env_.rank, why.reason));
   }
   return out;
 }
@@ -441,7 +524,19 @@ void Trainer::all_agree(bool ok, const std::string& why, const std::string& what
     throw Error(lead_ ? fmt::format("writing {} failed: {}", what, why) : fmt::format("rank 0 could not write {}; stopping", what));
 }
 
+// No adapter with a NaN or an infinity is ever written (every rank checks its replica).
+void Trainer::check_finite_adapter(const std::string& what) {
+  std::vector<at::Tensor> each;
+  for (const at::Tensor& p : params_) each.push_back(at::isfinite(p).all());
+  const bool finite = each.empty() || at::stack(each).all().item<bool>();
+  if (!ranks_agree(finite ? 1.0 : 0.0) || !finite)
+    throw Error(fmt::format("the LoRA weights hold non-finite values at step {}: {} was not written. Lower train.lr "
+                            "(now {:g}) or set train.max_grad_norm, then start over (checkpoint.resume=never)",
+                            step_, what, r_.train.lr));
+}
+
 void Trainer::save_checkpoint(int epoch) {
+  check_finite_adapter(fmt::format("epoch_{}", epoch));
   std::string why;
   if (lead_ && recipe::save_after_epoch(r_.checkpoint, epoch, r_.train.epochs)) {
     try {
@@ -457,6 +552,7 @@ void Trainer::save_checkpoint(int epoch) {
 
 // Every rank's RNG goes to rank 0 (each in its own row of a sum), which writes the state.
 void Trainer::save_state(const Progress& p) {
+  check_finite_adapter("the resumable state");
   const at::Tensor mine = rng_state(cuda_);
   at::Tensor rngs = at::zeros({env_.world_size, mine.numel()}, at::TensorOptions().dtype(at::kFloat).device(device_));
   rngs[env_.rank].copy_(mine.to(at::kFloat));
@@ -497,11 +593,50 @@ int Trainer::stopped() {
   return kExitStopped;
 }
 
+// Some rank's data source gave up (retries spent, or stopped while waiting to retry): every rank
+// saves the state of the last completed step and stops as on SIGTERM, so a rerun continues.
+int Trainer::data_lost(const Progress& p) {
+  set_rng_state(rng_at_step_start_, cuda_);
+  save_state(p);
+  const std::string why = data_error_.empty() ? "another rank lost its data source (its log says why)" : data_error_;
+  if (lead_ || !data_error_.empty())
+    warn(fmt::format("rank {}: {}; the resumable state of step {} is in {}: run the same command to continue",
+                     env_.rank, why, step_, state_dir(out_.string())));
+  if (record_) record_->finish("interrupted", last_row_, why);
+  pg_.barrier();
+  return kExitStopped;
+}
+
+// metrics.jsonl: a resumed run keeps the rows of the steps it resumes after, so no step appears
+// twice; a new run starts it afresh.
+void Trainer::open_metrics(const std::optional<Progress>& resumed) {
+  const fs::path path = out_ / "metrics.jsonl";
+  if (resumed && fs::exists(path)) {
+    std::string kept, line;
+    std::ifstream in(path);
+    while (std::getline(in, line)) {
+      const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
+      if (row.is_object() && row.value("step", int64_t{0}) <= resumed->step) kept += line + "\n";
+    }
+    io::write_file_atomic(path.string(), kept);
+  }
+  metrics_.open(path, resumed ? std::ios::app : std::ios::trunc);
+}
+
 int Trainer::finish() {
   if (lead_) {
     remove_unkept_epochs(out_, recipe::epochs_kept(r_.checkpoint, r_.train.epochs));
     if (!r_.checkpoint.keep_resume_state) remove_state(out_.string());
-    if (rejected_) warn(fmt::format("{} documents were skipped on rank 0 (bad or overlong)", rejected_));
+    if (rejected_total_ > 0)
+      warn(fmt::format("{} documents were skipped on all ranks together (bad or overlong)", rejected_total_));
+    char stamp[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    io::write_file_atomic(finished_marker(out_.string()),
+                          nlohmann::json{{"status", "completed"}, {"run_id", record_ ? record_->ref() : ""},
+                                         {"steps", step_}, {"finished", stamp},
+                                         {"epochs_kept", recipe::epochs_kept(r_.checkpoint, r_.train.epochs)}}
+                                  .dump(1));
     info(fmt::format("done: {} steps; adapters in {}", step_, out_.string()));
     if (record_) record_->finish("completed", last_row_);
   }
@@ -513,6 +648,12 @@ int Trainer::finish() {
 
 int run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
   install_stop_handlers();
+  // Rank 0 holds the output directory for the run's life, before anything is written there.
+  std::optional<OutputDirLock> lock;
+  if (env.rank == 0) {
+    lock.emplace(r.checkpoint.output_dir);
+    claim_output_dir(r.checkpoint.output_dir, r.checkpoint.overwrite, r.checkpoint.resume == recipe::Resume::Auto);
+  }
   log_to_file((fs::path(r.checkpoint.output_dir) / "logs" / fmt::format("rank_{}.log", env.rank)).string());
   info(fmt::format("rank {}/{} (local {}) on {}; lorarun {}, torch {}", env.rank, env.world_size, env.local_rank,
                    want_cuda(r) ? "cuda" : "cpu", LORARUN_VERSION, TORCH_VERSION), false);

@@ -123,7 +123,9 @@ TEST_CASE("SIGTERM mid-epoch saves the state and the same command resumes to the
   REQUIRE(c.status == 0);
   CHECK_THAT(c.output, Catch::Contains("resuming at epoch"));
   CHECK_THAT(c.output, Catch::Contains("done: 360 steps"));
-  CHECK(entries(dir + "/cut") == std::vector<std::string>{"epoch_0", "epoch_1", "epoch_2", "logs", "metrics.jsonl", "recipe.yaml"});
+  // .lock: the run's hold on the directory; run.json: the marker of a finished run.
+  CHECK(entries(dir + "/cut") ==
+        std::vector<std::string>{".lock", "epoch_0", "epoch_1", "epoch_2", "logs", "metrics.jsonl", "recipe.yaml", "run.json"});
   CHECK(entries(dir + "/cut/logs") == std::vector<std::string>{"rank_0.log", "rank_1.log"});
   CHECK(adapter_diff(dir + "/full/epoch_2/adapter_model.safetensors", dir + "/cut/epoch_2/adapter_model.safetensors") == 0.0);
   // Every optimizer step appears once in metrics.jsonl across the two processes' lifetimes.
@@ -174,8 +176,13 @@ TEST_CASE("a resumable state is not used by a different recipe", "[train][resume
   INFO(c.output);
   CHECK(c.status == 1);
   CHECK_THAT(c.output, Catch::Contains("was written by 2 ranks and this run has 1"));
-  // checkpoint.resume=never starts over and replaces it.
-  const Result d = sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3 checkpoint.resume=never", bin("lorarun"), recipe));
+  // checkpoint.resume=never starts over; the finished run's adapters go only with checkpoint.overwrite.
+  const Result refused = sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3 checkpoint.resume=never", bin("lorarun"), recipe));
+  INFO(refused.output);
+  CHECK(refused.status == 1);
+  CHECK_THAT(refused.output, Catch::Contains("holds the adapters of another run"));
+  const Result d = sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3 checkpoint.resume=never checkpoint.overwrite=true",
+                                  bin("lorarun"), recipe));
   INFO(d.output);
   CHECK(d.status == 0);
   CHECK_THAT(d.output, !Catch::Contains("resuming"));
@@ -192,7 +199,8 @@ TEST_CASE("2 ranks: save_last_epoch_only keeps exactly the last epoch, replicas 
   INFO(r.output);
   REQUIRE(r.status == 0);
   CHECK_THAT(r.output, Catch::Contains("save_last_epoch_only"));  // the warning that it wins
-  CHECK(entries(dir + "/run") == std::vector<std::string>{"epoch_2", "logs", "metrics.jsonl", "recipe.yaml"});
+  CHECK(entries(dir + "/run") ==
+        std::vector<std::string>{".lock", "epoch_2", "logs", "metrics.jsonl", "recipe.yaml", "run.json"});
   CHECK(fs::exists(dir + "/run/epoch_2/adapter_model.safetensors"));
   CHECK(fs::exists(dir + "/run/epoch_2/adapter_config.json"));
 }

@@ -23,3 +23,23 @@ TEST_CASE("scrub removes registered passwords, raw and percent-decoded") {
   CHECK(lorarun::scrub("auth failed for pa$$word!") == "auth failed for ****!");
   CHECK(lorarun::scrub("nothing here") == "nothing here");
 }
+
+TEST_CASE("a password holding '#', '?', '/', '@' or ':' is hidden whole, wherever it stands") {
+  for (const std::string pw : {"p#ss", "p?ss", "p/ss", "p@ss", "a@b@c", "x/y?z#w@v", "#?/", "ends@", "p:ss"}) {
+    INFO(pw);
+    const std::string shown = redact_uri("mongodb://frank:" + pw + "@db.example:27017/train?authSource=admin");
+    CHECK(shown == "mongodb://frank:****@db.example:27017/train?authSource=admin");
+    CHECK(lorarun::uri_password("mongodb://frank:" + pw + "@h/") == pw);
+  }
+  // Options holding an '@' after a password: more is hidden, never less.
+  const std::string shown = redact_uri("mongodb://gina:s3/cr@t@h/db?appname=a@b");
+  CHECK(shown.find("s3") == std::string::npos);
+  CHECK(shown.find("cr") == std::string::npos);
+  CHECK(shown.find("t@h") == std::string::npos);
+}
+
+TEST_CASE("scrub hides the longest registered secret first") {
+  lorarun::register_secret("abc");
+  lorarun::register_secret("xxabcxx");
+  CHECK(lorarun::scrub("[xxabcxx] [abc]") == "[****] [****]");
+}
