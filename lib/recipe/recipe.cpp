@@ -1,5 +1,6 @@
 // Loading a recipe: YAML text → tree + overrides → known keys only → typed Recipe → resolved
-// defaults → validate(). And the way back: to_yaml / to_json.
+// defaults → validate(). And the way back: to_yaml / to_json. The keys themselves are declared
+// in schema.hpp.
 #include "recipe/recipe.hpp"
 
 #include <algorithm>
@@ -23,91 +24,22 @@
 #include "util/secrets.hpp"
 
 namespace lorarun::recipe {
-namespace detail {
-
-std::string quote_string(std::string_view s) {
-  return nlohmann::json(std::string(s)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
-std::string format_double(double v) {
-  std::string s = fmt::format("{}", v);  // shortest text that reads back exactly
-  if (s.find_first_of(".en") == std::string::npos) s += ".0";
-  return s;
-}
-
-std::string example(std::string_view key) {
-  // Keys whose default makes a poor example (empty, or clearer unquoted).
-  static const std::map<std::string_view, std::string_view> curated{
-      {"model.path", "/models/opt-125m"},
-      {"lora.dropout", "0.05"},
-      {"lora.target_modules", "[q_proj, v_proj]"},
-      {"data.uri", "mongodb://user:password@host:27017/"},
-      {"data.database", "training"},
-      {"data.collection", "examples"},
-      {"data.path", "data/train.jsonl"},
-      {"data.filter", "{split: train}"},
-      {"data.limit", "1000"},
-      {"data.prompt_template", R"("### Instruction:\n{instruction}\n\n### Response:\n")"},
-      {"data.response_field", "output"},
-      {"data.text_field", "text"},
-      {"data.messages_field", "messages"},
-      {"train.max_steps_per_epoch", "100"},
-      {"checkpoint.output_dir", "runs/my-run"},
-      {"checkpoint.epochs_to_save", "[0, 2]"},
-      {"checkpoint.state_every_n_steps", "500"},
-      {"dist.debug_checksum_every_n_steps", "100"},
-      {"track.database", "lorarun"},
-  };
-  if (const auto it = curated.find(key); it != curated.end()) return std::string(it->second);
-  std::string out;
-  const Recipe defaults;
-  for_each_key(defaults, [&](std::string_view k, const auto& v) {
-    if (k == key) out = yaml_text(v);
-  });
-  return out;
-}
-
-std::string hint(std::string_view key) { return fmt::format(" (e.g. {}: {})", key, example(key)); }
-
-std::string show(std::string_view text) {
-  constexpr size_t kMax = 60;
-  std::string out;
-  for (size_t i = 0; i < text.size(); ++i) {
-    if (out.size() >= kMax && (static_cast<unsigned char>(text[i]) & 0xC0) != 0x80) {
-      out += "…";
-      break;
-    }
-    const char c = text[i];
-    if (c == '\n') out += "\\n";
-    else if (c == '\t') out += "\\t";
-    else if (c == '\r') out += "\\r";
-    else if (static_cast<unsigned char>(c) < 0x20) out += fmt::format("\\x{:02x}", c);
-    else out += c;
-  }
-  return out;
-}
-
-void fail(const RecipeOrigin& origin, std::string_view key, std::string_view problem) {
-  throw Error(fmt::format("{}: {} {}", origin.at(key), key, problem));
-}
-
-}  // namespace detail
 
 using detail::fail;
 using detail::hint;
+using detail::is_key;
+using detail::is_section;
+using detail::leaf_of;
+using detail::leaves;
+using detail::section_of;
 using detail::show;
+using detail::unknown_key_message;
+using detail::unknown_top_message;
 
 std::string RecipeOrigin::at(std::string_view key) const {
   const auto it = overrides.find(key);
   if (it == overrides.end()) return file;
   return fmt::format("{} (override '{}')", file, it->second);
-}
-
-std::vector<std::string> known_keys() {
-  std::vector<std::string> keys;
-  const Recipe defaults;
-  detail::for_each_key(defaults, [&](std::string_view key, const auto&) { keys.emplace_back(key); });
-  return keys;
 }
 
 namespace {
@@ -292,162 +224,6 @@ template <class T> void read(const YAML::Node& n, T& out, Field f) {
     static_assert(std::is_same_v<T, EpochsToSave>);
     read_epochs(n, out, f);
   }
-}
-
-// ---- known keys and "did you mean" -----------------------------------------------------------
-
-bool is_section(std::string_view name) {
-  return std::find(detail::kSections.begin(), detail::kSections.end(), name) != detail::kSections.end();
-}
-
-std::string section_of(std::string_view key) { return std::string(key.substr(0, key.find('.'))); }
-std::string leaf_of(std::string_view key) { return std::string(key.substr(key.find('.') + 1)); }
-
-const std::vector<std::string>& all_keys() {
-  static const std::vector<std::string> keys = known_keys();
-  return keys;
-}
-
-bool is_key(std::string_view dotted) {
-  return std::find(all_keys().begin(), all_keys().end(), dotted) != all_keys().end();
-}
-
-std::vector<std::string> leaves(std::string_view section) {
-  std::vector<std::string> out;
-  for (const std::string& k : all_keys())
-    if (section_of(k) == section) out.push_back(leaf_of(k));
-  return out;
-}
-
-template <class T> std::string join(const std::vector<T>& items, std::string_view sep) {
-  std::string out;
-  for (size_t i = 0; i < items.size(); ++i) out += (i ? std::string(sep) : "") + std::string(items[i]);
-  return out;
-}
-
-// Names other tools (HF Trainer, PEFT, torchtune, axolotl) use for our keys. Section "" = any.
-struct Alias {
-  std::string_view section, name, key;
-};
-constexpr Alias kAliases[] = {
-    {"", "learning_rate", "train.lr"},
-    {"", "num_epochs", "train.epochs"},
-    {"", "num_train_epochs", "train.epochs"},
-    {"", "max_epochs", "train.epochs"},
-    {"", "n_epochs", "train.epochs"},
-    {"", "lora_r", "lora.r"},
-    {"", "rank", "lora.r"},
-    {"", "lora_rank", "lora.r"},
-    {"", "lora_alpha", "lora.alpha"},
-    {"", "lora_dropout", "lora.dropout"},
-    {"", "rslora", "lora.use_rslora"},
-    {"", "lora_target_modules", "lora.target_modules"},
-    {"", "load_in_4bit", "lora.quantize_base"},
-    {"", "qlora", "lora.quantize_base"},
-    {"", "quantize", "lora.quantize_base"},
-    {"", "bnb_4bit_use_double_quant", "lora.double_quant"},
-    {"", "per_device_train_batch_size", "data.batch_size"},
-    {"", "micro_batch_size", "data.batch_size"},
-    {"", "train_batch_size", "data.batch_size"},
-    {"", "max_seq_len", "data.max_length"},
-    {"", "max_seq_length", "data.max_length"},
-    {"", "seq_len", "data.max_length"},
-    {"", "sequence_len", "data.max_length"},
-    {"", "cutoff_len", "data.max_length"},
-    {"", "sample_packing", "data.packing"},
-    {"", "gradient_accumulation", "train.gradient_accumulation_steps"},
-    {"", "accumulate_grad_batches", "train.gradient_accumulation_steps"},
-    {"", "lr_scheduler_type", "train.lr_scheduler"},
-    {"", "scheduler", "train.lr_scheduler"},
-    {"", "warmup", "train.warmup_steps"},
-    {"", "num_warmup_steps", "train.warmup_steps"},
-    {"", "clip_grad_norm", "train.max_grad_norm"},
-    {"", "grad_clip", "train.max_grad_norm"},
-    {"", "gradient_clipping", "train.max_grad_norm"},
-    {"", "gradient_checkpointing", "train.activation_checkpointing"},
-    {"", "enable_activation_checkpointing", "train.activation_checkpointing"},
-    {"", "max_steps", "train.max_steps_per_epoch"},
-    {"", "model_name_or_path", "model.path"},
-    {"", "pretrained_model_name_or_path", "model.path"},
-    {"", "base_model", "model.path"},
-    {"", "model_id", "model.path"},
-    {"model", "name", "model.path"},
-    {"model", "id", "model.path"},
-    {"", "torch_dtype", "model.dtype"},
-    {"", "precision", "model.dtype"},
-    {"", "connection_string", "data.uri"},
-    {"", "mongodb_uri", "data.uri"},
-    {"data", "url", "data.uri"},
-    {"data", "db", "data.database"},
-    {"data", "coll", "data.collection"},
-    {"data", "query", "data.filter"},
-    {"", "template", "data.prompt_template"},
-    {"", "prompt", "data.prompt_template"},
-    {"", "output_field", "data.response_field"},
-    {"", "num_workers", "data.prefetch"},
-    {"checkpoint", "path", "checkpoint.output_dir"},
-    {"checkpoint", "dir", "checkpoint.output_dir"},
-    {"", "save_dir", "checkpoint.output_dir"},
-    {"", "checkpoint_dir", "checkpoint.output_dir"},
-    {"", "resume_from_checkpoint", "checkpoint.resume"},
-    {"", "save_steps", "checkpoint.state_every_n_steps"},
-    {"dist", "timeout", "dist.timeout_s"},
-    {"", "logging_steps", "track.log_every_n_steps"},
-};
-constexpr std::pair<std::string_view, std::string_view> kSectionAliases[] = {
-    {"trainer", "train"},     {"optim", "train"},     {"optimizer", "train"}, {"peft", "lora"},
-    {"adapter", "lora"},      {"ckpt", "checkpoint"}, {"save", "checkpoint"}, {"logging", "track"},
-    {"wandb", "track"},       {"tracking", "track"},  {"dataset", "data"},    {"distributed", "dist"},
-};
-
-std::optional<std::string> alias(std::string_view section, std::string_view name) {
-  for (const Alias& a : kAliases)
-    if (a.name == name && a.section == section) return std::string(a.key);
-  for (const Alias& a : kAliases)
-    if (a.name == name && a.section.empty()) return std::string(a.key);
-  return std::nullopt;
-}
-
-// The dotted key whose leaf is exactly `leaf`, when only one section has it.
-std::optional<std::string> unique_leaf(std::string_view leaf, std::string_view except_section = {}) {
-  std::optional<std::string> found;
-  for (const std::string& k : all_keys()) {
-    if (leaf_of(k) != leaf || section_of(k) == except_section) continue;
-    if (found) return std::nullopt;
-    found = k;
-  }
-  return found;
-}
-
-// The closest known key for `section.leaf`: the same name in another section, a near name in
-// this section, a name other tools use, a near leaf name in another section, a near dotted name.
-std::optional<std::string> suggest_key(std::string_view section, std::string_view leaf) {
-  if (auto k = unique_leaf(leaf, section)) return k;
-  if (auto l = detail::closest(leaf, leaves(section))) return fmt::format("{}.{}", section, *l);
-  if (auto k = alias(section, leaf)) return k;
-  std::vector<std::string> others;
-  for (const std::string& k : all_keys())
-    if (section_of(k) != section) others.push_back(leaf_of(k));
-  if (auto l = detail::closest(leaf, others)) return unique_leaf(*l, section).value_or("");
-  return detail::closest(fmt::format("{}.{}", section, leaf), all_keys());
-}
-
-std::string unknown_key_message(std::string_view section, std::string_view leaf) {
-  if (auto k = suggest_key(section, leaf); k && !k->empty())
-    return fmt::format("unknown key '{}.{}'; did you mean '{}'?", section, show(leaf), *k);
-  return fmt::format("unknown key '{}.{}'; the keys of '{}' are {}", section, show(leaf), section,
-                     join(leaves(section), ", "));
-}
-
-// A top-level name that is not a section: a misspelt section, or a key missing its section.
-std::string unknown_top_message(std::string_view name) {
-  if (auto k = unique_leaf(name)) return fmt::format("unknown key '{}'; did you mean '{}'?", name, *k);
-  for (const auto& [other, section] : kSectionAliases)
-    if (other == name) return fmt::format("unknown section '{}'; did you mean '{}'?", name, section);
-  const std::vector<std::string> sections(detail::kSections.begin(), detail::kSections.end());
-  if (auto s = detail::closest(name, sections)) return fmt::format("unknown section '{}'; did you mean '{}'?", name, *s);
-  if (auto k = alias("", name)) return fmt::format("unknown key '{}'; did you mean '{}'?", name, *k);
-  return fmt::format("unknown section '{}'; the sections are {}", show(name), join(sections, ", "));
 }
 
 // ---- the tree: structure, overrides, typing ---------------------------------------------------

@@ -1,7 +1,8 @@
-// The training recipe: ENGINEERING.md §4's YAML as a typed, validated, resolved object.
+// The training recipe: the YAML of docs/recipe.md as a typed, validated, resolved object.
 //
-// Each section struct maps one-to-one onto its YAML keys, in §4's order, with the default of
-// every key written next to it. Loading = parse YAML → apply command-line overrides to the tree
+// Each section struct maps one-to-one onto its YAML keys, in docs/recipe.md's order, with the
+// default of every key written next to it; schema.hpp declares each key's bound, example and
+// meaning next to its member. Loading = parse YAML → apply command-line overrides to the tree
 // → reject unknown keys ("did you mean …") → type every key → resolve defaults that depend on
 // other keys or the environment → validate(). Every problem is one lorarun::Error line that
 // names the file, the dotted key, what is wrong and how to fix it.
@@ -86,8 +87,11 @@ template <class E> constexpr std::string_view name(E value) {
   return "?";
 }
 
+// The sections: each key's type and default. Its bound, example and meaning are declared once,
+// in schema.hpp's for_each_key, which docs/recipe.md's tables are made from.
+
 struct ModelSection {
-  std::string path;  // HF model directory, or a model id found in the local HF cache (required)
+  std::string path;
   Dtype dtype = Dtype::BF16;
   Device device = Device::Auto;
   bool operator==(const ModelSection&) const = default;
@@ -96,47 +100,47 @@ struct ModelSection {
 struct LoraSection {
   int r = 8;
   double alpha = 16;
-  double dropout = 0.0;  // in [0, 1)
-  // Module names (PEFT's suffix match), or {"all-linear"}: every linear but the output head.
+  double dropout = 0.0;
+  // {"all-linear"} for all-linear.
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};
-  bool use_rslora = false;    // scale by alpha/sqrt(r) instead of alpha/r
-  bool quantize_base = false;  // QLoRA: base weights in NF4
-  bool double_quant = true;    // QLoRA: quantise the NF4 block scales too
-  std::string init_from;       // a PEFT adapter directory to start from (empty: fresh A, B = 0)
+  bool use_rslora = false;
+  bool quantize_base = false;
+  bool double_quant = true;
+  std::string init_from;
   bool all_linear() const { return target_modules == std::vector<std::string>{"all-linear"}; }
   bool operator==(const LoraSection&) const = default;
 };
 
 struct DataSection {
   Source source = Source::MongoDB;
-  std::string uri;         // empty: LORARUN_MONGODB_URI at load time (may stay empty)
-  std::string database;    // mongodb: required
-  std::string collection;  // mongodb: required
-  std::string path;        // jsonl: required
-  // MongoDB query; extended JSON ({"$oid": …}) kept as is. nlohmann::json orders keys by name,
-  // so an exact match on a whole sub-document should use dotted paths ({"meta.lang": en}).
+  std::string uri;  // empty in the file: LORARUN_MONGODB_URI at load time
+  std::string database;
+  std::string collection;
+  std::string path;
+  // nlohmann::json orders keys by name, so an exact match on a whole sub-document should use
+  // dotted paths ({"meta.lang": en}).
   nlohmann::json filter = nlohmann::json::object();
-  std::optional<int64_t> limit;  // at most this many documents (null: all)
+  std::optional<int64_t> limit;
   Format format = Format::Instruction;
-  std::string prompt_template;  // instruction: text before the response, with {field} placeholders
+  std::string prompt_template;
   std::string response_field = "output";
   std::string text_field = "text";
   std::string messages_field = "messages";
   ChatFormat chat_format = ChatFormat::ChatML;
   bool train_on_input = false;
-  int max_length = 1024;  // tokens per example
+  int max_length = 1024;
   Overlong overlong = Overlong::Truncate;
   BadDocuments bad_documents = BadDocuments::Skip;
   Shuffle shuffle = Shuffle::Global;
-  bool packing = false;      // a micro-batch's documents share rows of max_length (no cross-attention)
-  int batch_size = 4;  // examples per micro-batch per rank
-  bool group_by_length = false;  // micro-batches of similar lengths, within windows of group_window steps
-  int group_window = 64;         // optimizer steps whose examples are grouped together
-  int prefetch = 4;    // chunks (of 256 documents) fetched and built ahead by a thread (0: none)
-  int shuffle_buffer = 4096;     // shuffle: stream: documents shuffled together (bounds memory)
-  int retries = 5;               // retries of a fetch after a dropped connection (0: fail at once)
-  double retry_backoff_s = 1.0;  // first wait before a retry; doubles each time, capped at 30 s
-  int timeout_s = 20;            // connecting to / selecting the MongoDB server, per attempt
+  bool packing = false;
+  int batch_size = 4;
+  bool group_by_length = false;
+  int group_window = 64;
+  int prefetch = 4;
+  int shuffle_buffer = 4096;
+  int retries = 5;
+  double retry_backoff_s = 1.0;
+  int timeout_s = 20;
 
   // The distinct {placeholders} of prompt_template, in order of first use.
   std::vector<std::string> template_fields() const;
@@ -150,8 +154,8 @@ struct TrainSection {
   double weight_decay = 0.0;
   Scheduler lr_scheduler = Scheduler::Cosine;
   int warmup_steps = 0;
-  std::optional<double> max_grad_norm = 1.0;  // null: no clipping
-  std::optional<int> max_steps_per_epoch;     // null: the whole epoch
+  std::optional<double> max_grad_norm = 1.0;
+  std::optional<int> max_steps_per_epoch;
   int64_t seed = 42;
   bool activation_checkpointing = false;
   bool operator==(const TrainSection&) const = default;
@@ -166,27 +170,27 @@ struct EpochsToSave {
 };
 
 struct CheckpointSection {
-  std::string output_dir;  // empty: runs/<recipe file name without .yaml>, set at load time
+  std::string output_dir;  // empty in the file: runs/<recipe file name> at load time
   EpochsToSave epochs_to_save;
-  bool save_last_epoch_only = false;  // wins over epochs_to_save (with a warning when both set)
-  std::optional<int> state_every_n_steps;  // resumable state every N optimizer steps (null: per epoch)
+  bool save_last_epoch_only = false;
+  std::optional<int> state_every_n_steps;
   Resume resume = Resume::Auto;
-  bool keep_resume_state = false;  // keep the resumable state after the run finishes
-  bool overwrite = false;          // a new run may replace another run's finished adapters in output_dir
+  bool keep_resume_state = false;
+  bool overwrite = false;
   bool operator==(const CheckpointSection&) const = default;
 };
 
 struct DistSection {
-  DistBackend backend = DistBackend::Auto;  // auto: nccl on CUDA, gloo on CPU
+  DistBackend backend = DistBackend::Auto;
   int timeout_s = 600;
-  std::optional<int> debug_checksum_every_n_steps;  // compare a parameter checksum across ranks
-  double bucket_mb = 25;  // gradient all-reduce buckets (MiB), started while backward goes on
+  std::optional<int> debug_checksum_every_n_steps;
+  double bucket_mb = 25;
   bool operator==(const DistSection&) const = default;
 };
 
 struct TrackSection {
-  bool mongodb = true;   // record the run in MongoDB (metrics.jsonl is always written)
-  std::string database;  // empty: data.database, set at load time
+  bool mongodb = true;
+  std::string database;  // empty in the file: data.database at load time
   int log_every_n_steps = 1;
   bool operator==(const TrackSection&) const = default;
 };
@@ -226,20 +230,25 @@ Recipe recipe_from_yaml(const YAML::Node& root, const std::vector<std::string>& 
 Recipe recipe_from_json(const nlohmann::json& j, const std::vector<std::string>& overrides = {},
                         const std::string& file = "run record");
 
-// Checks ranges, enum-independent requirements and cross-key rules; throws lorarun::Error for
+// Walks the keys in order and, at each, checks the rules that span several keys and name it
+// (validate.cpp), then what its declaration implies (required, bound); throws lorarun::Error for
 // the first problem and returns the warnings (e.g. save_last_epoch_only with epochs_to_save).
 std::vector<std::string> validate(const Recipe& r, const RecipeOrigin& origin = {});
 
-// The fully resolved recipe, every key in §4's order; loads back to an equal Recipe.
+// The fully resolved recipe, every key in docs/recipe.md's order; loads back to an equal Recipe.
 // With redact_secrets the password in data.uri becomes "****".
 std::string to_yaml(const Recipe& r, bool redact_secrets = true);
 // The same as JSON (for run records): {"model": {"path": …}, …}.
 nlohmann::json to_json(const Recipe& r, bool redact_secrets = true);
 
-// Every dotted key ("model.path", …) in §4's order.
+// Every dotted key ("model.path", …) in docs/recipe.md's order.
 std::vector<std::string> known_keys();
 
-// Checkpoint policy (ENGINEERING.md §3): the sorted 0-based epochs whose epoch_<i>/ directories
+// docs/recipe.md's key tables (Markdown), made from the key declarations: per section, each
+// key's type, default, allowed values and meaning. tests/recipe keeps the file equal to it.
+std::string reference_tables();
+
+// Checkpoint policy (docs/recipe.md): the sorted 0-based epochs whose epoch_<i>/ directories
 // must exist when a run of `epochs` epochs ends. all: every epoch; none: {};
 // save_last_epoch_only: {epochs - 1}, whatever epochs_to_save says.
 std::vector<int> epochs_kept(const CheckpointSection& c, int epochs);

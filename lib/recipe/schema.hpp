@@ -1,5 +1,6 @@
-// The recipe's keys in one list (§4's order), and what the loader, the emitters and validate()
-// share: how a value is written as YAML, examples for messages, the error format.
+// The recipe's keys, each declared once — name, member, bound, example, one-line meaning — and
+// what the loader, the emitters, validate() and docs/recipe.md share: how a value is written as
+// YAML, examples for messages, the error format, the checks a declaration implies.
 #pragma once
 #include <array>
 #include <optional>
@@ -15,78 +16,271 @@ namespace lorarun::recipe::detail {
 inline constexpr std::array<std::string_view, 7> kSections{"model", "lora",       "data", "train",
                                                            "checkpoint", "dist", "track"};
 
-// Calls v("section.key", member) for every key, in §4's order. R is Recipe or const Recipe.
-// This is the one list of keys: parsing, to_yaml, to_json and known_keys() all walk it.
-template <class R, class V> void for_each_key(R& r, V&& v) {
-  v("model.path", r.model.path);
-  v("model.dtype", r.model.dtype);
-  v("model.device", r.model.device);
-
-  v("lora.r", r.lora.r);
-  v("lora.alpha", r.lora.alpha);
-  v("lora.dropout", r.lora.dropout);
-  v("lora.target_modules", r.lora.target_modules);
-  v("lora.use_rslora", r.lora.use_rslora);
-  v("lora.quantize_base", r.lora.quantize_base);
-  v("lora.double_quant", r.lora.double_quant);
-  v("lora.init_from", r.lora.init_from);
-
-  v("data.source", r.data.source);
-  v("data.uri", r.data.uri);
-  v("data.database", r.data.database);
-  v("data.collection", r.data.collection);
-  v("data.path", r.data.path);
-  v("data.filter", r.data.filter);
-  v("data.limit", r.data.limit);
-  v("data.format", r.data.format);
-  v("data.prompt_template", r.data.prompt_template);
-  v("data.response_field", r.data.response_field);
-  v("data.text_field", r.data.text_field);
-  v("data.messages_field", r.data.messages_field);
-  v("data.chat_format", r.data.chat_format);
-  v("data.train_on_input", r.data.train_on_input);
-  v("data.max_length", r.data.max_length);
-  v("data.overlong", r.data.overlong);
-  v("data.bad_documents", r.data.bad_documents);
-  v("data.shuffle", r.data.shuffle);
-  v("data.packing", r.data.packing);
-  v("data.batch_size", r.data.batch_size);
-  v("data.prefetch", r.data.prefetch);
-  v("data.shuffle_buffer", r.data.shuffle_buffer);
-  v("data.group_by_length", r.data.group_by_length);
-  v("data.group_window", r.data.group_window);
-  v("data.retries", r.data.retries);
-  v("data.retry_backoff_s", r.data.retry_backoff_s);
-  v("data.timeout_s", r.data.timeout_s);
-
-  v("train.epochs", r.train.epochs);
-  v("train.gradient_accumulation_steps", r.train.gradient_accumulation_steps);
-  v("train.lr", r.train.lr);
-  v("train.weight_decay", r.train.weight_decay);
-  v("train.lr_scheduler", r.train.lr_scheduler);
-  v("train.warmup_steps", r.train.warmup_steps);
-  v("train.max_grad_norm", r.train.max_grad_norm);
-  v("train.max_steps_per_epoch", r.train.max_steps_per_epoch);
-  v("train.seed", r.train.seed);
-  v("train.activation_checkpointing", r.train.activation_checkpointing);
-
-  v("checkpoint.output_dir", r.checkpoint.output_dir);
-  v("checkpoint.epochs_to_save", r.checkpoint.epochs_to_save);
-  v("checkpoint.save_last_epoch_only", r.checkpoint.save_last_epoch_only);
-  v("checkpoint.state_every_n_steps", r.checkpoint.state_every_n_steps);
-  v("checkpoint.resume", r.checkpoint.resume);
-  v("checkpoint.keep_resume_state", r.checkpoint.keep_resume_state);
-  v("checkpoint.overwrite", r.checkpoint.overwrite);
-
-  v("dist.backend", r.dist.backend);
-  v("dist.timeout_s", r.dist.timeout_s);
-  v("dist.debug_checksum_every_n_steps", r.dist.debug_checksum_every_n_steps);
-  v("dist.bucket_mb", r.dist.bucket_mb);
-
-  v("track.mongodb", r.track.mongodb);
-  v("track.database", r.track.database);
-  v("track.log_every_n_steps", r.track.log_every_n_steps);
+// How far a number may go. Messages and docs/recipe.md word it the same way (bound_text):
+// whole numbers "at least 1", other numbers ">= 0", "> 0", "in [0, 1)", "in [0, 3600] seconds".
+struct Bound {
+  enum class Kind { None, AtLeast, Above, Within };
+  Kind kind = Kind::None;
+  double lo = 0, hi = 0;
+  bool hi_open = false;    // Within: [lo, hi) rather than [lo, hi]
+  std::string_view unit;   // Within: named after the interval
+};
+constexpr Bound at_least(double lo) { return {Bound::Kind::AtLeast, lo, 0, false, {}}; }
+constexpr Bound above(double lo) { return {Bound::Kind::Above, lo, 0, false, {}}; }
+constexpr Bound within(double lo, double hi, bool hi_open, std::string_view unit = {}) {
+  return {Bound::Kind::Within, lo, hi, hi_open, unit};
 }
+
+// One recipe key. Its type and default are the member's (the section structs in recipe.hpp);
+// enum keys take the values of EnumNames<E>. Rules that span several keys live in validate.cpp,
+// names other tools use for a key in suggest.cpp.
+struct Key {
+  std::string_view name;        // "train.lr"
+  Bound bound{};                // checked by validate(), for a nullable key only when set
+  std::string_view example{};   // a value for messages ("e.g. train.lr: 0.0002"); empty: the default
+  std::string_view required{};  // non-empty: the key must be set; "must be set <required>"
+  std::string_view null_means{};  // nullable keys: what null does, for messages and the docs
+  std::string_view meaning{};     // one line, for docs/recipe.md
+  // Visitors may take the name alone: v(std::string_view key, auto& member).
+  constexpr operator std::string_view() const { return name; }
+};
+
+// Calls v(Key{…}, member) for every key, in the order of docs/recipe.md. R is Recipe or const
+// Recipe. This is the one list of keys: parsing, validate(), to_yaml, to_json, known_keys(),
+// messages' examples and docs/recipe.md all walk it.
+template <class R, class V> void for_each_key(R& r, V&& v) {
+  v(Key{.name = "model.path",
+        .example = "/models/opt-125m",
+        .required = "to a HF model directory or a model id in the local HF cache",
+        .meaning = "the base model: a Hugging Face model directory, or a model id already in the local HF cache "
+                   "(nothing is downloaded)"},
+    r.model.path);
+  v(Key{.name = "model.dtype", .meaning = "the dtype the base weights are held and computed in; QLoRA quantises from it"},
+    r.model.dtype);
+  v(Key{.name = "model.device", .meaning = "where each rank runs; auto: its CUDA device when GPUs are visible, else the CPU"},
+    r.model.device);
+
+  v(Key{.name = "lora.r", .bound = at_least(1), .meaning = "rank of every adapter (A is r × in, B is out × r)"}, r.lora.r);
+  v(Key{.name = "lora.alpha",
+        .bound = above(0),
+        .meaning = "scale numerator: the adapter's output is scaled by alpha / r (alpha / sqrt(r) with use_rslora)"},
+    r.lora.alpha);
+  v(Key{.name = "lora.dropout",
+        .bound = within(0, 1, true),
+        .example = "0.05",
+        .meaning = "dropout on the adapter's input, as PEFT's `lora_dropout`"},
+    r.lora.dropout);
+  v(Key{.name = "lora.target_modules",
+        .example = "[q_proj, v_proj]",
+        .meaning = "the modules that get adapters, matched as PEFT does (name suffix); all-linear: every linear "
+                   "layer but the output head"},
+    r.lora.target_modules);
+  v(Key{.name = "lora.use_rslora", .meaning = "rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r"},
+    r.lora.use_rslora);
+  v(Key{.name = "lora.quantize_base",
+        .meaning = "QLoRA: hold the base weights of the linear layers LoRA may adapt in NF4, as bitsandbytes does"},
+    r.lora.quantize_base);
+  v(Key{.name = "lora.double_quant",
+        .meaning = "QLoRA: quantise the NF4 block scales to 8 bits too (bitsandbytes' `compress_statistics`)"},
+    r.lora.double_quant);
+  v(Key{.name = "lora.init_from",
+        .meaning = "a PEFT adapter directory to start from; empty: fresh adapters (A Kaiming-uniform, B zero)"},
+    r.lora.init_from);
+
+  v(Key{.name = "data.source", .meaning = "where the documents come from: a MongoDB collection or a JSONL file"},
+    r.data.source);
+  v(Key{.name = "data.uri",
+        .example = "mongodb://user:password@host:27017/",
+        .meaning = "MongoDB connection string; empty: `LORARUN_MONGODB_URI` at load time (passwords never appear in "
+                   "logs)"},
+    r.data.uri);
+  v(Key{.name = "data.database", .example = "training", .meaning = "the MongoDB database (source: mongodb)"},
+    r.data.database);
+  v(Key{.name = "data.collection", .example = "examples", .meaning = "the MongoDB collection (source: mongodb)"},
+    r.data.collection);
+  v(Key{.name = "data.path", .example = "data/train.jsonl", .meaning = "a file of one JSON document per line (source: jsonl)"},
+    r.data.path);
+  v(Key{.name = "data.filter",
+        .example = "{split: train}",
+        .meaning = "a MongoDB query selecting the documents; extended JSON such as `{$oid: …}` is kept as is"},
+    r.data.filter);
+  v(Key{.name = "data.limit",
+        .bound = at_least(1),
+        .example = "1000",
+        .null_means = "all",
+        .meaning = "use at most this many of the selected documents"},
+    r.data.limit);
+  v(Key{.name = "data.format",
+        .meaning = "how a document becomes an example: a prompt template and a response field, one text field, or "
+                   "chat messages"},
+    r.data.format);
+  v(Key{.name = "data.prompt_template",
+        .example = R"("### Instruction:\n{instruction}\n\n### Response:\n")",
+        .meaning = "format: instruction: the text before the response; `{field}` is that document field, `{{` `}}` "
+                   "are braces"},
+    r.data.prompt_template);
+  v(Key{.name = "data.response_field",
+        .example = "output",
+        .meaning = "format: instruction: the document field trained on, appended after the prompt"},
+    r.data.response_field);
+  v(Key{.name = "data.text_field", .example = "text", .meaning = "format: text: the document field holding the text"},
+    r.data.text_field);
+  v(Key{.name = "data.messages_field",
+        .example = "messages",
+        .meaning = "format: chat: the document field holding the list of `{role, content}` messages"},
+    r.data.messages_field);
+  v(Key{.name = "data.chat_format", .meaning = "format: chat: the template the messages are rendered in"},
+    r.data.chat_format);
+  v(Key{.name = "data.train_on_input",
+        .meaning = "train on the prompt (instruction) or on every turn (chat) too, not only the response"},
+    r.data.train_on_input);
+  v(Key{.name = "data.max_length", .bound = at_least(2), .meaning = "tokens per example at most (see overlong)"},
+    r.data.max_length);
+  v(Key{.name = "data.overlong", .meaning = "an example longer than max_length: truncate it, or skip it (counted)"},
+    r.data.overlong);
+  v(Key{.name = "data.bad_documents",
+        .meaning = "a document missing a field or of the wrong shape: skip it (counted), or fail the run"},
+    r.data.bad_documents);
+  v(Key{.name = "data.shuffle",
+        .meaning = "order per epoch: one permutation from (train.seed, epoch), windows of shuffle_buffer per rank, "
+                   "or `_id` order"},
+    r.data.shuffle);
+  v(Key{.name = "data.packing",
+        .meaning = "a micro-batch's documents share rows of max_length tokens, each attending only within itself"},
+    r.data.packing);
+  v(Key{.name = "data.batch_size",
+        .bound = at_least(1),
+        .meaning = "documents per micro-batch, per rank (packed into rows with packing)"},
+    r.data.batch_size);
+  v(Key{.name = "data.prefetch",
+        .bound = at_least(0),
+        .meaning = "chunks of 256 documents fetched and built ahead by a background thread (0: none)"},
+    r.data.prefetch);
+  v(Key{.name = "data.shuffle_buffer",
+        .bound = at_least(1),
+        .meaning = "shuffle: stream: documents shuffled together (bounds memory)"},
+    r.data.shuffle_buffer);
+  v(Key{.name = "data.group_by_length",
+        .meaning = "sort the documents of each window of group_window steps by length before cutting micro-batches"},
+    r.data.group_by_length);
+  v(Key{.name = "data.group_window",
+        .bound = at_least(1),
+        .meaning = "group_by_length: optimizer steps whose documents are sorted together"},
+    r.data.group_window);
+  v(Key{.name = "data.retries",
+        .bound = at_least(0),
+        .meaning = "retries of a fetch after a dropped connection or a server restart (0: fail at once)"},
+    r.data.retries);
+  v(Key{.name = "data.retry_backoff_s",
+        .bound = within(0, 3600, false, "seconds"),
+        .meaning = "first wait before a retry; it doubles each time, up to 30 s"},
+    r.data.retry_backoff_s);
+  v(Key{.name = "data.timeout_s",
+        .bound = at_least(1),
+        .meaning = "seconds to connect to and select the MongoDB server, per attempt (not dist.timeout_s)"},
+    r.data.timeout_s);
+
+  v(Key{.name = "train.epochs", .bound = at_least(1), .meaning = "passes over the selected documents"}, r.train.epochs);
+  v(Key{.name = "train.gradient_accumulation_steps",
+        .bound = at_least(1),
+        .meaning = "micro-batches per optimizer step"},
+    r.train.gradient_accumulation_steps);
+  v(Key{.name = "train.lr", .bound = above(0), .meaning = "AdamW's peak learning rate, reached after warmup_steps"},
+    r.train.lr);
+  v(Key{.name = "train.weight_decay", .bound = at_least(0), .meaning = "AdamW's decoupled weight decay"},
+    r.train.weight_decay);
+  v(Key{.name = "train.lr_scheduler",
+        .meaning = "the learning rate after warmup: cosine or linear decay to 0 at the last step, or constant"},
+    r.train.lr_scheduler);
+  v(Key{.name = "train.warmup_steps",
+        .bound = at_least(0),
+        .meaning = "optimizer steps over which the learning rate rises linearly from 0 to lr"},
+    r.train.warmup_steps);
+  v(Key{.name = "train.max_grad_norm",
+        .bound = above(0),
+        .null_means = "no clipping",
+        .meaning = "clip the global gradient norm (all ranks, all LoRA parameters) to this"},
+    r.train.max_grad_norm);
+  v(Key{.name = "train.max_steps_per_epoch",
+        .bound = at_least(1),
+        .example = "100",
+        .null_means = "the whole epoch",
+        .meaning = "at most this many optimizer steps per epoch"},
+    r.train.max_steps_per_epoch);
+  v(Key{.name = "train.seed",
+        .bound = at_least(0),
+        .meaning = "the seed every random stream derives from: data order, adapter init, dropout"},
+    r.train.seed);
+  v(Key{.name = "train.activation_checkpointing",
+        .meaning = "keep only each decoder block's input and run the block again in backward (same gradients)"},
+    r.train.activation_checkpointing);
+
+  v(Key{.name = "checkpoint.output_dir",
+        .example = "runs/my-run",
+        .required = "to the directory for the epoch_<i>/ checkpoints",
+        .meaning = "the run's directory: `epoch_<i>/` adapters, `resume_state/`, `recipe.yaml`, metrics, logs; "
+                   "empty: `runs/<recipe file name>`"},
+    r.checkpoint.output_dir);
+  v(Key{.name = "checkpoint.epochs_to_save",
+        .example = "[0, 2]",
+        .meaning = "the epochs whose `epoch_<i>/` adapter is kept: all, none, or a list of 0-based epoch indices"},
+    r.checkpoint.epochs_to_save);
+  v(Key{.name = "checkpoint.save_last_epoch_only",
+        .meaning = "keep only the last epoch's adapter; wins over epochs_to_save (a warning when both are set)"},
+    r.checkpoint.save_last_epoch_only);
+  v(Key{.name = "checkpoint.state_every_n_steps",
+        .bound = at_least(1),
+        .example = "500",
+        .null_means = "at the end of each epoch only",
+        .meaning = "also write the resumable state every N optimizer steps"},
+    r.checkpoint.state_every_n_steps);
+  v(Key{.name = "checkpoint.resume",
+        .meaning = "auto: continue from output_dir's resumable state when there is one; never: start over"},
+    r.checkpoint.resume);
+  v(Key{.name = "checkpoint.keep_resume_state",
+        .meaning = "keep `resume_state/` after the run finishes (it is removed otherwise)"},
+    r.checkpoint.keep_resume_state);
+  v(Key{.name = "checkpoint.overwrite",
+        .meaning = "a new run may replace another run's finished adapters in output_dir (otherwise it refuses the "
+                   "directory)"},
+    r.checkpoint.overwrite);
+
+  v(Key{.name = "dist.backend", .meaning = "the collectives' backend; auto: nccl on CUDA, gloo on CPU"}, r.dist.backend);
+  v(Key{.name = "dist.timeout_s",
+        .bound = at_least(1),
+        .meaning = "seconds the rendezvous or a collective may wait before the run fails"},
+    r.dist.timeout_s);
+  v(Key{.name = "dist.debug_checksum_every_n_steps",
+        .bound = at_least(1),
+        .example = "100",
+        .null_means = "never",
+        .meaning = "compare a checksum of the parameters across ranks every N optimizer steps"},
+    r.dist.debug_checksum_every_n_steps);
+  v(Key{.name = "dist.bucket_mb",
+        .bound = above(0),
+        .meaning = "MiB per gradient all-reduce bucket; buckets are reduced while backward goes on"},
+    r.dist.bucket_mb);
+
+  v(Key{.name = "track.mongodb",
+        .meaning = "record the run and its metrics in MongoDB (`metrics.jsonl` is written either way)"},
+    r.track.mongodb);
+  v(Key{.name = "track.database",
+        .example = "lorarun",
+        .meaning = "the MongoDB database of the run records; empty: data.database"},
+    r.track.database);
+  v(Key{.name = "track.log_every_n_steps",
+        .bound = at_least(1),
+        .meaning = "a metrics line every N optimizer steps"},
+    r.track.log_every_n_steps);
+}
+
+// The key names: "model.path" → section "model", leaf "path".
+std::string section_of(std::string_view key);
+std::string leaf_of(std::string_view key);
+bool is_section(std::string_view name);
+bool is_key(std::string_view dotted);
+// The leaf names of `section`'s keys, in order.
+std::vector<std::string> leaves(std::string_view section);
 
 template <class T> struct IsOptional : std::false_type {};
 template <class T> struct IsOptional<std::optional<T>> : std::true_type {};
@@ -136,6 +330,41 @@ std::string show(std::string_view text);
 
 // Throws lorarun::Error("<origin.at(key)>: <key> <problem>").
 [[noreturn]] void fail(const RecipeOrigin& origin, std::string_view key, std::string_view problem);
+// Throws "<key> must be set <why> (e.g. …)" when `value` is empty.
+void require(const RecipeOrigin& origin, std::string_view key, const std::string& value, std::string_view why);
+
+// A bound in words, as messages and docs/recipe.md give it: "at least 1" (whole numbers),
+// ">= 0", "> 0", "in [0, 1)", "in [0, 3600] seconds".
+std::string bound_text(const Bound& b, bool whole_numbers);
+// Throw "<key> must be <bound_text>[ or null], got <value> (e.g. …)" when `value` is out of the
+// key's bound. A nullable key's message says "or null"; for a strict bound (> 0) it also says
+// what null does, since 0 is what people try for "off".
+void check_bound(const Key& k, int64_t value, bool nullable, const RecipeOrigin& origin);
+void check_bound(const Key& k, double value, bool nullable, const RecipeOrigin& origin);
+// A list of names: at least one, none empty, each once, all-linear alone.
+void check_names(const Key& k, const std::vector<std::string>& names, const RecipeOrigin& origin);
+
+// What a key's declaration implies, checked by validate(): a required key is set, a number is
+// within its bound (a nullable one when set), a list of module names is well formed.
+template <class T> void check_declared(const Key& k, const T& value, const RecipeOrigin& origin,
+                                       bool nullable = false) {
+  if constexpr (IsOptional<T>::value) {
+    if (value) check_declared(k, *value, origin, true);
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!k.required.empty()) require(origin, k.name, value, k.required);
+  } else if constexpr (std::is_same_v<T, bool> || std::is_enum_v<T>) {
+    // the loader already took only true/false or one of EnumNames<T>
+  } else if constexpr (std::is_integral_v<T>) {
+    check_bound(k, static_cast<int64_t>(value), nullable, origin);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    check_bound(k, static_cast<double>(value), nullable, origin);
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    check_names(k, value, origin);
+  }
+}
+
+// The keys that validate.cpp's rules spanning several keys are attached to (each must be a key).
+std::vector<std::string_view> rule_keys();
 
 // prompt-template parsing with `subject` naming the template in messages.
 std::vector<TemplatePart> parse_template(std::string_view tmpl, std::string_view subject);

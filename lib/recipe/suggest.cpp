@@ -1,6 +1,12 @@
+// "Did you mean …": names close to a misspelt one, names other tools use for our keys, and the
+// messages for unknown keys and sections.
 #include "recipe/suggest.hpp"
 
 #include <algorithm>
+
+#include <fmt/format.h>
+
+#include "recipe/schema.hpp"
 
 namespace lorarun::recipe::detail {
 namespace {
@@ -75,6 +81,150 @@ std::optional<std::string> closest(std::string_view word, const std::vector<std:
     if (!best || d < best_distance) best = c, best_distance = d;
   }
   return best;
+}
+
+
+// ---- unknown keys and sections ---------------------------------------------------------------
+
+namespace {
+
+template <class T> std::string join(const std::vector<T>& items, std::string_view sep) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) out += (i ? std::string(sep) : "") + std::string(items[i]);
+  return out;
+}
+
+const std::vector<std::string>& all_keys() {
+  static const std::vector<std::string> keys = known_keys();
+  return keys;
+}
+
+// Names other tools (HF Trainer, PEFT, torchtune, axolotl) use for our keys, suggested when no
+// known name is close. Section "" = any section, or none.
+struct Alias {
+  std::string_view section, name, key;
+};
+constexpr Alias kAliases[] = {
+    {"", "learning_rate", "train.lr"},
+    {"", "num_epochs", "train.epochs"},
+    {"", "num_train_epochs", "train.epochs"},
+    {"", "max_epochs", "train.epochs"},
+    {"", "n_epochs", "train.epochs"},
+    {"", "lora_r", "lora.r"},
+    {"", "rank", "lora.r"},
+    {"", "lora_rank", "lora.r"},
+    {"", "lora_alpha", "lora.alpha"},
+    {"", "lora_dropout", "lora.dropout"},
+    {"", "rslora", "lora.use_rslora"},
+    {"", "lora_target_modules", "lora.target_modules"},
+    {"", "load_in_4bit", "lora.quantize_base"},
+    {"", "qlora", "lora.quantize_base"},
+    {"", "quantize", "lora.quantize_base"},
+    {"", "bnb_4bit_use_double_quant", "lora.double_quant"},
+    {"", "per_device_train_batch_size", "data.batch_size"},
+    {"", "micro_batch_size", "data.batch_size"},
+    {"", "train_batch_size", "data.batch_size"},
+    {"", "max_seq_len", "data.max_length"},
+    {"", "max_seq_length", "data.max_length"},
+    {"", "seq_len", "data.max_length"},
+    {"", "sequence_len", "data.max_length"},
+    {"", "cutoff_len", "data.max_length"},
+    {"", "sample_packing", "data.packing"},
+    {"", "gradient_accumulation", "train.gradient_accumulation_steps"},
+    {"", "accumulate_grad_batches", "train.gradient_accumulation_steps"},
+    {"", "lr_scheduler_type", "train.lr_scheduler"},
+    {"", "scheduler", "train.lr_scheduler"},
+    {"", "warmup", "train.warmup_steps"},
+    {"", "num_warmup_steps", "train.warmup_steps"},
+    {"", "clip_grad_norm", "train.max_grad_norm"},
+    {"", "grad_clip", "train.max_grad_norm"},
+    {"", "gradient_clipping", "train.max_grad_norm"},
+    {"", "gradient_checkpointing", "train.activation_checkpointing"},
+    {"", "enable_activation_checkpointing", "train.activation_checkpointing"},
+    {"", "max_steps", "train.max_steps_per_epoch"},
+    {"", "model_name_or_path", "model.path"},
+    {"", "pretrained_model_name_or_path", "model.path"},
+    {"", "base_model", "model.path"},
+    {"", "model_id", "model.path"},
+    {"model", "name", "model.path"},
+    {"model", "id", "model.path"},
+    {"", "torch_dtype", "model.dtype"},
+    {"", "precision", "model.dtype"},
+    {"", "connection_string", "data.uri"},
+    {"", "mongodb_uri", "data.uri"},
+    {"data", "url", "data.uri"},
+    {"data", "db", "data.database"},
+    {"data", "coll", "data.collection"},
+    {"data", "query", "data.filter"},
+    {"", "template", "data.prompt_template"},
+    {"", "prompt", "data.prompt_template"},
+    {"", "output_field", "data.response_field"},
+    {"", "num_workers", "data.prefetch"},
+    {"checkpoint", "path", "checkpoint.output_dir"},
+    {"checkpoint", "dir", "checkpoint.output_dir"},
+    {"", "save_dir", "checkpoint.output_dir"},
+    {"", "checkpoint_dir", "checkpoint.output_dir"},
+    {"", "resume_from_checkpoint", "checkpoint.resume"},
+    {"", "save_steps", "checkpoint.state_every_n_steps"},
+    {"dist", "timeout", "dist.timeout_s"},
+    {"", "logging_steps", "track.log_every_n_steps"},
+};
+constexpr std::pair<std::string_view, std::string_view> kSectionAliases[] = {
+    {"trainer", "train"},     {"optim", "train"},     {"optimizer", "train"}, {"peft", "lora"},
+    {"adapter", "lora"},      {"ckpt", "checkpoint"}, {"save", "checkpoint"}, {"logging", "track"},
+    {"wandb", "track"},       {"tracking", "track"},  {"dataset", "data"},    {"distributed", "dist"},
+};
+
+std::optional<std::string> alias(std::string_view section, std::string_view name) {
+  for (const Alias& a : kAliases)
+    if (a.name == name && a.section == section) return std::string(a.key);
+  for (const Alias& a : kAliases)
+    if (a.name == name && a.section.empty()) return std::string(a.key);
+  return std::nullopt;
+}
+
+// The dotted key whose leaf is exactly `leaf`, when only one section has it.
+std::optional<std::string> unique_leaf(std::string_view leaf, std::string_view except_section = {}) {
+  std::optional<std::string> found;
+  for (const std::string& k : all_keys()) {
+    if (leaf_of(k) != leaf || section_of(k) == except_section) continue;
+    if (found) return std::nullopt;
+    found = k;
+  }
+  return found;
+}
+
+// The closest known key for `section.leaf`: the same name in another section, a near name in
+// this section, a name other tools use, a near leaf name in another section, a near dotted name.
+std::optional<std::string> suggest_key(std::string_view section, std::string_view leaf) {
+  if (auto k = unique_leaf(leaf, section)) return k;
+  if (auto l = closest(leaf, leaves(section))) return fmt::format("{}.{}", section, *l);
+  if (auto k = alias(section, leaf)) return k;
+  std::vector<std::string> others;
+  for (const std::string& k : all_keys())
+    if (section_of(k) != section) others.push_back(leaf_of(k));
+  if (auto l = closest(leaf, others)) return unique_leaf(*l, section).value_or("");
+  return closest(fmt::format("{}.{}", section, leaf), all_keys());
+}
+
+}  // namespace
+
+std::string unknown_key_message(std::string_view section, std::string_view leaf) {
+  if (auto k = suggest_key(section, leaf); k && !k->empty())
+    return fmt::format("unknown key '{}.{}'; did you mean '{}'?", section, show(leaf), *k);
+  return fmt::format("unknown key '{}.{}'; the keys of '{}' are {}", section, show(leaf), section,
+                     join(leaves(section), ", "));
+}
+
+// A top-level name that is not a section: a misspelt section, or a key missing its section.
+std::string unknown_top_message(std::string_view name) {
+  if (auto k = unique_leaf(name)) return fmt::format("unknown key '{}'; did you mean '{}'?", name, *k);
+  for (const auto& [other, section] : kSectionAliases)
+    if (other == name) return fmt::format("unknown section '{}'; did you mean '{}'?", name, section);
+  const std::vector<std::string> sections(kSections.begin(), kSections.end());
+  if (auto s = closest(name, sections)) return fmt::format("unknown section '{}'; did you mean '{}'?", name, *s);
+  if (auto k = alias("", name)) return fmt::format("unknown key '{}'; did you mean '{}'?", name, *k);
+  return fmt::format("unknown section '{}'; the sections are {}", show(name), join(sections, ", "));
 }
 
 }  // namespace lorarun::recipe::detail

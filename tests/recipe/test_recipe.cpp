@@ -1,4 +1,4 @@
-// The recipe contract (ENGINEERING.md §4): defaults, overrides, one-line messages, the
+// The recipe contract (docs/recipe.md): defaults, overrides, one-line messages, the
 // checkpoint policy, secrets, round trips and every recipe in configs/.
 #include <catch2/catch.hpp>
 
@@ -129,7 +129,7 @@ TEST_CASE("every key has its documented default") {
   CHECK(r.warnings.empty());
 }
 
-TEST_CASE("the keys are §4's, in its order") {
+TEST_CASE("the keys, in docs/recipe.md's order") {
   CHECK(known_keys() ==
         Strings{"model.path",
                 "model.dtype",
