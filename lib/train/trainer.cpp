@@ -253,7 +253,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
   }
   m_.checkpoint_activations = r.train.activation_checkpointing;
   builder_ = std::make_unique<data::ExampleBuilder>(r.data, tokenizer_);
-  docs_ = std::make_unique<data::Documents>(r.data, std::chrono::seconds(r.dist.timeout_s));
+  docs_ = std::make_unique<data::Documents>(r.data);  // connects within data.timeout_s
   params_ = model::lora_parameters(m_);
   sync_ = std::make_unique<dist::GradBuckets>(pg_, params_, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4));
   opt_ = std::make_unique<torch::optim::AdamW>(
