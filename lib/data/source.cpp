@@ -23,8 +23,10 @@ auto selecting(const recipe::DataSection& d, const Client& c, F request) {
     return request();
   } catch (const ServerError& e) {
     if (e.code == 13) throw;
+    std::string_view reason = e.reason;
+    while (!reason.empty() && (reason.back() == '.' || reason.back() == ' ')) reason.remove_suffix(1);
     throw Error(fmt::format("data.filter {} was rejected by MongoDB at {}: {}: fix data.filter", d.filter.dump(),
-                            c.redacted_uri(), e.reason));
+                            c.redacted_uri(), reason));
   }
 }
 
