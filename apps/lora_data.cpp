@@ -44,8 +44,8 @@ namespace tok = lorarun::tok;
 using lorarun::Error;
 using nlohmann::json;
 
-// Server selection / connect timeout unless the URI sets its own.
-constexpr std::chrono::milliseconds kMongoTimeout{10000};
+// import's server selection / connect timeout (data.timeout_s's default) unless the URI sets its own.
+const std::chrono::seconds kImportTimeout{recipe::DataSection{}.timeout_s};
 
 std::string ids_json(const std::vector<int32_t>& ids) {
   std::string out = "[";
@@ -117,7 +117,7 @@ struct Dataset {
   explicit Dataset(const RecipeArgs& a)
       : recipe(recipe::load_recipe(a.recipe, a.overrides)),
         tokenizer(tok::Tokenizer::from_dir(lorarun::model::resolve_model_path(recipe.model.path))),
-        docs(recipe.data, kMongoTimeout) {}
+        docs(recipe.data) {}
   Dataset(const Dataset&) = delete;
   const recipe::Recipe recipe;
   const tok::Tokenizer tokenizer;
@@ -125,7 +125,9 @@ struct Dataset {
 };
 
 // What the trainer's builder makes of `doc`; a line that is not a JSON object says so.
-data::Built build(const data::ExampleBuilder& b, const json& doc, recipe::Source source) {
+data::Built build(const data::ExampleBuilder& b, const data::Found& found, recipe::Source source) {
+  const json& doc = found.doc;
+  if (!found.invalid_utf8.empty()) return data::Rejection{data::Rejection::BadDocument, data::invalid_utf8_reason(found.invalid_utf8)};
   if (doc.is_object()) return b.build(doc);
   const char* why = doc.is_discarded()                                       ? "not valid JSON"
                     : doc.is_null() && source == recipe::Source::MongoDB ? "no longer in the collection"
@@ -133,21 +135,27 @@ data::Built build(const data::ExampleBuilder& b, const json& doc, recipe::Source
   return data::Rejection{data::Rejection::BadDocument, why};
 }
 
-// Calls f(position, document) for positions [0, n) in order, fetching 1,024 at a time.
+// Calls f(position, found) for positions [0, n) in order, fetching 1,024 at a time and only the
+// fields training fetches (what is not fetched cannot make a document bad).
 template <class F>
 void for_each_document(const Dataset& d, int64_t n, F f) {
   constexpr int64_t kChunk = 1024;
+  const std::vector<std::string> fields = data::ExampleBuilder::fields_of(d.recipe.data);
   for (int64_t start = 0; start < n; start += kChunk) {
     std::vector<int64_t> positions;
     for (int64_t p = start; p < std::min(n, start + kChunk); ++p) positions.push_back(p);
-    const std::vector<json> docs = d.docs.fetch(positions);
+    const std::vector<data::Found> docs = d.docs.fetch_found(positions, fields);
     for (size_t i = 0; i < docs.size(); ++i) f(positions[i], docs[i]);
   }
 }
 
 // "#12", or "#12 (_id 65f0…)" when the document has an _id.
-std::string where(int64_t position, const json& doc) {
-  if (!doc.is_object() || !doc.contains("_id")) return fmt::format("#{}", position);
+std::string where(int64_t position, const data::Found& found) {
+  const json& doc = found.doc;
+  if (!doc.is_object() || !doc.contains("_id")) {
+    if (found.id.empty() || found.id[0] == '#') return fmt::format("#{}", position);
+    return fmt::format("#{} (_id {})", position, data::relaxed_id(found.id));  // not JSON itself (not UTF-8)
+  }
   const json& id = doc["_id"];
   const std::string text = id.is_object() && id.contains("$oid") ? id["$oid"].get<std::string>() : id.dump();
   return fmt::format("#{} (_id {})", position, text);
@@ -168,7 +176,7 @@ struct Stats {
   std::vector<int64_t> lengths;  // untruncated example lengths (overlong ones included)
   std::map<std::string, Bad> bad;  // by reason
 
-  void reject(const std::string& reason, int64_t position, const json& doc) {
+  void reject(const std::string& reason, int64_t position, const data::Found& doc) {
     Bad& b = bad[reason];
     if (++b.count <= 5) b.first.push_back(where(position, doc));
   }
@@ -187,7 +195,7 @@ Stats collect(const Dataset& d) {
   const data::ExampleBuilder untruncated(wide, d.tokenizer), builder(d.recipe.data, d.tokenizer);
   Stats s;
   s.documents = d.docs.size();
-  for_each_document(d, s.documents, [&](int64_t position, const json& doc) {
+  for_each_document(d, s.documents, [&](int64_t position, const data::Found& doc) {
     data::Built built = build(untruncated, doc, d.recipe.data.source);
     if (auto* r = std::get_if<data::Rejection>(&built)) return s.reject(r->reason, position, doc);
     const auto length = static_cast<int64_t>(std::get<data::Example>(built).ids.size());
@@ -278,7 +286,7 @@ std::string render(const tok::Tokenizer& tokenizer, const data::Example& e, bool
   return out;
 }
 
-void print_preview(const Dataset& d, int64_t position, const json& doc, const data::Built& built, bool colour) {
+void print_preview(const Dataset& d, int64_t position, const data::Found& doc, const data::Built& built, bool colour) {
   if (const auto* r = std::get_if<data::Rejection>(&built)) {
     fmt::print("── {}  rejected: {}\n\n", where(position, doc), r->reason);
     return;
@@ -301,7 +309,7 @@ void preview(int64_t n, const RecipeArgs& a) {
   const Dataset d(a);
   const data::ExampleBuilder builder(d.recipe.data, d.tokenizer);
   const bool colour = !a.as_json && isatty(STDOUT_FILENO) && !std::getenv("NO_COLOR");
-  for_each_document(d, std::min(n, d.docs.size()), [&](int64_t position, const json& doc) {
+  for_each_document(d, std::min(n, d.docs.size()), [&](int64_t position, const data::Found& doc) {
     const data::Built built = build(builder, doc, d.recipe.data.source);
     if (a.as_json) fmt::print("{}\n", preview_json(position, built).dump());
     else print_preview(d, position, doc, built, colour);
@@ -325,7 +333,7 @@ void import_jsonl(const ImportArgs& a) {
   std::ifstream in(a.file);
   if (!in) throw Error(fmt::format("cannot read {}", a.file));
   const auto t0 = std::chrono::steady_clock::now();
-  data::Client client(uri, kMongoTimeout);
+  data::Client client(uri, kImportTimeout, {"--uri or LORARUN_MONGODB_URI"});
   std::vector<json> batch;
   int64_t inserted = 0;
   size_t n = 0, batch_start = 1;

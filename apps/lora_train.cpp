@@ -9,6 +9,7 @@
 
 #include "app_main.hpp"
 #include "data/mongo.hpp"
+#include "data/source.hpp"
 #include "dist/env.hpp"
 #include "dist/process_group.hpp"
 #include "recipe/recipe.hpp"
@@ -135,6 +136,11 @@ int run(int argc, char** argv) {
     fmt::print("{}", recipe::to_yaml(r));
     fmt::print("# epoch checkpoints kept at the end: [{}]\n",
                fmt::join(recipe::epochs_kept(r.checkpoint, r.train.epochs), ", "));
+    if (r.data.source == recipe::Source::MongoDB) {  // the server's verdict on data.filter, if one answers
+      const data::Selection s = data::check_selection(r.data);
+      if (s.warning.empty()) fmt::print("# documents selected: {}\n", s.count);
+      else warn(s.warning);
+    }
     return 0;
   }
   return train::run_training(r, env);

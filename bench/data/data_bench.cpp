@@ -22,10 +22,11 @@ int main(int argc, char** argv) try {
   const std::string mode = argc > 5 ? argv[5] : "global";
   d.shuffle = mode == "stream" ? recipe::Shuffle::Stream : mode == "none" ? recipe::Shuffle::None : recipe::Shuffle::Global;
   d.prefetch = argc > 6 ? std::stoi(argv[6]) : 4;
+  d.timeout_s = 30;
   const tok::Tokenizer tok = tok::Tokenizer::from_dir(argv[4]);
   const data::ExampleBuilder builder(d, tok);
   const auto t0 = std::chrono::steady_clock::now();
-  const data::Documents docs(d, std::chrono::seconds(30));  // listing the ids is part of the work
+  const data::Documents docs(d);  // listing the ids is part of the work
   data::ShardReader reader(docs, builder, {1, 0, 42, 0, d.shuffle});
   int64_t n = 0, examples = 0, tokens = 0;
   for (auto batch = reader.next(64); !batch.empty(); batch = reader.next(64))

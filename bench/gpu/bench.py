@@ -408,10 +408,11 @@ def trained_tokens(example):
 def step_slices(n, world, batch, steps):
     """Global example indices of each optimizer step: shuffle none, DistributedSampler padding
     (the order is padded to a multiple of the world size with its first examples), rank r reads
-    the contiguous slice r, one micro-batch of `batch` per rank per step."""
+    examples r, r+world, r+2*world, … (DistributedSampler, shuffle=False), one micro-batch of
+    `batch` per rank per step."""
     per_rank = math.ceil(n / world)
     order = list(range(n)) + list(range(n))[: per_rank * world - n]
-    slices = [order[r * per_rank:(r + 1) * per_rank] for r in range(world)]
+    slices = [order[r::world] for r in range(world)]
     out = []
     for k in range(steps):
         step = [i for r in range(world) for i in slices[r][k * batch:(k + 1) * batch]]

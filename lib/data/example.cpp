@@ -13,7 +13,7 @@ std::variant<std::string, Rejection> string_field(const nlohmann::json& doc, con
   if (!doc.is_object() || !doc.contains(field)) return bad(fmt::format("field '{}' is missing", field));
   if (!doc[field].is_string()) return bad(fmt::format("field '{}' is not a string", field));
   std::string s = doc[field].get<std::string>();
-  if (!valid_utf8(s)) return bad(fmt::format("field '{}' is not valid UTF-8", field));
+  if (!valid_utf8(s)) return bad(invalid_utf8_reason(field));
   return s;
 }
 
@@ -52,6 +52,8 @@ bool valid_utf8(std::string_view s) {
   }
   return true;
 }
+
+std::string invalid_utf8_reason(std::string_view field) { return fmt::format("field '{}' is not valid UTF-8", field); }
 
 ExampleBuilder::ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer,
                                std::optional<int32_t> eos)
@@ -92,15 +94,15 @@ std::variant<Example, Rejection> ExampleBuilder::build(const nlohmann::json& doc
   return bad("unknown format");
 }
 
-std::vector<std::string> ExampleBuilder::fields() const {
-  switch (cfg_.format) {
+std::vector<std::string> ExampleBuilder::fields_of(const recipe::DataSection& cfg) {
+  switch (cfg.format) {
     case recipe::Format::Instruction: {
-      std::vector<std::string> f = cfg_.template_fields();
-      if (std::find(f.begin(), f.end(), cfg_.response_field) == f.end()) f.push_back(cfg_.response_field);
+      std::vector<std::string> f = cfg.template_fields();
+      if (std::find(f.begin(), f.end(), cfg.response_field) == f.end()) f.push_back(cfg.response_field);
       return f;
     }
-    case recipe::Format::Text: return {cfg_.text_field};
-    case recipe::Format::Chat: return {cfg_.messages_field};
+    case recipe::Format::Text: return {cfg.text_field};
+    case recipe::Format::Chat: return {cfg.messages_field};
   }
   return {};
 }

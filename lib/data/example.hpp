@@ -34,7 +34,8 @@ class ExampleBuilder {
   std::variant<Example, Rejection> build(const nlohmann::json& doc) const;
   // The top-level fields build() reads (template fields + response, text or messages): the
   // projection a source fetches.
-  std::vector<std::string> fields() const;
+  std::vector<std::string> fields() const { return fields_of(cfg_); }
+  static std::vector<std::string> fields_of(const recipe::DataSection& cfg);
 
  private:
   std::variant<Example, Rejection> instruction(const nlohmann::json& doc) const;
@@ -50,7 +51,11 @@ class ExampleBuilder {
   std::vector<recipe::TemplatePart> template_;
 };
 
-// True when `s` is well-formed UTF-8.
+// True when `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past
+// U+10FFFF). The one check for documents from JSONL and MongoDB alike.
 bool valid_utf8(std::string_view s);
+
+// A bad document's reason when `field` (dotted inside documents and arrays) is not UTF-8.
+std::string invalid_utf8_reason(std::string_view field);
 
 }  // namespace lorarun::data

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <mongoc/mongoc.h>
 
+#include "data/example.hpp"
 #include "util/error.hpp"
 #include "util/secrets.hpp"
 
@@ -58,7 +59,8 @@ std::string string_field(const bson_t* doc, const char* key) {
 
 void Client::ClientDeleter::operator()(_mongoc_client_t* c) const { mongoc_client_destroy(c); }
 
-Client::Client(const std::string& uri_text, std::chrono::milliseconds timeout) {
+Client::Client(const std::string& uri_text, std::chrono::milliseconds timeout, Origin origin)
+    : origin_(std::move(origin)) {
   init_driver();
   register_uri_secret(uri_text);
   redacted_uri_ = redact_uri(uri_text);
@@ -81,9 +83,16 @@ Client::Client(const std::string& uri_text, std::chrono::milliseconds timeout) {
       throw Error(fmt::format("the password in MongoDB URI '{}' holds an unescaped '@': percent-encode it as %40",
                               redacted_uri_));
   }
+  // The recipe's timeout unless the URI says otherwise (the URI wins, key by key).
   const auto ms = static_cast<int32_t>(timeout.count());
+  const bool uri_sets = mongoc_uri_has_option(uri.get(), MONGOC_URI_SERVERSELECTIONTIMEOUTMS);
   for (const char* key : {MONGOC_URI_SERVERSELECTIONTIMEOUTMS, MONGOC_URI_CONNECTTIMEOUTMS})
     if (!mongoc_uri_has_option(uri.get(), key)) mongoc_uri_set_option_as_int32(uri.get(), key, ms);
+  const int32_t selection = mongoc_uri_get_option_as_int32(uri.get(), MONGOC_URI_SERVERSELECTIONTIMEOUTMS, ms);
+  waited_ = uri_sets
+                ? fmt::format("{:g} s (serverSelectionTimeoutMS in the URI)", selection / 1000.0)
+                : fmt::format("{:g} s{}", ms / 1000.0, origin_.timeout.empty() ? "" : " (" + origin_.timeout + ")");
+  has_user_ = mongoc_uri_get_username(uri.get()) != nullptr;
   if (const mongoc_host_list_t* hosts = mongoc_uri_get_hosts(uri.get())) first_host_ = hosts->host_and_port;
   client_.reset(mongoc_client_new_from_uri_with_error(uri.get(), &error));
   if (!client_)
@@ -94,6 +103,42 @@ Client::Client(const std::string& uri_text, std::chrono::milliseconds timeout) {
 
 Client::~Client() = default;
 
+Failure classify(uint32_t domain, uint32_t code) {
+  if (domain == MONGOC_ERROR_CLIENT && code == MONGOC_ERROR_CLIENT_AUTHENTICATE) return Failure::Credentials;
+  if (domain == MONGOC_ERROR_STREAM || domain == MONGOC_ERROR_SERVER_SELECTION) return Failure::Unreachable;
+  if (domain == MONGOC_ERROR_SERVER) {
+    // Unauthorized, AuthenticationFailed; then shutting down / stepping down / not primary.
+    if (code == 13 || code == 18) return Failure::Credentials;
+    if (code == 91 || code == 11600 || code == 11602 || code == 189 || code == 6) return Failure::Unreachable;
+  }
+  return Failure::Other;
+}
+
+void Client::fail(const bson_error_t& e, const std::string& what) const {
+  const std::string msg = scrub(e.message);
+  switch (classify(e.domain, e.code)) {
+    case Failure::Credentials:
+      if (!has_user_)
+        throw Error(fmt::format("MongoDB at {} requires authentication: put the user, password and authSource in {} "
+                                "(server: {})", redacted_uri_, origin_.uri, msg));
+      if (e.domain == MONGOC_ERROR_SERVER && e.code == 13) break;  // logged in, lacks a role: the server says which
+      throw Error(fmt::format("MongoDB at {} refused the credentials: check the user, password and authSource in {} "
+                              "(server: {})", redacted_uri_, origin_.uri, msg));
+    case Failure::Unreachable:
+      if (e.domain == MONGOC_ERROR_SERVER_SELECTION)
+        throw ConnectionError(fmt::format("cannot reach MongoDB at {} within {}: {}: start the server or fix {}",
+                                          redacted_uri_, waited_, msg, origin_.uri));
+      throw ConnectionError(fmt::format("{}: {}", what, msg));
+    case Failure::Other: break;
+  }
+  throw ServerError(fmt::format("{}: {}", what, msg), e.domain == MONGOC_ERROR_SERVER ? static_cast<int32_t>(e.code) : 0, msg);
+}
+
+void Client::bad_id(const std::string& db, const std::string& coll) const {
+  throw Error(fmt::format("a document of {}.{} at {} has an _id that is not valid UTF-8: fix or delete it, or leave it "
+                          "out with data.filter", db, coll, redacted_uri_));
+}
+
 ServerInfo Client::server_info() {
   ServerInfo info;
   info.address = first_host_;
@@ -102,9 +147,7 @@ ServerInfo Client::server_info() {
     BSON_APPEND_INT32(&cmd.b, command, 1);
     bson_error_t error;
     if (!mongoc_client_command_simple(client_.get(), "admin", &cmd.b, nullptr, &reply.b, &error))
-      throw Error(fmt::format("cannot reach MongoDB at {}: {}: start the server or fix the URI "
-                              "(--uri, data.uri or LORARUN_MONGODB_URI)",
-                              redacted_uri_, scrub(error.message)));
+      fail(error, fmt::format("cannot reach MongoDB at {}", redacted_uri_));
     if (std::string_view(command) == "buildInfo") {
       info.version = string_field(&reply.b, "version");
       info.ferretdb_version = string_field(&reply.b, "ferretdbVersion");
@@ -143,18 +186,60 @@ std::string to_json_text(const bson_t* b, bool canonical) {
   return out;
 }
 
-// A failed query as one line; connection failures (and a server shutting down) as
-// ConnectionError, so that a reader can retry them.
-[[noreturn]] void query_failed(const bson_error_t& e, const std::string& what) {
-  const std::string msg = fmt::format("{}: {}", what, scrub(e.message));
-  const bool shutdown = e.domain == MONGOC_ERROR_SERVER &&
-                        (e.code == 91 || e.code == 11600 || e.code == 11602 || e.code == 189 || e.code == 6);
-  if (e.domain == MONGOC_ERROR_STREAM || e.domain == MONGOC_ERROR_SERVER_SELECTION || shutdown)
-    throw ConnectionError(msg);
-  throw Error(msg);
+// Shows a key with its bytes that are not UTF-8 as \\xNN (an error message stays valid UTF-8).
+std::string shown_key(std::string_view key) {
+  if (valid_utf8(key)) return std::string(key);
+  std::string out;
+  for (const char c : key)
+    out += static_cast<unsigned char>(c) < 0x80 ? std::string(1, c) : fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+  return out;
+}
+
+// The dotted path of the first key or string under `it` that is not valid UTF-8 ("" if none).
+std::string first_invalid_utf8(bson_iter_t* it, const std::string& prefix) {
+  while (bson_iter_next(it)) {
+    const std::string_view key = bson_iter_key(it);
+    const std::string path = prefix + shown_key(key);
+    if (!valid_utf8(key)) return path;
+    if (BSON_ITER_HOLDS_UTF8(it)) {
+      uint32_t n = 0;
+      const char* s = bson_iter_utf8(it, &n);
+      if (!valid_utf8(std::string_view(s, n))) return path;
+    } else if (BSON_ITER_HOLDS_DOCUMENT(it) || BSON_ITER_HOLDS_ARRAY(it)) {
+      bson_iter_t child;
+      if (bson_iter_recurse(it, &child))
+        if (std::string p = first_invalid_utf8(&child, path + "."); !p.empty()) return p;
+    }
+  }
+  return {};
+}
+
+// The canonical {"_id": …} of a document ("" when it has none or it has no JSON form).
+std::string canonical_id(const bson_t* doc) {
+  bson_iter_t it;
+  if (!bson_iter_init_find(&it, doc, "_id")) return {};
+  Bson key;
+  bson_append_iter(&key.b, "_id", -1, &it);
+  return to_json_text(&key.b, true);
+}
+
+Found decode(const bson_t* doc) {
+  Found f;
+  f.id = canonical_id(doc);
+  f.doc = nlohmann::json(nlohmann::json::value_t::discarded);
+  bson_iter_t it;
+  if (bson_iter_init(&it, doc)) f.invalid_utf8 = first_invalid_utf8(&it, "");
+  if (f.invalid_utf8.empty()) f.doc = nlohmann::json::parse(to_json_text(doc, false), nullptr, false);
+  return f;
 }
 
 }  // namespace
+
+Found decode_document(const uint8_t* bson, size_t size) {
+  bson_t doc;
+  if (!bson_init_static(&doc, bson, size)) return {};
+  return decode(&doc);
+}
 
 std::string relaxed_id(const std::string& canonical_id) {
   const BsonPtr b = to_bson(nlohmann::json::parse(canonical_id), "an _id");
@@ -167,7 +252,7 @@ std::vector<std::string> Client::collections(const std::string& db) {
   bson_error_t error;
   char** names = mongoc_database_get_collection_names_with_opts(d, nullptr, &error);
   mongoc_database_destroy(d);
-  if (!names) throw Error(fmt::format("listing collections of '{}' at {} failed: {}", db, redacted_uri_, scrub(error.message)));
+  if (!names) fail(error, fmt::format("listing collections of '{}' at {} failed", db, redacted_uri_));
   std::vector<std::string> out;
   for (char** n = names; *n; ++n) out.emplace_back(*n);
   bson_strfreev(names);
@@ -184,15 +269,18 @@ std::vector<std::string> Client::sorted_ids(const std::string& db, const std::st
   std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
   std::vector<std::string> ids;
   const bson_t* doc = nullptr;
-  while (mongoc_cursor_next(cur.get(), &doc)) ids.push_back(to_json_text(doc, true));
+  while (mongoc_cursor_next(cur.get(), &doc)) {
+    ids.push_back(to_json_text(doc, true));
+    if (ids.back().empty()) bad_id(db, coll);
+  }
   bson_error_t error;
   if (mongoc_cursor_error(cur.get(), &error))
-    throw Error(fmt::format("querying {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+    fail(error, fmt::format("querying {}.{} at {} failed", db, coll, redacted_uri_));
   return ids;
 }
 
-std::vector<nlohmann::json> Client::find_by_ids(const std::string& db, const std::string& coll,
-                                                const std::vector<std::string>& ids, const std::vector<std::string>& fields) {
+std::vector<Found> Client::find_by_ids(const std::string& db, const std::string& coll,
+                                       const std::vector<std::string>& ids, const std::vector<std::string>& fields) {
   std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
   nlohmann::json in = nlohmann::json::array();
   std::map<std::string, size_t> where;
@@ -207,21 +295,16 @@ std::vector<nlohmann::json> Client::find_by_ids(const std::string& db, const std
   }
   const BsonPtr bopts = to_bson(opts, "query options");
   std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
-  std::vector<nlohmann::json> out(ids.size());
+  std::vector<Found> out(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) out[i].id = ids[i];
   const bson_t* doc = nullptr;
   while (mongoc_cursor_next(cur.get(), &doc)) {
-    bson_iter_t it;
-    if (!bson_iter_init_find(&it, doc, "_id")) continue;
-    bson_t key = BSON_INITIALIZER;
-    bson_append_iter(&key, "_id", -1, &it);
-    const std::string id = to_json_text(&key, true);
-    bson_destroy(&key);
-    if (auto w = where.find(id); w != where.end())
-      out[w->second] = nlohmann::json::parse(to_json_text(doc, false), nullptr, false);
+    Found f = decode(doc);
+    if (auto w = where.find(f.id); w != where.end()) out[w->second] = std::move(f);
   }
   bson_error_t error;
   if (mongoc_cursor_error(cur.get(), &error))
-    query_failed(error, fmt::format("reading {}.{} at {} failed", db, coll, redacted_uri_));
+    fail(error, fmt::format("reading {}.{} at {} failed", db, coll, redacted_uri_));
   return out;  // a document deleted since listing stays null; the caller treats it as bad
 }
 
@@ -232,7 +315,7 @@ int64_t Client::count(const std::string& db, const std::string& coll, const nloh
   const BsonPtr opts = to_bson(limit ? nlohmann::json{{"limit", *limit}} : nlohmann::json::object(), "count options");
   bson_error_t error;
   const int64_t n = mongoc_collection_count_documents(c.get(), query.get(), opts.get(), nullptr, nullptr, &error);
-  if (n < 0) query_failed(error, fmt::format("counting {}.{} at {} failed", db, coll, redacted_uri_));
+  if (n < 0) fail(error, fmt::format("counting {}.{} at {} failed", db, coll, redacted_uri_));
   return n;
 }
 
@@ -256,13 +339,12 @@ std::vector<Found> Client::find_sorted(const std::string& db, const std::string&
   while (mongoc_cursor_next(cur.get(), &doc)) {
     bson_iter_t it;
     if (!bson_iter_init_find(&it, doc, "_id")) continue;
-    Bson key;
-    bson_append_iter(&key.b, "_id", -1, &it);
-    out.push_back({to_json_text(&key.b, true), nlohmann::json::parse(to_json_text(doc, false), nullptr, false)});
+    out.push_back(decode(doc));
+    if (out.back().id.empty()) bad_id(db, coll);
   }
   bson_error_t error;
   if (mongoc_cursor_error(cur.get(), &error))
-    query_failed(error, fmt::format("reading {}.{} at {} failed", db, coll, redacted_uri_));
+    fail(error, fmt::format("reading {}.{} at {} failed", db, coll, redacted_uri_));
   return out;
 }
 
@@ -271,7 +353,7 @@ void Client::drop(const std::string& db, const std::string& coll) {
   bson_error_t error;
   if (!mongoc_collection_drop(c.get(), &error) && error.code != 26 /* NamespaceNotFound */ &&
       std::string_view(error.message).find("ns not found") == std::string_view::npos)
-    throw Error(fmt::format("dropping {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+    fail(error, fmt::format("dropping {}.{} at {} failed", db, coll, redacted_uri_));
 }
 
 int64_t Client::insert_many(const std::string& db, const std::string& coll, const std::vector<nlohmann::json>& docs) {
@@ -287,7 +369,7 @@ int64_t Client::insert_many(const std::string& db, const std::string& coll, cons
     }
     bson_error_t error;
     if (!mongoc_collection_insert_many(c.get(), batch.data(), batch.size(), nullptr, nullptr, &error))
-      throw Error(fmt::format("inserting into {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+      fail(error, fmt::format("inserting into {}.{} at {} failed", db, coll, redacted_uri_));
     inserted += static_cast<int64_t>(batch.size());
   }
   return inserted;
@@ -314,7 +396,7 @@ std::string Client::insert_one(const std::string& db, const std::string& coll, n
   const BsonPtr b = to_bson(doc, "a document");
   bson_error_t error;
   if (!mongoc_collection_insert_one(c.get(), b.get(), nullptr, nullptr, &error))
-    throw Error(fmt::format("inserting into {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+    fail(error, fmt::format("inserting into {}.{} at {} failed", db, coll, redacted_uri_));
   return id;
 }
 
@@ -326,7 +408,7 @@ bool Client::update_one(const std::string& db, const std::string& coll, const nl
   Bson reply;
   bson_error_t error;
   const bool ok = mongoc_collection_update_one(c.get(), query.get(), change.get(), nullptr, &reply.b, &error);
-  if (!ok) throw Error(fmt::format("updating {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+  if (!ok) fail(error, fmt::format("updating {}.{} at {} failed", db, coll, redacted_uri_));
   bson_iter_t it;
   return bson_iter_init_find(&it, &reply.b, "matchedCount") && bson_iter_as_int64(&it) > 0;
 }
@@ -344,7 +426,7 @@ std::vector<nlohmann::json> Client::find(const std::string& db, const std::strin
   while (mongoc_cursor_next(cur.get(), &doc)) out.push_back(nlohmann::json::parse(to_json_text(doc, false)));
   bson_error_t error;
   if (mongoc_cursor_error(cur.get(), &error))
-    throw Error(fmt::format("querying {}.{} at {} failed: {}", db, coll, redacted_uri_, scrub(error.message)));
+    fail(error, fmt::format("querying {}.{} at {} failed", db, coll, redacted_uri_));
   return out;
 }
 

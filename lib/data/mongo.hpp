@@ -10,6 +10,7 @@
 #include "util/error.hpp"
 
 struct _mongoc_client_t;
+struct _bson_error_t;
 
 namespace lorarun::data {
 
@@ -24,11 +25,41 @@ struct ConnectionError : Error {
   using Error::Error;
 };
 
+// The server answered a request with an error (a filter it rejects, a missing permission, …).
+struct ServerError : Error {
+  ServerError(const std::string& message, int32_t code, std::string reason)
+      : Error(message), code(code), reason(std::move(reason)) {}
+  int32_t code;        // the server's error code (2: BadValue, 13: Unauthorized, …; 0: not the server's)
+  std::string reason;  // the server's own words, secrets scrubbed
+};
+
+// What a failed request means for the caller.
+enum class Failure {
+  Unreachable,  // no answer: refused, timed out, dropped, shutting down (ConnectionError; retry later)
+  Credentials,  // the server refused the user/password, or wants some (retrying cannot help)
+  Other,        // the server answered with an error: a bad filter, a missing permission, …
+};
+
+// The class of a mongo-c-driver error, from bson_error_t's domain and code (error API 2).
+Failure classify(uint32_t domain, uint32_t code);
+
 // A document with its _id as canonical extended JSON {"_id": …} (doc: relaxed extended JSON,
-// discarded when the server's BSON has no JSON form, e.g. invalid UTF-8).
+// discarded when the server's BSON has no JSON form). A string or key that is not valid UTF-8
+// discards doc and names its field in invalid_utf8 (dotted: "messages.1.content").
 struct Found {
   std::string id;
   nlohmann::json doc;
+  std::string invalid_utf8 = {};
+};
+
+// A document as the server sends it (`size` bytes of BSON) as a Found, checked for UTF-8 by
+// valid_utf8() (the check JSONL lines get), whatever libbson would make of a bad string.
+Found decode_document(const uint8_t* bson, size_t size);
+
+// Where a Client's URI and timeout came from, named in its errors' fixes.
+struct Origin {
+  std::string uri = "the URI (data.uri, --uri or LORARUN_MONGODB_URI)";
+  std::string timeout = "";  // the key that set it ("data.timeout_s"), if one did
 };
 
 // The _id value of a canonical {"_id": …} as relaxed extended JSON (7, {"$oid": "65f…"}).
@@ -37,9 +68,12 @@ std::string relaxed_id(const std::string& canonical_id);
 class Client {
  public:
   // Parses `uri` (its password is registered for scrubbing). `timeout` bounds server selection
-  // and connecting unless the URI sets serverSelectionTimeoutMS / connectTimeoutMS itself.
-  // Throws lorarun::Error for a malformed URI. Does not contact the server yet.
-  Client(const std::string& uri, std::chrono::milliseconds timeout);
+  // and connecting unless the URI sets serverSelectionTimeoutMS / connectTimeoutMS itself (the
+  // URI wins). Throws lorarun::Error for a malformed URI. Does not contact the server yet.
+  // Every request that fails throws: ConnectionError ("cannot reach MongoDB at …" when no server
+  // answered), Error "MongoDB at … refused the credentials …" for authentication, ServerError
+  // otherwise.
+  Client(const std::string& uri, std::chrono::milliseconds timeout, Origin origin = {});
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
@@ -55,10 +89,10 @@ class Client {
   std::vector<std::string> sorted_ids(const std::string& db, const std::string& coll, const nlohmann::json& filter,
                                       std::optional<int64_t> limit = {});
 
-  // The documents with these ids (as sorted_ids gives them), in the same order, as relaxed
-  // extended JSON. `fields` (if not empty) limits what the server sends.
-  std::vector<nlohmann::json> find_by_ids(const std::string& db, const std::string& coll,
-                                          const std::vector<std::string>& ids, const std::vector<std::string>& fields);
+  // The documents with these ids (as sorted_ids gives them), in the same order (doc null where
+  // one is gone). `fields` (if not empty) limits what the server sends.
+  std::vector<Found> find_by_ids(const std::string& db, const std::string& coll, const std::vector<std::string>& ids,
+                                 const std::vector<std::string>& fields);
 
   // How many documents match `filter` (at most `limit`).
   int64_t count(const std::string& db, const std::string& coll, const nlohmann::json& filter,
@@ -80,8 +114,16 @@ class Client {
   const std::string& redacted_uri() const { return redacted_uri_; }
 
  private:
+  // Throws the error for a failed request (see the constructor); `what` starts the message.
+  [[noreturn]] void fail(const _bson_error_t& e, const std::string& what) const;
+  // A document whose _id has no JSON form (a string that is not UTF-8) cannot be addressed.
+  [[noreturn]] void bad_id(const std::string& db, const std::string& coll) const;
+
   std::string redacted_uri_;
   std::string first_host_;
+  Origin origin_;
+  std::string waited_;     // "20 s (data.timeout_s)" or "… (serverSelectionTimeoutMS in the URI)"
+  bool has_user_ = false;  // the URI names a user
   struct ClientDeleter {
     void operator()(_mongoc_client_t* c) const;
   };

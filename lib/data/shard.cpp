@@ -51,7 +51,7 @@ std::vector<int64_t> shard_positions(int64_t n, int world, int rank, uint64_t se
   std::vector<int64_t> mine;
   mine.reserve(static_cast<size_t>(per_rank));
   for (int64_t k = 0; k < per_rank; ++k)
-    mine.push_back(all[static_cast<size_t>(order == Order::Shuffled ? rank + k * world : rank * per_rank + k)]);
+    mine.push_back(all[static_cast<size_t>(rank + k * world)]);
   return mine;
 }
 

@@ -13,7 +13,44 @@ namespace lorarun::data {
 
 // ---------------------------------------------------------------------------------- Documents
 
-Documents::Documents(const recipe::DataSection& d, std::chrono::milliseconds timeout) : d_(d) {
+namespace {
+
+// The selection's query refused by the server: the message names data.filter (a permission the
+// user lacks passes through as the server put it).
+template <class F>
+auto selecting(const recipe::DataSection& d, const Client& c, F request) {
+  try {
+    return request();
+  } catch (const ServerError& e) {
+    if (e.code == 13) throw;
+    std::string_view reason = e.reason;
+    while (!reason.empty() && (reason.back() == '.' || reason.back() == ' ')) reason.remove_suffix(1);
+    throw Error(fmt::format("data.filter {} was rejected by MongoDB at {}: {}: fix data.filter", d.filter.dump(),
+                            c.redacted_uri(), reason));
+  }
+}
+
+void check_collection(const recipe::DataSection& d, Client& c) {
+  const auto names = c.collections(d.database);
+  if (std::find(names.begin(), names.end(), d.collection) == names.end())
+    throw Error(fmt::format("collection '{}' does not exist in database '{}' at {}: check data.database and "
+                            "data.collection", d.collection, d.database, c.redacted_uri()));
+}
+
+void check_not_empty(const recipe::DataSection& d, const Client& c, int64_t n) {
+  if (n == 0)
+    throw Error(fmt::format("data.filter {} selects no document of {}.{} at {}: fix data.filter", d.filter.dump(),
+                            d.database, d.collection, c.redacted_uri()));
+}
+
+std::unique_ptr<Client> connect(const recipe::DataSection& d) {
+  if (d.uri.empty()) throw Error("data.uri is empty: set it in the recipe or export LORARUN_MONGODB_URI");
+  return std::make_unique<Client>(d.uri, std::chrono::seconds(d.timeout_s), Origin{"data.uri", "data.timeout_s"});
+}
+
+}  // namespace
+
+Documents::Documents(const recipe::DataSection& d) : d_(d) {
   if (d.source == recipe::Source::Jsonl) {
     std::ifstream in(d.path);
     if (!in) throw Error(fmt::format("data.path {} cannot be read", d.path));
@@ -24,21 +61,34 @@ Documents::Documents(const recipe::DataSection& d, std::chrono::milliseconds tim
     size_ = static_cast<int64_t>(lines_.size());
     return;
   }
-  if (d.uri.empty()) throw Error("data.uri is empty: set it in the recipe or export LORARUN_MONGODB_URI");
-  client_ = std::make_unique<Client>(d.uri, timeout);
-  const auto names = client_->collections(d.database);
-  if (std::find(names.begin(), names.end(), d.collection) == names.end())
-    throw Error(fmt::format("collection '{}' does not exist in database '{}' at {}: check data.database and "
-                            "data.collection", d.collection, d.database, client_->redacted_uri()));
-  if (d.shuffle == recipe::Shuffle::Stream) {
-    size_ = client_->count(d.database, d.collection, d.filter, d.limit);  // never the whole id list
+  client_ = connect(d);
+  check_collection(d, *client_);
+  if (d.shuffle == recipe::Shuffle::Stream) {  // never the whole id list
+    size_ = selecting(d, *client_, [&] { return client_->count(d.database, d.collection, d.filter, d.limit); });
   } else {
-    list_ids();
+    selecting(d, *client_, [&] { list_ids(); });
     size_ = static_cast<int64_t>(ids_.size());
   }
-  if (size_ == 0)
-    throw Error(fmt::format("data.filter {} selects no document of {}.{} at {}: fix data.filter", d.filter.dump(),
-                            d.database, d.collection, client_->redacted_uri()));
+  check_not_empty(d, *client_, size_);
+}
+
+Selection check_selection(const recipe::DataSection& d) {
+  Selection s;
+  if (d.uri.empty()) {
+    s.warning = "could not check data.filter: data.uri is empty (set it in the recipe or export LORARUN_MONGODB_URI)";
+    return s;
+  }
+  try {
+    const std::unique_ptr<Client> c = connect(d);
+    s.count = selecting(d, *c, [&] { return c->count(d.database, d.collection, d.filter, d.limit); });
+    selecting(d, *c, [&] { c->find_sorted(d.database, d.collection, d.filter, "", 0, 1, ExampleBuilder::fields_of(d)); });
+    if (s.count == 0)
+      s.warning = fmt::format("data.filter {} selects no document of {}.{} at {} (or the collection does not exist yet): "
+                              "training would stop there", d.filter.dump(), d.database, d.collection, c->redacted_uri());
+  } catch (const ConnectionError& e) {
+    s.warning = fmt::format("could not check data.filter: {}", e.what());
+  }
+  return s;
 }
 
 Documents::~Documents() = default;
@@ -70,17 +120,18 @@ std::vector<Found> Documents::fetch_found(const std::vector<int64_t>& positions,
                                           const std::vector<std::string>& fields) const {
   std::vector<Found> out;
   if (!client_) {
-    for (int64_t p : positions)
-      out.push_back({fmt::format("#{}", p), nlohmann::json::parse(lines_[static_cast<size_t>(p)], nullptr, false)});
+    for (int64_t p : positions) {
+      Found& f = out.emplace_back();
+      f.id = fmt::format("#{}", p);
+      f.doc = nlohmann::json::parse(lines_[static_cast<size_t>(p)], nullptr, false);
+    }
     return out;
   }
   std::lock_guard lock(mu_);
   list_ids();
   std::vector<std::string> ids;
   for (int64_t p : positions) ids.push_back(ids_[static_cast<size_t>(p)]);
-  std::vector<nlohmann::json> docs = client_->find_by_ids(d_.database, d_.collection, ids, fields);
-  for (size_t i = 0; i < ids.size(); ++i) out.push_back({ids[i], std::move(docs[i])});
-  return out;
+  return client_->find_by_ids(d_.database, d_.collection, ids, fields);
 }
 
 std::vector<Found> Documents::run(int64_t pos, const std::string& after, int64_t n,
@@ -115,12 +166,14 @@ uint64_t mix(uint64_t a, uint64_t b) {
 
 // Runs a server request; a ConnectionError is retried after backoff, backoff*2, … (capped),
 // up to `retries` times. Each attempt repeats the same request, so no document is skipped or
-// read twice. Past the budget: one Error naming the server, the attempts and the fix.
+// read twice. Past the budget, or when a stop is requested during a backoff: DataUnavailable,
+// one line naming the server, the attempts and the fix.
 struct Retry {
+  using Waited = ShardReader::Waited;
   std::string server;
   int retries;
   double backoff;
-  std::function<bool(double)> pause;  // false: stop now
+  std::function<Waited(double)> pause;
 
   std::vector<Found> operator()(const std::function<std::vector<Found>()>& request) const {
     double wait = backoff, waited = 0;
@@ -129,10 +182,16 @@ struct Retry {
         return request();
       } catch (const ConnectionError& e) {
         if (attempt > retries)
-          throw Error(fmt::format("lost {}: {} attempt(s) over {:.1f} s failed (last: {}); restart the server or "
-                                  "fix the network, or raise data.retries ({}) / data.retry_backoff_s ({})",
-                                  server, attempt, waited, e.what(), retries, backoff));
-        if (!pause(wait)) throw Stopping{};
+          throw DataUnavailable(fmt::format("lost {}: {} attempt(s) over {:.1f} s failed (last: {}); restart the server "
+                                            "or fix the network, or raise data.retries ({}) / data.retry_backoff_s ({})",
+                                            server, attempt, waited, e.what(), retries, backoff));
+        switch (pause(wait)) {
+          case Waited::Done: break;
+          case Waited::Destroyed: throw Stopping{};
+          case Waited::StopRequested:
+            throw DataUnavailable(fmt::format("lost {}: stopped while waiting to retry, after {} failed attempt(s) "
+                                              "(last: {})", server, attempt, e.what()));
+        }
         waited += wait;
         wait = std::min(wait * 2, kMaxBackoff);
       }
@@ -283,10 +342,19 @@ std::string shown_id(const std::string& id) { return id.empty() || id[0] == '#' 
 
 }  // namespace
 
+Built build_found(const ExampleBuilder& builder, const Found& f) {
+  Built b = !f.invalid_utf8.empty() ? Rejection{Rejection::BadDocument, invalid_utf8_reason(f.invalid_utf8)}
+            : f.doc.is_discarded()  ? Rejection{Rejection::BadDocument, "not valid JSON or not valid UTF-8"}
+            : f.doc.is_null()       ? Rejection{Rejection::BadDocument, "no longer in the collection"}
+                                    : builder.build(f.doc);
+  if (auto* r = std::get_if<Rejection>(&b)) r->document = shown_id(f.id);
+  return b;
+}
+
 // ---------------------------------------------------------------------------------- ShardReader
 
 ShardReader::ShardReader(const Documents& docs, const ExampleBuilder& builder, const ShardSpec& s, int64_t start)
-    : builder_(builder), depth_(static_cast<size_t>(std::max(0, docs.config().prefetch))) {
+    : builder_(builder), stop_requested_(s.stop), depth_(static_cast<size_t>(std::max(0, docs.config().prefetch))) {
   if (s.world < 1 || s.rank < 0 || s.rank >= s.world)
     throw Error(fmt::format("rank {} of world size {} is not a valid shard", s.rank, s.world));
   const recipe::DataSection& d = docs.config();
@@ -339,13 +407,7 @@ std::vector<Built> ShardReader::produce() {
   std::vector<Found> docs = plan_->next_chunk();
   std::vector<Built> out;
   out.reserve(docs.size());
-  for (const Found& f : docs) {
-    Built b = f.doc.is_discarded() ? Rejection{Rejection::BadDocument, "not valid JSON or not valid UTF-8"}
-              : f.doc.is_null()    ? Rejection{Rejection::BadDocument, "no longer in the collection"}
-                                   : builder_.build(f.doc);
-    if (auto* r = std::get_if<Rejection>(&b)) r->document = shown_id(f.id);
-    out.push_back(std::move(b));
-  }
+  for (const Found& f : docs) out.push_back(build_found(builder_, f));
   return out;
 }
 
@@ -380,9 +442,20 @@ void ShardReader::run() {
   }
 }
 
-bool ShardReader::pause(double seconds) {
+// Waits in slices of at most 50 ms, so that a stop request set by a signal handler (which
+// cannot notify cv_) is seen within 50 ms.
+ShardReader::Waited ShardReader::pause(double seconds) {
+  constexpr auto kSlice = std::chrono::milliseconds(50);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                            std::chrono::duration<double>(seconds));
   std::unique_lock lock(mu_);
-  return !cv_.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return stop_; });
+  for (;;) {
+    if (stop_) return Waited::Destroyed;
+    if (stop_requested_ && stop_requested_->load()) return Waited::StopRequested;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= until) return Waited::Done;
+    cv_.wait_for(lock, std::min<std::chrono::steady_clock::duration>(until - now, kSlice));
+  }
 }
 
 }  // namespace lorarun::data

@@ -1,6 +1,7 @@
 // Where training documents come from (MongoDB or JSONL) and how one rank reads its shard of
 // them for one epoch, built into examples ahead of the trainer.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -20,22 +21,28 @@
 
 namespace lorarun::data {
 
-// The data source gave up (retries spent, or stopped while waiting to retry): the run can go on
-// later from where it stands, unlike a bad-input Error.
+class Client;
+struct Found;
+
+// The data went away while training read it and did not come back: the reader's retries
+// (data.retries, data.retry_backoff_s) ran out, or ShardSpec::stop was set while it waited to
+// retry. Bad input (a bad filter, a missing collection, data.bad_documents: fail) stays a plain
+// Error. Reaches the training thread through ShardReader::next() / MicroBatches::next(), after
+// every chunk read before the failure.
 struct DataUnavailable : Error {
   using Error::Error;
 };
 
-class Client;
-struct Found;
-
 // The selected documents, addressable by position 0..size()-1 in _id order (MongoDB) or file
-// order (JSONL). Construction checks that the selection exists and is not empty. With
-// data.shuffle: stream a MongoDB selection is only counted, never listed: memory does not grow
-// with the collection (fetch() by position lists the ids on first use). Thread-safe.
+// order (JSONL). Construction checks that the selection exists and is not empty, connecting
+// within data.timeout_s (unless data.uri sets serverSelectionTimeoutMS / connectTimeoutMS: the
+// URI wins); an unreachable server is a ConnectionError "cannot reach MongoDB at …", a filter
+// the server rejects an Error naming data.filter. With data.shuffle: stream a MongoDB selection
+// is only counted, never listed: memory does not grow with the collection (fetch() by position
+// lists the ids on first use). Thread-safe.
 class Documents {
  public:
-  Documents(const recipe::DataSection& d, std::chrono::milliseconds timeout);
+  explicit Documents(const recipe::DataSection& d);
   ~Documents();
   int64_t size() const { return size_; }
   const recipe::DataSection& config() const { return d_; }
@@ -43,9 +50,10 @@ class Documents {
   std::string describe() const;
   // "mongodb://host:port/" (password redacted) or the JSONL path: who to blame in errors.
   std::string server() const;
-  // The documents at these positions, in order (null where one vanished or is not JSON).
+  // The documents at these positions, in order (null where one vanished, discarded where one is
+  // not JSON or not UTF-8).
   std::vector<nlohmann::json> fetch(const std::vector<int64_t>& positions) const;
-  // The same with ids, fetching only `fields` (all when empty).
+  // The same with ids (and the field that is not UTF-8), fetching only `fields` (all when empty).
   std::vector<Found> fetch_found(const std::vector<int64_t>& positions, const std::vector<std::string>& fields) const;
   // Up to `n` documents from sorted position `pos` on, where `after` is the id of the one
   // before `pos` (empty: seek to `pos`, a server-side skip). Stream mode's cursor step.
@@ -62,12 +70,27 @@ class Documents {
   std::vector<std::string> lines_;            // jsonl: one document per position
 };
 
-// Which shard of which epoch a reader delivers.
+// What lora-train --dry-run learns of a MongoDB selection: the server runs it as training
+// would (a count of data.filter with data.limit, and one document with the fields' projection),
+// within data.timeout_s, without listing it. A filter the server rejects throws Error naming
+// data.filter; refused credentials throw too. When the check cannot be made (no data.uri, no
+// server answering) or selects nothing, `warning` says so and count is 0.
+struct Selection {
+  int64_t count = 0;
+  std::string warning;
+};
+Selection check_selection(const recipe::DataSection& d);
+
+// Which shard of which epoch a reader delivers, and when to stop waiting for it.
 struct ShardSpec {
   int world = 1, rank = 0;
   uint64_t seed = 42;
   int64_t epoch = 0;
   recipe::Shuffle shuffle = recipe::Shuffle::Global;
+  // Set (by a signal handler, another thread): a reader waiting to retry a lost server gives
+  // up at once with DataUnavailable ("… stopped while waiting to retry …"); checked every
+  // 50 ms of a backoff. Requests themselves are not interrupted. nullptr: never.
+  const std::atomic<bool>* stop = nullptr;
 };
 
 // Examples per rank per epoch: ceil(documents / world) on every rank, in every shuffle mode.
@@ -78,12 +101,19 @@ int64_t examples_per_rank(int64_t documents, int world);
 
 using Built = std::variant<Example, Rejection>;
 
+// What training makes of a fetched document: the builder's example, or a rejection naming the
+// document (its _id, or "#position" in a JSONL file) and why: a field that is not valid UTF-8,
+// not JSON, gone from the collection, or the builder's own reasons.
+Built build_found(const ExampleBuilder& builder, const Found& f);
+
 // One rank's documents for one epoch, from position `start` of its order on, in chunks fetched
 // through its own cursor and built into examples by a background thread, data.prefetch chunks
 // ahead (0: in next() itself). A dropped connection is retried data.retries times with
-// exponential backoff, re-reading the same documents; past that next() throws the Error.
+// exponential backoff, re-reading the same documents; past that (or when spec.stop is set
+// during a backoff) next() throws DataUnavailable; other errors pass through as they are.
 //   global: the sorted _id list permuted by (seed, epoch); rank r takes r, r+W, r+2W, …
-//   none:   sorted by _id, contiguous slices.
+//   none:   sorted by _id; rank r takes r, r+W, r+2W, … (as DistributedSampler(shuffle=False)),
+//           so W ranks' step k holds what 1 rank with W times the batch reads in its step k.
 //   stream: rank r reads the _id-sorted positions [r*per_rank, (r+1)*per_rank) (wrapping to the
 //           start for the padding), split into at most 64 runs read in a (seed, epoch) order,
 //           each window of data.shuffle_buffer documents permuted. No id list is held.
@@ -104,15 +134,17 @@ class ShardReader {
   const std::vector<std::string>& first_rejected() const { return first_rejected_; }
 
   struct Plan;  // the order and how to read it (source.cpp)
+  enum class Waited { Done, Destroyed, StopRequested };  // how a backoff ended
 
  private:
   std::vector<Built> produce();  // the next chunk, built; empty at the end
   std::vector<Built> take();     // the next chunk from the queue (or produce())
   void run();                    // the prefetch thread
-  bool pause(double seconds);    // false when stopping
+  Waited pause(double seconds);  // a backoff, cut short by the destructor or spec.stop
   void count(const Built& b);
 
   const ExampleBuilder& builder_;
+  const std::atomic<bool>* stop_requested_;
   std::unique_ptr<Plan> plan_;
   int64_t size_ = 0, delivered_ = 0;
   double wait_s_ = 0;

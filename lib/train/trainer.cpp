@@ -269,7 +269,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
     start_from_adapter();
   m_.checkpoint_activations = r.train.activation_checkpointing;
   builder_ = std::make_unique<data::ExampleBuilder>(r.data, tokenizer_);
-  docs_ = std::make_unique<data::Documents>(r.data, std::chrono::seconds(r.dist.timeout_s));
+  docs_ = std::make_unique<data::Documents>(r.data);  // connects within data.timeout_s
   params_ = model::lora_parameters(m_);
   sync_ = std::make_unique<dist::GradBuckets>(pg_, params_, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4));
   opt_ = std::make_unique<torch::optim::AdamW>(
@@ -350,7 +350,8 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
     throw Error(fmt::format("rank {} plans {} steps in epoch {} but the ranks disagree: every rank must see the same "
                             "documents and recipe", env_.rank, steps_per_epoch_ - first, epoch));
   data::MicroBatches batches(*docs_, *builder_,
-                             {env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch, r_.data.shuffle},
+                             {env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch, r_.data.shuffle,
+                              &g_stop_requested},
                              {r_.data.batch_size, r_.train.gradient_accumulation_steps,
                               r_.data.group_by_length ? r_.data.group_window : 1, static_cast<uint64_t>(r_.train.seed), epoch},
                              first);
@@ -502,7 +503,7 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
 // track.mongodb: the run document in <track.database>.runs (continued when resuming).
 void Trainer::start_record(Progress& p, bool resumed) {
   if (!r_.track.mongodb || r_.data.uri.empty() || r_.track.database.empty()) return;
-  record_ = std::make_unique<track::RunRecorder>(r_.data.uri, r_.track.database, std::chrono::seconds(30));
+  record_ = std::make_unique<track::RunRecorder>(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
   const nlohmann::json run_info = {{"torch_version", TORCH_VERSION}, {"world_size", env_.world_size},
                                    {"device", cuda_ ? "cuda" : "cpu"}, {"data", docs_->describe()},
                                    {"documents", docs_->size()}, {"steps_per_epoch", steps_per_epoch_},

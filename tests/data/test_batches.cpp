@@ -85,7 +85,7 @@ int64_t padding(const std::vector<MicroBatch>& mbs, const std::map<int64_t, int6
 
 TEST_CASE("micro-batches: reading order without grouping, and with it the same documents with less padding") {
   const recipe::DataSection d = documents(400);
-  const data::Documents docs(d, std::chrono::seconds(10));
+  const data::Documents docs(d);
   const data::ExampleBuilder builder(d, tokenizer());
   // Every example's length, by document number.
   std::map<int64_t, int64_t> length;
@@ -125,7 +125,7 @@ TEST_CASE("micro-batches: reading order without grouping, and with it the same d
 
 TEST_CASE("micro-batches: a resume at any step continues exactly as the uninterrupted epoch") {
   const recipe::DataSection d = documents(300);
-  const data::Documents docs(d, std::chrono::seconds(10));
+  const data::Documents docs(d);
   for (const int64_t window : {1, 4}) {
     const data::BatchPlan plan{3, 2, window, 11, 2};
     const auto whole = read(docs, plan, 0, 50);

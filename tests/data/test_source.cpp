@@ -1,8 +1,11 @@
 // The shard reader against a real FerretDB (LORARUN_TEST_MONGODB_URI, as scripts/test exports
 // it) and JSONL files: complete, disjoint, equal shards in every mode; order from (seed, epoch)
-// only; exact resume; prefetch; projection; bad documents; a server restart and a dead server.
+// only; exact resume; prefetch; projection; bad documents; a server restart and a dead server;
+// stop requests; unreachable servers and refused credentials.
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -10,10 +13,13 @@
 #include <fmt/format.h>
 #include <fstream>
 #include <map>
+#include <mongoc/mongoc.h>
 #include <set>
+#include <sys/socket.h>
 #include <thread>
 #include <unistd.h>
 
+#include "data/batches.hpp"
 #include "data/mongo.hpp"
 #include "data/source.hpp"
 #include "tokenizer/tokenizer.hpp"
@@ -53,7 +59,7 @@ recipe::DataSection config(const std::string& uri, const std::string& db, Shuffl
   d.format = recipe::Format::Instruction;
   d.prompt_template = "{instruction}\n";
   d.response_field = "output";
-  d.shuffle_buffer = 8, d.prefetch = 2, d.retries = 5, d.retry_backoff_s = 0.05;
+  d.shuffle_buffer = 8, d.prefetch = 2, d.retries = 5, d.retry_backoff_s = 0.05, d.timeout_s = 10;
   return d;
 }
 
@@ -103,10 +109,11 @@ std::vector<int64_t> read_shard(const data::Documents& docs, const data::ShardSp
   }
 
 // A FerretDB of the test's own, to stop and restart (scripts/ferretdb; same port on restart).
+// `env`: FERRETDB_* settings for it (FerretDB reads its flags from the environment too).
 struct OwnServer {
   fs::path state = fs::temp_directory_path() / fmt::format("lorarun-ferretdb-{}-{}", getpid(), unique_db());
-  std::string uri, port;
-  OwnServer() {
+  std::string uri, port, env;
+  explicit OwnServer(std::string environment = "") : env(std::move(environment)) {
     uri = run("start " + state.string());
     port = uri.substr(uri.rfind(':') + 1);
     port.pop_back();  // the trailing '/'
@@ -117,8 +124,8 @@ struct OwnServer {
   }
   void stop() { run("stop " + state.string()); }
   bool start() { return run(fmt::format("start {} {}", state.string(), port)) == uri; }
-  static std::string run(const std::string& args) {
-    const std::string cmd = fmt::format("{}/scripts/ferretdb {} 2>&1 | tail -n 1", LORARUN_SOURCE_DIR, args);
+  std::string run(const std::string& args) const {
+    const std::string cmd = fmt::format("{} {}/scripts/ferretdb {} 2>&1 | tail -n 1", env, LORARUN_SOURCE_DIR, args);
     FILE* p = popen(cmd.c_str(), "r");
     std::string out;
     char buf[256];
@@ -137,7 +144,7 @@ TEST_CASE("shards: 1, 2, 3 ranks in every mode are complete, disjoint and equal 
   for (const bool jsonl : {false, true})
     for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream, Shuffle::None}) {
       const recipe::DataSection d = with_documents(test_uri(), n, mode, jsonl);
-      const data::Documents docs(d, std::chrono::seconds(10));
+      const data::Documents docs(d);
       for (int world = 1; world <= 3; ++world) {
         INFO(fmt::format("{} {} world {}", jsonl ? "jsonl" : "mongodb", recipe::name(mode), world));
         const int64_t per = data::examples_per_rank(n, world);
@@ -165,7 +172,7 @@ TEST_CASE("stream: many runs and windows, resumable, memory bounded by the windo
   const int64_t n = 301;
   recipe::DataSection d = with_documents(test_uri(), n, Shuffle::Stream);
   d.shuffle_buffer = 2;  // 151 per rank → 51 runs of 3 (64 at most), windows of 2 across runs
-  const data::Documents docs(d, std::chrono::seconds(10));
+  const data::Documents docs(d);
   std::set<int64_t> all;
   for (int rank = 0; rank < 2; ++rank) {
     const auto ids = read_shard(docs, {2, rank, 7, 1, Shuffle::Stream});
@@ -182,11 +189,11 @@ TEST_CASE("order depends on (seed, epoch) only and none is sorted") {
   for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream, Shuffle::None}) {
     INFO(recipe::name(mode));
     recipe::DataSection d = with_documents(test_uri(), 60, mode);
-    const data::Documents docs(d, std::chrono::seconds(10));
+    const data::Documents docs(d);
     const auto base = read_shard(docs, {2, 1, 1, 0, mode});
     recipe::DataSection sync = d;
     sync.prefetch = 0;
-    const data::Documents other(sync, std::chrono::seconds(10));  // another process, no prefetch
+    const data::Documents other(sync);  // another process, no prefetch
     CHECK(read_shard(other, {2, 1, 1, 0, mode}) == base);
     if (mode == Shuffle::None) {
       CHECK(std::is_sorted(base.begin(), base.end()));
@@ -203,7 +210,7 @@ TEST_CASE("resume at k delivers exactly the tail of the uninterrupted order") {
   NEED_SERVER();
   for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream, Shuffle::None}) {
     const recipe::DataSection d = with_documents(test_uri(), 45, mode);
-    const data::Documents docs(d, std::chrono::seconds(10));
+    const data::Documents docs(d);
     const auto full = read_shard(docs, {3, 2, 5, 3, mode});
     REQUIRE(full.size() == 15);
     for (int64_t k : {0, 1, 7, 8, 9, 14, 15}) {
@@ -223,7 +230,7 @@ TEST_CASE("the reader fetches only the fields the format needs") {
   d.prompt_template = "{instruction}{input}\n";
   const data::ExampleBuilder builder(d, tokenizer());
   CHECK(builder.fields() == std::vector<std::string>{"instruction", "input", "output"});
-  const data::Documents docs(d, std::chrono::seconds(10));
+  const data::Documents docs(d);
   const std::set<std::string> want{"_id", "instruction", "input", "output"};
   for (const auto& f : docs.fetch_found({0, 2}, builder.fields())) {
     std::set<std::string> keys;
@@ -259,7 +266,7 @@ TEST_CASE("bad documents are counted by kind, with the first ids and reasons") {
     } else {
       data::Client(test_uri(), std::chrono::seconds(10)).insert_many(d.database, "docs", docs);
     }
-    const data::Documents source(d, std::chrono::seconds(10));
+    const data::Documents source(d);
     const data::ExampleBuilder builder(d, tokenizer());
     data::ShardReader r(source, builder, {1, 0, 42, 0, Shuffle::None});
     const auto got = read_all(r, 2);
@@ -280,11 +287,11 @@ TEST_CASE("an empty selection and an unknown collection are errors before traini
   for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream}) {
     recipe::DataSection d = with_documents(test_uri(), 3, mode);
     d.filter = {{"n", 1000}};
-    CHECK_THROWS_WITH(data::Documents(d, std::chrono::seconds(10)),
+    CHECK_THROWS_WITH(data::Documents(d),
                       Catch::Contains("selects no document") && Catch::Contains("fix data.filter"));
     d.filter = nlohmann::json::object();
     d.collection = "nope";
-    CHECK_THROWS_WITH(data::Documents(d, std::chrono::seconds(10)),
+    CHECK_THROWS_WITH(data::Documents(d),
                       Catch::Contains("collection 'nope' does not exist"));
   }
 }
@@ -294,8 +301,8 @@ TEST_CASE("an empty selection and an unknown collection are errors before traini
 void restart_mid_epoch(Shuffle mode, int prefetch) {
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 1500, mode);
-  d.prefetch = prefetch, d.shuffle_buffer = 100, d.retries = 8, d.retry_backoff_s = 0.25;
-  const data::Documents docs(d, std::chrono::seconds(5));
+  d.prefetch = prefetch, d.shuffle_buffer = 100, d.retries = 8, d.retry_backoff_s = 0.25, d.timeout_s = 5;
+  const data::Documents docs(d);
   const auto full = read_shard(docs, {1, 0, 3, 0, mode});
   const data::ExampleBuilder builder(d, tokenizer());
   data::ShardReader r(docs, builder, {1, 0, 3, 0, mode});
@@ -325,17 +332,17 @@ TEST_CASE("FerretDB restarted mid-epoch (stream, synchronous): no duplicate, no 
   restart_mid_epoch(Shuffle::Stream, 0);
 }
 
-TEST_CASE("FerretDB gone past the retry budget: one Error naming the server, no hang") {
+TEST_CASE("FerretDB gone past the retry budget: one DataUnavailable naming the server, no hang") {
   NEED_SERVER();
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
-  d.retries = 2, d.retry_backoff_s = 0.2, d.prefetch = 1;
-  const data::Documents docs(d, std::chrono::seconds(2));
+  d.retries = 2, d.retry_backoff_s = 0.2, d.prefetch = 1, d.timeout_s = 2;
+  const data::Documents docs(d);
   const data::ExampleBuilder builder(d, tokenizer());
   {  // destroyed in the middle of a backoff: returns at once
     recipe::DataSection patient = d;
     patient.retries = 10, patient.retry_backoff_s = 5;
-    const data::Documents slow(patient, std::chrono::seconds(2));
+    const data::Documents slow(patient);
     server.stop();
     auto r = std::make_unique<data::ShardReader>(slow, builder, data::ShardSpec{});
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -351,11 +358,248 @@ TEST_CASE("FerretDB gone past the retry budget: one Error naming the server, no 
   std::string message;
   try {
     read_all(r);
-  } catch (const Error& e) {
+  } catch (const data::DataUnavailable& e) {  // not a plain Error: the trainer tells them apart
     message = e.what();
   }
   CHECK(std::chrono::duration<double>(Clock::now() - t0).count() < 20.0);
   CHECK_THAT(message, Catch::StartsWith("lost MongoDB at " + server.uri + ": 3 attempt(s) over 0.6 s failed") &&
                           Catch::Contains("raise data.retries (2) / data.retry_backoff_s (0.2)"));
   CHECK(message.find('\n') == std::string::npos);
+}
+
+// Reads micro-batches until one throws DataUnavailable; returns its message ("" if none did).
+std::string until_unavailable(data::MicroBatches& batches) {
+  try {
+    while (!batches.next().empty()) {
+    }
+  } catch (const data::DataUnavailable& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST_CASE("FerretDB gone: DataUnavailable reaches MicroBatches::next() from the prefetch thread and without it") {
+  NEED_SERVER();
+  OwnServer server;
+  recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
+  d.retries = 1, d.retry_backoff_s = 0.1, d.timeout_s = 2;
+  const data::ExampleBuilder builder(d, tokenizer());
+  for (const int prefetch : {2, 0}) {
+    INFO("prefetch " << prefetch);
+    recipe::DataSection dp = d;
+    dp.prefetch = prefetch;
+    const data::Documents docs(dp);
+    data::MicroBatches batches(docs, builder, {1, 0, 42, 0, Shuffle::Global}, {8, 1, 1, 42, 0}, 0);
+    CHECK(batches.next().size() == 8);
+    server.stop();
+    CHECK_THAT(until_unavailable(batches), Catch::StartsWith("lost MongoDB at " + server.uri + ": 2 attempt(s)"));
+    REQUIRE(server.start());
+  }
+}
+
+TEST_CASE("a stop request while waiting to retry: DataUnavailable within 0.5 s, through MicroBatches::next()") {
+  NEED_SERVER();
+  OwnServer server;
+  recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
+  d.retries = 10, d.retry_backoff_s = 20, d.timeout_s = 2;  // minutes of patience without the stop
+  const data::ExampleBuilder builder(d, tokenizer());
+  for (const int prefetch : {1, 0}) {
+    INFO("prefetch " << prefetch);
+    recipe::DataSection dp = d;
+    dp.prefetch = prefetch;
+    const data::Documents docs(dp);
+    std::atomic<bool> stop{false};
+    data::MicroBatches batches(docs, builder, {1, 0, 42, 0, Shuffle::Global, &stop}, {8, 1, 1, 42, 0}, 0);
+    CHECK(batches.next().size() == 8);
+    server.stop();
+    Clock::time_point set_at;
+    std::thread stopper([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // well inside the first 20 s backoff
+      set_at = Clock::now();
+      stop = true;  // as a signal handler would: no notification
+    });
+    const std::string message = until_unavailable(batches);
+    const auto caught = Clock::now();
+    stopper.join();
+    INFO(message);
+    CHECK(caught > set_at);
+    CHECK(std::chrono::duration<double>(caught - set_at).count() < 0.5);
+    CHECK_THAT(message, Catch::StartsWith("lost MongoDB at " + server.uri + ": stopped while waiting to retry"));
+    CHECK(message.find('\n') == std::string::npos);
+    REQUIRE(server.start());
+  }
+}
+
+// A port on 127.0.0.1 that nothing listens on, or (silent) one whose connections are accepted by
+// the kernel and never answered — what a firewalled or wrong host looks like, without leaving
+// the loopback interface.
+struct Port {
+  int fd = -1, port = 0;
+  explicit Port(bool silent) {
+    fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t n = sizeof a;
+    REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n) == 0);
+    port = ntohs(a.sin_port);
+    if (silent) REQUIRE(listen(fd, 16) == 0);
+    else close(fd), fd = -1;
+  }
+  ~Port() {
+    if (fd >= 0) close(fd);
+  }
+};
+
+TEST_CASE("an unreachable server fails within data.timeout_s with one redacted line") {
+  for (const bool silent : {false, true}) {
+    const Port port(silent);
+    recipe::DataSection d = config(fmt::format("mongodb://alice:s3cr3t-pw@127.0.0.1:{}/", port.port), "db", Shuffle::Global);
+    d.timeout_s = 2;
+    INFO((silent ? "silent port " : "closed port ") << port.port);
+    const auto t0 = Clock::now();
+    std::string message;
+    try {
+      data::Documents docs(d);
+    } catch (const data::ConnectionError& e) {
+      message = e.what();
+    }
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    INFO(message);
+    CHECK(s < 2 + 1.5);
+    if (silent) CHECK(s > 1.5);  // it did wait for the server, as long as it was told
+    CHECK_THAT(message, Catch::StartsWith(fmt::format("cannot reach MongoDB at mongodb://alice:****@127.0.0.1:{}/ "
+                                                      "within 2 s (data.timeout_s): ", port.port)) &&
+                            Catch::EndsWith("start the server or fix data.uri"));
+    CHECK_THAT(message, !Catch::Contains("s3cr3t"));
+    CHECK(message.find('\n') == std::string::npos);
+    // The URI's own serverSelectionTimeoutMS / connectTimeoutMS win over data.timeout_s.
+    d.uri = fmt::format("mongodb://127.0.0.1:{}/?serverSelectionTimeoutMS=700&connectTimeoutMS=700", port.port);
+    d.timeout_s = 30;
+    const auto t1 = Clock::now();
+    CHECK_THROWS_WITH(data::Documents(d), Catch::Contains("within 0.7 s (serverSelectionTimeoutMS in the URI)"));
+    CHECK(std::chrono::duration<double>(Clock::now() - t1).count() < 5);
+  }
+}
+
+TEST_CASE("a filter the server rejects names data.filter, in training and in check_selection (--dry-run)") {
+  NEED_SERVER();
+  recipe::DataSection d = with_documents(test_uri(), 5, Shuffle::Global);
+  CHECK(data::check_selection(d).count == 5);
+  CHECK(data::check_selection(d).warning.empty());
+  d.filter = {{"n", {{"$gte", 3}}}};
+  CHECK(data::check_selection(d).count == 2);
+  d.limit = 1;
+  CHECK(data::check_selection(d).count == 1);
+  d.limit.reset();
+  d.filter = {{"$foo", 1}};
+  for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream}) {
+    d.shuffle = mode;
+    CHECK_THROWS_WITH(data::Documents(d), Catch::StartsWith("data.filter {\"$foo\":1} was rejected by MongoDB at " +
+                                                            test_uri() + ": unknown top level operator: $foo") &&
+                                              Catch::EndsWith("fix data.filter"));
+  }
+  CHECK_THROWS_WITH(data::check_selection(d), Catch::StartsWith("data.filter {\"$foo\":1} was rejected by MongoDB at"));
+  d.filter = {{"n", 1000}};
+  CHECK_THAT(data::check_selection(d).warning, Catch::Contains("selects no document"));
+  d.uri = "mongodb://127.0.0.1:1/", d.timeout_s = 1;  // nothing listens there: a warning, not an error
+  const data::Selection unreachable = data::check_selection(d);
+  CHECK(unreachable.count == 0);
+  CHECK_THAT(unreachable.warning, Catch::StartsWith("could not check data.filter: cannot reach MongoDB at "
+                                                    "mongodb://127.0.0.1:1/ within 1 s (data.timeout_s)"));
+  d.uri.clear();
+  CHECK_THAT(data::check_selection(d).warning, Catch::Contains("data.uri is empty"));
+}
+
+TEST_CASE("refused credentials are told apart from an unreachable server (FerretDB with authentication)") {
+  NEED_SERVER();
+  OwnServer server("FERRETDB_TEST_ENABLE_NEW_AUTH=true FERRETDB_SETUP_USERNAME=alice FERRETDB_SETUP_PASSWORD=s3cr3t-pw "
+                   "FERRETDB_SETUP_DATABASE=admin");
+  REQUIRE(server.uri.rfind("mongodb://127.0.0.1:", 0) == 0);
+  const std::string host = server.uri.substr(10);  // 127.0.0.1:PORT/
+  recipe::DataSection d = config(fmt::format("mongodb://alice:s3cr3t-pw@{}?authSource=admin", host), "db", Shuffle::Global);
+  data::Client(d.uri, std::chrono::seconds(5)).insert_many(d.database, "docs", {doc(1), doc(2)});
+  CHECK(data::Documents(d).size() == 2);  // the right password
+  for (const std::string bad : {"alice:wrong-pw@", "bob:s3cr3t-pw@"}) {
+    d.uri = fmt::format("mongodb://{}{}?authSource=admin", bad, host);
+    const auto t0 = Clock::now();
+    std::string message;
+    try {
+      data::Documents docs(d);
+    } catch (const data::ConnectionError& e) {
+      FAIL("refused credentials reported as unreachable: " << e.what());
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    INFO(message);
+    CHECK(std::chrono::duration<double>(Clock::now() - t0).count() < 5);  // not retried, not waited for
+    CHECK_THAT(message, Catch::StartsWith(fmt::format("MongoDB at mongodb://{}:****@{}", bad.substr(0, bad.find(':')),
+                                                      host)) &&
+                            Catch::Contains("refused the credentials: check the user, password and authSource in "
+                                            "data.uri"));
+    CHECK_THAT(message, !Catch::Contains("s3cr3t") && !Catch::Contains("wrong-pw"));
+  }
+  d.uri = server.uri;  // none at all
+  CHECK_THROWS_WITH(data::Documents(d), Catch::StartsWith("MongoDB at " + server.uri + " requires authentication: put "
+                                                          "the user, password and authSource in data.uri"));
+  // The driver's own error codes, as the messages above were classified.
+  CHECK(data::classify(MONGOC_ERROR_CLIENT, MONGOC_ERROR_CLIENT_AUTHENTICATE) == data::Failure::Credentials);
+  CHECK(data::classify(MONGOC_ERROR_SERVER, 18) == data::Failure::Credentials);
+  CHECK(data::classify(MONGOC_ERROR_SERVER_SELECTION, MONGOC_ERROR_SERVER_SELECTION_FAILURE) == data::Failure::Unreachable);
+  CHECK(data::classify(MONGOC_ERROR_SERVER, 2) == data::Failure::Other);
+}
+
+// {_id: 7, <field>: <bytes>, output: "ok"} as BSON, the way the server sends it.
+std::vector<uint8_t> wire_document(const std::string& field, const std::string& bytes) {
+  bson_t* b = bson_new();
+  BSON_APPEND_INT32(b, "_id", 7);
+  bson_append_utf8(b, field.c_str(), -1, bytes.data(), static_cast<int>(bytes.size()));  // libbson does not validate
+  BSON_APPEND_UTF8(b, "output", "ok");
+  std::vector<uint8_t> out(bson_get_data(b), bson_get_data(b) + b->len);
+  bson_destroy(b);
+  return out;
+}
+
+TEST_CASE("a MongoDB string that is not UTF-8 is a bad document naming its _id and field, as in JSONL") {
+  recipe::DataSection d = config("", "db", Shuffle::Global);
+  const data::ExampleBuilder builder(d, tokenizer());
+  // Bytes no JSON text can hold; libbson turns some into other characters, drops others.
+  for (const std::string bad : {"bad \xff\xfe", "cont \xc3\x28", "surrogate \xed\xa0\x80", "overlong \xc1\xbf",
+                                "cut \xe2\x82"}) {
+    INFO(bad);
+    const std::vector<uint8_t> wire = wire_document("instruction", bad);
+    const data::Found f = data::decode_document(wire.data(), wire.size());
+    CHECK(data::relaxed_id(f.id) == "7");
+    CHECK(f.invalid_utf8 == "instruction");
+    const data::Built b = data::build_found(builder, f);
+    const auto* r = std::get_if<data::Rejection>(&b);
+    REQUIRE(r);
+    CHECK(r->kind == data::Rejection::BadDocument);  // counted; data.bad_documents: fail stops on it
+    CHECK(r->document == "7");
+    CHECK(r->reason == "field 'instruction' is not valid UTF-8");  // the words JSONL documents get
+  }
+  // Good UTF-8 (U+FFFD included: FerretDB stores bad bytes as it) is trained as it is.
+  const std::string good = "h\xc3\xa9llo \xef\xbf\xbd \xf0\x9f\x98\x80";
+  const std::vector<uint8_t> wire = wire_document("instruction", good);
+  const data::Found f = data::decode_document(wire.data(), wire.size());
+  CHECK(f.invalid_utf8.empty());
+  CHECK(f.doc["instruction"] == good);
+  CHECK(std::holds_alternative<data::Example>(data::build_found(builder, f)));
+  // Nested strings and keys are named by their dotted path; a bad key's bytes are escaped.
+  bson_t* chat = bson_new();
+  BSON_APPEND_INT32(chat, "_id", 8);
+  bson_t list, m0, m1;
+  BSON_APPEND_ARRAY_BEGIN(chat, "messages", &list);
+  BSON_APPEND_DOCUMENT_BEGIN(&list, "0", &m0);
+  BSON_APPEND_UTF8(&m0, "content", "fine");
+  bson_append_document_end(&list, &m0);
+  BSON_APPEND_DOCUMENT_BEGIN(&list, "1", &m1);
+  bson_append_utf8(&m1, "content", -1, "\xc3\x28", 2);
+  bson_append_document_end(&list, &m1);
+  bson_append_array_end(chat, &list);
+  CHECK(data::decode_document(bson_get_data(chat), chat->len).invalid_utf8 == "messages.1.content");
+  bson_destroy(chat);
+  const std::vector<uint8_t> key = wire_document("in\xffstruction", "fine");
+  CHECK(data::decode_document(key.data(), key.size()).invalid_utf8 == "in\\xffstruction");
 }

@@ -8,7 +8,9 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <arpa/inet.h>
 #include <sstream>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "support/process.hpp"
@@ -185,4 +187,83 @@ TEST_CASE("lora-data errors are one line and exit 1", "[lora-data]") {
   check_one_line_error(fmt::format("{} stats {} data.max_lenght=5", bin("lora-data"), recipe), "max_length");
   check_one_line_error(fmt::format("env -u LORARUN_MONGODB_URI {} import {} --db d --collection c", bin("lora-data"), recipe),
                        "give --uri or set LORARUN_MONGODB_URI");
+}
+
+namespace {
+
+// A port on 127.0.0.1 whose connections the kernel accepts and nobody ever answers: a wrong or
+// firewalled host, without leaving the loopback interface.
+struct SilentPort {
+  int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
+  SilentPort() {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t n = sizeof a;
+    REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n) == 0);
+    REQUIRE(listen(fd, 64) == 0);
+    port = ntohs(a.sin_port);
+  }
+  ~SilentPort() { close(fd); }
+};
+
+}  // namespace
+
+TEST_CASE("an unreachable data.uri stops lora-train and lora-data within data.timeout_s, not dist.timeout_s",
+          "[lora-data]") {
+  const std::string dir = temp_dir("unreachable");
+  const SilentPort silent;
+  const std::string uri = fmt::format("mongodb://alice:s3cr3t-pw@127.0.0.1:{}/", silent.port);
+  const std::string recipe = write_recipe(dir, fmt::format("mongodb:{}:train:docs", uri));
+  // `timeout 120`: before data.timeout_s, lora-train waited dist.timeout_s (600 s) here.
+  for (const std::string& cmd :
+       {fmt::format("timeout 120 {} {} data.timeout_s=2 dist.timeout_s=600 model.device=cpu track.mongodb=false "
+                    "checkpoint.output_dir={}/out", bin("lora-train"), recipe, dir),
+        fmt::format("timeout 120 {} stats {} data.timeout_s=2", bin("lora-data"), recipe)}) {
+    const Result r = sh(cmd);
+    INFO(cmd << "\n" << r.output);
+    CHECK(r.status == 1);
+    CHECK(r.seconds < 2 + 8);  // the timeout, and loading the tiny model
+    CHECK_THAT(r.output, Catch::Contains(fmt::format("error: cannot reach MongoDB at mongodb://alice:****@127.0.0.1:{}/ "
+                                                     "within 2 s (data.timeout_s): ", silent.port)) &&
+                             Catch::Contains("start the server or fix data.uri\n"));
+    CHECK(r.output.find("error:") == r.output.rfind("error:"));  // one error line, no stack
+    CHECK_THAT(r.output, !Catch::Contains("s3cr3t"));
+  }
+}
+
+TEST_CASE("lora-train --dry-run runs data.filter on the server when it answers", "[lora-data]") {
+  const char* uri = std::getenv("LORARUN_TEST_MONGODB_URI");
+  if (!uri) FAIL("LORARUN_TEST_MONGODB_URI is not set: run the tests with scripts/test, which starts FerretDB");
+  const std::string dir = temp_dir("dry_run_filter"), coll = fmt::format("dry_run_{}", getpid());
+  std::ofstream(dir + "/docs.jsonl") << json{{"instruction", "a"}, {"output", "b"}}.dump() << "\n"
+                                     << json{{"instruction", "c"}, {"output", "d"}}.dump() << "\n";
+  REQUIRE(sh(fmt::format("{} import --uri '{}' --db lorarun_test_lora_data --collection {} {}/docs.jsonl --drop",
+                         bin("lora-data"), uri, coll, dir)).status == 0);
+  const std::string recipe = write_recipe(dir, fmt::format("mongodb:{}:lorarun_test_lora_data:{}", uri, coll));
+  const std::string dry = fmt::format("{} --dry-run {}", bin("lora-train"), recipe);
+
+  const Result ok = sh(dry);
+  INFO(ok.output);
+  CHECK(ok.status == 0);
+  CHECK_THAT(ok.output, Catch::Contains("# documents selected: 2\n"));
+
+  const Result bad = sh(dry + " 'data.filter={$foo: 1}'");
+  INFO(bad.output);
+  CHECK(bad.status == 1);
+  const size_t at = bad.output.find("lora-train: error: ");
+  REQUIRE(at != std::string::npos);
+  const std::string line = bad.output.substr(at, bad.output.find('\n', at) - at);  // one line says it all
+  CHECK_THAT(line, Catch::StartsWith("lora-train: error: data.filter {\"$foo\":1} was rejected by MongoDB at ") &&
+                       Catch::Contains("unknown top level operator: $foo") && Catch::EndsWith("fix data.filter"));
+  CHECK(bad.output.find("error:") == bad.output.rfind("error:"));
+
+  // No server: the recipe itself is fine, so a warning and exit 0.
+  const SilentPort silent;
+  const Result down = sh(fmt::format("{} 'data.filter={{$foo: 1}}' data.timeout_s=1 data.uri=mongodb://127.0.0.1:{}/",
+                                     dry, silent.port));
+  INFO(down.output);
+  CHECK(down.status == 0);
+  CHECK_THAT(down.output, Catch::Contains("warning: could not check data.filter: cannot reach MongoDB at"));
 }

@@ -10,8 +10,9 @@ usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
            (OURS_DIR/epoch_<EPOCHS-1>); exits 1 when they differ beyond the tolerances.
 
 Batches follow lora-train's rules: world W ranks, shuffle none, DistributedSampler padding (the
-order is padded to a multiple of W with its first documents), rank r reads the contiguous slice
-r; each optimizer step takes ACCUM micro-batches of BATCH from every rank. The loss is summed over
+order is padded to a multiple of W with its first documents), rank r reads documents r, r+W,
+r+2W, … (DistributedSampler with shuffle=False); each optimizer step takes ACCUM micro-batches of
+BATCH from every rank. The loss is summed over
 trained tokens and divided by the step's token count over all ranks and micro-batches.
 """
 import json
@@ -70,7 +71,7 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
     per_rank = math.ceil(n / world)
     order = list(range(n))
     order += order[: per_rank * world - n]
-    slices = [order[r * per_rank:(r + 1) * per_rank] for r in range(world)]
+    slices = [order[r::world] for r in range(world)]
     steps_per_epoch = math.ceil(per_rank / (batch * accum))
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -38,8 +38,37 @@ TEST_CASE("the order depends on seed and epoch only") {
   CHECK(a != shard_positions(500, 2, 1, 7, 1, Order::Shuffled));
   CHECK(a != shard_positions(500, 2, 1, 8, 0, Order::Shuffled));
   const auto sorted = shard_positions(10, 2, 1, 7, 5, Order::Sorted);
-  CHECK(sorted == std::vector<int64_t>{5, 6, 7, 8, 9});  // a contiguous slice
+  CHECK(sorted == std::vector<int64_t>{1, 3, 5, 7, 9});  // every other one, as DistributedSampler(shuffle=False)
+  CHECK(shard_positions(5, 2, 1, 7, 5, Order::Sorted) == std::vector<int64_t>{1, 3, 0});  // padded by wrapping
   auto p = permutation(1000, 1, 2);
   std::sort(p.begin(), p.end());
   for (int64_t i = 0; i < 1000; ++i) CHECK(p[static_cast<size_t>(i)] == i);
+}
+
+// Step k of W ranks with micro-batch b reads, all ranks together, what step k of 1 rank with
+// micro-batch W*b reads (the padding that equalises the ranks aside), so the global batch of a
+// step does not depend on how many ranks share it.
+TEST_CASE("step k of W ranks together holds step k of 1 rank with W times the batch") {
+  for (const Order order : {Order::Sorted, Order::Shuffled})
+    for (int world : {2, 3, 4})
+      for (int64_t batch : {1, 2, 4})
+        for (int64_t n : {24, 25, 37, 96}) {
+          INFO("order " << (order == Order::Sorted ? "sorted" : "shuffled") << " world " << world << " batch " << batch
+                        << " n " << n);
+          const auto one = shard_positions(n, 1, 0, 42, 2, order);
+          std::vector<std::vector<int64_t>> ranks;
+          for (int r = 0; r < world; ++r) ranks.push_back(shard_positions(n, world, r, 42, 2, order));
+          const int64_t per_rank = static_cast<int64_t>(ranks[0].size());
+          const int64_t steps = (per_rank + batch - 1) / batch;
+          const int64_t padding = per_rank * world - n;
+          for (int64_t k = 0; k < steps; ++k) {
+            std::multiset<int64_t> together, alone;
+            for (const auto& mine : ranks)
+              for (int64_t i = k * batch; i < std::min(per_rank, (k + 1) * batch); ++i) together.insert(mine[size_t(i)]);
+            for (int64_t i = k * batch * world; i < std::min(n, (k + 1) * batch * world); ++i) alone.insert(one[size_t(i)]);
+            if (k + 1 == steps)  // the last step also re-reads the padding: the order's first documents
+              for (int64_t i = 0; i < padding; ++i) alone.insert(one[size_t(i)]);
+            CHECK(together == alone);
+          }
+        }
 }
