@@ -180,8 +180,9 @@ class Trainer {
  private:
   void begin(Progress& p, bool resumed);
   std::optional<int> run_epoch(int epoch, int64_t first, const std::string& run_id);
-  StepResult step(data::MicroBatches& batches);
-  std::vector<data::Example> examples(data::MicroBatches& batches);
+  StepResult step(data::MicroBatches* batches);
+  std::vector<data::Example> examples(data::MicroBatches* batches);
+  void lose_data(const std::string& why);
   void log_step(const StepResult& s, int epoch, int64_t s_in_epoch);
   void save_checkpoint(int epoch);
   void save_state(const Progress& p);
@@ -343,22 +344,35 @@ void Trainer::begin(Progress& p, bool resumed) {
   start_record(p, resumed);
 }
 
+// This rank's data source gave up: its steps go on empty, and at the step's end all ranks learn
+// it and stop together (data_lost).
+void Trainer::lose_data(const std::string& why) {
+  data_error_ = why;
+  log_error(fmt::format("rank {}: {}", env_.rank, why));
+}
+
 // One epoch from step `first`: its steps, then its checkpoint and the state the next one starts
 // from. Returns the exit status when the run ends inside it (stopped, data lost).
 std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::string& run_id) {
   if (!ranks_agree(static_cast<double>(steps_per_epoch_ - first)))  // a mismatch would hang a collective
     throw Error(fmt::format("rank {} plans {} steps in epoch {} but the ranks disagree: every rank must see the same "
                             "documents and recipe", env_.rank, steps_per_epoch_ - first, epoch));
-  data::MicroBatches batches(*docs_, *builder_,
-                             {env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch, r_.data.shuffle,
-                              &g_stop_requested},
-                             {r_.data.batch_size, r_.train.gradient_accumulation_steps,
-                              r_.data.group_by_length ? r_.data.group_window : 1, static_cast<uint64_t>(r_.train.seed), epoch},
-                             first);
+  std::optional<data::MicroBatches> batches;
+  try {  // reads the first window: the data may already be gone
+    batches.emplace(*docs_, *builder_,
+                    data::ShardSpec{env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch,
+                                    r_.data.shuffle, &g_stop_requested},
+                    data::BatchPlan{r_.data.batch_size, r_.train.gradient_accumulation_steps,
+                                    r_.data.group_by_length ? r_.data.group_window : 1,
+                                    static_cast<uint64_t>(r_.train.seed), epoch},
+                    first);
+  } catch (const data::DataUnavailable& e) {
+    lose_data(e.what());
+  }
   double epoch_tokens = 0;
   bool stop = false;
   for (int64_t s = first; s < steps_per_epoch_; ++s) {
-    const StepResult res = step(batches);
+    const StepResult res = step(batches ? &*batches : nullptr);
     if (res.data_failed) return data_lost({epoch, s, step_, run_id});
     stop = res.stop, epoch_tokens += res.tokens;
     ++step_, ++steps_this_process_;
@@ -386,9 +400,10 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
 // the gradient is normalised by the global number of trained tokens of the step. The host reads
 // the device once, before the optimizer step: a non-finite loss or gradient norm, or a rank that
 // lost its data, leaves the adapter as it was, on every rank alike.
-StepResult Trainer::step(data::MicroBatches& batches) {
+StepResult Trainer::step(data::MicroBatches* batches) {
   const auto t0 = Clock::now();
-  const double wait0 = batches.reader().wait_seconds();
+  const auto waited = [&] { return batches ? batches->reader().wait_seconds() : 0.0; };
+  const double wait0 = waited();
   const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
   at::Tensor loss_sum = at::zeros({}, f64.dtype(at::kFloat));
   int64_t tokens = 0, real = 0, slots = 0;
@@ -406,7 +421,7 @@ StepResult Trainer::step(data::MicroBatches& batches) {
     tokens += b.tokens;
   }
   const double busy = std::chrono::duration<double>(Clock::now() - t0).count();
-  const double wait = busy > 0 ? (batches.reader().wait_seconds() - wait0) / busy : 0.0;
+  const double wait = busy > 0 ? (waited() - wait0) / busy : 0.0;
   sync_->finish();
   const at::Tensor host = at::tensor({0.0, double(tokens), g_stop_requested ? 1.0 : 0.0, wait, double(real),
                                       double(slots), double(rejected_here_), data_error_.empty() ? 0.0 : 1.0},
@@ -448,15 +463,14 @@ StepResult Trainer::step(data::MicroBatches& batches) {
 }
 
 // The next micro-batch's examples; rejected documents are counted (or fatal, per the recipe).
-std::vector<data::Example> Trainer::examples(data::MicroBatches& batches) {
+std::vector<data::Example> Trainer::examples(data::MicroBatches* batches) {
   std::vector<data::Example> out;
-  if (!data_error_.empty()) return out;
+  if (!data_error_.empty() || !batches) return out;
   std::vector<data::Built> next;
   try {
-    next = batches.next();
-  } catch (const data::DataUnavailable& e) {  // the step goes on empty; all ranks then stop together
-    data_error_ = e.what();
-    log_error(fmt::format("rank {}: {}", env_.rank, data_error_));
+    next = batches->next();
+  } catch (const data::DataUnavailable& e) {
+    lose_data(e.what());
     return out;
   }
   for (data::Built& built : next) {
