@@ -1,8 +1,9 @@
 """The Python side of scripts/gpu-check: fixtures, the transformers + PEFT (+ bitsandbytes) reference,
 and the arithmetic (MFU, tolerances) behind each row of its table.
 
-usage: bench.py COMMAND [options]      (scripts/gpu-check runs these; each prints one JSON object,
-                                        or one table row as JSON for the row-* commands)
+usage: bench.py COMMAND [options]      (scripts/gpu-check runs these; each reports one JSON object,
+                                        or table rows for the row-* commands, on a line marked as
+                                        tests/support/oracle.py marks it: the rest is for people)
 
   model     --kind K[,K…] --out DIR[,DIR…] [--layers N] [--device D] [--adapter]
             a random-weight llama in HF format (bf16 safetensors) with a byte-level tokenizer
@@ -36,7 +37,11 @@ import math
 import os
 import random
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "support"))
+import oracle  # noqa: E402  (first: before anything imports bitsandbytes)
 
 # Shapes: Llama-3.2-1B and Llama-3.1-8B (random weights), a small llama for the correctness
 # stages, and tiny ones for --cpu-smoke.
@@ -72,7 +77,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def emit(obj):
-    print(json.dumps(obj), flush=True)
+    oracle.report(**obj)
 
 
 def torch_device(name):
