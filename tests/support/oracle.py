@@ -7,6 +7,9 @@ results only through report(): one line, MARK followed by one JSON object, writt
 one piece. Everything else it prints is for people. The readers look for MARK anywhere in a line
 (a progress bar on stderr may still be open when it comes): reported() here, test::reported() in
 tests/support/oracle.hpp, and scripts/gpu-check.
+
+Importing this module first also applies LORARUN_TEST_FORCE_BNB_AVX512BF16=1 (bnb_cpu.py), before
+anything imports bitsandbytes.
 """
 import json
 import math
@@ -55,3 +58,8 @@ def reported(text):
                     fields[key] = value
     return dict(fields, warnings=warnings)
 
+
+if os.environ.get("LORARUN_TEST_FORCE_BNB_AVX512BF16") == "1":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bnb_cpu
+    bnb_cpu.force_avx512bf16_paths()
