@@ -357,6 +357,13 @@ def cmd_row_nf4(a):
     the logits by the order of NF4's whole effect."""
     import torch
     device = torch_device(a.device)
+    stage = "NF4 logits vs bitsandbytes" + (" + PEFT adapter" if a.adapter else "")
+    if device.type == "cpu":  # (--cpu-smoke) bitsandbytes' CPU path depends on the CPU: tests/support/bnb_cpu.py
+        import bnb_cpu
+        reason = bnb_cpu.linear4bit_cpu_path()
+        if reason:
+            emit({"rows": [{"stage": stage, "status": "SKIP", "ours": "", "ref": "", "ratio": "", "notes": reason}]})
+            return
     ours = load_dump(a.ours)
     mask = ours["attention_mask"]
     plain = logits_of(load_reference(a.model, device, "bf16", adapter=a.adapter), ours, device)
@@ -368,8 +375,7 @@ def cmd_row_nf4(a):
     tol = 2 * err_bnb + 0.05 * effect
     ok = bool(torch.isfinite(ours["logits"][mask.bool()]).all()) and err_ours <= tol and effect > 0
     import bitsandbytes
-    emit({"rows": [{"stage": "NF4 logits vs bitsandbytes" + (" + PEFT adapter" if a.adapter else ""),
-                    "status": "PASS" if ok else "FAIL", "ours": f"max|diff| {fmt_g(d)}",
+    emit({"rows": [{"stage": stage, "status": "PASS" if ok else "FAIL", "ours": f"max|diff| {fmt_g(d)}",
                     "ref": f"bf16 err {fmt_g(err_bnb)}", "ratio": "",
                     "notes": ("identical logits; " if d == 0 else "")
                     + f"vs NF4 in fp32: ours {fmt_g(err_ours)} {'<=' if ok else '>'} 2x bitsandbytes' + 0.05 x NF4 "
