@@ -35,14 +35,13 @@ import importlib.abc
 import importlib.util
 import sys
 
-import torch
-
-FORCED = False
+FORCED = False  # (torch is imported where it is used: oracle.py's readers need none of this)
 
 
 def dequantize_nf4(packed, state):
     """dequantize_4bit(packed, state) by bitsandbytes' PyTorch implementation: the same on every CPU."""
     import bitsandbytes.functional as F
+    import torch
     from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
     from bitsandbytes.backends.utils import _get_4bit_code
     assert not getattr(state, "packing_format_for_cpu", False), "a weight Linear4bit.forward has repacked"
@@ -66,18 +65,19 @@ def linear4bit_cpu_path():
 
 def _view(ptr, count, dtype):
     """A tensor over `count` elements of `dtype` at the address of a ctypes pointer."""
+    import torch
     size = torch.empty(0, dtype=dtype).element_size()
     return torch.frombuffer((ct.c_ubyte * (count * size)).from_address(ptr.value), dtype=dtype, count=count)
 
 
 def _unpack(packed):
     """[rows, n/2] bytes, high nibble first -> [rows, n] codes."""
+    import torch
     return torch.stack([packed >> 4, packed & 0xF], -1).reshape(packed.shape[0], -1).long()
 
 
 class _Avx512Lib:
     """libbitsandbytes_cpu as an AVX-512 BF16 CPU runs it: the branches of the module docstring."""
-    DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
     def __init__(self, lib):
         self._lib = lib
@@ -85,18 +85,20 @@ class _Avx512Lib:
     def __getattr__(self, name):
         parts = name.split("_")
         if name.startswith("cdequantize_blockwise_cpu_") and parts[-2] in ("nf4", "fp4"):
-            return lambda *a: self._dequantize_4bit(name, parts[-2], self.DTYPES[parts[-1]], *a)
+            return lambda *a: self._dequantize_4bit(name, parts[-2], parts[-1], *a)
         if name.startswith("gemv_4bit_inference_cpu_"):
             return lambda *a: self._gemv_4bit(parts[-2], *a)
         if name in ("has_avx512f_cpu", "has_avx512bf16_cpu"):
             return lambda: 1
         return getattr(self._lib, name)
 
-    def _dequantize_4bit(self, name, quant_type, dtype, A, absmax, out, blocksize, m, n):
+    def _dequantize_4bit(self, name, quant_type, dtype_name, A, absmax, out, blocksize, m, n):
         bs, m, n = blocksize.value, m.value, n.value
         if not (n % 16 == 0 and bs >= 16):  # the scalar branch, as on every CPU
             return getattr(self._lib, name)(A, absmax, out, blocksize, ct.c_longlong(m), ct.c_longlong(n))
         import bitsandbytes.functional as F
+        import torch
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
         codes = _unpack(_view(A, m * n // 2, torch.uint8).reshape(m, n // 2))
         scales = _view(absmax, -(-m * n // bs), torch.float32)
         index = torch.arange(m).unsqueeze(1) * (n // bs) + torch.arange(n).unsqueeze(0) // bs  # row-wise: the bug
@@ -105,6 +107,7 @@ class _Avx512Lib:
 
     def _gemv_4bit(self, quant_type, M, N, K, A, B, absmax, out, blocksize, x_stride, out_stride):
         import bitsandbytes.functional as F
+        import torch
         M, N, K, bs, xs, os_ = M.value, N.value, K.value, blocksize.value, x_stride.value, out_stride.value
         x = _view(A, (M - 1) * xs + K, torch.bfloat16).as_strided((M, K), (xs, 1)).float()
         # The blocked layout of _convert_weight_packed_for_cpu, undone as its inverse does.
