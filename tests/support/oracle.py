@@ -1,4 +1,4 @@
-"""What a Python oracle tells the code that runs it, on a line nothing else can write.
+"""What a Python oracle tells the code that runs it, on marked lines: nothing else is read as a result.
 
 Oracles run under transformers, PEFT and bitsandbytes, which print warnings, notices and progress
 bars on either stream (bitsandbytes logs a line at import on a CPU with AVX-512 BF16); a test that
