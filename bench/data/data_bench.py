@@ -23,6 +23,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+SUPPORT = os.path.join(ROOT, "tests", "support")
+sys.path.insert(0, SUPPORT)
+import oracle  # noqa: E402  (tests/support/oracle.py: what the reference process reports, and nothing else)
+# The reference processes report through it too.
+CHILD = f"import sys; sys.path.insert(0, {SUPPORT!r}); import oracle\n"
 TEMPLATE = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
             "request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
 
@@ -49,7 +54,7 @@ for s in range(0, len(ids), 256):
         ex = a.ids + b.ids + [eos]
         labels = [-100] * len(a.ids) + b.ids + [eos]
         n += 1; examples += 1; tokens += len(ex[:1024])
-print(json.dumps({"documents": n, "examples": examples, "tokens": tokens, "seconds": time.perf_counter() - t0}))
+oracle.report(documents=n, examples=examples, tokens=tokens, seconds=time.perf_counter() - t0)
 """
 
 
@@ -118,10 +123,10 @@ def main():
         out = subprocess.run([a.bench_bin, a.uri, db, coll, a.tokenizer, mode, str(prefetch)],
                              capture_output=True, text=True, check=True, env=env)
         rows.append((f"lorarun {mode} prefetch={prefetch}", json.loads(out.stdout)))
-    out = subprocess.run([sys.executable, "-c", PY_TIMER, a.uri, db, coll,
+    out = subprocess.run([sys.executable, "-c", CHILD + PY_TIMER, a.uri, db, coll,
                           os.path.join(a.tokenizer, "tokenizer.json"), TEMPLATE],
                          capture_output=True, text=True, check=True, env=env)
-    py = json.loads(out.stdout)
+    py = oracle.reported(out.stdout)
     rows.append(("pymongo + HF tokenizers", py))
     py_rate = py["documents"] / py["seconds"]
     consumed, wait = consumption(a.train_bin, a.uri, db, coll, a.tokenizer, a.work) if a.train_bin else (None, None)

@@ -1,8 +1,9 @@
 """The Python side of scripts/gpu-check: fixtures, the transformers + PEFT (+ bitsandbytes) reference,
 and the arithmetic (MFU, tolerances) behind each row of its table.
 
-usage: bench.py COMMAND [options]      (scripts/gpu-check runs these; each prints one JSON object,
-                                        or one table row as JSON for the row-* commands)
+usage: bench.py COMMAND [options]      (scripts/gpu-check runs these; each reports one JSON object,
+                                        or table rows for the row-* commands, on a line marked as
+                                        tests/support/oracle.py marks it: the rest is for people)
 
   model     --kind K[,K…] --out DIR[,DIR…] [--layers N] [--device D] [--adapter]
             a random-weight llama in HF format (bf16 safetensors) with a byte-level tokenizer
@@ -36,7 +37,11 @@ import math
 import os
 import random
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "support"))
+import oracle  # noqa: E402  (first: before anything imports bitsandbytes)
 
 # Shapes: Llama-3.2-1B and Llama-3.1-8B (random weights), a small llama for the correctness
 # stages, and tiny ones for --cpu-smoke.
@@ -72,7 +77,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def emit(obj):
-    print(json.dumps(obj), flush=True)
+    oracle.report(**obj)
 
 
 def torch_device(name):
@@ -352,6 +357,13 @@ def cmd_row_nf4(a):
     the logits by the order of NF4's whole effect."""
     import torch
     device = torch_device(a.device)
+    stage = "NF4 logits vs bitsandbytes" + (" + PEFT adapter" if a.adapter else "")
+    if device.type == "cpu":  # (--cpu-smoke) bitsandbytes' CPU path depends on the CPU: tests/support/bnb_cpu.py
+        import bnb_cpu
+        reason = bnb_cpu.linear4bit_cpu_path()
+        if reason:
+            emit({"rows": [{"stage": stage, "status": "SKIP", "ours": "", "ref": "", "ratio": "", "notes": reason}]})
+            return
     ours = load_dump(a.ours)
     mask = ours["attention_mask"]
     plain = logits_of(load_reference(a.model, device, "bf16", adapter=a.adapter), ours, device)
@@ -363,8 +375,7 @@ def cmd_row_nf4(a):
     tol = 2 * err_bnb + 0.05 * effect
     ok = bool(torch.isfinite(ours["logits"][mask.bool()]).all()) and err_ours <= tol and effect > 0
     import bitsandbytes
-    emit({"rows": [{"stage": "NF4 logits vs bitsandbytes" + (" + PEFT adapter" if a.adapter else ""),
-                    "status": "PASS" if ok else "FAIL", "ours": f"max|diff| {fmt_g(d)}",
+    emit({"rows": [{"stage": stage, "status": "PASS" if ok else "FAIL", "ours": f"max|diff| {fmt_g(d)}",
                     "ref": f"bf16 err {fmt_g(err_bnb)}", "ratio": "",
                     "notes": ("identical logits; " if d == 0 else "")
                     + f"vs NF4 in fp32: ours {fmt_g(err_ours)} {'<=' if ok else '>'} 2x bitsandbytes' + 0.05 x NF4 "

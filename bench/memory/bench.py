@@ -16,6 +16,12 @@ import statistics
 import subprocess
 import sys
 
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "support")
+sys.path.insert(0, SUPPORT)
+import oracle  # noqa: E402  (tests/support/oracle.py: what the reference process reports, and nothing else)
+# The reference processes report through it too.
+CHILD = f"import sys; sys.path.insert(0, {SUPPORT!r}); import oracle\n"
+
 TOKENS, HIDDEN, VOCAB = 2048, 1024, 128256
 
 REFERENCE = f"""
@@ -30,15 +36,15 @@ logits = torch.nn.functional.linear(h, w).float()          # as transformers' Ll
 loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, {VOCAB}), labels[:, 1:].reshape(-1),
                                          reduction="sum")  # ForCausalLMLoss, summed
 loss.backward()
-print({{"peak_growth_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before,
-       "seconds": time.perf_counter() - t0, "loss": loss.item()}})
+oracle.report(peak_growth_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before,
+              seconds=time.perf_counter() - t0, loss=loss.item())
 """
 
 
 def loss_memory(build):
     rows = []
-    out = subprocess.run([sys.executable, "-c", REFERENCE], check=True, capture_output=True, text=True).stdout
-    ref = eval(out)
+    out = subprocess.run([sys.executable, "-c", CHILD + REFERENCE], check=True, capture_output=True, text=True).stdout
+    ref = oracle.reported(out)
     rows.append(("transformers (logits.float() + cross_entropy)", ref["peak_growth_mb"], ref["seconds"], ref["loss"]))
     for mode in ("full", "chunked"):
         out = subprocess.run([f"{build}/bin/loss_memory_bench", mode, str(TOKENS), str(HIDDEN), str(VOCAB)],

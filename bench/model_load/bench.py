@@ -13,6 +13,12 @@ import statistics
 import subprocess
 import sys
 
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "support")
+sys.path.insert(0, SUPPORT)
+import oracle  # noqa: E402  (tests/support/oracle.py: what the reference process reports, and nothing else)
+# The reference processes report through it too.
+CHILD = f"import sys; sys.path.insert(0, {SUPPORT!r}); import oracle\n"
+
 REFERENCE = r"""
 import json, sys, time
 import torch, transformers
@@ -30,9 +36,8 @@ s = time.perf_counter() - t0
 rss_loaded = hwm_mb()
 with torch.no_grad():  # one forward of 16 tokens touches every weight
     m(input_ids=torch.arange(16).unsqueeze(0))
-print(json.dumps({"seconds": s, "peak_rss_mb": rss_loaded, "ready_seconds": time.perf_counter() - t0,
-                  "ready_rss_mb": hwm_mb(),
-                  "base_rss_mb": base, "params": sum(p.numel() for p in m.parameters())}))
+oracle.report(seconds=s, peak_rss_mb=rss_loaded, ready_seconds=time.perf_counter() - t0, ready_rss_mb=hwm_mb(),
+              base_rss_mb=base, params=sum(p.numel() for p in m.parameters()))
 """
 
 
@@ -48,8 +53,14 @@ def make_fixture(d):
 
 
 def run(cmd):
+    """model_load_bench's result: its last line."""
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def run_reference(path):
+    out = subprocess.run([sys.executable, "-c", CHILD + REFERENCE, path], check=True, capture_output=True, text=True)
+    return oracle.reported(out.stdout)
 
 
 def main():
@@ -63,7 +74,7 @@ def main():
     ours, ref = [], []
     for _ in range(a.repeat):
         ours.append(run([a.bench_bin, a.dir]))
-        ref.append(run([sys.executable, "-c", REFERENCE, a.dir]))
+        ref.append(run_reference(a.dir))
     med = lambda rows, k: statistics.median(r[k] for r in rows)
     net = lambda rows: statistics.median(r["peak_rss_mb"] - r["base_rss_mb"] for r in rows)
     print(f"fixture: {a.dir} ({size:.2f} GB float32, {ours[0]['params']:,} parameters), {a.repeat} runs each, medians")

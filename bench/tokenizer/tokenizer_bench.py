@@ -22,6 +22,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "tests", "tokenizer"))
 import corpus  # noqa: E402
+SUPPORT = os.path.join(ROOT, "tests", "support")
+sys.path.insert(0, SUPPORT)
+import oracle  # noqa: E402  (tests/support/oracle.py: what the reference process reports, and nothing else)
+# The reference processes report through it too.
+CHILD = f"import sys; sys.path.insert(0, {SUPPORT!r}); import oracle\n"
 
 HF_TIMER = r"""
 import json, sys, time
@@ -31,7 +36,7 @@ texts = [json.loads(l) for l in open(sys.argv[2], encoding="utf-8")]
 repeat = int(sys.argv[3])
 t0 = time.perf_counter()
 n = sum(len(e.ids) for _ in range(repeat) for e in tok.encode_batch(texts, add_special_tokens=False))
-print(json.dumps({"tokens": n, "seconds": time.perf_counter() - t0}))
+oracle.report(tokens=n, seconds=time.perf_counter() - t0)
 """
 
 
@@ -49,9 +54,9 @@ def texts():
 
 def hf_time(tokenizer_json, corpus_file, repeat, threads):
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
-    p = subprocess.run([sys.executable, "-c", HF_TIMER, tokenizer_json, corpus_file, str(repeat)],
+    p = subprocess.run([sys.executable, "-c", CHILD + HF_TIMER, tokenizer_json, corpus_file, str(repeat)],
                        env=env, capture_output=True, text=True, check=True)
-    return json.loads(p.stdout)
+    return oracle.reported(p.stdout)
 
 
 def main():

@@ -3,7 +3,7 @@
 #include <cstdlib>
 #include <fmt/format.h>
 
-#include "support/process.hpp"
+#include "support/oracle.hpp"
 
 using namespace lorarun::test;
 
@@ -39,11 +39,11 @@ TEST_CASE("check-env prints torch, CUDA and NCCL facts") {
 TEST_CASE("check-env reports the real server version of FerretDB") {
   const std::string uri = test_uri();
   // The reference: what pymongo reads from the same server.
-  const Result ref = sh(fmt::format(
-      "'{}' -c \"import pymongo; print(pymongo.MongoClient('{}').admin.command('buildInfo')['version'])\"",
-      LORARUN_PYTHON, uri));
-  REQUIRE(ref.status == 0);
-  const std::string version = ref.output.substr(0, ref.output.find('\n'));
+  const Oracle ref = oracle(fmt::format("'{}' '{}/tests/reference/probe.py' mongodb-version '{}'", LORARUN_PYTHON,
+                                        LORARUN_SOURCE_DIR, uri));
+  INFO(ref.run.output);
+  REQUIRE(ref.run.status == 0);
+  const std::string version = ref.fields.at("version");
   for (const std::string how : {"--uri '" + uri + "'", std::string()}) {
     const Result r = sh(fmt::format("LORARUN_MONGODB_URI='{}' {} --check-env {}", uri, bin("lora-train"), how));
     INFO(r.output);

@@ -5,7 +5,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "support/process.hpp"
+#include "support/oracle.hpp"
 
 using namespace lorarun::test;
 namespace fs = std::filesystem;
@@ -37,11 +37,11 @@ track: {{mongodb: false}}
   CHECK(fs::exists(dir + "/out/recipe.yaml"));
   // 37 documents, 2 ranks, batch 4: ceil(19 / 4) = 5 steps per epoch, 20 in all.
   CHECK_THAT(r.output, Catch::Contains("done: 20 steps"));
-  // PEFT loads what we saved (no expected logits: just that it loads and runs).
-  const Result peft = sh(fmt::format("'{}' -c \"import sys; from transformers import AutoModelForCausalLM; "
-                                     "from peft import PeftModel; m = PeftModel.from_pretrained("
-                                     "AutoModelForCausalLM.from_pretrained(sys.argv[1]), sys.argv[2]); print('loaded')\" "
-                                     "{}/llama {}/out/epoch_3", LORARUN_PYTHON, LORARUN_MODEL_FIXTURES, dir));
-  INFO(peft.output);
-  CHECK_THAT(peft.output, Catch::Contains("loaded"));
+  // PEFT loads what we saved (no expected logits: just that it loads, with a LoRA layer on each of
+  // the 7 linears of the fixture's 2 decoder layers).
+  const Oracle peft = oracle(fmt::format("'{}' '{}/tests/reference/probe.py' peft-load {}/llama {}/out/epoch_3",
+                                         LORARUN_PYTHON, LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir));
+  INFO(peft.run.output);
+  CHECK(peft.run.status == 0);
+  CHECK(peft.fields.value("lora_modules", 0) == 2 * 7);
 }

@@ -9,9 +9,12 @@ Exits 1 when the largest difference on real tokens exceeds 1e-4 (eval: per-docum
 generate: the greedy ids must be identical).
 """
 import json
+import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import oracle  # noqa: E402,F401  (first: LORARUN_TEST_FORCE_BNB_AVX512BF16 applies before bitsandbytes loads)
+import torch  # noqa: E402
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 

@@ -10,7 +10,9 @@ import json
 import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import oracle  # noqa: E402,F401  (first: LORARUN_TEST_FORCE_BNB_AVX512BF16 applies before bitsandbytes loads)
+import torch  # noqa: E402
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,

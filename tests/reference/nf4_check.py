@@ -12,37 +12,67 @@ usage: nf4_check.py quant OUT.safetensors
        nf4_check.py merge MODEL_DIR ADAPTER MERGED_DIR QUANT_DTYPE DQ
            lora-merge --qlora's output against PEFT's merge_and_unload on the NF4 round-tripped base
        nf4_check.py train DQ <train_reference.py check arguments>
-           train_reference.py's step-by-step check on the NF4 round-tripped base, then PEFT loads the
-           final adapter onto transformers' own 4-bit model and runs it
+           train_reference.py's step-by-step check on the NF4 round-tripped base (reports match), then
+           PEFT loads the final adapter onto transformers' own 4-bit model and runs it; where
+           bitsandbytes' CPU path is the reference's, its logits must equal the reference's within 1e-4
+           (reports peft_4bit: compared, loaded or skipped; a warning says why it was not compared)
        nf4_check.py eval DQ <check.py eval arguments>
            check.py's per-document loss check on the NF4 round-tripped base
 The NF4 round-tripped base is the float32 model whose linears transformers quantises
-(BitsAndBytesConfig(load_in_4bit=True, nf4)) hold dequantize_4bit(quantize_4bit(W)).
+(BitsAndBytesConfig(load_in_4bit=True, nf4)) hold dequantize_4bit(quantize_4bit(W)): a plain model,
+so no Linear4bit forward runs in the numbers compared. transformers + bitsandbytes quantise W as they
+load the 4-bit model; dequantize_4bit is bitsandbytes' own PyTorch implementation, since its native
+CPU kernel and Linear4bit's CPU forward change with the CPU's AVX-512 features
+(tests/support/bnb_cpu.py; LORARUN_TEST_FORCE_BNB_AVX512BF16=1 makes any CPU take those paths).
 """
 import os
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import oracle  # noqa: E402  (first: before anything imports bitsandbytes)
 
 # bnb torch.compiles its generic dequantisation (used for odd widths) once per shape: seconds each.
 # Eager runs the same operations.
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
-import bitsandbytes as bnb
-import bitsandbytes.functional as F
-import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+import bitsandbytes as bnb  # noqa: E402
+import bitsandbytes.functional as F  # noqa: E402
+import bnb_cpu  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# {module name: max |native - portable|} where bitsandbytes' native CPU dequantize_4bit gave another
+# weight than bnb_cpu.dequantize_nf4 (its AVX-512 branch): told, never used.
+NATIVE_DIFFERS = {}
+
+
+def load_4bit(model_dir, dq, dtype):
+    """transformers' own 4-bit model: nf4, blocks of 64, double quantisation `dq`, W quantised from `dtype`."""
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=dq,
+                           bnb_4bit_compute_dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q, dtype=dtype, device_map="cpu")
 
 
 def nf4_weights(model_dir, dq, dtype):
-    """{module name: W as transformers + bnb hold it, dequantised}, W [out, in] in `dtype`."""
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=dq,
-                           bnb_4bit_compute_dtype=dtype)
-    m = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q, dtype=dtype, device_map="cpu")
-    return {n: F.dequantize_4bit(mod.weight.data, mod.weight.quant_state)
-            for n, mod in m.named_modules() if isinstance(mod, bnb.nn.Linear4bit)}
+    """{module name: dequantize_4bit(quantize_4bit(W))} for every linear transformers quantises, W [out, in]
+    in `dtype`, dequantised the same way on every CPU."""
+    NATIVE_DIFFERS.clear()
+    out = {}
+    for n, mod in load_4bit(model_dir, dq, dtype).named_modules():
+        if isinstance(mod, bnb.nn.Linear4bit):
+            packed, state = mod.weight.data, mod.weight.quant_state
+            out[n] = bnb_cpu.dequantize_nf4(packed, state)
+            native = F.dequantize_4bit(packed, state)
+            if not torch.equal(native, out[n]):
+                NATIVE_DIFFERS[n] = (native.float() - out[n].float()).abs().max().item()
+    if NATIVE_DIFFERS:
+        print(f"note: bitsandbytes' native dequantize_4bit differs on this CPU for {len(NATIVE_DIFFERS)} of "
+              f"{len(out)} linears (max {max(NATIVE_DIFFERS.values()):.3g}: {', '.join(sorted(NATIVE_DIFFERS))}); "
+              "its AVX-512 branch, see tests/support/bnb_cpu.py. The reference uses the portable one.")
+    return out
 
 
 def qlora_base(model_dir, dq, dtype=torch.float32):
@@ -115,12 +145,12 @@ def quant(out):
         t[f"{name}.w"] = w
         q, s = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
         t[f"{name}.packed"], t[f"{name}.absmax"] = q.flatten(), s.absmax
-        t[f"{name}.dequant"] = F.dequantize_4bit(q, s)
+        t[f"{name}.dequant"] = bnb_cpu.dequantize_nf4(q, s)
         q, s = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
         assert torch.equal(q.flatten(), t[f"{name}.packed"])
         t[f"{name}.dq.absmax8"], t[f"{name}.dq.offset"] = s.absmax, s.offset.reshape(1)
         t[f"{name}.dq.absmax2"], t[f"{name}.dq.code"] = s.state2.absmax, s.state2.code
-        t[f"{name}.dq.dequant"] = F.dequantize_4bit(q, s)
+        t[f"{name}.dq.dequant"] = bnb_cpu.dequantize_nf4(q, s)
     for name, x in blockwise_probes().items():
         q, s = F.quantize_blockwise(x, blocksize=256)
         t[f"b8.{name}.x"], t[f"b8.{name}.codes"], t[f"b8.{name}.absmax"] = x, q, s.absmax
@@ -164,6 +194,35 @@ def merge(model_dir, adapter, merged_dir, quant_dtype, dq):
     return 0 if linears == len(changed) and worst <= 1e-6 and untouched_equal and not missing else 1
 
 
+def peft_on_4bit(model_dir, adapter, dq):
+    """PEFT loads `adapter` onto transformers' own 4-bit model (Linear4bit, float32 compute) and runs it.
+    Where bitsandbytes' CPU path computes what the reference claims (dequantize_4bit(W) in float32), its
+    logits must equal those of PEFT on the NF4 round-tripped base within 1e-4; elsewhere a warning says
+    why not. Returns the exit status."""
+    from peft import PeftModel
+    reason = bnb_cpu.linear4bit_cpu_path()
+    if reason:  # its forward would repack the weights in place, and assert out_features % 32 == 0
+        oracle.warn(f"PEFT on transformers' 4-bit model not run: {reason}")
+        oracle.report(peft_4bit="skipped")
+        return 0
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    model = PeftModel.from_pretrained(load_4bit(model_dir, dq, torch.float32), adapter).eval()
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    print("PEFT loaded the adapter onto the 4-bit model")
+    reference = PeftModel.from_pretrained(qlora_base(model_dir, dq), adapter).eval()
+    if NATIVE_DIFFERS:  # its forward dequantises with the native kernel
+        oracle.warn("logits of PEFT on transformers' 4-bit model not compared: bitsandbytes' native CPU "
+                    f"dequantize_4bit differs here for {len(NATIVE_DIFFERS)} linears (its AVX-512 branch)")
+        oracle.report(peft_4bit="loaded")
+        return 0
+    with torch.no_grad():
+        diff = (got - reference(input_ids=ids).logits).abs().max().item()
+    print(f"PEFT on the 4-bit model: max abs logit difference from the reference {diff:.3g}")
+    oracle.report(peft_4bit="compared", peft_4bit_logit_diff=diff)
+    return 0 if diff <= 1e-4 else 1
+
+
 def main():
     mode, args = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
@@ -176,18 +235,10 @@ def main():
     QloraAuto.dq = args[0] == "1"
     if mode == "train":
         import train_reference
-        from peft import PeftModel
         train_reference.AutoModelForCausalLM = QloraAuto
         status = train_reference.check(args[1], args[2], args[3], args[4], int(args[5]), int(args[6]), int(args[7]),
                                        int(args[8]), float(args[9]), int(args[10]))
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=QloraAuto.dq,
-                               bnb_4bit_compute_dtype=torch.float32)
-        base = AutoModelForCausalLM.from_pretrained(args[1], quantization_config=q, dtype=torch.float32, device_map="cpu")
-        peft = PeftModel.from_pretrained(base, f"{args[4]}/epoch_{int(args[8]) - 1}")
-        with torch.no_grad():
-            peft(input_ids=torch.tensor([[5, 6, 7]]))
-        print("PEFT loaded the adapter onto the 4-bit model")
-        return status
+        return status | peft_on_4bit(args[1], f"{args[4]}/epoch_{int(args[8]) - 1}", QloraAuto.dq)
     if mode == "eval":
         import check
         check.AutoModelForCausalLM = QloraAuto

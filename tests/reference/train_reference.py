@@ -7,7 +7,8 @@ usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
            replays lora-train's run (instruction documents {"instruction", "output"}, template
            "Q: {instruction}\\nA: ", shuffle none, cosine schedule, max_grad_norm 1.0) and compares
            the loss of every step (OURS_DIR/metrics.jsonl) and the final adapter
-           (OURS_DIR/epoch_<EPOCHS-1>); exits 1 when they differ beyond the tolerances.
+           (OURS_DIR/epoch_<EPOCHS-1>); reports match (tests/support/oracle.py) and the measured
+           differences, and exits 1 when they differ beyond the tolerances.
 
 Batches follow lora-train's rules: world W ranks, shuffle none, DistributedSampler padding (the
 order is padded to a multiple of W with its first documents), rank r reads documents r, r+W,
@@ -17,13 +18,16 @@ trained tokens and divided by the step's token count over all ranks and micro-ba
 """
 import json
 import math
+import os
 import sys
 
-import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from safetensors.torch import load_file
-from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import oracle  # noqa: E402  (first: before anything imports bitsandbytes)
+import torch  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup  # noqa: E402
 
 TEMPLATE = "Q: {instruction}\nA: "
 
@@ -117,6 +121,8 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
           f"largest weight change {moved:.2e}; tensors {len(want)} (ours {len(mine)})")
     ok = len(got) == len(losses) and set(mine) == set(want) and worst_loss < 1e-4 and worst_w < 1e-3 and moved > 1e-3
     print("match" if ok else "MISMATCH")
+    oracle.report(match=ok, steps=len(losses), our_steps=len(got), worst_relative_loss_diff=worst_loss,
+                  worst_relative_weight_diff=worst_w, largest_weight_change=moved)
     return 0 if ok else 1
 
 
