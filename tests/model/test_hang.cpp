@@ -76,3 +76,24 @@ TEST_CASE("a rank stopped mid-training is named as the one that timed out", "[tr
   // The stopped rank got SIGCONT with SIGTERM and is gone.
   CHECK(wait_for([&] { return !alive(stopped); }, 5.0));
 }
+
+TEST_CASE("a stopped rank 0, which hosts the store, is named by the rank that noticed", "[train][dist]") {
+  const int timeout_s = 6;
+  const std::string dir = start_training("hang0", timeout_s);
+  KillOnExit cleanup;
+  REQUIRE(wait_for([&] { return (cleanup.pids = launched_pids(read_file(dir + "/log"))).size() == 2; }, 20.0));
+  REQUIRE(wait_for([&] { return read_file(dir + "/log").find(" step 3/") != std::string::npos; }, 120.0));
+  REQUIRE(kill(cleanup.pids[0], SIGSTOP) == 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool ended = wait_for([&] { return !read_file(dir + "/status").empty(); }, timeout_s + 30.0);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string log = read_file(dir + "/log");
+  INFO(log);
+  REQUIRE(ended);
+  CHECK(std::stoi(read_file(dir + "/status")) == 1);
+  CHECK(seconds < timeout_s + 15);
+  CHECK_THAT(log, Catch::Contains(fmt::format("lorarun: rank 0 (local rank 0, pid {}) timed out: detected by rank 1",
+                                              cleanup.pids[0])));
+  CHECK_THAT(log, Catch::Contains("rank 0 stopped responding (the rendezvous store it hosts does not answer"));
+  CHECK_THAT(log, !Catch::Contains("frame #"));
+}
