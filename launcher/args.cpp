@@ -162,6 +162,9 @@ bool is_recipe(const std::string& arg) {
     return access(arg.c_str(), X_OK) != 0 || holds_yaml_mapping(arg);
   }
   if (arg.find('/') == std::string::npos && on_path(arg)) return false;
+  for (const char* ext : {".yaml", ".yml"})
+    if (access((arg + ext).c_str(), F_OK) == 0)
+      throw Error(fmt::format("'{}' does not exist: did you mean the recipe {}{}?", arg, arg, ext));
   throw Error(fmt::format("'{}' is neither a file nor a command on PATH: give a recipe file (lorarun RECIPE.yaml) or "
                           "a command after -- (lorarun -- CMD ARGS)", arg));
 }

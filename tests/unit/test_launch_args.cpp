@@ -277,6 +277,9 @@ TEST_CASE("recipe or command: the extension, else what the file is, else PATH") 
                     Catch::Contains(fmt::format("'{}/nope' is neither a file nor a command on PATH", dir)) &&
                         Catch::Contains("RECIPE.yaml") && Catch::Contains("lorarun -- CMD ARGS"));
   CHECK_THROWS_WITH(parse({"no-such-command-here"}), Catch::Contains("neither a file nor a command on PATH"));
+  write("q.yaml", "model: {path: m}\n", false);
+  CHECK_THROWS_WITH(parse({dir + "/q"}), Catch::Contains(fmt::format("'{0}/q' does not exist: did you mean the recipe "
+                                                                     "{0}/q.yaml?", dir)));
   CHECK_THROWS_WITH(parse({dir}), Catch::Contains("is a directory"));
   std::filesystem::remove_all(dir);
 }
