@@ -84,7 +84,7 @@ TEST_CASE("lorarun passes the rendezvous timeout to its ranks") {
   CHECK_THAT(r.output, Catch::Contains("[rank0]: rdzv 42\n"));
 }
 
-TEST_CASE("--nproc-per-node beyond the limit is one line naming the limit and --nproc-limit") {
+TEST_CASE("lorarun --nproc-per-node beyond the limit is one line naming the limit and --nproc-limit") {
   const Result r = sh(fmt::format("{} --nproc-per-node 100000 -- true", bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 1);

@@ -240,7 +240,7 @@ TEST_CASE("the rendezvous timeout: --rdzv-timeout, torchrun's --rdzv-conf join_t
   CHECK(std::find(env.begin(), env.end(), "LORARUN_ERROR_SUMMARY=1") != env.end());
 }
 
-TEST_CASE("--nproc-per-node is bounded by 4 per CPU unless --nproc-limit allows more") {
+TEST_CASE("lorarun --nproc-per-node is bounded by 4 per CPU unless --nproc-limit allows more") {
   const int cpus = static_cast<int>(std::thread::hardware_concurrency());
   CHECK(parsed({"--nproc-per-node", std::to_string(4 * cpus), "--", "true"}).nproc_per_node == 4 * cpus);
   CHECK_THROWS_WITH(parse({"--nproc-per-node", "100000", "--", "true"}),
