@@ -1,6 +1,7 @@
 // lora-train: one rank of a LoRA fine-tuning job. Run it under lorarun, or alone as world size 1.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
+#include <c10/util/Logging.h>
 #include <cstdlib>
 #include <fmt/format.h>
 #include <torch/cuda.h>
@@ -148,4 +149,9 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return lorarun::app_main("lora-train", argc, argv, run); }
+int main(int argc, char** argv) {
+  // torch's own log lines stay off unless TORCH_CPP_LOG_LEVEL asks for them: c10d logs each failed
+  // connection attempt with the exception's C++ stack trace, and our one error line says it all.
+  if (const char* level = std::getenv("TORCH_CPP_LOG_LEVEL"); !level || !*level) FLAGS_caffe2_log_level = 3;  // FATAL
+  return lorarun::app_main("lora-train", argc, argv, run);
+}

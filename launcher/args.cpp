@@ -6,10 +6,13 @@
 #include <cstring>
 #include <fmt/format.h>
 #include <netinet/in.h>
+#include <fstream>
 #include <random>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <thread>
 #include <unistd.h>
+#include <yaml-cpp/yaml.h>
 
 #include "launch.hpp"
 #include "slurm.hpp"
@@ -34,17 +37,58 @@ int count_gpus() {
   return std::min(n, listed);
 }
 
+int cpu_count() { return std::max(1, static_cast<int>(std::thread::hardware_concurrency())); }
+
 // torchrun's `auto`: one worker per GPU, else one per CPU.
 int parse_nproc(const std::string& nproc) {
   if (nproc == "auto") {
     const int gpus = count_gpus();
-    return gpus > 0 ? gpus : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    return gpus > 0 ? gpus : cpu_count();
   }
   int n = 0;
   const auto [end, ec] = std::from_chars(nproc.data(), nproc.data() + nproc.size(), n);
   if (ec != std::errc() || end != nproc.data() + nproc.size() || n < 1)
     throw Error(fmt::format("--nproc-per-node '{}' is not a positive integer or 'auto'", nproc));
   return n;
+}
+
+// More ranks than 4 per CPU is a typo far more often than a plan: it takes --nproc-limit.
+void check_nproc(const Config& c, bool limit_given) {
+  const int limit = limit_given ? c.nproc_limit : 4 * cpu_count();
+  if (c.nproc_per_node > limit)
+    throw Error(limit_given ? fmt::format("--nproc-per-node {} is above --nproc-limit {}: raise --nproc-limit to "
+                                          "start that many ranks", c.nproc_per_node, limit)
+                            : fmt::format("--nproc-per-node {} is above the limit of {} (4 per CPU, {} CPUs here): pass "
+                                          "--nproc-limit {} to start that many ranks anyway", c.nproc_per_node, limit,
+                                          cpu_count(), c.nproc_per_node));
+  if (static_cast<long long>(c.nproc_per_node) * c.nnodes > (1 << 24))
+    throw Error(fmt::format("--nproc-per-node {} x --nnodes {} is more ranks than lorarun supports ({})",
+                            c.nproc_per_node, c.nnodes, 1 << 24));
+}
+
+// torchrun's --rdzv-conf "key=value,...": join_timeout is the rendezvous timeout; the other keys
+// torchrun knows do not apply to a static rendezvous and are ignored with a warning.
+void apply_rdzv_conf(Config& c, const std::string& conf) {
+  for (std::string_view rest(conf); !rest.empty();) {
+    const size_t comma = rest.find(',');
+    const std::string_view kv = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    const size_t eq = kv.find('=');
+    const std::string_view key = kv.substr(0, eq);
+    const std::string_view value = eq == std::string_view::npos ? std::string_view() : kv.substr(eq + 1);
+    if (key == "join_timeout") {
+      int s = 0;
+      const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), s);
+      if (ec != std::errc() || end != value.data() + value.size() || s < 1)
+        throw Error(fmt::format("--rdzv-conf '{}': join_timeout must be a whole number of seconds, at least 1 "
+                                "(or use --rdzv-timeout SECONDS)", conf));
+      c.rdzv_timeout_s = s;
+    } else if (eq == std::string_view::npos || key.empty()) {
+      throw Error(fmt::format("--rdzv-conf '{}': use key=value pairs, e.g. join_timeout=300", conf));
+    } else {
+      fmt::print(stderr, "lorarun: warning: --rdzv-conf {} is ignored (only join_timeout applies here)\n", key);
+    }
+  }
 }
 
 // A port nobody listens on right now (the same trick torchrun's --standalone uses).
@@ -69,11 +113,60 @@ std::string random_id() {
   return fmt::format("{:08x}{:08x}", rd(), rd());
 }
 
-bool is_recipe(const std::string& arg) {
+bool has_yaml_extension(const std::string& arg) {
   auto ends = [&](std::string_view s) {
     return arg.size() >= s.size() && arg.compare(arg.size() - s.size(), s.size(), s) == 0;
   };
   return ends(".yaml") || ends(".yml");
+}
+
+// An executable file that is not a script or a program but a YAML mapping: a recipe someone
+// made executable.
+bool holds_yaml_mapping(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string head(1 << 20, '\0');
+  in.read(head.data(), static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<size_t>(in.gcount()));
+  if (head.starts_with("#!") || head.starts_with("\x7f" "ELF") || head.find('\0') != std::string::npos) return false;
+  try {
+    return YAML::Load(head).IsMap();
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+bool on_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  for (std::string_view dirs(path ? path : ""); !dirs.empty();) {
+    const size_t colon = dirs.find(':');
+    const std::string dir(dirs.substr(0, colon));
+    dirs = colon == std::string_view::npos ? std::string_view() : dirs.substr(colon + 1);
+    struct stat st {};
+    const std::string file = (dir.empty() ? "." : dir) + "/" + name;
+    if (stat(file.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(file.c_str(), X_OK) == 0) return true;
+  }
+  return false;
+}
+
+// Whether the first argument (without --) is a recipe for lora-train or a command to run: a
+// .yaml/.yml name is a recipe; so is an existing file that is not executable, or that holds a
+// YAML mapping; another existing file, or a name found on PATH, is a command. Anything else is
+// an error here rather than one failed rank per slot.
+bool is_recipe(const std::string& arg) {
+  if (has_yaml_extension(arg)) return true;
+  struct stat st {};
+  if (stat(arg.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode))
+      throw Error(fmt::format("'{}' is a directory: give a recipe file (lorarun RECIPE.yaml) or a command after -- "
+                              "(lorarun -- CMD ARGS)", arg));
+    return access(arg.c_str(), X_OK) != 0 || holds_yaml_mapping(arg);
+  }
+  if (arg.find('/') == std::string::npos && on_path(arg)) return false;
+  for (const char* ext : {".yaml", ".yml"})
+    if (access((arg + ext).c_str(), F_OK) == 0)
+      throw Error(fmt::format("'{}' does not exist: did you mean the recipe {}{}?", arg, arg, ext));
+  throw Error(fmt::format("'{}' is neither a file nor a command on PATH: give a recipe file (lorarun RECIPE.yaml) or "
+                          "a command after -- (lorarun -- CMD ARGS)", arg));
 }
 
 // Flags the user gave; Slurm only fills in the others.
@@ -149,10 +242,13 @@ Parsed parse_args(int argc, char** argv, const std::string& self) {
                "  lorarun [options] -- COMMAND [ARGS ...]"};
   app.prefix_command();
   Config c;
-  std::string nproc = "1", redirects = "0", tee = "0", from_run;
+  std::string nproc = "1", redirects = "0", tee = "0", from_run, rdzv_conf;
   double grace_s = 15;
   bool standalone = false;
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers on this node: N or auto (GPUs, else CPUs)");
+  auto* nproc_limit = app.add_option("--nproc-limit", c.nproc_limit,
+                                     "most workers --nproc-per-node may start (default: 4 per CPU)")
+                          ->check(CLI::Range(1, 1 << 24));
   auto* nnodes = app.add_option("--nnodes", c.nnodes, "number of nodes")->check(CLI::Range(1, 100000));
   auto* node_rank = app.add_option("--node-rank,--node_rank", c.node_rank, "rank of this node")
                         ->check(CLI::NonNegativeNumber);
@@ -160,6 +256,10 @@ Parsed parse_args(int argc, char** argv, const std::string& self) {
   app.add_option("--master-port,--master_port", c.master_port,
                  "rendezvous port (default: a free port on one node, 29500 on several)")
       ->check(CLI::Range(1, 65535));
+  auto* rdzv_timeout = app.add_option("--rdzv-timeout,--rdzv_timeout", c.rdzv_timeout_s,
+                                      "seconds a rank waits for the master and the other ranks to join (default 600)")
+                           ->check(CLI::Range(1, 86400));
+  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf, "torchrun's rendezvous options: join_timeout=SECONDS");
   app.add_flag("--standalone", standalone, "single node, free port, local master");
   auto* run_id = app.add_option("--run-id,--rdzv-id,--rdzv_id", c.run_id,
                                 "job id given to workers as TORCHELASTIC_RUN_ID (default: SLURM_JOB_ID or random)");
@@ -178,6 +278,11 @@ Parsed parse_args(int argc, char** argv, const std::string& self) {
     return {c, app.exit(e)};
   }
   c.nproc_per_node = parse_nproc(nproc);
+  if (!rdzv_conf.empty()) {
+    const int flag = c.rdzv_timeout_s;
+    apply_rdzv_conf(c, rdzv_conf);
+    if (rdzv_timeout->count() > 0) c.rdzv_timeout_s = flag;  // --rdzv-timeout wins
+  }
   c.redirects = parse_std_spec(redirects, "--redirects");
   c.tee = parse_std_spec(tee, "--tee");
   if (standalone) {
@@ -189,6 +294,7 @@ Parsed parse_args(int argc, char** argv, const std::string& self) {
   if (c.nnodes < 1) throw Error(fmt::format("--nnodes {} must be at least 1", c.nnodes));
   if (c.node_rank >= c.nnodes)
     throw Error(fmt::format("--node-rank {} must be below --nnodes {}", c.node_rank, c.nnodes));
+  check_nproc(c, nproc_limit->count() > 0);
   if (c.master_port == 0) c.master_port = c.nnodes == 1 ? free_port() : 29500;
   if (c.run_id.empty()) c.run_id = random_id();
   if (c.run_id.find('/') != std::string::npos || c.run_id == "." || c.run_id == "..")

@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <algorithm>
 #include <deque>
 #include <fcntl.h>
 #include <filesystem>
@@ -38,17 +39,26 @@ std::string describe_status(int status) {
   return fmt::format("ended with status {}", status);
 }
 
-// The message of a torchrun error file: {"message": {"message": "...", "extraInfo": {...}}},
-// or {"message": "..."}. Empty when the rank wrote none.
-std::string error_file_message(const fs::path& path) {
+// What a rank's torchrun error file says: {"message": {"message": "...", "extraInfo": {...}}}, or
+// {"message": "..."}. lora-train adds extraInfo.blamed_rank when another rank caused its error.
+struct ErrorFile {
+  std::string message;  // empty when the rank wrote none
+  std::optional<int> blamed_rank;
+};
+
+ErrorFile read_error_file(const fs::path& path) {
   std::ifstream in(path);
   if (!in) return {};
   try {
     const nlohmann::json j = nlohmann::json::parse(in);
     const nlohmann::json& m = j.at("message");
-    return m.is_string() ? m.get<std::string>() : m.at("message").get<std::string>();
+    if (m.is_string()) return {m.get<std::string>(), {}};
+    ErrorFile out{m.at("message").get<std::string>(), {}};
+    if (m.contains("extraInfo") && m["extraInfo"].contains("blamed_rank"))
+      out.blamed_rank = m["extraInfo"]["blamed_rank"].get<int>();
+    return out;
   } catch (const std::exception&) {
-    return fmt::format("(unreadable error file {})", path.string());
+    return {fmt::format("(unreadable error file {})", path.string()), {}};
   }
 }
 
@@ -104,6 +114,7 @@ struct Worker {
   int rank = 0;
   pid_t pid = -1;
   bool alive = false;
+  bool signalled = false;  // lorarun sent it a stop signal while it ran
   int status = 0;
   fs::path dir;  // DIR/<run_id>/attempt_<n>/<local_rank>: error.json, stdout.log, stderr.log
   std::deque<std::string> tail;
@@ -306,10 +317,13 @@ class Supervisor {
   }
 
   void signal_all(int sig) {
-    for (const Worker& w : workers_)
+    for (Worker& w : workers_)
       if (w.alive) {
         kill(-w.pid, sig);
         kill(w.pid, sig);
+        // A stopped (SIGSTOP'ed) rank acts on SIGTERM only once it runs again, as systemd knows.
+        if (sig != SIGKILL && sig != SIGCONT) kill(-w.pid, SIGCONT);
+        w.signalled = true;
       }
   }
 
@@ -398,45 +412,75 @@ class Supervisor {
     reap();
   }
 
-  // "rank 1 (local rank 1, pid 42) failed first: exited with code 3"
-  std::string first_failure_line() const {
+  // "rank 1 (local rank 1, pid 42)", or "rank 9" for a rank of another node.
+  std::string who(int rank) const {
+    for (const Worker& w : workers_)
+      if (w.rank == rank) return fmt::format("rank {} (local rank {}, pid {})", w.rank, w.local_rank, w.pid);
+    return fmt::format("rank {}", rank);
+  }
+
+  // "rank 1 (local rank 1, pid 42) failed first: exited with code 3", or when its error blames
+  // another rank: "rank 2 timed out: detected by rank 1 (…), which failed first: exited with code 1".
+  std::string first_failure_line(const ErrorFile& error) const {
     const Worker& w = workers_[first_failure_->index];
-    return fmt::format("rank {} (local rank {}, pid {}) failed first: {}", w.rank, w.local_rank, w.pid,
-                       describe_status(first_failure_->status));
+    const std::string status = describe_status(first_failure_->status);
+    if (!error.blamed_rank || *error.blamed_rank == w.rank) return fmt::format("{} failed first: {}", who(w.rank), status);
+    return fmt::format("{} timed out: detected by {}, which failed first: {}", who(*error.blamed_rank), who(w.rank),
+                       status);
   }
 
   void announce_restart() {
     const Worker& w = workers_[first_failure_->index];
-    const std::string message = error_file_message(w.dir / "error.json");
-    fmt::print(stderr, "lorarun: {}{}\n", first_failure_line(), message.empty() ? "" : " (" + message + ")");
+    const ErrorFile error = read_error_file(w.dir / "error.json");
+    fmt::print(stderr, "lorarun: {}{}\n", first_failure_line(error),
+               error.message.empty() ? "" : " (" + error.message + ")");
     fmt::print(stderr, "lorarun: restarting all {} rank(s) on this node (restart {} of {})\n",
                workers_.size(), attempt_ + 1, cfg_.max_restarts);
     std::fflush(stderr);
   }
 
   // One block on stderr: who failed first, how, its error file's message and its last lines.
+  // Every message appears once: a line of the tail that is the error itself is left out, and
+  // other ranks' errors only when they failed on their own with a different message.
   void print_summary() const {
     const Worker& w = workers_[first_failure_->index];
     const fs::path error_file = w.dir / "error.json";
-    const std::string message = error_file_message(error_file);
+    const ErrorFile error = read_error_file(error_file);
+    const std::string& message = error.message;
     const std::string rule(64, '=');
     std::string out = fmt::format("lorarun: {}\nlorarun: run {} failed", rule, cfg_.run_id);
     if (cfg_.max_restarts > 0) out += fmt::format(" after {} restart(s) (--max-restarts {})", attempt_, cfg_.max_restarts);
-    out += fmt::format("\nlorarun: {}\n", first_failure_line());
+    out += fmt::format("\nlorarun: {}\n", first_failure_line(error));
     if (!message.empty()) {
-      std::string indented = message.substr(0, message.find_last_not_of('\n') + 1);
-      for (size_t at = 0; (at = indented.find('\n', at)) != std::string::npos; ++at)
-        indented.replace(at, 1, "\nlorarun:          ");  // a Python message may span lines
-      out += fmt::format("lorarun:   error: {}\n", indented);
+      out += fmt::format("lorarun:   error: {}\n", indent(message));
       if (!logs_.temporary()) out += fmt::format("lorarun:   error file: {}\n", error_file.string());
     }
-    if (!w.tail.empty()) {
-      out += fmt::format("lorarun:   last {} line(s) of rank {}:\n", w.tail.size(), w.rank);
-      for (const std::string& line : w.tail) out += fmt::format("lorarun:     [rank{}]: {}\n", w.rank, line);
+    std::vector<std::string> tail;
+    for (const std::string& line : w.tail)
+      if (message.empty() || line != message.substr(0, message.find_last_not_of('\n') + 1)) tail.push_back(line);
+    if (!tail.empty()) {
+      out += fmt::format("lorarun:   last {} line(s) of rank {}:\n", tail.size(), w.rank);
+      for (const std::string& line : tail) out += fmt::format("lorarun:     [rank{}]: {}\n", w.rank, line);
+    }
+    std::vector<std::string> seen{message};
+    for (const Worker& other : workers_) {
+      if (&other == &w || other.signalled || (WIFEXITED(other.status) && WEXITSTATUS(other.status) == 0)) continue;
+      const std::string m = read_error_file(other.dir / "error.json").message;
+      if (m.empty() || std::find(seen.begin(), seen.end(), m) != seen.end()) continue;
+      seen.push_back(m);
+      out += fmt::format("lorarun:   rank {} also failed: {}\n", other.rank, indent(m));
     }
     if (workers_.size() > 1)
       out += fmt::format("lorarun: stopped the other {} rank(s) on this node\n", workers_.size() - 1);
     fmt::print(stderr, "{}lorarun: {}\n", out, rule);
+  }
+
+  // A Python message may span lines: continue them under the first.
+  static std::string indent(const std::string& message) {
+    std::string indented = message.substr(0, message.find_last_not_of('\n') + 1);
+    for (size_t at = 0; (at = indented.find('\n', at)) != std::string::npos; ++at)
+      indented.replace(at, 1, "\nlorarun:          ");
+    return indented;
   }
 
   int report() {
@@ -477,13 +521,18 @@ std::vector<std::string> worker_env(const Config& c, int local_rank, int restart
       "ROLE_NAME=default",
       fmt::format("MASTER_ADDR={}", c.master_addr),
       fmt::format("MASTER_PORT={}", c.master_port),
+      fmt::format("LORARUN_RDZV_TIMEOUT={}", c.rdzv_timeout_s),
       fmt::format("TORCHELASTIC_RESTART_COUNT={}", restart),
       fmt::format("TORCHELASTIC_MAX_RESTARTS={}", c.max_restarts),
       fmt::format("TORCHELASTIC_RUN_ID={}", c.run_id),
       "TORCHELASTIC_USE_AGENT_STORE=False",
       "TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
   };
-  if (!error_file.empty()) env.push_back("TORCHELASTIC_ERROR_FILE=" + error_file);
+  if (!error_file.empty()) {
+    env.push_back("TORCHELASTIC_ERROR_FILE=" + error_file);
+    // lora-train then leaves its error line to the summary, which prints it once for all ranks.
+    env.push_back("LORARUN_ERROR_SUMMARY=1");
+  }
   // torchrun's default: one OpenMP thread per worker when several share a node.
   if (c.nproc_per_node > 1 && !std::getenv("OMP_NUM_THREADS")) env.push_back("OMP_NUM_THREADS=1");
   return env;

@@ -20,12 +20,14 @@ StdSpec parse_std_spec(const std::string& spec, const std::string& flag);
 
 struct Config {
   int nproc_per_node = 1;
+  int nproc_limit = 0;  // 0: 4 x this node's CPUs; --nproc-per-node above it is refused
   int nnodes = 1;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;  // 0: a free port (single node only)
   std::string run_id;
   int max_restarts = 0;
+  int rdzv_timeout_s = 600;  // how long a rank waits for the master and the others (torchrun's join_timeout)
   std::string log_dir;  // empty: error files (and any redirected output) go to a temp dir
   StdSpec redirects;    // streams written to DIR/<run_id>/attempt_<n>/<local_rank>/ only
   StdSpec tee;          // streams written there and to the console

@@ -32,6 +32,7 @@ DistEnv DistEnv::from_environment() {
   // A world of one started by hand binds any free port (as torchrun --standalone picks one), so
   // two single-rank runs on one machine never collide on 29500.
   e.master_port = int_var("MASTER_PORT", e.world_size == 1 ? 0 : 29500);
+  e.rdzv_timeout_s = int_var("LORARUN_RDZV_TIMEOUT", 0);
   if (e.world_size < 1) throw Error("WORLD_SIZE=0: it must be at least 1");
   if (e.rank >= e.world_size)
     throw Error(fmt::format("RANK={} is not below WORLD_SIZE={}: each rank must be in "

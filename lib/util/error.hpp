@@ -10,4 +10,11 @@ struct Error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// An error this rank saw but another rank caused (it stopped or hung): `rank` is that rank, which
+// the error file records so that the launcher's summary names it rather than the rank that noticed.
+struct PeerError : Error {
+  PeerError(int rank, const std::string& message) : Error(message), rank(rank) {}
+  int rank;
+};
+
 }  // namespace lorarun

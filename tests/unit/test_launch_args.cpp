@@ -1,5 +1,8 @@
 #include <catch2/catch.hpp>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
 #include <map>
 #include <string>
 #include <thread>
@@ -8,6 +11,7 @@
 #include "launch.hpp"
 #include "slurm.hpp"
 #include "util/error.hpp"
+#include <fmt/format.h>
 
 using namespace lorarun::launch;
 
@@ -218,4 +222,64 @@ TEST_CASE("under Slurm, flags not given come from the job") {
   CHECK(given.master_addr == "h");
   CHECK(given.run_id == "r");
   CHECK(parsed({"--standalone", "q.yaml"}).nnodes == 1);  // --standalone ignores the job
+}
+
+TEST_CASE("the rendezvous timeout: --rdzv-timeout, torchrun's --rdzv-conf join_timeout, 600 s by default") {
+  CHECK(parsed({"--", "true"}).rdzv_timeout_s == 600);
+  CHECK(parsed({"--rdzv-timeout", "30", "--", "true"}).rdzv_timeout_s == 30);
+  CHECK(parsed({"--rdzv_conf", "join_timeout=45,read_timeout=60", "--", "true"}).rdzv_timeout_s == 45);
+  CHECK(parsed({"--rdzv-conf", "join_timeout=45", "--rdzv-timeout", "7", "--", "true"}).rdzv_timeout_s == 7);
+  CHECK_THROWS_WITH(parse({"--rdzv-conf", "join_timeout=soon", "--", "true"}),
+                    Catch::Contains("join_timeout must be a whole number of seconds"));
+  CHECK_THROWS_WITH(parse({"--rdzv-conf", "join_timeout", "--", "true"}), Catch::Contains("join_timeout"));
+  CHECK(parse({"--rdzv-timeout", "0", "--", "true"}).exit_code > 0);
+  Config c;
+  c.rdzv_timeout_s = 12;
+  const auto env = worker_env(c, 0, 0, "/tmp/x/error.json");
+  CHECK(std::find(env.begin(), env.end(), "LORARUN_RDZV_TIMEOUT=12") != env.end());
+  CHECK(std::find(env.begin(), env.end(), "LORARUN_ERROR_SUMMARY=1") != env.end());
+}
+
+TEST_CASE("lorarun --nproc-per-node is bounded by 4 per CPU unless --nproc-limit allows more") {
+  const int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  CHECK(parsed({"--nproc-per-node", std::to_string(4 * cpus), "--", "true"}).nproc_per_node == 4 * cpus);
+  CHECK_THROWS_WITH(parse({"--nproc-per-node", "100000", "--", "true"}),
+                    Catch::Contains(fmt::format("--nproc-per-node 100000 is above the limit of {} (4 per CPU, {} CPUs "
+                                                "here): pass --nproc-limit 100000", 4 * cpus, cpus)));
+  CHECK(parsed({"--nproc-per-node", "100000", "--nproc-limit", "100000", "--", "true"}).nproc_per_node == 100000);
+  CHECK_THROWS_WITH(parse({"--nproc-per-node", "3", "--nproc-limit", "2", "--", "true"}),
+                    Catch::Contains("--nproc-per-node 3 is above --nproc-limit 2"));
+  CHECK_THROWS_WITH(parse({"--nproc-per-node", "1000", "--nproc-limit", "1000", "--nnodes", "100000", "--", "true"}),
+                    Catch::Contains("more ranks than lorarun supports"));
+}
+
+TEST_CASE("recipe or command: the extension, else what the file is, else PATH") {
+  const std::string dir = std::filesystem::temp_directory_path() / fmt::format("lorarun-recipe-or-cmd-{}", getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto write = [&](const std::string& name, const std::string& text, bool exec) {
+    std::ofstream(dir + "/" + name) << text;
+    if (exec) std::filesystem::permissions(dir + "/" + name, std::filesystem::perms::owner_all);
+    return dir + "/" + name;
+  };
+  using V = std::vector<std::string>;
+  const std::string plain = write("recipe", "model: {path: m}\n", false);
+  const std::string exec_yaml = write("recipe-x", "model: {path: m}\ntrain: {lr: 1}\n", true);
+  const std::string script = write("train.sh", "#!/bin/sh\necho hi\n", true);
+  const std::string exec_text = write("tool", "echo hi\n", true);  // a shell runs it: not a mapping
+  CHECK(parsed({plain, "train.lr=1"}).command == V{"lora-train", plain, "train.lr=1"});
+  CHECK(parsed({exec_yaml}).command == V{"lora-train", exec_yaml});
+  CHECK(parsed({script, "-v"}).command == V{script, "-v"});
+  CHECK(parsed({exec_text}).command == V{exec_text});
+  CHECK(parsed({"missing.yaml"}).command == V{"lora-train", "missing.yaml"});  // lora-train says it is missing
+  CHECK(parsed({"true", "x"}).command == V{"true", "x"});                     // a command on PATH
+  CHECK_THROWS_WITH(parse({dir + "/nope", "train.lr=1"}),
+                    Catch::Contains(fmt::format("'{}/nope' is neither a file nor a command on PATH", dir)) &&
+                        Catch::Contains("RECIPE.yaml") && Catch::Contains("lorarun -- CMD ARGS"));
+  CHECK_THROWS_WITH(parse({"no-such-command-here"}), Catch::Contains("neither a file nor a command on PATH"));
+  write("q.yaml", "model: {path: m}\n", false);
+  CHECK_THROWS_WITH(parse({dir + "/q"}), Catch::Contains(fmt::format("'{0}/q' does not exist: did you mean the recipe "
+                                                                     "{0}/q.yaml?", dir)));
+  CHECK_THROWS_WITH(parse({dir}), Catch::Contains("is a directory"));
+  std::filesystem::remove_all(dir);
 }
