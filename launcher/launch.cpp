@@ -31,6 +31,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kTailLines = 10;    // lines of the failing rank shown in the summary
 constexpr size_t kTailWidth = 2000;  // a longer line is cut there
+constexpr int kExitResumable = 75;     // lora-train stopped with its state saved (EX_TEMPFAIL)
 
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
@@ -486,7 +487,10 @@ class Supervisor {
   int report() {
     if (first_failure_) {
       print_summary();
-      return 1;
+      // 75 (EX_TEMPFAIL): the ranks agreed to stop with their resumable state saved (the data
+      // went away, say); the same command continues, so say so in the exit status too.
+      const int st = first_failure_->status;
+      return WIFEXITED(st) && WEXITSTATUS(st) == kExitResumable ? kExitResumable : 1;
     }
     if (got_signal_) return 128 + got_signal_;
     if (attempt_ > 0) fmt::print(stderr, "lorarun: all ranks finished after {} restart(s)\n", attempt_);

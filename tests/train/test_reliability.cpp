@@ -394,3 +394,86 @@ TEST_CASE("a recipe warning is printed once, not once per rank", "[e2e]") {
   CHECK(r.status == 0);
   CHECK(occurrences(r.output, "takes precedence over") == 1);
 }
+
+namespace {
+
+// A FerretDB of the test's own that can be stopped and started again on the same port.
+struct OwnServer {
+  std::string state, port;
+  explicit OwnServer(const std::string& dir) : state(dir + "/ferretdb") { start(); }
+  ~OwnServer() { stop(); }
+  void start() {
+    const Result r = sh(fmt::format("'{}/scripts/ferretdb' start '{}' {} | tail -n 1", LORARUN_SOURCE_DIR, state,
+                                    port.empty() ? "0" : port));
+    REQUIRE(r.status == 0);
+    const std::string uri = r.output.substr(0, r.output.find('\n'));
+    port = uri.substr(uri.rfind(':') + 1, uri.rfind('/') - uri.rfind(':') - 1);
+  }
+  void stop() { sh(fmt::format("'{}/scripts/ferretdb' stop '{}'", LORARUN_SOURCE_DIR, state)); }
+  std::string uri() const { return fmt::format("mongodb://127.0.0.1:{}/", port); }
+  // kill -9: a graceful stop lets open connections finish their work first.
+  std::string stop_command() const {
+    return fmt::format("kill -9 $(cat '{0}/ferretdb.pid'); rm -f '{0}/ferretdb.pid' '{0}/uri'", state);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("the database gone mid-epoch: every rank saves the last completed step and exits 75, also on SIGTERM "
+          "during the wait to retry, and the rerun ends with the uninterrupted adapter", "[e2e][db]") {
+  const std::string dir = temp_dir("data-lost");
+  OwnServer server(dir);
+  write_data(dir + "/data.jsonl", 600);
+  REQUIRE(sh(fmt::format("{} import {}/data.jsonl --uri '{}' --db lost --collection ex", bin("lora-data"), dir,
+                         server.uri())).status == 0);
+  // 300 documents a rank, read 256 at a time and none ahead (prefetch 0): the second read comes
+  // at step 257, after the server is gone.
+  const auto recipe = [&](const std::string& name) {
+    const std::string path = fmt::format("{}/{}.yaml", dir, name);
+    std::ofstream(path) << fmt::format(R"(model: {{path: {}/llama, dtype: fp32, device: cpu}}
+lora: {{r: 4, alpha: 8, dropout: 0.1}}
+data: {{uri: "{}", database: lost, collection: ex, prompt_template: "Q: {{instruction}}\nA: ", batch_size: 1,
+        prefetch: 0}}
+train: {{epochs: 1, lr: 1.0e-3}}
+checkpoint: {{output_dir: {}/{}}}
+track: {{mongodb: false}}
+)", LORARUN_MODEL_FIXTURES, server.uri(), dir, name);
+    return path;
+  };
+  const std::string full = recipe("full"), cut = recipe("cut"), term = recipe("term");
+  REQUIRE(sh(lorarun_cmd(2, full)).status == 0);
+
+  // Retries spent: the ranks agree, save step 256 and stop with 75.
+  const Result lost = interrupt(lorarun_cmd(2, cut, "data.retries=1 data.retry_backoff_s=0.2"), dir + "/cut.log",
+                                "step 20/300", server.stop_command());
+  const std::string log = read_file(dir + "/cut.log");
+  INFO(log);
+  CHECK_THAT(lost.output, Catch::Contains("exit=75"));
+  CHECK_THAT(log, Catch::Contains("the resumable state of step 256"));
+  CHECK_THAT(log, !Catch::Contains("frame #"));
+  REQUIRE(fs::exists(dir + "/cut/resume_state/manifest.json"));
+  server.start();
+  const Result again = sh(lorarun_cmd(2, cut));
+  INFO(again.output);
+  REQUIRE(again.status == 0);
+  CHECK_THAT(again.output, Catch::Contains("resuming at epoch 0 step 256"));
+  CHECK(same_file(dir + "/full/epoch_0/adapter_model.safetensors", dir + "/cut/epoch_0/adapter_model.safetensors"));
+
+  // SIGTERM while a rank waits 30 s to retry: it stops at once, state saved.
+  const Result stopped = interrupt(lorarun_cmd(2, term, "data.retries=5 data.retry_backoff_s=30"), dir + "/term.log",
+                                   "step 200/300",
+                                   server.stop_command() + "; for i in $(seq 1 400); do grep -q 'step 256/300' \"$log\" "
+                                   "&& break; sleep 0.05; done; sleep 0.5; t0=$(date +%s); kill -TERM $pid; wait $pid; "
+                                   "echo stopped=$?; echo waited=$(( $(date +%s) - t0 ))");
+  INFO(stopped.output);
+  CHECK_THAT(stopped.output, Catch::Contains("stopped=143"));
+  const size_t w = stopped.output.find("waited=");
+  REQUIRE(w != std::string::npos);
+  CHECK(std::stoi(stopped.output.substr(w + 7)) <= 5);
+  REQUIRE(fs::exists(dir + "/term/resume_state/manifest.json"));
+  server.start();
+  const Result resumed = sh(lorarun_cmd(2, term));
+  INFO(resumed.output);
+  REQUIRE(resumed.status == 0);
+  CHECK(same_file(dir + "/full/epoch_0/adapter_model.safetensors", dir + "/term/epoch_0/adapter_model.safetensors"));
+}
