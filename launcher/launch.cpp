@@ -413,6 +413,22 @@ class Supervisor {
     reap();
   }
 
+  // A rank that failed only because the rank it blames went away (the store's host, say) is not
+  // the story: when the blamed rank of this node failed too, with an error of its own, that one
+  // is the first failure to report. Called once every rank has ended.
+  void settle_first_failure() {
+    const ErrorFile error = read_error_file(workers_[first_failure_->index].dir / "error.json");
+    if (!error.blamed_rank || *error.blamed_rank < 0) return;
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      const Worker& w = workers_[i];
+      const bool failed = !(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0);
+      if (w.rank != *error.blamed_rank || w.alive || !failed) continue;
+      const ErrorFile own = read_error_file(w.dir / "error.json");
+      if (!own.message.empty() && (!own.blamed_rank || *own.blamed_rank == w.rank))
+        first_failure_ = Failure{static_cast<int>(i), w.status};
+    }
+  }
+
   // "rank 1 (local rank 1, pid 42)", or "rank 9" for a rank of another node.
   std::string who(int rank) const {
     for (const Worker& w : workers_)
@@ -425,12 +441,14 @@ class Supervisor {
   std::string first_failure_line(const ErrorFile& error) const {
     const Worker& w = workers_[first_failure_->index];
     const std::string status = describe_status(first_failure_->status);
-    if (!error.blamed_rank || *error.blamed_rank == w.rank) return fmt::format("{} failed first: {}", who(w.rank), status);
+    if (!error.blamed_rank || *error.blamed_rank < 0 || *error.blamed_rank == w.rank)  // < 0: a peer, unknown which
+      return fmt::format("{} failed first: {}", who(w.rank), status);
     return fmt::format("{} timed out: detected by {}, which failed first: {}", who(*error.blamed_rank), who(w.rank),
                        status);
   }
 
   void announce_restart() {
+    settle_first_failure();
     const Worker& w = workers_[first_failure_->index];
     const ErrorFile error = read_error_file(w.dir / "error.json");
     fmt::print(stderr, "lorarun: {}{}\n", first_failure_line(error),
@@ -466,7 +484,9 @@ class Supervisor {
     std::vector<std::string> seen{message};
     for (const Worker& other : workers_) {
       if (&other == &w || other.signalled || (WIFEXITED(other.status) && WEXITSTATUS(other.status) == 0)) continue;
-      const std::string m = read_error_file(other.dir / "error.json").message;
+      const ErrorFile e = read_error_file(other.dir / "error.json");
+      const std::string& m = e.message;
+      if (e.blamed_rank == w.rank) continue;  // it failed because of the rank reported above
       if (m.empty() || std::find(seen.begin(), seen.end(), m) != seen.end()) continue;
       seen.push_back(m);
       out += fmt::format("lorarun:   rank {} also failed: {}\n", other.rank, indent(m));
@@ -486,6 +506,7 @@ class Supervisor {
 
   int report() {
     if (first_failure_) {
+      settle_first_failure();
       print_summary();
       // 75 (EX_TEMPFAIL): the ranks agreed to stop with their resumable state saved (the data
       // went away, say); the same command continues, so say so in the exit status too.

@@ -171,6 +171,15 @@ ProcessGroup::ProcessGroup(const DistEnv& env, Backend backend, std::chrono::sec
       impl_->heartbeat = std::make_unique<Heartbeat>(store_client(env, attempt_prefix() + "heartbeat"), env.rank,
                                                      env.world_size, std::chrono::seconds(1));
   } catch (const std::exception& e) {
+    // Rank 0 hosts the store: when it goes away (its own rendezvous timed out, say) the others
+    // lose the connection here, and rank 0's error is the one that says why.
+    const std::string what = e.what();
+    if (env.rank != 0 && (what.find("Failed to recv") != std::string::npos ||
+                          what.find("likely closed") != std::string::npos ||
+                          what.find("Connection reset") != std::string::npos))
+      throw PeerError(0, fmt::format("rank {} lost the rendezvous store on rank 0 at {}:{} while creating the {} "
+                                     "process group: rank 0 ended first, and its error says why", env.rank,
+                                     env.master_addr, env.master_port, backend_name(backend)));
     throw Error(fmt::format("rank {}: creating the {} process group failed: {}", env.rank,
                             backend_name(backend), short_message(e)));
   }

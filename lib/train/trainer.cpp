@@ -682,8 +682,8 @@ int run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
     // Gloo reports a peer that died as an I/O error; the peer's own error is the one that matters.
     const std::string what = e.what();
     if (!dynamic_cast<const Error*>(&e) && what.find("gloo") != std::string::npos)
-      throw Error(fmt::format("rank {} lost its connection to another rank ({}): that rank stopped first, and its "
-                              "error says why", env.rank, what.substr(what.find(']') + 2)));
+      throw PeerError(-1, fmt::format("rank {} lost its connection to another rank ({}): that rank stopped first, and "
+                                      "its error says why", env.rank, what.substr(what.find(']') + 2)));
     throw;
   }
 }

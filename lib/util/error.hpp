@@ -11,7 +11,8 @@ struct Error : std::runtime_error {
 };
 
 // An error this rank saw but another rank caused (it stopped or hung): `rank` is that rank, which
-// the error file records so that the launcher's summary names it rather than the rank that noticed.
+// the error file records so that the launcher's summary names it rather than the rank that noticed
+// (-1: some other rank, not known which).
 struct PeerError : Error {
   PeerError(int rank, const std::string& message) : Error(message), rank(rank) {}
   int rank;
