@@ -417,7 +417,19 @@ class Supervisor {
   // the story: when the blamed rank of this node failed too, with an error of its own, that one
   // is the first failure to report. Called once every rank has ended.
   void settle_first_failure() {
-    const ErrorFile error = read_error_file(workers_[first_failure_->index].dir / "error.json");
+    const auto failed_on_its_own = [](const Worker& w) { return !w.alive && !(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0); };
+    ErrorFile error = read_error_file(workers_[first_failure_->index].dir / "error.json");
+    // It only lost a peer (not knowing which): a rank whose error says more is the story. A
+    // stopped rank let go by our SIGCONT can end before the rank that found it stopped.
+    if (error.blamed_rank && *error.blamed_rank < 0)
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        const ErrorFile other = read_error_file(workers_[i].dir / "error.json");
+        if (!failed_on_its_own(workers_[i]) || other.message.empty() || (other.blamed_rank && *other.blamed_rank < 0))
+          continue;
+        first_failure_ = Failure{static_cast<int>(i), workers_[i].status};
+        error = other;
+        break;
+      }
     if (!error.blamed_rank || *error.blamed_rank < 0) return;
     for (size_t i = 0; i < workers_.size(); ++i) {
       const Worker& w = workers_[i];
@@ -486,7 +498,7 @@ class Supervisor {
       if (&other == &w || other.signalled || (WIFEXITED(other.status) && WEXITSTATUS(other.status) == 0)) continue;
       const ErrorFile e = read_error_file(other.dir / "error.json");
       const std::string& m = e.message;
-      if (e.blamed_rank == w.rank) continue;  // it failed because of the rank reported above
+      if (e.blamed_rank && (*e.blamed_rank < 0 || *e.blamed_rank == w.rank)) continue;  // a consequence of the above
       if (m.empty() || std::find(seen.begin(), seen.end(), m) != seen.end()) continue;
       seen.push_back(m);
       out += fmt::format("lorarun:   rank {} also failed: {}\n", other.rank, indent(m));
