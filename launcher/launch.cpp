@@ -4,6 +4,7 @@
 #include <csignal>
 #include <cstring>
 #include <algorithm>
+#include <chrono>
 #include <deque>
 #include <fcntl.h>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -45,6 +47,7 @@ std::string describe_status(int status) {
 struct ErrorFile {
   std::string message;  // empty when the rank wrote none
   std::optional<int> blamed_rank;
+  std::optional<std::chrono::nanoseconds> written;  // since the epoch: the file's modification time
 };
 
 ErrorFile read_error_file(const fs::path& path) {
@@ -53,13 +56,15 @@ ErrorFile read_error_file(const fs::path& path) {
   try {
     const nlohmann::json j = nlohmann::json::parse(in);
     const nlohmann::json& m = j.at("message");
-    if (m.is_string()) return {m.get<std::string>(), {}};
-    ErrorFile out{m.at("message").get<std::string>(), {}};
+    ErrorFile out;
+    out.message = m.is_string() ? m.get<std::string>() : m.at("message").get<std::string>();
     if (m.contains("extraInfo") && m["extraInfo"].contains("blamed_rank"))
       out.blamed_rank = m["extraInfo"]["blamed_rank"].get<int>();
+    if (struct stat st{}; stat(path.c_str(), &st) == 0)
+      out.written = std::chrono::seconds(st.st_mtim.tv_sec) + std::chrono::nanoseconds(st.st_mtim.tv_nsec);
     return out;
   } catch (const std::exception&) {
-    return {fmt::format("(unreadable error file {})", path.string()), {}};
+    return {fmt::format("(unreadable error file {})", path.string()), {}, {}};
   }
 }
 
@@ -117,6 +122,7 @@ struct Worker {
   bool alive = false;
   bool signalled = false;  // lorarun sent it a stop signal while it ran
   int status = 0;
+  std::chrono::nanoseconds ended{};  // since the epoch: when it was reaped
   fs::path dir;  // DIR/<run_id>/attempt_<n>/<local_rank>: error.json, stdout.log, stderr.log
   std::deque<std::string> tail;
   LineRelay out, err;
@@ -341,6 +347,7 @@ class Supervisor {
         if (w.pid != pid) continue;
         w.alive = false;
         w.status = status;
+        w.ended = std::chrono::system_clock::now().time_since_epoch();
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
         if (!ok && !first_failure_ && !got_signal_) {
           first_failure_ = Failure{static_cast<int>(i), status};
@@ -413,31 +420,23 @@ class Supervisor {
     reap();
   }
 
-  // A rank that failed only because the rank it blames went away (the store's host, say) is not
-  // the story: when the blamed rank of this node failed too, with an error of its own, that one
-  // is the first failure to report. Called once every rank has ended.
+  // The first failure is the one that happened first, not the first reaped: a stopped rank that
+  // our SIGCONT lets go can end before the rank that found it stopped. A failure's time is when
+  // its error file was written (or, without one, when it was reaped); an error that only lost an
+  // unknown peer (blamed rank -1) is a consequence and gives way to any other. Called once every
+  // rank has ended.
   void settle_first_failure() {
-    const auto failed_on_its_own = [](const Worker& w) { return !w.alive && !(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0); };
-    ErrorFile error = read_error_file(workers_[first_failure_->index].dir / "error.json");
-    // It only lost a peer (not knowing which): a rank whose error says more is the story. A
-    // stopped rank let go by our SIGCONT can end before the rank that found it stopped.
-    if (error.blamed_rank && *error.blamed_rank < 0)
-      for (size_t i = 0; i < workers_.size(); ++i) {
-        const ErrorFile other = read_error_file(workers_[i].dir / "error.json");
-        if (!failed_on_its_own(workers_[i]) || other.message.empty() || (other.blamed_rank && *other.blamed_rank < 0))
-          continue;
-        first_failure_ = Failure{static_cast<int>(i), workers_[i].status};
-        error = other;
-        break;
-      }
-    if (!error.blamed_rank || *error.blamed_rank < 0) return;
+    std::optional<std::pair<bool, std::chrono::nanoseconds>> earliest;
     for (size_t i = 0; i < workers_.size(); ++i) {
       const Worker& w = workers_[i];
-      const bool failed = !(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0);
-      if (w.rank != *error.blamed_rank || w.alive || !failed) continue;
-      const ErrorFile own = read_error_file(w.dir / "error.json");
-      if (!own.message.empty() && (!own.blamed_rank || *own.blamed_rank == w.rank))
+      if (w.alive || (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)) continue;
+      const ErrorFile error = read_error_file(w.dir / "error.json");
+      const bool consequence = error.blamed_rank && *error.blamed_rank < 0;
+      const std::pair<bool, std::chrono::nanoseconds> at{consequence, error.written.value_or(w.ended)};
+      if (!earliest || at < *earliest) {
+        earliest = at;
         first_failure_ = Failure{static_cast<int>(i), w.status};
+      }
     }
   }
 
