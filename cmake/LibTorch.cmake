@@ -34,8 +34,11 @@ target_include_directories(lorarun::torch SYSTEM INTERFACE
 # Every LibTorch since 2.7 is built with the C++11 ABI; Gloo is compiled into libtorch_cpu.
 target_compile_definitions(lorarun::torch INTERFACE _GLIBCXX_USE_CXX11_ABI=1 USE_C10D_GLOO)
 target_compile_options(lorarun::torch INTERFACE -Wno-interference-size)
+# libtorch.so exports its own copy of std::filesystem (remove_all, permissions, …) which crashes
+# when called from our code: libstdc++ comes first in the link line, and so in the loader's
+# search order, so such calls reach the system's libstdc++.
 target_link_libraries(lorarun::torch INTERFACE
-  "${_tlib}/libtorch.so" "${_tlib}/libtorch_cpu.so" "${_tlib}/libc10.so")
+  stdc++ "${_tlib}/libtorch.so" "${_tlib}/libtorch_cpu.so" "${_tlib}/libc10.so")
 
 # CUDA builds: libtorch_cuda must be loaded even though we call nothing in it directly, so
 # that its CUDA hooks register (torch::cuda::is_available). Its own dependencies (cudart,
