@@ -248,7 +248,7 @@ template <class R, class V> void for_each_key(R& r, V&& v) {
   v(Key{.name = "dist.backend", .meaning = "the collectives' backend; auto: nccl on CUDA, gloo on CPU"}, r.dist.backend);
   v(Key{.name = "dist.timeout_s",
         .bound = at_least(1),
-        .meaning = "seconds the rendezvous or a collective may wait before the run fails"},
+        .meaning = "seconds a collective may wait before the run fails (and the rendezvous, unless lorarun --rdzv-timeout sets it)"},
     r.dist.timeout_s);
   v(Key{.name = "dist.debug_checksum_every_n_steps",
         .bound = at_least(1),
