@@ -162,7 +162,7 @@ std::string where(int64_t position, const data::Found& found) {
 }
 
 int64_t trained_tokens(const data::Example& e) {
-  return std::count_if(e.labels.begin(), e.labels.end(), [](int32_t l) { return l != -100; });
+  return std::count_if(e.labels.begin(), e.labels.end(), [](int32_t l) { return l != data::kIgnoreIndex; });
 }
 
 // ---- stats --------------------------------------------------------------------------------
@@ -276,9 +276,9 @@ void stats(const RecipeArgs& a) {
 std::string render(const tok::Tokenizer& tokenizer, const data::Example& e, bool colour) {
   std::string out;
   for (size_t i = 0; i < e.ids.size();) {
-    const bool trained = e.labels[i] != -100;
+    const bool trained = e.labels[i] != data::kIgnoreIndex;
     size_t j = i;
-    while (j < e.ids.size() && (e.labels[j] != -100) == trained) ++j;
+    while (j < e.ids.size() && (e.labels[j] != data::kIgnoreIndex) == trained) ++j;
     const std::string text = tokenizer.decode(std::span(e.ids).subspan(i, j - i));
     out += !trained ? text : colour ? "\x1b[32m" + text + "\x1b[0m" : "⟦" + text + "⟧";
     i = j;

@@ -11,6 +11,7 @@
 
 #include "app_main.hpp"
 #include "model_args.hpp"
+#include "data/example.hpp"
 #include "io/files.hpp"
 #include "model/lora.hpp"
 #include "model/loss.hpp"
@@ -74,7 +75,7 @@ int run(int argc, char** argv) {
     int64_t T = 0;
     for (size_t i = start; i < end; ++i) T = std::max<int64_t>(T, static_cast<int64_t>(docs[i].size()));
     at::Tensor ids = at::zeros({static_cast<int64_t>(end - start), T}, at::kLong);
-    at::Tensor labels = at::full_like(ids, -100);
+    at::Tensor labels = at::full_like(ids, data::kIgnoreIndex);
     for (size_t i = start; i < end; ++i) {
       const auto n = static_cast<int64_t>(docs[i].size());
       if (n == 0) continue;
@@ -82,7 +83,7 @@ int run(int argc, char** argv) {
       ids[static_cast<int64_t>(i - start)].narrow(0, 0, n).copy_(row);
       labels[static_cast<int64_t>(i - start)].narrow(0, 0, n).copy_(row);
     }
-    const at::Tensor mask = labels != -100;
+    const at::Tensor mask = labels != data::kIgnoreIndex;
     const at::Tensor logits = m.forward(ids.to(m.device()), mask.to(m.device()));
     if (start == 0 && !dump_logits.empty())
       model::save_tensors(dump_logits, {{"input_ids", ids}, {"attention_mask", mask.to(at::kLong)},

@@ -65,7 +65,7 @@ void ExampleBuilder::append(Example& e, const std::string& text, bool trained, b
   const std::vector<int32_t> ids = tok_.encode(text, add_special);
   e.ids.insert(e.ids.end(), ids.begin(), ids.end());
   e.labels.insert(e.labels.end(), ids.begin(), ids.end());
-  if (!trained) std::fill(e.labels.end() - static_cast<std::ptrdiff_t>(ids.size()), e.labels.end(), -100);
+  if (!trained) std::fill(e.labels.end() - static_cast<std::ptrdiff_t>(ids.size()), e.labels.end(), kIgnoreIndex);
 }
 
 std::variant<Example, Rejection> ExampleBuilder::finish(Example e, bool add_eos) const {
@@ -80,7 +80,7 @@ std::variant<Example, Rejection> ExampleBuilder::finish(Example e, bool add_eos)
     e.labels.resize(static_cast<size_t>(cfg_.max_length));
     e.truncated = true;
   }
-  if (std::all_of(e.labels.begin(), e.labels.end(), [](int32_t l) { return l == -100; }))
+  if (std::all_of(e.labels.begin(), e.labels.end(), [](int32_t l) { return l == kIgnoreIndex; }))
     return bad("no token left to train on after truncation");
   return e;
 }

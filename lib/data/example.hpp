@@ -13,9 +13,12 @@
 
 namespace lorarun::data {
 
+// The label of a token that is not trained (transformers' and PyTorch's ignore_index).
+inline constexpr int32_t kIgnoreIndex = -100;
+
 struct Example {
   std::vector<int32_t> ids;
-  std::vector<int32_t> labels;  // the id where trained, -100 where not
+  std::vector<int32_t> labels;  // the id where trained, kIgnoreIndex where not
   bool truncated = false;
 };
 

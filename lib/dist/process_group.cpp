@@ -12,6 +12,7 @@
 
 #include "dist/backends.hpp"
 #include "dist/heartbeat.hpp"
+#include "recipe/recipe.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::dist {
@@ -34,6 +35,15 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
               "are found (scripts/setup installs them), or set dist.backend: gloo");
 }
 #endif
+
+Backend backend_of(recipe::DistBackend b, bool cuda) {
+  switch (b) {
+    case recipe::DistBackend::Auto: return cuda ? Backend::Nccl : Backend::Gloo;
+    case recipe::DistBackend::Nccl: return Backend::Nccl;
+    case recipe::DistBackend::Gloo: return Backend::Gloo;
+  }
+  throw Error("unknown dist.backend");
+}
 
 namespace {
 

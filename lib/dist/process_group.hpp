@@ -11,6 +11,10 @@ namespace at {
 class Tensor;
 }
 
+namespace lorarun::recipe {
+enum class DistBackend;
+}
+
 namespace lorarun::dist {
 
 enum class Backend { Gloo, Nccl };
@@ -19,6 +23,8 @@ std::string_view backend_name(Backend b);
 
 // "auto" picks NCCL when training on CUDA and Gloo otherwise; "nccl" or "gloo" force one.
 Backend resolve_backend(std::string_view name, bool cuda);
+// The same for the recipe's dist.backend.
+Backend backend_of(recipe::DistBackend b, bool cuda);
 
 // What this binary was built with, for --check-env.
 struct NcclBuild {

@@ -14,6 +14,7 @@
 #include "io/files.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
+#include "recipe/recipe.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
 
@@ -229,6 +230,17 @@ void merge_lora(CausalLM& model) {
     l->lora_a = at::Tensor();
     l->lora_b = at::Tensor();
   }
+}
+
+LoraConfig lora_config_of(const recipe::LoraSection& lora, const std::string& base_model) {
+  LoraConfig cfg;
+  cfg.r = lora.r;
+  cfg.alpha = lora.alpha;
+  cfg.dropout = lora.dropout;
+  cfg.use_rslora = lora.use_rslora;
+  cfg.target_modules = lora.target_modules;
+  cfg.base_model_name_or_path = base_model;
+  return cfg;
 }
 
 }  // namespace lorarun::model

@@ -5,6 +5,10 @@
 #include <string>
 #include <vector>
 
+namespace lorarun::recipe {
+struct LoraSection;
+}
+
 namespace lorarun::model {
 
 class CausalLM;
@@ -19,6 +23,9 @@ struct LoraConfig {
 
   double scaling() const;  // alpha / r, or alpha / sqrt(r) with rsLoRA
 };
+
+// The recipe's lora.* keys as the adapter's config, for the base model at `base_model`.
+LoraConfig lora_config_of(const recipe::LoraSection& lora, const std::string& base_model);
 
 // PEFT's rule: a listed name matches a module whose full name equals it or ends with ".name";
 // "all-linear" matches every linear layer but the output projection.

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "data/example.hpp"
+
 namespace lorarun::model {
 namespace {
 
@@ -12,8 +14,8 @@ std::pair<at::Tensor, at::Tensor> token_losses(const at::Tensor& logits, const a
   const at::Tensor shifted = logits.narrow(1, 0, T - 1).to(at::kFloat);
   const at::Tensor target = labels.to(logits.device(), at::kLong).narrow(1, 1, T - 1);
   const at::Tensor loss = at::cross_entropy_loss(shifted.reshape({-1, shifted.size(-1)}), target.reshape(-1),
-                                                 {}, at::Reduction::None, -100);
-  return {loss.view(target.sizes()), target != -100};
+                                                 {}, at::Reduction::None, data::kIgnoreIndex);
+  return {loss.view(target.sizes()), target != data::kIgnoreIndex};
 }
 
 }  // namespace

@@ -6,11 +6,11 @@ namespace lorarun::model {
 
 struct LossSum {
   at::Tensor sum;    // float32 scalar: sum of per-token cross-entropy over trained tokens
-  at::Tensor count;  // int64 scalar: number of trained tokens (labels != -100)
+  at::Tensor count;  // int64 scalar: number of trained tokens (labels != data::kIgnoreIndex)
 };
 
 // logits [B, T, V] predict labels [B, T] shifted by one (position t predicts labels[t+1]), as
-// transformers' ForCausalLMLoss; -100 marks tokens that are not trained.
+// transformers' ForCausalLMLoss; data::kIgnoreIndex (-100) marks tokens that are not trained.
 LossSum causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 
 // The same loss straight from the final hidden states, without logits for the whole batch:

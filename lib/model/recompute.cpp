@@ -1,4 +1,4 @@
-#include "model/checkpoint.hpp"
+#include "model/recompute.hpp"
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -57,7 +57,7 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
 
 }  // namespace
 
-at::Tensor checkpointed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x) {
+at::Tensor recomputed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x) {
   auto replay = c10::make_intrusive<Replay>();
   replay->fn = std::move(fn);
   return Checkpoint::apply(x, std::move(replay));

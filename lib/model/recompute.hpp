@@ -1,4 +1,4 @@
-// Activation checkpointing: run a piece of the model without keeping its activations, and run
+// Activation recompute ("activation checkpointing"): run a piece of the model without keeping its activations, and run
 // it again during backward to get its gradients (torch.utils.checkpoint, reentrant flavour).
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -11,6 +11,6 @@ namespace lorarun::model {
 // uses accumulate into their .grad as in a plain backward. x must require grad (the caller makes
 // a frozen input a leaf that does), and fn must hold its captures by value: it runs after the
 // caller has returned.
-at::Tensor checkpointed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x);
+at::Tensor recomputed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x);
 
 }  // namespace lorarun::model

@@ -7,9 +7,10 @@
 #include <fmt/ranges.h>
 #include <map>
 
-#include "model/checkpoint.hpp"
+#include "model/recompute.hpp"
 #include "model/resolve.hpp"
 #include "model/weights.hpp"
+#include "recipe/recipe.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::model {
@@ -304,9 +305,9 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
     h = h + at::embedding(embed_positions_, positions);
   }
 
-  const bool recompute = checkpoint_activations && training && c10::GradMode::is_enabled();
+  const bool recompute = recompute_activations && training && c10::GradMode::is_enabled();
   for (size_t i = 0; i < blocks_.size(); ++i) {
-    // Captures by value: with checkpointing it runs again during backward.
+    // Captures by value: with recompute it runs again during backward.
     auto block = [this, i, mask, cos, sin, cache](const at::Tensor& x) {
       const Block& b = blocks_[i];
       if (config_.family == Family::Opt && !config_.do_layer_norm_before) {  // post-LN OPT (350m)
@@ -321,7 +322,7 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
       continue;
     }
     if (!h.requires_grad()) h = h.detach().requires_grad_(true);  // frozen embeddings: a leaf
-    h = checkpointed(block, h);
+    h = recomputed(block, h);
   }
   if (final_norm_.weight.defined()) h = norm(final_norm_, h);
   if (project_out_.defined()) h = project_out_.forward(h, training);
@@ -365,6 +366,15 @@ int64_t CausalLM::base_parameter_count() const {
   int64_t n = 0;
   for (const NamedWeight& w : named_) n += w.numel;
   return n;
+}
+
+at::ScalarType dtype_of(recipe::Dtype d) {
+  switch (d) {
+    case recipe::Dtype::BF16: return at::kBFloat16;
+    case recipe::Dtype::FP16: return at::kHalf;
+    case recipe::Dtype::FP32: return at::kFloat;
+  }
+  throw Error("unknown model.dtype");
 }
 
 }  // namespace lorarun::model

@@ -10,7 +10,14 @@
 #include "model/config.hpp"
 #include "model/nf4.hpp"
 
+namespace lorarun::recipe {
+enum class Dtype;
+}
+
 namespace lorarun::model {
+
+// The recipe's model.dtype (bf16 | fp16 | fp32) as the weights' tensor dtype.
+at::ScalarType dtype_of(recipe::Dtype d);
 
 // A frozen linear layer, y = x W^T + b, plus an optional LoRA adapter:
 //   y += scaling * B A dropout(x),  A [r, in], B [out, r]   (PEFT's LoraLayer)
@@ -95,7 +102,7 @@ class CausalLM {
 
   bool training = false;
   // Recompute each decoder block's activations in backward instead of keeping them (training).
-  bool checkpoint_activations = false;
+  bool recompute_activations = false;
 
  private:
   at::Tensor attention(const Block& b, const at::Tensor& x, const at::Tensor& mask,

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fmt/format.h>
 
+#include "recipe/recipe.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::train {
@@ -24,6 +25,15 @@ double lr_factor(Schedule s, int64_t step, int64_t warmup, int64_t total) {
     case Schedule::Cosine: return std::max(0.0, 0.5 * (1.0 + std::cos(M_PI * after)));  // half a cycle
   }
   return 1.0;
+}
+
+Schedule schedule_of(recipe::Scheduler s) {
+  switch (s) {
+    case recipe::Scheduler::Cosine: return Schedule::Cosine;
+    case recipe::Scheduler::Linear: return Schedule::Linear;
+    case recipe::Scheduler::Constant: return Schedule::Constant;
+  }
+  return Schedule::Cosine;
 }
 
 }  // namespace lorarun::train

@@ -3,11 +3,16 @@
 #include <cstdint>
 #include <string_view>
 
+namespace lorarun::recipe {
+enum class Scheduler;
+}
+
 namespace lorarun::train {
 
 enum class Schedule { Constant, Linear, Cosine };
 
 Schedule parse_schedule(std::string_view name);  // constant | linear | cosine
+Schedule schedule_of(recipe::Scheduler s);       // the recipe's train.lr_scheduler
 
 // The multiplier of the base lr for the optimizer step that follows `step` completed steps,
 // out of `total` steps, the first `warmup` of them warming up linearly from 0.

@@ -1,6 +1,7 @@
 #include "train/state.hpp"
 
 #include <ATen/ATen.h>
+#include <algorithm>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <filesystem>
@@ -106,6 +107,32 @@ at::Tensor finite_tensor(const io::SafetensorsFile& f, const fs::path& dir, cons
 }
 
 }  // namespace
+
+std::string save_epoch(const std::string& output_dir, int epoch, const model::CausalLM& m,
+                       const model::LoraConfig& cfg) {
+  const fs::path dir = fs::path(output_dir) / fmt::format("epoch_{}", epoch);
+  const fs::path tmp = dir.string() + fmt::format(".tmp.{}", getpid());
+  io::remove_tree(tmp.string());
+  model::save_adapter(m, cfg, tmp.string());
+  io::remove_tree(dir.string());
+  fs::rename(tmp, dir);
+  io::sync_dir(output_dir);
+  return dir.string();
+}
+
+void remove_unkept_epochs(const std::string& output_dir, const std::vector<int>& kept) {
+  for (const auto& e : fs::directory_iterator(output_dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.find(".tmp.") != std::string::npos) {
+      io::remove_tree(e.path().string());
+      continue;
+    }
+    if (!e.is_directory() || name.rfind("epoch_", 0) != 0) continue;
+    const std::string digits = name.substr(6);
+    if (digits.empty() || digits.size() > 6 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (std::find(kept.begin(), kept.end(), std::stoi(digits)) == kept.end()) io::remove_tree(e.path().string());
+  }
+}
 
 std::string state_dir(const std::string& output_dir) { return (fs::path(output_dir) / "resume_state").string(); }
 

@@ -1,5 +1,6 @@
-// The resumable state of a run: what it takes to continue at the exact optimizer step after a
-// crash or a preemption (adapter, AdamW moments, RNG of every rank, data position, counters).
+// What a run leaves in its output directory: the epoch adapters (epoch_<i>/) the checkpoint
+// policy keeps, and the resumable state, what it takes to continue at the exact optimizer step
+// after a crash or a preemption (adapter, AdamW moments, RNG of every rank, data position, counters).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <cstdint>
@@ -17,6 +18,15 @@ struct LoraConfig;
 }  // namespace lorarun::model
 
 namespace lorarun::train {
+
+// Writes the adapter as <output_dir>/epoch_<epoch>: to <dir>.tmp.<pid>, synced, then renamed, so
+// a reader never sees half of it. Returns the directory.
+std::string save_epoch(const std::string& output_dir, int epoch, const model::CausalLM& m,
+                       const model::LoraConfig& cfg);
+
+// Removes every epoch_<i>/ whose i is not in `kept`, and the temporary directories a crashed
+// earlier run left behind.
+void remove_unkept_epochs(const std::string& output_dir, const std::vector<int>& kept);
 
 // Where a run stands between two optimizer steps.
 struct Progress {

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "data/batches.hpp"
+#include "data/collate.hpp"
 #include "data/source.hpp"
 #include "dist/grad_buckets.hpp"
 #include "dist/process_group.hpp"
@@ -52,93 +53,6 @@ void install_stop_handlers() {
   sigaction(SIGINT, &sa, nullptr);
 }
 
-// A micro-batch on the device: rows of token ids [R, T] with their mask (1 = token, 0 = padding;
-// packed: the document's number within its row), and the N flat positions of [R*T] that predict
-// a trained token, with those tokens. Documents never predict across a boundary.
-struct Batch {
-  at::Tensor ids, mask, rows, targets;
-  int64_t tokens = 0;           // trained tokens (N)
-  int64_t real = 0, slots = 0;  // document tokens and row slots (R*T): the padding share
-};
-
-// Host vector -> device tensor of `shape`; through pinned memory, without blocking, on CUDA.
-at::Tensor upload(const std::vector<int64_t>& v, at::IntArrayRef shape, at::Device device) {
-  const auto opts = at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda());
-  at::Tensor host = at::empty(shape, opts);
-  std::copy(v.begin(), v.end(), host.data_ptr<int64_t>());
-  return device.is_cuda() ? host.to(device, /*non_blocking=*/true) : host;
-}
-
-// Examples -> rows: one per example, right-padded to the longest; or, packed, the examples
-// share rows of `capacity` tokens (first-fit decreasing), padded to the fullest row.
-Batch collate(const std::vector<data::Example>& examples, bool packed, size_t capacity, at::Device device) {
-  Batch b;
-  if (examples.empty()) return b;
-  std::vector<std::vector<size_t>> layout;
-  if (packed) {
-    std::vector<size_t> lengths;
-    for (const auto& e : examples) lengths.push_back(e.ids.size());
-    layout = data::pack_rows(lengths, std::max(capacity, *std::max_element(lengths.begin(), lengths.end())));
-  } else {
-    for (size_t i = 0; i < examples.size(); ++i) layout.push_back({i});
-  }
-  size_t T = 0;
-  for (const auto& row : layout) {
-    size_t n = 0;
-    for (size_t i : row) n += examples[i].ids.size();
-    T = std::max(T, n);
-  }
-  const size_t R = layout.size();
-  std::vector<int64_t> ids(R * T, 0), mask(R * T, 0), rows, targets;
-  for (size_t r = 0; r < R; ++r) {
-    size_t at = r * T;
-    int64_t doc = 1;
-    for (size_t i : layout[r]) {
-      const data::Example& e = examples[i];
-      for (size_t k = 0; k < e.ids.size(); ++k, ++at) {
-        ids[at] = e.ids[k], mask[at] = packed ? doc : 1;
-        if (k + 1 < e.ids.size() && e.labels[k + 1] != -100) rows.push_back(int64_t(at)), targets.push_back(e.labels[k + 1]);
-      }
-      b.real += int64_t(e.ids.size()), ++doc;
-    }
-  }
-  const auto shape = std::vector<int64_t>{int64_t(R), int64_t(T)};
-  b.ids = upload(ids, shape, device), b.mask = upload(mask, shape, device);
-  b.tokens = int64_t(rows.size()), b.slots = int64_t(R * T);
-  b.rows = upload(rows, {b.tokens}, device), b.targets = upload(targets, {b.tokens}, device);
-  return b;
-}
-
-at::ScalarType dtype_of(recipe::Dtype d) {
-  return d == recipe::Dtype::BF16 ? at::kBFloat16 : d == recipe::Dtype::FP16 ? at::kHalf : at::kFloat;
-}
-
-// Writes the adapter to <dir>.tmp.<pid>, then renames it: a reader never sees half of it.
-void save_epoch(const model::CausalLM& m, const model::LoraConfig& cfg, const fs::path& dir) {
-  const fs::path tmp = dir.string() + fmt::format(".tmp.{}", getpid());
-  io::remove_tree(tmp.string());
-  model::save_adapter(m, cfg, tmp.string());
-  io::remove_tree(dir.string());
-  fs::rename(tmp, dir);
-  io::sync_dir(dir.parent_path().string());
-}
-
-// Removes every epoch_<i>/ not in `kept`, also those and the temporary directories a crashed
-// earlier run left behind.
-void remove_unkept_epochs(const fs::path& out, const std::vector<int>& kept) {
-  for (const auto& e : fs::directory_iterator(out)) {
-    const std::string name = e.path().filename().string();
-    if (name.find(".tmp.") != std::string::npos) {
-      io::remove_tree(e.path().string());
-      continue;
-    }
-    if (!e.is_directory() || name.rfind("epoch_", 0) != 0) continue;
-    const std::string digits = name.substr(6);
-    if (digits.empty() || digits.size() > 6 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
-    if (std::find(kept.begin(), kept.end(), std::stoi(digits)) == kept.end()) io::remove_tree(e.path().string());
-  }
-}
-
 double peak_rss_mb() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -148,15 +62,19 @@ double peak_rss_mb() {
 // "base linears in NF4: 6815744 parameters in 3.4 MiB (0.5159 bytes each)"
 std::string nf4_summary(const model::CausalLM& m) {
   int64_t params = 0, bytes = 0;
-  for (const model::Linear* l : m.linears())
-    if (l->nf4) params += l->nf4->numel(), bytes += l->nf4->bytes();
+  for (const model::Linear* l : m.linears()) {
+    if (!l->nf4) continue;
+    params += l->nf4->numel();
+    bytes += l->nf4->bytes();
+  }
   return fmt::format("base linears in NF4: {} parameters in {:.1f} MiB ({:.4f} bytes each)", params,
                      static_cast<double>(bytes) / (1 << 20), static_cast<double>(bytes) / static_cast<double>(params));
 }
 
 std::string clock_text(double seconds) {
   const auto s = static_cast<int64_t>(seconds);
-  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60) : fmt::format("{}:{:02}", s / 60, s % 60);
+  if (s < 3600) return fmt::format("{}:{:02}", s / 60, s % 60);
+  return fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60);
 }
 
 // What one optimizer step did, summed over ranks where it says so.
@@ -171,6 +89,14 @@ struct StepResult {
   bool data_failed = false; // some rank lost its data source: nothing of this step was applied
 };
 
+// What this rank's micro-batches of one step added up to, before the ranks compare.
+struct LocalSums {
+  at::Tensor loss;     // float32 scalar on the device: summed token losses
+  int64_t tokens = 0;  // trained tokens
+  int64_t real = 0;    // document tokens
+  int64_t slots = 0;   // row slots (padding included)
+};
+
 class Trainer {
  public:
   Trainer(const recipe::Recipe& r, const dist::DistEnv& env);
@@ -178,16 +104,22 @@ class Trainer {
   void record_failure(const std::string& error);
 
  private:
+  model::CausalLM setup_model();
+  void start_from_adapter(model::CausalLM& m);
+  void setup_data();
+  void setup_optimizer();
   void begin(Progress& p, bool resumed);
   std::optional<int> run_epoch(int epoch, int64_t first, const std::string& run_id);
+  std::optional<data::MicroBatches> open_epoch(int epoch, int64_t first);
   StepResult step(data::MicroBatches* batches);
+  LocalSums forward_backward(data::MicroBatches* batches);
+  StepResult reduce(const LocalSums& sums, double data_wait, const std::vector<at::Tensor>& grads, at::Tensor& norm);
   std::vector<data::Example> examples(data::MicroBatches* batches);
   void lose_data(const std::string& why);
   void log_step(const StepResult& s, int epoch, int64_t s_in_epoch);
   void save_checkpoint(int epoch);
   void save_state(const Progress& p);
   void check_finite_adapter(const std::string& what);
-  void start_from_adapter();
   void open_metrics(const std::optional<Progress>& resumed);
   int data_lost(const Progress& p);
   void all_agree(bool ok, const std::string& why, const std::string& what);
@@ -199,12 +131,14 @@ class Trainer {
 
   const recipe::Recipe& r_;
   const dist::DistEnv env_;
-  const bool lead_, cuda_, tty_;
+  const bool lead_;
+  const bool cuda_;
+  const bool tty_;
   const at::Device device_;
   const fs::path out_;
   dist::ProcessGroup pg_;
+  const model::LoraConfig lcfg_;
   model::CausalLM m_;
-  model::LoraConfig lcfg_;
   tok::Tokenizer tokenizer_;
   std::unique_ptr<data::ExampleBuilder> builder_;
   std::unique_ptr<data::Documents> docs_;
@@ -213,12 +147,14 @@ class Trainer {
   std::unique_ptr<dist::GradBuckets> sync_;
   Schedule schedule_ = Schedule::Cosine;
   const int64_t examples_per_step_ = int64_t{r_.data.batch_size} * r_.train.gradient_accumulation_steps;
-  int64_t steps_per_epoch_ = 0, total_steps_ = 0, step_ = 0;
-  int64_t rejected_here_ = 0;    // documents this rank skipped in the current step
-  double rejected_total_ = 0;    // documents all ranks skipped, this process's steps
-  int warned_ = 0;               // skipped documents this rank has warned about
+  int64_t steps_per_epoch_ = 0;
+  int64_t total_steps_ = 0;
+  int64_t step_ = 0;
+  int64_t rejected_here_ = 0;     // documents this rank skipped in the current step
+  double rejected_total_ = 0;     // documents all ranks skipped, this process's steps
+  int warned_ = 0;                // skipped documents this rank has warned about
   at::Tensor rng_at_step_start_;  // this rank's generators before the current step
-  std::string data_error_;       // why this rank's data source gave up (empty: it did not)
+  std::string data_error_;        // why this rank's data source gave up (empty: it did not)
   std::ofstream metrics_;
   Clock::time_point started_ = Clock::now();
   int64_t steps_this_process_ = 0;
@@ -239,55 +175,65 @@ at::Device pick_device(const recipe::Recipe& r, const dist::DistEnv& env, bool c
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank % gpus));
 }
 
-dist::Backend backend_of(recipe::DistBackend b, bool cuda) {
-  if (b == recipe::DistBackend::Auto) return cuda ? dist::Backend::Nccl : dist::Backend::Gloo;
-  return b == recipe::DistBackend::Nccl ? dist::Backend::Nccl : dist::Backend::Gloo;
-}
-
-Schedule schedule_of(recipe::Scheduler s) {
-  return s == recipe::Scheduler::Cosine ? Schedule::Cosine : s == recipe::Scheduler::Linear ? Schedule::Linear
-                                                                                             : Schedule::Constant;
-}
-
 bool want_cuda(const recipe::Recipe& r) { return r.model.device != recipe::Device::Cpu && torch::cuda::is_available(); }
 
+// The model, the tokenizer and the process group first: setup_data and setup_optimizer need them.
 Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
-    : r_(r), env_(env), lead_(env.rank == 0), cuda_(want_cuda(r)), tty_(lead_ && isatty(STDOUT_FILENO)),
-      device_(pick_device(r, env, cuda_)), out_(r.checkpoint.output_dir),
-      pg_(env, backend_of(r.dist.backend, cuda_), std::chrono::seconds(r.dist.timeout_s)),
-      m_(model::CausalLM::load(r.model.path, dtype_of(r.model.dtype), device_,
-                               {.quantize = r.lora.quantize_base, .double_quant = r.lora.double_quant})),
+    : r_(r),
+      env_(env),
+      lead_(env.rank == 0),
+      cuda_(want_cuda(r)),
+      tty_(lead_ && isatty(STDOUT_FILENO)),
+      device_(pick_device(r, env, cuda_)),
+      out_(r.checkpoint.output_dir),
+      pg_(env, dist::backend_of(r.dist.backend, cuda_), std::chrono::seconds(r.dist.timeout_s)),
+      lcfg_(model::lora_config_of(r.lora, r.model.path)),
+      m_(setup_model()),
       tokenizer_(tok::Tokenizer::from_dir(m_.dir())) {
+  setup_data();
+  setup_optimizer();
+}
+
+// The base model (NF4 when lora.quantize_base) with its adapters: new, or lora.init_from's.
+model::CausalLM Trainer::setup_model() {
+  model::CausalLM m = model::CausalLM::load(r_.model.path, model::dtype_of(r_.model.dtype), device_,
+                                            {.quantize = r_.lora.quantize_base, .double_quant = r_.lora.double_quant});
   // Dropout draws from the default generators: one stream per rank, derived from train.seed,
   // so the same recipe on the same world size gives the same adapter bit for bit.
-  at::manual_seed(static_cast<uint64_t>(r.train.seed) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(env.rank) + 1);
-  lcfg_.r = r.lora.r, lcfg_.alpha = r.lora.alpha, lcfg_.dropout = r.lora.dropout, lcfg_.use_rslora = r.lora.use_rslora;
-  lcfg_.target_modules = r.lora.target_modules;
-  lcfg_.base_model_name_or_path = r.model.path;
-  if (r.lora.init_from.empty())
-    model::attach_lora(m_, lcfg_, static_cast<uint64_t>(r.train.seed));  // same seed: identical replicas
+  at::manual_seed(static_cast<uint64_t>(r_.train.seed) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(env_.rank) + 1);
+  if (r_.lora.init_from.empty())
+    model::attach_lora(m, lcfg_, static_cast<uint64_t>(r_.train.seed));  // same seed: identical replicas
   else
-    start_from_adapter();
-  m_.checkpoint_activations = r.train.activation_checkpointing;
-  builder_ = std::make_unique<data::ExampleBuilder>(r.data, tokenizer_);
-  docs_ = std::make_unique<data::Documents>(r.data);  // connects within data.timeout_s
-  params_ = model::lora_parameters(m_);
-  sync_ = std::make_unique<dist::GradBuckets>(pg_, params_, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4));
-  opt_ = std::make_unique<torch::optim::AdamW>(
-      params_, torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay));
-  const int64_t per_rank = data::examples_per_rank(docs_->size(), env.world_size);
+    start_from_adapter(m);
+  m.recompute_activations = r_.train.activation_checkpointing;
+  return m;
+}
+
+// This rank's documents (connecting within data.timeout_s) and the steps they make.
+void Trainer::setup_data() {
+  builder_ = std::make_unique<data::ExampleBuilder>(r_.data, tokenizer_);
+  docs_ = std::make_unique<data::Documents>(r_.data);
+  const int64_t per_rank = data::examples_per_rank(docs_->size(), env_.world_size);
   steps_per_epoch_ = (per_rank + examples_per_step_ - 1) / examples_per_step_;
-  if (r.train.max_steps_per_epoch) steps_per_epoch_ = std::min<int64_t>(steps_per_epoch_, *r.train.max_steps_per_epoch);
-  total_steps_ = steps_per_epoch_ * r.train.epochs;
-  schedule_ = schedule_of(r.train.lr_scheduler);
+  if (r_.train.max_steps_per_epoch) steps_per_epoch_ = std::min<int64_t>(steps_per_epoch_, *r_.train.max_steps_per_epoch);
+  total_steps_ = steps_per_epoch_ * r_.train.epochs;
+}
+
+// AdamW over the LoRA parameters, their gradient buckets, and the lr schedule.
+void Trainer::setup_optimizer() {
+  params_ = model::lora_parameters(m_);
+  sync_ = std::make_unique<dist::GradBuckets>(pg_, params_, static_cast<int64_t>(r_.dist.bucket_mb * (1 << 20) / 4));
+  opt_ = std::make_unique<torch::optim::AdamW>(params_,
+                                               torch::optim::AdamWOptions(r_.train.lr).weight_decay(r_.train.weight_decay));
+  schedule_ = schedule_of(r_.train.lr_scheduler);
 }
 
 // lora.init_from: the adapter's weights, under the recipe's LoRA keys. Keys that change what the
 // weights compute (r, alpha, use_rslora, the adapted layers) must agree, or the saved
 // adapter_config.json would describe other weights; dropout is the recipe's to choose.
-void Trainer::start_from_adapter() {
+void Trainer::start_from_adapter(model::CausalLM& m) {
   const std::string& from_dir = r_.lora.init_from;
-  const model::LoraConfig from = model::load_adapter(m_, from_dir);
+  const model::LoraConfig from = model::load_adapter(m, from_dir);
   auto differ = [&](const std::string& key, const std::string& adapter, const std::string& recipe) {
     throw Error(fmt::format("lora.init_from {} was trained with {} but the recipe says {}={}: make them equal",
                             from_dir, adapter, key, recipe));
@@ -296,8 +242,9 @@ void Trainer::start_from_adapter() {
   if (from.alpha != lcfg_.alpha) differ("lora.alpha", fmt::format("lora_alpha={}", from.alpha), fmt::format("{}", lcfg_.alpha));
   if (from.use_rslora != lcfg_.use_rslora)
     differ("lora.use_rslora", fmt::format("use_rslora={}", from.use_rslora), lcfg_.use_rslora ? "true" : "false");
-  std::vector<std::string> adapted, wanted;
-  for (model::Linear* l : m_.linears()) {
+  std::vector<std::string> adapted;
+  std::vector<std::string> wanted;
+  for (model::Linear* l : m.linears()) {
     if (l->adapted()) adapted.push_back(l->name);
     if (model::matches_target(l->name, lcfg_)) wanted.push_back(l->name);
     l->dropout = lcfg_.dropout;
@@ -357,25 +304,16 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
   if (!ranks_agree(static_cast<double>(steps_per_epoch_ - first)))  // a mismatch would hang a collective
     throw Error(fmt::format("rank {} plans {} steps in epoch {} but the ranks disagree: every rank must see the same "
                             "documents and recipe", env_.rank, steps_per_epoch_ - first, epoch));
-  std::optional<data::MicroBatches> batches;
-  try {  // reads the first window: the data may already be gone
-    batches.emplace(*docs_, *builder_,
-                    data::ShardSpec{env_.world_size, env_.rank, static_cast<uint64_t>(r_.train.seed), epoch,
-                                    r_.data.shuffle, &g_stop_requested},
-                    data::BatchPlan{r_.data.batch_size, r_.train.gradient_accumulation_steps,
-                                    r_.data.group_by_length ? r_.data.group_window : 1,
-                                    static_cast<uint64_t>(r_.train.seed), epoch},
-                    first);
-  } catch (const data::DataUnavailable& e) {
-    lose_data(e.what());
-  }
+  std::optional<data::MicroBatches> batches = open_epoch(epoch, first);
   double epoch_tokens = 0;
   bool stop = false;
   for (int64_t s = first; s < steps_per_epoch_; ++s) {
     const StepResult res = step(batches ? &*batches : nullptr);
     if (res.data_failed) return data_lost({epoch, s, step_, run_id});
-    stop = res.stop, epoch_tokens += res.tokens;
-    ++step_, ++steps_this_process_;
+    stop = res.stop;
+    epoch_tokens += res.tokens;
+    ++step_;
+    ++steps_this_process_;
     log_step(res, epoch, s);
     if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) check_replicas();
     const bool last = s + 1 == steps_per_epoch_;
@@ -394,61 +332,47 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
   return std::nullopt;
 }
 
-// One optimizer step: `accum` micro-batches forward and backward; during the last backward the
-// gradients are summed over ranks in buckets; then one small all-reduce of the step's figures
-// (loss sum, token count, stop and data-failure flags, data wait, padding, skipped documents), so
-// the gradient is normalised by the global number of trained tokens of the step. The host reads
-// the device once, before the optimizer step: a non-finite loss or gradient norm, or a rank that
-// lost its data, leaves the adapter as it was, on every rank alike.
+// This rank's batches of `epoch` from step `first`; none when the data is already gone (the
+// steps then go on empty and the ranks stop together at the step's end).
+std::optional<data::MicroBatches> Trainer::open_epoch(int epoch, int64_t first) {
+  const auto seed = static_cast<uint64_t>(r_.train.seed);
+  try {  // reads the first window
+    return std::optional<data::MicroBatches>(
+        std::in_place, *docs_, *builder_,
+        data::ShardSpec{env_.world_size, env_.rank, seed, epoch, r_.data.shuffle, &g_stop_requested},
+        data::BatchPlan{r_.data.batch_size, r_.train.gradient_accumulation_steps,
+                        r_.data.group_by_length ? r_.data.group_window : 1, seed, epoch},
+        first);
+  } catch (const data::DataUnavailable& e) {
+    lose_data(e.what());
+    return std::nullopt;
+  }
+}
+
+// One optimizer step: `accum` micro-batches forward and backward (the last backward sums the
+// gradients over ranks in buckets), then one small all-reduce of the step's figures, so the
+// gradient is normalised by the global number of trained tokens. The host reads the device once,
+// before the optimizer step: a non-finite loss or gradient norm, or a rank that lost its data,
+// leaves the adapter as it was, on every rank alike.
 StepResult Trainer::step(data::MicroBatches* batches) {
   const auto t0 = Clock::now();
   const auto waited = [&] { return batches ? batches->reader().wait_seconds() : 0.0; };
   const double wait0 = waited();
-  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
-  at::Tensor loss_sum = at::zeros({}, f64.dtype(at::kFloat));
-  int64_t tokens = 0, real = 0, slots = 0;
   rejected_here_ = 0;
   rng_at_step_start_ = rng_state(cuda_);  // a step given up for lost data must not move the streams
-  for (int a = 0; a < r_.train.gradient_accumulation_steps; ++a) {
-    if (a + 1 == r_.train.gradient_accumulation_steps) sync_->arm();
-    const Batch b = collate(examples(batches), r_.data.packing, static_cast<size_t>(r_.data.max_length), device_);
-    real += b.real, slots += b.slots;
-    if (b.tokens == 0) continue;  // an empty micro-batch: GradBuckets::finish() still joins in
-    const at::Tensor hidden = m_.hidden_states(b.ids, b.mask, nullptr, r_.data.packing);
-    const model::LossSum l = model::lm_head_loss(hidden, m_.lm_head(), b.rows, b.targets);
-    l.sum.backward();
-    loss_sum += l.sum.detach();
-    tokens += b.tokens;
-  }
+  const LocalSums sums = forward_backward(batches);
   const double busy = std::chrono::duration<double>(Clock::now() - t0).count();
-  const double wait = busy > 0 ? (waited() - wait0) / busy : 0.0;
   sync_->finish();
-  const at::Tensor host = at::tensor({0.0, double(tokens), g_stop_requested ? 1.0 : 0.0, wait, double(real),
-                                      double(slots), double(rejected_here_), data_error_.empty() ? 0.0 : 1.0},
-                                     at::kDouble);
-  at::Tensor stats = host.to(device_, /*non_blocking=*/false);
-  stats[0].add_(loss_sum);
-  if (env_.world_size > 1) pg_.all_reduce_sum(stats);
   std::vector<at::Tensor> grads;
   for (at::Tensor& p : params_)
     if (p.grad().defined()) grads.push_back(p.mutable_grad());
-  if (!grads.empty()) at::_foreach_div_(grads, stats[1].clamp_min(1.0));
-  const at::Tensor grad_norm = grads.empty() ? at::zeros({}, f64)
-                                             : at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2);
-  const at::Tensor done = at::cat({stats, grad_norm.to(at::kDouble).view({1})}).cpu();
-  const double* t = done.data_ptr<double>();
-  StepResult res;
-  res.tokens = t[1], res.rank_tokens = double(tokens), res.stop = t[2] > 0, res.data_wait = t[3] / env_.world_size;
-  res.loss = res.tokens > 0 ? t[0] / res.tokens : 0.0;
-  res.padding = t[5] > 0 ? 1.0 - t[4] / t[5] : 0.0;
-  res.rejected = t[6], res.data_failed = t[7] > 0, res.grad_norm = t[8];
-  rejected_total_ += res.rejected;
-  res.lr = r_.train.lr * lr_factor(schedule_, step_, r_.train.warmup_steps, total_steps_);
+  at::Tensor grad_norm;
+  StepResult res = reduce(sums, busy > 0 ? (waited() - wait0) / busy : 0.0, grads, grad_norm);
   if (res.data_failed) {
     opt_->zero_grad();
     return res;
   }
-  if (!std::isfinite(t[0]) || !std::isfinite(res.grad_norm))
+  if (!std::isfinite(res.loss) || !std::isfinite(res.grad_norm))
     throw Error(fmt::format("training diverged at step {}: the loss is {} and the gradient norm {}; nothing of this "
                             "step was applied or saved. Lower train.lr (now {:g}), set train.max_grad_norm, or check "
                             "the data, then start over (checkpoint.resume=never)",
@@ -459,6 +383,57 @@ StepResult Trainer::step(data::MicroBatches* batches) {
   opt_->step();
   opt_->zero_grad();
   res.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return res;
+}
+
+// The step's micro-batches through the model and back; the gradients accumulate in .grad.
+LocalSums Trainer::forward_backward(data::MicroBatches* batches) {
+  LocalSums sums;
+  sums.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  for (int a = 0; a < r_.train.gradient_accumulation_steps; ++a) {
+    if (a + 1 == r_.train.gradient_accumulation_steps) sync_->arm();
+    const data::Batch b =
+        data::collate(examples(batches), r_.data.packing, static_cast<size_t>(r_.data.max_length), device_);
+    sums.real += b.real;
+    sums.slots += b.slots;
+    if (b.tokens == 0) continue;  // an empty micro-batch: GradBuckets::finish() still joins in
+    const at::Tensor hidden = m_.hidden_states(b.ids, b.mask, nullptr, r_.data.packing);
+    const model::LossSum l = model::lm_head_loss(hidden, m_.lm_head(), b.rows, b.targets);
+    l.sum.backward();
+    sums.loss += l.sum.detach();
+    sums.tokens += b.tokens;
+  }
+  return sums;
+}
+
+// The step's figures summed over ranks (loss, tokens, stop and data-failure flags, data wait,
+// padding, skipped documents); the gradients divided by the global token count, and their norm.
+StepResult Trainer::reduce(const LocalSums& sums, double data_wait, const std::vector<at::Tensor>& grads,
+                           at::Tensor& norm) {
+  const at::Tensor host = at::tensor({0.0, double(sums.tokens), g_stop_requested ? 1.0 : 0.0, data_wait,
+                                      double(sums.real), double(sums.slots), double(rejected_here_),
+                                      data_error_.empty() ? 0.0 : 1.0},
+                                     at::kDouble);
+  at::Tensor stats = host.to(device_, /*non_blocking=*/false);
+  stats[0].add_(sums.loss);
+  if (env_.world_size > 1) pg_.all_reduce_sum(stats);
+  if (!grads.empty()) at::_foreach_div_(grads, stats[1].clamp_min(1.0));
+  norm = grads.empty() ? at::zeros({}, stats.options())
+                       : at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2);
+  const at::Tensor done = at::cat({stats, norm.to(at::kDouble).view({1})}).cpu();
+  const double* t = done.data_ptr<double>();
+  StepResult res;
+  res.tokens = t[1];
+  res.rank_tokens = double(sums.tokens);
+  res.stop = t[2] > 0;
+  res.data_wait = t[3] / env_.world_size;
+  res.loss = t[0] / std::max(res.tokens, 1.0);  // 0 without tokens, unless non-finite
+  res.padding = t[5] > 0 ? 1.0 - t[4] / t[5] : 0.0;
+  res.rejected = t[6];
+  res.data_failed = t[7] > 0;
+  res.grad_norm = t[8];
+  rejected_total_ += res.rejected;
+  res.lr = r_.train.lr * lr_factor(schedule_, step_, r_.train.warmup_steps, total_steps_);
   return res;
 }
 
@@ -555,9 +530,9 @@ void Trainer::save_checkpoint(int epoch) {
   std::string why;
   if (lead_ && recipe::save_after_epoch(r_.checkpoint, epoch, r_.train.epochs)) {
     try {
-      save_epoch(m_, lcfg_, out_ / fmt::format("epoch_{}", epoch));
-      info(fmt::format("saved {}", (out_ / fmt::format("epoch_{}", epoch)).string()));
-      if (record_) record_->checkpoint(epoch, (out_ / fmt::format("epoch_{}", epoch)).string());
+      const std::string dir = train::save_epoch(out_.string(), epoch, m_, lcfg_);
+      info(fmt::format("saved {}", dir));
+      if (record_) record_->checkpoint(epoch, dir);
     } catch (const std::exception& e) {
       why = e.what();
     }
@@ -640,7 +615,7 @@ void Trainer::open_metrics(const std::optional<Progress>& resumed) {
 
 int Trainer::finish() {
   if (lead_) {
-    remove_unkept_epochs(out_, recipe::epochs_kept(r_.checkpoint, r_.train.epochs));
+    remove_unkept_epochs(out_.string(), recipe::epochs_kept(r_.checkpoint, r_.train.epochs));
     if (!r_.checkpoint.keep_resume_state) remove_state(out_.string());
     if (rejected_total_ > 0)
       warn(fmt::format("{} documents were skipped on all ranks together (bad or overlong)", rejected_total_));

@@ -101,7 +101,7 @@ TEST_CASE("activation checkpointing gives the gradients of the plain backward, d
     for (Linear* l : m.linears()) l->dropout = 0.1;  // the recomputation must draw the same masks
     Result r[2];
     for (const bool recompute : {false, true}) {
-      m.checkpoint_activations = recompute;
+      m.recompute_activations = recompute;
       at::manual_seed(5);
       r[recompute] = chunked(m, ref["input_ids"], ref["attention_mask"], ref["labels"]);
     }

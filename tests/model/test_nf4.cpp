@@ -119,7 +119,7 @@ TEST_CASE("LoRA gradients through NF4 base linears equal those through plain lin
     const auto ref = load_all(kFixtures + "/" + family + "/reference.safetensors");
     // NF4; NF4 with activation checkpointing (blocks run again in backward); plain linears.
     CausalLM q = load(family, true), q_recompute = load(family, true), plain = load(family, false);
-    q_recompute.checkpoint_activations = true;
+    q_recompute.recompute_activations = true;
     {
       c10::NoGradGuard no_grad;
       auto ql = q.linears(), pl = plain.linears();
