@@ -280,7 +280,12 @@ std::string render(const tok::Tokenizer& tokenizer, const data::Example& e, bool
     size_t j = i;
     while (j < e.ids.size() && (e.labels[j] != data::kIgnoreIndex) == trained) ++j;
     const std::string text = tokenizer.decode(std::span(e.ids).subspan(i, j - i));
-    out += !trained ? text : colour ? "\x1b[32m" + text + "\x1b[0m" : "⟦" + text + "⟧";
+    if (!trained)
+      out += text;
+    else if (colour)
+      out += "\x1b[32m" + text + "\x1b[0m";
+    else
+      out += "⟦" + text + "⟧";
     i = j;
   }
   return out;
@@ -328,7 +333,8 @@ struct ImportArgs {
 // drops only once the first batch is known good).
 void import_jsonl(const ImportArgs& a) {
   const char* env = std::getenv("LORARUN_MONGODB_URI");
-  const std::string uri = !a.uri.empty() ? a.uri : env ? env : "";
+  std::string uri = a.uri;
+  if (uri.empty() && env) uri = env;
   if (uri.empty()) throw Error("no MongoDB URI: give --uri or set LORARUN_MONGODB_URI");
   std::ifstream in(a.file);
   if (!in) throw Error(fmt::format("cannot read {}", a.file));

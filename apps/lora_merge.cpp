@@ -49,8 +49,9 @@ int run(int argc, char** argv) {
   model::merge_lora(m);
   const at::ScalarType out_dtype = dtype == "auto" ? model::parse_dtype(m.config().torch_dtype) : model::parse_dtype(dtype);
   model::export_hf_model(m, out, out_dtype, max_shard);
-  fmt::print("merged {} (r={}, alpha={}) into {}{} -> {} ({})\n", adapter, cfg.r, cfg.alpha, base,
-             qlora ? fmt::format(" (NF4 from {}{})", qlora_dtype, no_double_quant ? "" : ", double quant") : "", out,
+  std::string nf4;
+  if (qlora) nf4 = fmt::format(" (NF4 from {}{})", qlora_dtype, no_double_quant ? "" : ", double quant");
+  fmt::print("merged {} (r={}, alpha={}) into {}{} -> {} ({})\n", adapter, cfg.r, cfg.alpha, base, nf4, out,
              model::hf_dtype_name(out_dtype));
   return 0;
 }

@@ -16,11 +16,15 @@ using namespace lorarun;
 int main(int argc, char** argv) try {
   if (argc < 5) throw Error("usage: data_bench URI DB COLLECTION TOKENIZER_DIR [global|stream|none] [prefetch]");
   recipe::DataSection d;
-  d.uri = argv[1], d.database = argv[2], d.collection = argv[3];
+  d.uri = argv[1];
+  d.database = argv[2];
+  d.collection = argv[3];
   d.prompt_template = "Below is an instruction that describes a task. Write a response that appropriately "
                       "completes the request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n";
   const std::string mode = argc > 5 ? argv[5] : "global";
-  d.shuffle = mode == "stream" ? recipe::Shuffle::Stream : mode == "none" ? recipe::Shuffle::None : recipe::Shuffle::Global;
+  d.shuffle = recipe::Shuffle::Global;
+  if (mode == "stream") d.shuffle = recipe::Shuffle::Stream;
+  if (mode == "none") d.shuffle = recipe::Shuffle::None;
   d.prefetch = argc > 6 ? std::stoi(argv[6]) : 4;
   d.timeout_s = 30;
   const tok::Tokenizer tok = tok::Tokenizer::from_dir(argv[4]);
@@ -32,7 +36,10 @@ int main(int argc, char** argv) try {
   for (auto batch = reader.next(64); !batch.empty(); batch = reader.next(64))
     for (const auto& b : batch) {
       ++n;
-      if (const auto* e = std::get_if<data::Example>(&b)) ++examples, tokens += static_cast<int64_t>(e->ids.size());
+      if (const auto* e = std::get_if<data::Example>(&b)) {
+        ++examples;
+        tokens += static_cast<int64_t>(e->ids.size());
+      }
     }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   fmt::print("{{\"documents\": {}, \"examples\": {}, \"tokens\": {}, \"seconds\": {}, \"wait_seconds\": {}}}\n", n,

@@ -63,7 +63,10 @@ std::vector<std::vector<size_t>> pack_rows(const std::vector<size_t>& lengths, s
   for (size_t i : by_length) {
     size_t r = 0;
     while (r < rows.size() && room[r] < lengths[i]) ++r;
-    if (r == rows.size()) rows.emplace_back(), room.push_back(capacity);
+    if (r == rows.size()) {
+      rows.emplace_back();
+      room.push_back(capacity);
+    }
     rows[r].push_back(i);
     room[r] -= lengths[i];
   }

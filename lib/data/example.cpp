@@ -33,12 +33,21 @@ Turn chat_turn(recipe::ChatFormat f, const std::string& role) {
   return {};
 }
 
+// The length of the UTF-8 sequence that lead byte `c` starts; 0 when `c` cannot lead one.
+int lead_length(unsigned char c) {
+  if (c < 0x80) return 1;
+  if ((c >> 5) == 0x6) return 2;
+  if ((c >> 4) == 0xE) return 3;
+  if ((c >> 3) == 0x1E) return 4;
+  return 0;
+}
+
 }  // namespace
 
 bool valid_utf8(std::string_view s) {
   for (size_t i = 0; i < s.size();) {
     const auto c = static_cast<unsigned char>(s[i]);
-    const int n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    const int n = lead_length(c);
     if (n == 0 || i + static_cast<size_t>(n) > s.size()) return false;
     uint32_t cp = n == 1 ? c : c & (0x7F >> n);
     for (int k = 1; k < n; ++k) {

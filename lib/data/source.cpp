@@ -294,7 +294,8 @@ class StreamPlan : public ShardReader::Plan {
     ready_.clear();
     for (int64_t i : permutation(n, mix(seed_, static_cast<uint64_t>(window_)), epoch_))
       if (skip_ > 0) --skip_; else ready_.push_back(std::move(w[static_cast<size_t>(i)]));
-    ready_next_ = 0, ++window_;
+    ready_next_ = 0;
+    ++window_;
     return !ready_.empty() || load_window();
   }
 
@@ -307,14 +308,19 @@ class StreamPlan : public ShardReader::Plan {
         out.push_back(std::move(ahead_[ahead_next_++]));
         continue;
       }
-      if (offset_ == runs_[run_].n) ++run_, offset_ = 0, last_.clear();
+      if (offset_ == runs_[run_].n) {
+        ++run_;
+        offset_ = 0;
+        last_.clear();
+      }
       const Run& r = runs_[run_];
       const int64_t want = std::min(r.n - offset_, kChunk);
       ahead_ = retry_([&] { return docs_.run(r.pos + offset_, last_, want, fields_); });
       ahead_.resize(static_cast<size_t>(want));  // short: documents deleted since counting stay null
       for (const Found& f : ahead_)
         if (!f.id.empty()) last_ = f.id;
-      ahead_next_ = 0, offset_ += want;
+      ahead_next_ = 0;
+      offset_ += want;
     }
     return out;
   }
@@ -389,7 +395,8 @@ std::vector<Built> ShardReader::next(size_t n) {
     const auto t0 = std::chrono::steady_clock::now();
     current_ = take();
     wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    next_ = 0, end_ = current_.empty();
+    next_ = 0;
+    end_ = current_.empty();
   }
   delivered_ += static_cast<int64_t>(out.size());
   return out;

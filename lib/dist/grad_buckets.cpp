@@ -10,8 +10,12 @@ GradBuckets::GradBuckets(ProcessGroup& pg, std::vector<at::Tensor> params, int64
   bucket_of_.resize(params_.size()), offset_.resize(params_.size()), filled_.resize(params_.size());
   int64_t size = 0;
   for (size_t k = params_.size(); k-- > 0;) {  // last parameter first: backward's order
-    if (buckets_.empty() || size >= bucket_elems) buckets_.emplace_back(), size = 0;
-    bucket_of_[k] = buckets_.size() - 1, offset_[k] = static_cast<size_t>(size);
+    if (buckets_.empty() || size >= bucket_elems) {
+      buckets_.emplace_back();
+      size = 0;
+    }
+    bucket_of_[k] = buckets_.size() - 1;
+    offset_[k] = static_cast<size_t>(size);
     buckets_.back().params.push_back(k);
     size += params_[k].numel();
     if (k == 0 || size >= bucket_elems) buckets_.back().flat = at::empty({size}, params_[k].options());

@@ -121,7 +121,9 @@ std::optional<Blame> Heartbeat::find_stopped_rank() const {
     } catch (const std::exception&) {
     }
     std::lock_guard lock(shared->mutex);
-    shared->done = true, shared->answered = answered, shared->blame = blame;
+    shared->done = true;
+    shared->answered = answered;
+    shared->blame = blame;
     shared->done_cv.notify_all();
   }).detach();
   std::unique_lock lock(shared->mutex);

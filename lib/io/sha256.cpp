@@ -41,7 +41,14 @@ void Sha256::block(const uint8_t* p) {
   for (int i = 0; i < 64; ++i) {
     const uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + kRound[i] + w[i];
     const uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-    h = g, g = f, f = e, e = d + t1, d = c, c = b, b = a, a = t1 + t2;
+    h = g;
+    g = f;
+    f = e;
+    e = d + t1;
+    d = c;
+    c = b;
+    b = a;
+    a = t1 + t2;
   }
   const std::array<uint32_t, 8> add = {a, b, c, d, e, f, g, h};
   for (int i = 0; i < 8; ++i) state_[i] += add[i];
@@ -53,7 +60,9 @@ void Sha256::update(const void* data, size_t n) {
   if (buffered_ > 0) {  // top up a partial block first
     const size_t take = std::min(n, buffer_.size() - buffered_);
     std::memcpy(buffer_.data() + buffered_, p, take);
-    buffered_ += take, p += take, n -= take;
+    buffered_ += take;
+    p += take;
+    n -= take;
     if (buffered_ < buffer_.size()) return;
     block(buffer_.data());
     buffered_ = 0;

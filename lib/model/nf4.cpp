@@ -213,9 +213,9 @@ at::Tensor nf4_linear(const at::Tensor& x, const Nf4Weight& w, const at::Tensor&
   // outside: a view made inside a custom Function could not be modified in place afterwards
   // (Linear::forward adds the LoRA path into the result).
   const at::Tensor x2 = x.reshape({-1, x.size(-1)});
-  const at::Tensor y2 = x.requires_grad()
-                            ? Nf4LinearFn::apply(x2, bias.defined() ? std::optional(bias) : std::nullopt, w)
-                            : at::linear(x2, w.dequantize(), bias);
+  std::optional<at::Tensor> b;
+  if (bias.defined()) b = bias;
+  const at::Tensor y2 = x.requires_grad() ? Nf4LinearFn::apply(x2, b, w) : at::linear(x2, w.dequantize(), bias);
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = w.shape[0];
   return y2.view(sizes);

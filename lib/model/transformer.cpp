@@ -244,9 +244,13 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
   at::Tensor q, k, v;
   if (b.qkv.defined()) {
     auto parts = b.qkv.forward(x, training).split(c.hidden_size, -1);
-    q = parts[0], k = parts[1], v = parts[2];
+    q = parts[0];
+    k = parts[1];
+    v = parts[2];
   } else {
-    q = b.q.forward(x, training), k = b.k.forward(x, training), v = b.v.forward(x, training);
+    q = b.q.forward(x, training);
+    k = b.k.forward(x, training);
+    v = b.v.forward(x, training);
   }
   q = q.view({B, T, c.num_heads, hd}).transpose(1, 2);     // [B, nh, T, hd]
   k = k.view({B, T, c.num_kv_heads, hd}).transpose(1, 2);  // [B, nkv, T, hd]
@@ -256,12 +260,16 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
     k = k * cos + rotate_half(k) * sin;
   }
   if (cache) {
-    if (cache->k.size() <= layer) cache->k.resize(layer + 1), cache->v.resize(layer + 1);
+    if (cache->k.size() <= layer) {
+      cache->k.resize(layer + 1);
+      cache->v.resize(layer + 1);
+    }
     if (cache->k[layer].defined()) {
       k = at::cat({cache->k[layer], k}, 2);
       v = at::cat({cache->v[layer], v}, 2);
     }
-    cache->k[layer] = k, cache->v[layer] = v;
+    cache->k[layer] = k;
+    cache->v[layer] = v;
   }
   const at::Tensor out = at::scaled_dot_product_attention(
       q, k, v, mask, 0.0, false, 1.0 / std::sqrt(static_cast<double>(hd)),

@@ -38,7 +38,9 @@ at::ScalarType parse_dtype(const std::string& name) {
 }
 
 std::string hf_dtype_name(at::ScalarType t) {
-  return t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : "float32";
+  if (t == at::kBFloat16) return "bfloat16";
+  if (t == at::kHalf) return "float16";
+  return "float32";
 }
 
 io::DType to_dtype(at::ScalarType t) {

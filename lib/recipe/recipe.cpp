@@ -275,8 +275,11 @@ bool is_string_key(std::string_view dotted) {
 std::vector<std::string> split(std::string_view s, char sep) {
   std::vector<std::string> parts;
   size_t start = 0;
-  for (size_t i = 0; i <= s.size(); ++i)
-    if (i == s.size() || s[i] == sep) parts.emplace_back(s.substr(start, i - start)), start = i + 1;
+  for (size_t i = 0; i <= s.size(); ++i) {
+    if (i < s.size() && s[i] != sep) continue;
+    parts.emplace_back(s.substr(start, i - start));
+    start = i + 1;
+  }
   return parts;
 }
 

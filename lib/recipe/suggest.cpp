@@ -78,7 +78,9 @@ std::optional<std::string> closest(std::string_view word, const std::vector<std:
   for (const std::string& c : candidates) {
     if (!is_close(word, c)) continue;
     const size_t d = edit_distance(word, c);
-    if (!best || d < best_distance) best = c, best_distance = d;
+    if (best && d >= best_distance) continue;
+    best = c;
+    best_distance = d;
   }
   return best;
 }

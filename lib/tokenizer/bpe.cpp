@@ -65,10 +65,14 @@ Bpe::Bpe(Vocab vocab, const std::vector<std::pair<std::string, std::string>>& me
     auto ia = token_to_id(a), ib = token_to_id(b);
     std::string joined = a + (b.size() >= prefix_len ? b.substr(prefix_len) : b);
     auto inew = token_to_id(joined);
-    if (!ia || !ib || !inew)
+    if (!ia || !ib || !inew) {
+      std::string missing = joined;
+      if (!ib) missing = b;
+      if (!ia) missing = a;
       throw Error(fmt::format("tokenizer.json: merge '{} {}' uses a token missing from "
                               "model.vocab ('{}'); the file is inconsistent",
-                              a, b, !ia ? a : !ib ? b : joined));
+                              a, b, missing));
+    }
     merges_.insert_or_assign(pair_key(*ia, *ib), {static_cast<int32_t>(rank), *inew});
   }
   if (opt_.unk_token) unk_id_ = token_to_id(*opt_.unk_token);

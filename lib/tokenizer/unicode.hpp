@@ -19,7 +19,12 @@ inline char32_t next_cp(std::string_view s, size_t& i) {
 }
 
 // Byte length of the UTF-8 sequence that starts with lead byte c.
-inline size_t utf8_len(unsigned char c) { return c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4; }
+inline size_t utf8_len(unsigned char c) {
+  if (c < 0x80) return 1;
+  if (c < 0xE0) return 2;
+  if (c < 0xF0) return 3;
+  return 4;
+}
 
 void append_utf8(std::string& out, char32_t cp);
 
