@@ -1,9 +1,11 @@
 // lorarun + lora-train end to end on 2 CPU ranks (Gloo): JSONL data, epoch checkpoint policy.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "support/oracle.hpp"
 

@@ -1,11 +1,16 @@
 // Training against the reference, and resumption: lora-train step by step against transformers
 // + PEFT + torch AdamW; SIGTERM and kill -9 mid-epoch, then the same command again, must end
 // with the very adapter an uninterrupted run ends with.
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <tuple>
+#include <vector>
 
 #include "io/safetensors.hpp"
 #include "support/oracle.hpp"
