@@ -138,7 +138,7 @@ struct OwnServer {
 
 }  // namespace
 
-TEST_CASE("shards: 1, 2, 3 ranks in every mode are complete, disjoint and equal (MongoDB and JSONL)") {
+TEST_CASE("shards: 1, 2, 3 ranks in every mode are complete, disjoint and equal (MongoDB and JSONL)", "[db]") {
   NEED_SERVER();
   const int64_t n = 49;  // 2 ranks: 1 padded document; 3 ranks: 2
   for (const bool jsonl : {false, true})
@@ -167,7 +167,7 @@ TEST_CASE("shards: 1, 2, 3 ranks in every mode are complete, disjoint and equal 
     }
 }
 
-TEST_CASE("stream: many runs and windows, resumable, memory bounded by the window") {
+TEST_CASE("stream: many runs and windows, resumable, memory bounded by the window", "[db]") {
   NEED_SERVER();
   const int64_t n = 301;
   recipe::DataSection d = with_documents(test_uri(), n, Shuffle::Stream);
@@ -184,7 +184,7 @@ TEST_CASE("stream: many runs and windows, resumable, memory bounded by the windo
   CHECK(all.size() == 301);
 }
 
-TEST_CASE("order depends on (seed, epoch) only and none is sorted") {
+TEST_CASE("order depends on (seed, epoch) only and none is sorted", "[db]") {
   NEED_SERVER();
   for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream, Shuffle::None}) {
     INFO(recipe::name(mode));
@@ -206,7 +206,7 @@ TEST_CASE("order depends on (seed, epoch) only and none is sorted") {
   }
 }
 
-TEST_CASE("resume at k delivers exactly the tail of the uninterrupted order") {
+TEST_CASE("resume at k delivers exactly the tail of the uninterrupted order", "[db]") {
   NEED_SERVER();
   for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream, Shuffle::None}) {
     const recipe::DataSection d = with_documents(test_uri(), 45, mode);
@@ -224,7 +224,7 @@ TEST_CASE("resume at k delivers exactly the tail of the uninterrupted order") {
   }
 }
 
-TEST_CASE("the reader fetches only the fields the format needs") {
+TEST_CASE("the reader fetches only the fields the format needs", "[db]") {
   NEED_SERVER();
   recipe::DataSection d = with_documents(test_uri(), 3, Shuffle::Global);
   d.prompt_template = "{instruction}{input}\n";
@@ -245,7 +245,7 @@ TEST_CASE("the reader fetches only the fields the format needs") {
   CHECK(data::ExampleBuilder(chat, tokenizer()).fields() == std::vector<std::string>{"messages"});
 }
 
-TEST_CASE("bad documents are counted by kind, with the first ids and reasons") {
+TEST_CASE("bad documents are counted by kind, with the first ids and reasons", "[db]") {
   NEED_SERVER();
   const std::vector<nlohmann::json> docs{
       {{"_id", 1}, {"instruction", "doc 1"}, {"output", "ok"}},
@@ -282,7 +282,7 @@ TEST_CASE("bad documents are counted by kind, with the first ids and reasons") {
   }
 }
 
-TEST_CASE("an empty selection and an unknown collection are errors before training") {
+TEST_CASE("an empty selection and an unknown collection are errors before training", "[db]") {
   NEED_SERVER();
   for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream}) {
     recipe::DataSection d = with_documents(test_uri(), 3, mode);
@@ -322,17 +322,17 @@ void restart_mid_epoch(Shuffle mode, int prefetch) {
   CHECK(r.wait_seconds() > 1.0);
 }
 
-TEST_CASE("FerretDB restarted mid-epoch (global, prefetch): no duplicate, no gap") {
+TEST_CASE("FerretDB restarted mid-epoch (global, prefetch): no duplicate, no gap", "[db]") {
   NEED_SERVER();
   restart_mid_epoch(Shuffle::Global, 1);
 }
 
-TEST_CASE("FerretDB restarted mid-epoch (stream, synchronous): no duplicate, no gap") {
+TEST_CASE("FerretDB restarted mid-epoch (stream, synchronous): no duplicate, no gap", "[db]") {
   NEED_SERVER();
   restart_mid_epoch(Shuffle::Stream, 0);
 }
 
-TEST_CASE("FerretDB gone past the retry budget: one DataUnavailable naming the server, no hang") {
+TEST_CASE("FerretDB gone past the retry budget: one DataUnavailable naming the server, no hang", "[db]") {
   NEED_SERVER();
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
@@ -378,7 +378,8 @@ std::string until_unavailable(data::MicroBatches& batches) {
   return "";
 }
 
-TEST_CASE("FerretDB gone: DataUnavailable reaches MicroBatches::next() from the prefetch thread and without it") {
+TEST_CASE("FerretDB gone: DataUnavailable reaches MicroBatches::next() from the prefetch thread and without it",
+          "[db]") {
   NEED_SERVER();
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
@@ -397,7 +398,8 @@ TEST_CASE("FerretDB gone: DataUnavailable reaches MicroBatches::next() from the 
   }
 }
 
-TEST_CASE("a stop request while waiting to retry: DataUnavailable within 0.5 s, through MicroBatches::next()") {
+TEST_CASE("a stop request while waiting to retry: DataUnavailable within 0.5 s, through MicroBatches::next()",
+          "[db]") {
   NEED_SERVER();
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
@@ -483,7 +485,7 @@ TEST_CASE("an unreachable server fails within data.timeout_s with one redacted l
   }
 }
 
-TEST_CASE("a filter the server rejects names data.filter, in training and in check_selection (--dry-run)") {
+TEST_CASE("a filter the server rejects names data.filter, in training and in check_selection (--dry-run)", "[db]") {
   NEED_SERVER();
   recipe::DataSection d = with_documents(test_uri(), 5, Shuffle::Global);
   CHECK(data::check_selection(d).count == 5);
@@ -512,7 +514,7 @@ TEST_CASE("a filter the server rejects names data.filter, in training and in che
   CHECK_THAT(data::check_selection(d).warning, Catch::Contains("data.uri is empty"));
 }
 
-TEST_CASE("refused credentials are told apart from an unreachable server (FerretDB with authentication)") {
+TEST_CASE("refused credentials are told apart from an unreachable server (FerretDB with authentication)", "[db]") {
   NEED_SERVER();
   OwnServer server("FERRETDB_TEST_ENABLE_NEW_AUTH=true FERRETDB_SETUP_USERNAME=alice FERRETDB_SETUP_PASSWORD=s3cr3t-pw "
                    "FERRETDB_SETUP_DATABASE=admin");

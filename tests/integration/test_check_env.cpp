@@ -26,7 +26,7 @@ int closed_port() {
 
 }  // namespace
 
-TEST_CASE("check-env prints torch, CUDA and NCCL facts") {
+TEST_CASE("check-env prints torch, CUDA and NCCL facts", "[e2e]") {
   const Result r = sh(fmt::format("env -u LORARUN_MONGODB_URI {} --check-env", bin("lora-train")));
   INFO(r.output);
   CHECK(r.status == 0);
@@ -36,7 +36,7 @@ TEST_CASE("check-env prints torch, CUDA and NCCL facts") {
   CHECK_THAT(r.output, Catch::Contains("mongodb    not checked"));
 }
 
-TEST_CASE("check-env reports the real server version of FerretDB") {
+TEST_CASE("check-env reports the real server version of FerretDB", "[e2e][db][reference]") {
   const std::string uri = test_uri();
   // The reference: what pymongo reads from the same server.
   const Oracle ref = oracle(fmt::format("'{}' '{}/tests/reference/probe.py' mongodb-version '{}'", LORARUN_PYTHON,
@@ -52,7 +52,7 @@ TEST_CASE("check-env reports the real server version of FerretDB") {
   }
 }
 
-TEST_CASE("an unreachable server is one redacted line, a non-zero exit, within the timeout") {
+TEST_CASE("an unreachable server is one redacted line, a non-zero exit, within the timeout", "[e2e]") {
   const int port = closed_port();
   const std::string uri = fmt::format("mongodb://alice:s3cr3t-pw@127.0.0.1:{}/train", port);
   const Result r = sh(fmt::format("{} --check-env --timeout-ms 2000 --uri '{}'", bin("lora-train"), uri),
@@ -65,7 +65,7 @@ TEST_CASE("an unreachable server is one redacted line, a non-zero exit, within t
   CHECK_THAT(r.output, !Catch::Contains("s3cr3t"));
 }
 
-TEST_CASE("a malformed URI is one redacted line and a non-zero exit") {
+TEST_CASE("a malformed URI is one redacted line and a non-zero exit", "[e2e]") {
   for (const std::string uri : {"mongo://alice:s3cr3t-pw@localhost/", "mongodb://alice:s3cr3t-pw@/x",
                                 "mongodb://alice:s3cr3t-pw@h:99999/"}) {
     const Result r = sh(fmt::format("env LORARUN_MONGODB_URI='{}' {} --check-env", uri, bin("lora-train")),
@@ -78,7 +78,7 @@ TEST_CASE("a malformed URI is one redacted line and a non-zero exit") {
   }
 }
 
-TEST_CASE("a rank whose rendezvous fails exits with a clear error, not a hang") {
+TEST_CASE("a rank whose rendezvous fails exits with a clear error, not a hang", "[e2e]") {
   const int port = closed_port();
   const Result r = sh(fmt::format("RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={} {} --dist-check "
                                   "--dist-timeout-s 3", port, bin("lora-train")));

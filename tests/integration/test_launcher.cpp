@@ -31,18 +31,18 @@ void check_gone(const std::vector<pid_t>& pids) {
 
 }  // namespace
 
-TEST_CASE("2 ranks all-reduce over Gloo on CPU") { check_all_reduce(2); }
+TEST_CASE("2 ranks all-reduce over Gloo on CPU", "[e2e]") { check_all_reduce(2); }
 
-TEST_CASE("3 ranks all-reduce over Gloo on CPU") { check_all_reduce(3); }
+TEST_CASE("3 ranks all-reduce over Gloo on CPU", "[e2e]") { check_all_reduce(3); }
 
-TEST_CASE("lora-train alone is a world of one") {
+TEST_CASE("lora-train alone is a world of one", "[e2e]") {
   const Result r = sh(bin("lora-train") + " --dist-check");
   INFO(r.output);
   CHECK(r.status == 0);
   CHECK_THAT(r.output, Catch::Contains("rank 0/1: all-reduce over gloo on cpu ok"));
 }
 
-TEST_CASE("a recipe runs lora-train on every rank, with the overrides") {
+TEST_CASE("a recipe runs lora-train on every rank, with the overrides", "[e2e]") {
   const Result r = sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml train.lr=2e-4 --dry-run",
                                   LORARUN_SOURCE_DIR, bin("lorarun")));
   INFO(r.output);
@@ -51,7 +51,7 @@ TEST_CASE("a recipe runs lora-train on every rank, with the overrides") {
   CHECK_THAT(r.output, Catch::Contains("[rank1]:   lr: 0.0002"));
 }
 
-TEST_CASE("a bad recipe fails on every rank with one clear line") {
+TEST_CASE("a bad recipe fails on every rank with one clear line", "[e2e]") {
   const Result r = sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml train.learning_rate=2e-4",
                                   LORARUN_SOURCE_DIR, bin("lorarun")));
   INFO(r.output);
@@ -61,7 +61,7 @@ TEST_CASE("a bad recipe fails on every rank with one clear line") {
   CHECK_THAT(r.output, Catch::Contains("failed first: exited with code 1"));
 }
 
-TEST_CASE("lora-train --dry-run prints the resolved recipe and the epochs it will keep") {
+TEST_CASE("lora-train --dry-run prints the resolved recipe and the epochs it will keep", "[e2e]") {
   // Nothing listens on port 1: the data cannot be checked, which is a warning, not a failure.
   const Result r = sh(fmt::format("cd '{}' && {} --dry-run configs/quickstart.yaml checkpoint.epochs_to_save=[0,2] "
                                   "data.uri=mongodb://u:hunter2@127.0.0.1:1/", LORARUN_SOURCE_DIR, bin("lora-train")));
@@ -74,7 +74,7 @@ TEST_CASE("lora-train --dry-run prints the resolved recipe and the epochs it wil
   CHECK_THAT(r.output, !Catch::Contains("hunter2"));
 }
 
-TEST_CASE("workers see torchrun's environment and their output is prefixed") {
+TEST_CASE("workers see torchrun's environment and their output is prefixed", "[e2e]") {
   const Result r = sh(fmt::format(
       "{} --nproc-per-node 2 --master-port 29123 --run-id job42 -- sh -c "
       "'echo \"env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
@@ -88,7 +88,7 @@ TEST_CASE("workers see torchrun's environment and their output is prefixed") {
   CHECK_THAT(r.output, Catch::Contains("[rank0]: oops\n"));
 }
 
-TEST_CASE("a rank that exits 3 at start-up stops the group within 10 s") {
+TEST_CASE("a rank that exits 3 at start-up stops the group within 10 s", "[e2e]") {
   // Ranks 0 and 2 start a grandchild and wait on it: the whole process group must go.
   const Result r = sh(fmt::format(
       "{} --nproc-per-node 3 --grace-period 5 -- sh -c "
@@ -104,7 +104,7 @@ TEST_CASE("a rank that exits 3 at start-up stops the group within 10 s") {
   check_gone(pids);
 }
 
-TEST_CASE("a rank killed by a signal is reported as such") {
+TEST_CASE("a rank killed by a signal is reported as such", "[e2e]") {
   const Result r = sh(fmt::format(
       "{} --nproc-per-node 2 -- sh -c 'if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 60'",
       bin("lorarun")));
@@ -115,7 +115,7 @@ TEST_CASE("a rank killed by a signal is reported as such") {
   check_gone(launched_pids(r.output));
 }
 
-TEST_CASE("a command that cannot be started fails cleanly") {
+TEST_CASE("a command that cannot be started fails cleanly", "[e2e]") {
   const Result r = sh(fmt::format("{} --nproc-per-node 2 -- /nonexistent/cmd", bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 1);
@@ -135,7 +135,7 @@ std::pair<pid_t, std::vector<pid_t>> start_background(const std::string& log) {
 }
 }  // namespace
 
-TEST_CASE("SIGTERM to the launcher stops every rank and exits 143") {
+TEST_CASE("SIGTERM to the launcher stops every rank and exits 143", "[e2e]") {
   const std::string dir = temp_dir("sigterm");
   // A wrapper shell records the launcher's pid and, once it ends, its exit status.
   sh(fmt::format("( {lorarun} --nproc-per-node 2 --grace-period 5 -- sleep 60 & echo $! > '{d}/pid'; "
@@ -152,7 +152,7 @@ TEST_CASE("SIGTERM to the launcher stops every rank and exits 143") {
   check_gone(pids);
 }
 
-TEST_CASE("no rank outlives a launcher killed with SIGKILL") {
+TEST_CASE("no rank outlives a launcher killed with SIGKILL", "[e2e]") {
   const std::string dir = temp_dir("sigkill");
   auto [launcher, pids] = start_background(dir + "/log");
   REQUIRE(pids.size() == 2);

@@ -46,7 +46,7 @@ size_t occurrences(const std::string& s, const std::string& needle) {
 
 }  // namespace
 
-TEST_CASE("a node whose master never starts fails after --rdzv-timeout with one line naming the master") {
+TEST_CASE("a node whose master never starts fails after --rdzv-timeout with one line naming the master", "[e2e]") {
   const int port = free_port();
   const Result r = sh(fmt::format("{} --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 "
                                   "--master-port {} --rdzv-timeout 3 -- {} --dist-check",
@@ -62,7 +62,7 @@ TEST_CASE("a node whose master never starts fails after --rdzv-timeout with one 
   CHECK_THAT(r.output, !Catch::Contains("frame #") && !Catch::Contains("Exception raised from"));
 }
 
-TEST_CASE("node 0 whose other node never comes says how many ranks joined") {
+TEST_CASE("node 0 whose other node never comes says how many ranks joined", "[e2e]") {
   const int port = free_port();
   const Result r = sh(fmt::format("{} --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr 127.0.0.1 "
                                   "--master-port {} --rdzv-conf join_timeout=3 -- {} --dist-check",
@@ -77,14 +77,14 @@ TEST_CASE("node 0 whose other node never comes says how many ranks joined") {
   CHECK_THAT(r.output, !Catch::Contains("frame #"));
 }
 
-TEST_CASE("lorarun passes the rendezvous timeout to its ranks") {
+TEST_CASE("lorarun passes the rendezvous timeout to its ranks", "[e2e]") {
   const Result r = sh(fmt::format("{} --rdzv-timeout 42 -- sh -c 'echo rdzv $LORARUN_RDZV_TIMEOUT'", bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 0);
   CHECK_THAT(r.output, Catch::Contains("[rank0]: rdzv 42\n"));
 }
 
-TEST_CASE("lorarun --nproc-per-node beyond the limit is one line naming the limit and --nproc-limit") {
+TEST_CASE("lorarun --nproc-per-node beyond the limit is one line naming the limit and --nproc-limit", "[e2e]") {
   const Result r = sh(fmt::format("{} --nproc-per-node 100000 -- true", bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 1);
@@ -101,7 +101,7 @@ TEST_CASE("lorarun --nproc-per-node beyond the limit is one line naming the limi
   CHECK(allowed.status == 0);
 }
 
-TEST_CASE("a recipe error on every rank is printed once") {
+TEST_CASE("a recipe error on every rank is printed once", "[e2e]") {
   const std::string error = "unknown key 'train.learning_rate'; did you mean 'train.lr'?";
   const Result r = sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml train.learning_rate=2e-4",
                                   LORARUN_SOURCE_DIR, bin("lorarun")));
@@ -112,7 +112,7 @@ TEST_CASE("a recipe error on every rank is printed once") {
   CHECK_THAT(r.output, Catch::Contains("failed first: exited with code 1"));
 }
 
-TEST_CASE("a runtime error on every rank is printed once") {
+TEST_CASE("a runtime error on every rank is printed once", "[e2e]") {
   // Both ranks rendezvous, then fail the same way loading the model.
   const std::string dir = temp_dir("error-once");
   std::ofstream(dir + "/d.jsonl") << "{\"instruction\": \"a\", \"output\": \"b\"}\n";
@@ -126,7 +126,7 @@ TEST_CASE("a runtime error on every rank is printed once") {
   CHECK_THAT(errors[0], Catch::Contains("no-model"));
 }
 
-TEST_CASE("a recipe file without .yaml is a recipe, a missing one is one line") {
+TEST_CASE("a recipe file without .yaml is a recipe, a missing one is one line", "[e2e]") {
   const std::string dir = temp_dir("recipe-name");
   std::filesystem::copy_file(std::string(LORARUN_SOURCE_DIR) + "/configs/quickstart.yaml", dir + "/quickstart");
   const Result r = sh(fmt::format("cd '{}' && {} --nproc-per-node 2 {}/quickstart train.lr=2e-4 --dry-run",

@@ -65,7 +65,7 @@ std::string dist_check() { return bin("lora-train") + " --dist-check --dist-time
 
 }  // namespace
 
-TEST_CASE("two nodes of 2 ranks, started with --nnodes/--node-rank, are one world of 4") {
+TEST_CASE("two nodes of 2 ranks, started with --nnodes/--node-rank, are one world of 4", "[e2e]") {
   const std::string flags = fmt::format("{} --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port {}",
                                         bin("lorarun"), free_port());
   check_world(two_nodes(temp_dir("two-nodes"), flags + " --node-rank 0 -- " + dist_check(),
@@ -73,7 +73,7 @@ TEST_CASE("two nodes of 2 ranks, started with --nnodes/--node-rank, are one worl
               4);
 }
 
-TEST_CASE("two nodes of 1 rank take nodes, node rank and master from a Slurm job") {
+TEST_CASE("two nodes of 1 rank take nodes, node rank and master from a Slurm job", "[e2e]") {
   const std::string slurm = "SLURM_JOB_ID=31337 SLURM_NNODES=2 SLURM_JOB_NODELIST='localhost,nohost[1-3]'";
   const std::string flags = fmt::format("{} --master-port {} -- ", bin("lorarun"), free_port());
   const Result r = two_nodes(temp_dir("slurm-nodes"), fmt::format("env {} SLURM_NODEID=0 {}", slurm, flags + dist_check()),
@@ -83,7 +83,7 @@ TEST_CASE("two nodes of 1 rank take nodes, node rank and master from a Slurm job
   CHECK_THAT(r.output, Catch::Contains("run 31337"));
 }
 
-TEST_CASE("lorarun --max-restarts restarts the whole group with TORCHELASTIC_RESTART_COUNT counting") {
+TEST_CASE("lorarun --max-restarts restarts the whole group with TORCHELASTIC_RESTART_COUNT counting", "[e2e]") {
   const std::string dir = temp_dir("restarts");
   const std::string worker = script(dir, "worker.sh",
                                     "echo \"attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"\n"
@@ -104,7 +104,7 @@ TEST_CASE("lorarun --max-restarts restarts the whole group with TORCHELASTIC_RES
   CHECK(std::filesystem::is_directory(dir + "/logs/rr/attempt_0/0"));
 }
 
-TEST_CASE("restarts that run out end in the failure summary") {
+TEST_CASE("restarts that run out end in the failure summary", "[e2e]") {
   const Result r = sh(fmt::format("{} --nproc-per-node 1 --max-restarts 1 -- sh -c 'echo try $TORCHELASTIC_RESTART_COUNT; exit 4'",
                                   bin("lorarun")));
   INFO(r.output);
@@ -115,7 +115,7 @@ TEST_CASE("restarts that run out end in the failure summary") {
   CHECK_THAT(summary(r.output), Catch::Contains("[rank0]: try 1\n"));
 }
 
-TEST_CASE("the summary names the first failing rank, its exit code, error file and last lines") {
+TEST_CASE("the summary names the first failing rank, its exit code, error file and last lines", "[e2e]") {
   const std::string dir = temp_dir("summary");
   const std::string worker = script(dir, "worker.sh", R"(
 if [ "$RANK" = 1 ]; then
@@ -143,7 +143,7 @@ exec sleep 30
   CHECK_THAT(s, Catch::Contains("stopped the other 1 rank(s) on this node"));
 }
 
-TEST_CASE("a lora-train error reaches the summary through its error file") {
+TEST_CASE("a lora-train error reaches the summary through its error file", "[e2e]") {
   const Result r = sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml train.learning_rate=2e-4",
                                   LORARUN_SOURCE_DIR, bin("lorarun")));
   INFO(r.output);
@@ -153,7 +153,7 @@ TEST_CASE("a lora-train error reaches the summary through its error file") {
                                                 "did you mean 'train.lr'?\n"));
 }
 
-TEST_CASE("lora-train writes torchrun's error file, secrets scrubbed") {
+TEST_CASE("lora-train writes torchrun's error file, secrets scrubbed", "[e2e]") {
   const std::string dir = temp_dir("error-file");
   const Result r = sh(fmt::format("cd '{}' && TORCHELASTIC_ERROR_FILE='{}/error.json' {} configs/quickstart.yaml "
                                   "data.uri=mongodb://u:hunter2@db:27017/ train.nope=1",
@@ -167,7 +167,7 @@ TEST_CASE("lora-train writes torchrun's error file, secrets scrubbed") {
   CHECK_THAT(json, !Catch::Contains("hunter2"));
 }
 
-TEST_CASE("lorarun --log-dir with --redirects and --tee writes each rank's streams to files") {
+TEST_CASE("lorarun --log-dir with --redirects and --tee writes each rank's streams to files", "[e2e]") {
   const std::string dir = temp_dir("log-dir");
   const Result r = sh(fmt::format("{} --nproc-per-node 2 --log-dir '{}' --run-id lg --redirects 1 --tee 2 -- "
                                   "sh -c 'echo out $RANK; echo err $RANK >&2'",
@@ -183,7 +183,7 @@ TEST_CASE("lorarun --log-dir with --redirects and --tee writes each rank's strea
   }
 }
 
-TEST_CASE("workers get every variable torchrun sets") {
+TEST_CASE("workers get every variable torchrun sets", "[e2e]") {
   const std::string dir = temp_dir("env");
   const Result r = sh(fmt::format("env -u OMP_NUM_THREADS {} --nproc-per-node 2 --master-port 29321 --run-id ev "
                                   "--max-restarts 3 --log-dir '{}/logs' -- sh -c 'env > {}/env_$RANK; "
@@ -204,7 +204,7 @@ TEST_CASE("workers get every variable torchrun sets") {
   CHECK_THAT(read_file(dir + "/env_0"), Catch::Contains("\nRANK=0\n"));
 }
 
-TEST_CASE("SIGTERM to lorarun during restarts stops the group for good and exits 143") {
+TEST_CASE("SIGTERM to lorarun during restarts stops the group for good and exits 143", "[e2e]") {
   const std::string dir = temp_dir("restart-sigterm");
   sh(fmt::format("( {} --nproc-per-node 2 --max-restarts 5 --grace-period 5 -- sh -c "
                  "'if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exit 1; fi; exec sleep 30' & echo $! > '{d}/pid'; "

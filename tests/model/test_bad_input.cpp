@@ -104,7 +104,7 @@ TEST_CASE("adapters for another base, unknown keys, and targets that match nothi
                                     "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"));
 }
 
-TEST_CASE("lora-merge output loads in transformers and gives PEFT's merged logits") {
+TEST_CASE("lora-merge output loads in transformers and gives PEFT's merged logits", "[e2e][reference]") {
   const std::string out = test::temp_dir("merge");
   for (const std::string family : {"llama", "gpt2", "opt", "mistral"}) {
     INFO(family);
@@ -121,7 +121,7 @@ TEST_CASE("lora-merge output loads in transformers and gives PEFT's merged logit
   }
 }
 
-TEST_CASE("lora-merge with bad input: one line, non-zero, nothing written") {
+TEST_CASE("lora-merge with bad input: one line, non-zero, nothing written", "[e2e]") {
   const std::string out = test::temp_dir("merge-bad");
   const std::string llama = kFixtures + "/llama";
   for (const std::string& adapter : {kFixtures + "/qwen2/peft_adapter", out + "/missing"}) {

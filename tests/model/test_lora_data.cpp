@@ -78,7 +78,7 @@ void check_one_line_error(const std::string& cmd, const std::string& needle) {
 
 }  // namespace
 
-TEST_CASE("lora-data stats gives the counts and token lengths HF tokenizers give", "[lora-data]") {
+TEST_CASE("lora-data stats gives the counts and token lengths HF tokenizers give", "[e2e][reference][lora-data]") {
   const std::string dir = temp_dir("lora_data_stats");
   write_designed(dir + "/data.jsonl");
   const std::string recipe = write_recipe(dir, dir + "/data.jsonl");
@@ -113,7 +113,8 @@ TEST_CASE("lora-data stats gives the counts and token lengths HF tokenizers give
                               Catch::Contains("4 exceed data.max_length 64 (truncated)"));
 }
 
-TEST_CASE("lora-data preview ids equal HF tokenizers' and labels mask exactly the prompt", "[lora-data]") {
+TEST_CASE("lora-data preview ids equal HF tokenizers' and labels mask exactly the prompt",
+          "[e2e][reference][lora-data]") {
   const std::string dir = temp_dir("lora_data_preview");
   write_designed(dir + "/data.jsonl");
   const std::string recipe = write_recipe(dir, dir + "/data.jsonl");
@@ -147,7 +148,7 @@ TEST_CASE("lora-data preview ids equal HF tokenizers' and labels mask exactly th
   CHECK_THAT(text.output, !Catch::Contains("#4"));
 }
 
-TEST_CASE("lora-data import streams JSONL into MongoDB in batches and names a bad line", "[lora-data]") {
+TEST_CASE("lora-data import streams JSONL into MongoDB in batches and names a bad line", "[e2e][db][lora-data]") {
   const char* uri = std::getenv("LORARUN_TEST_MONGODB_URI");
   if (!uri) FAIL("LORARUN_TEST_MONGODB_URI is not set: run the tests with scripts/test, which starts FerretDB");
   const std::string dir = temp_dir("lora_data_import"), coll = fmt::format("import_{}", getpid());
@@ -178,7 +179,7 @@ TEST_CASE("lora-data import streams JSONL into MongoDB in batches and names a ba
   CHECK(stats_json(recipe)["documents"] == 1000);
 }
 
-TEST_CASE("lora-data errors are one line and exit 1", "[lora-data]") {
+TEST_CASE("lora-data errors are one line and exit 1", "[e2e][lora-data]") {
   const std::string dir = temp_dir("lora_data_errors");
   const std::string recipe = write_recipe(dir, dir + "/missing.jsonl");
   check_one_line_error(fmt::format("{} stats {}", bin("lora-data"), recipe), "missing.jsonl cannot be read");
@@ -211,7 +212,7 @@ struct SilentPort {
 }  // namespace
 
 TEST_CASE("an unreachable data.uri stops lora-train and lora-data within data.timeout_s, not dist.timeout_s",
-          "[lora-data]") {
+          "[e2e][lora-data]") {
   const std::string dir = temp_dir("unreachable");
   const SilentPort silent;
   const std::string uri = fmt::format("mongodb://alice:s3cr3t-pw@127.0.0.1:{}/", silent.port);
@@ -233,7 +234,7 @@ TEST_CASE("an unreachable data.uri stops lora-train and lora-data within data.ti
   }
 }
 
-TEST_CASE("lora-train --dry-run runs data.filter on the server when it answers", "[lora-data]") {
+TEST_CASE("lora-train --dry-run runs data.filter on the server when it answers", "[e2e][db][lora-data]") {
   const char* uri = std::getenv("LORARUN_TEST_MONGODB_URI");
   if (!uri) FAIL("LORARUN_TEST_MONGODB_URI is not set: run the tests with scripts/test, which starts FerretDB");
   const std::string dir = temp_dir("dry_run_filter"), coll = fmt::format("dry_run_{}", getpid());

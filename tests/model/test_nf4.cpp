@@ -63,7 +63,8 @@ LoraConfig random_adapter(CausalLM& m) {
 
 }  // namespace
 
-TEST_CASE("NF4 codes and scales equal bitsandbytes', bit for bit, with and without double quantisation") {
+TEST_CASE("NF4 codes and scales equal bitsandbytes', bit for bit, with and without double quantisation",
+          "[reference]") {
   const std::string dir = test::temp_dir("nf4-quant");
   const test::Result r = test::sh(nf4_check(fmt::format("quant {}/bnb.safetensors", dir)));
   INFO(r.output);
@@ -194,7 +195,7 @@ TEST_CASE("a QLoRA model keeps NF4 linears only, every base name, and about half
   }
 }
 
-TEST_CASE("QLoRA logits equal transformers + PEFT on bitsandbytes' NF4 weights") {
+TEST_CASE("QLoRA logits equal transformers + PEFT on bitsandbytes' NF4 weights", "[reference]") {
   const std::string out = test::temp_dir("nf4-logits");
   std::string cases;
   for (const std::string family : nlohmann::json::parse(test::read_file(kFixtures + "/families.json"))) {
@@ -218,7 +219,7 @@ TEST_CASE("QLoRA logits equal transformers + PEFT on bitsandbytes' NF4 weights")
 
 // (No semicolons in test names: CTest's test discovery splits names there.)
 TEST_CASE("lora-train with lora.quantize_base follows transformers + PEFT on the NF4 base, PEFT loads the adapter "
-          "onto a 4-bit model, lora-eval --quantize-base agrees", "[train][reference]") {
+          "onto a 4-bit model, lora-eval --quantize-base agrees", "[e2e][reference]") {
   const std::string dir = test::temp_dir("qlora-train");
   {
     std::ofstream data(dir + "/data.jsonl"), docs(dir + "/docs.jsonl");
@@ -268,7 +269,7 @@ track: {{mongodb: false}}
   }
 }
 
-TEST_CASE("lora-merge --qlora folds the adapter into dequantize(quantize(W))") {
+TEST_CASE("lora-merge --qlora folds the adapter into dequantize(quantize(W))", "[e2e][reference]") {
   const std::string dir = test::temp_dir("qlora-merge");
   // (family, the dtype training quantised from, double quant)
   for (const auto& [family, from, dq] : {std::tuple{"llama", "fp32", true}, {"gpt2", "fp32", true}, {"llama", "bf16", false}}) {

@@ -49,7 +49,7 @@ CausalLM load(const std::string& family) {
 
 }  // namespace
 
-TEST_CASE("logits of every family equal transformers' on a padded batch") {
+TEST_CASE("logits of every family equal transformers' on a padded batch", "[reference]") {
   for (const std::string& family : families()) {
     INFO(family);
     const Reference ref(family);
@@ -60,7 +60,7 @@ TEST_CASE("logits of every family equal transformers' on a padded batch") {
   }
 }
 
-TEST_CASE("an adapter PEFT saved loads and gives PEFT's logits") {
+TEST_CASE("an adapter PEFT saved loads and gives PEFT's logits", "[reference]") {
   for (const std::string& family : families()) {
     INFO(family);
     const Reference ref(family);
@@ -72,7 +72,7 @@ TEST_CASE("an adapter PEFT saved loads and gives PEFT's logits") {
   }
 }
 
-TEST_CASE("loss and LoRA gradients after one backward equal PEFT's") {
+TEST_CASE("loss and LoRA gradients after one backward equal PEFT's", "[reference]") {
   for (const std::string& family : families()) {
     INFO(family);
     const Reference ref(family);
@@ -97,7 +97,7 @@ TEST_CASE("loss and LoRA gradients after one backward equal PEFT's") {
   }
 }
 
-TEST_CASE("PEFT loads the adapter we save and gives our logits") {
+TEST_CASE("PEFT loads the adapter we save and gives our logits", "[reference]") {
   const std::string out = test::temp_dir("ours-adapter");
   for (const std::string& family : families()) {
     INFO(family);

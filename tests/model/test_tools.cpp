@@ -17,7 +17,7 @@ std::string check(const std::string& args) {
 }
 }  // namespace
 
-TEST_CASE("lora-eval per-document losses equal transformers + PEFT's") {
+TEST_CASE("lora-eval per-document losses equal transformers + PEFT's", "[e2e][reference]") {
   const std::string dir = temp_dir("eval");
   {
     std::ofstream data(dir + "/docs.jsonl");
@@ -47,7 +47,7 @@ TEST_CASE("lora-eval per-document losses equal transformers + PEFT's") {
 
 // scripts/gpu-check compares these dumps with transformers on a GPU; here the same comparison
 // (bench/gpu/bench.py ref-small) runs on the CPU, so the dump format and the check cannot drift.
-TEST_CASE("lora-eval --dump-logits writes transformers' logits in bf16 and fp32") {
+TEST_CASE("lora-eval --dump-logits writes transformers' logits in bf16 and fp32", "[e2e][reference]") {
   const std::string dir = temp_dir("dump-logits");
   {
     std::ofstream data(dir + "/docs.jsonl");
@@ -71,7 +71,7 @@ TEST_CASE("lora-eval --dump-logits writes transformers' logits in bf16 and fp32"
   for (const auto& row : rows) CHECK(row.value("status", "") == "PASS");
 }
 
-TEST_CASE("lora-generate greedy ids equal transformers' generate") {
+TEST_CASE("lora-generate greedy ids equal transformers' generate", "[e2e][reference]") {
   for (const std::string family : {"llama", "gpt2", "opt"}) {
     INFO(family);
     const std::string base = kFixtures + "/" + family;
@@ -86,7 +86,7 @@ TEST_CASE("lora-generate greedy ids equal transformers' generate") {
   }
 }
 
-TEST_CASE("lora-generate prints text and samples reproducibly") {
+TEST_CASE("lora-generate prints text and samples reproducibly", "[e2e]") {
   const std::string base = kFixtures + "/llama";
   const std::string cmd = fmt::format("{} --model {} --prompt 'LoRA adapts' --max-new-tokens 8 --temperature 0.8 "
                                       "--top-p 0.9 --seed 3", bin("lora-generate"), base);

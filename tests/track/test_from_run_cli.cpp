@@ -20,7 +20,7 @@ std::string mongo_uri() {
 
 }  // namespace
 
-TEST_CASE("lora-train --from-run DB/ID --dry-run prints the stored recipe with the overrides") {
+TEST_CASE("lora-train --from-run DB/ID --dry-run prints the stored recipe with the overrides", "[e2e][db]") {
   // The quickstart recipe, recorded with a password in its URI as a real run would be.
   std::string uri = mongo_uri();
   uri.insert(uri.find("://") + 3, "alice:s3cr3t-pw@");

@@ -61,7 +61,7 @@ json the_run(const std::string& db, const std::string& id) {
 
 }  // namespace
 
-TEST_CASE("begin, metrics, checkpoint and finish write the run and metrics documents") {
+TEST_CASE("begin, metrics, checkpoint and finish write the run and metrics documents", "[db]") {
   const std::string db = fresh_db();
   const recipe::Recipe r = sample_recipe(test_uri(), db);
   track::RunRecorder rec(test_uri(), db, kTimeout);
@@ -118,7 +118,7 @@ TEST_CASE("begin, metrics, checkpoint and finish write the run and metrics docum
   CHECK(ck["files"][1]["sha256"] == io::sha256_hex(std::string(1000, 'w')));
 }
 
-TEST_CASE("a failed run records its error, and a run never finished is marked failed") {
+TEST_CASE("a failed run records its error, and a run never finished is marked failed", "[db]") {
   const std::string db = fresh_db();
   std::string id;
   {
@@ -139,7 +139,7 @@ TEST_CASE("a failed run records its error, and a run never finished is marked fa
   CHECK_THROWS_WITH(rec.finish("done", nullptr), Catch::Contains("status 'done' is not completed, failed or interrupted"));
 }
 
-TEST_CASE("a metrics write that fails warns, is counted and does not stop the run") {
+TEST_CASE("a metrics write that fails warns, is counted and does not stop the run", "[db]") {
   const std::string db = fresh_db();
   track::RunRecorder rec(test_uri(), db, kTimeout);
   const std::string id = rec.begin(json::object(), json::object());
@@ -151,7 +151,7 @@ TEST_CASE("a metrics write that fails warns, is counted and does not stop the ru
   CHECK(run["metrics_dropped"] == 2);
 }
 
-TEST_CASE("resuming a run appends a resume entry and keeps one run document") {
+TEST_CASE("resuming a run appends a resume entry and keeps one run document", "[db]") {
   const std::string db = fresh_db();
   const json recipe_json = recipe::to_json(sample_recipe(test_uri(), db));
   std::string id;
@@ -178,7 +178,7 @@ TEST_CASE("resuming a run appends a resume entry and keeps one run document") {
                     Catch::Contains("no run 0123456789abcdef01234567 in " + db + ".runs"));
 }
 
-TEST_CASE("a password in the URI never reaches any stored document") {
+TEST_CASE("a password in the URI never reaches any stored document", "[db]") {
   const std::string secret = "s3cr3t-pw";
   const std::string uri = uri_with_password(secret);
   const std::string db = fresh_db();
@@ -197,7 +197,7 @@ TEST_CASE("a password in the URI never reaches any stored document") {
   CHECK(the_run(db, id)["recipe"]["data"]["uri"] == recipe::to_json(r)["data"]["uri"]);
 }
 
-TEST_CASE("load_run_recipe gives back the recipe: recipe_from_json of it equals the original") {
+TEST_CASE("load_run_recipe gives back the recipe: recipe_from_json of it equals the original", "[db]") {
   const std::string db = fresh_db();
   const recipe::Recipe r = sample_recipe(test_uri(), db);
   track::RunRecorder rec(test_uri(), db, kTimeout);
@@ -208,7 +208,7 @@ TEST_CASE("load_run_recipe gives back the recipe: recipe_from_json of it equals 
   CHECK(back["data"]["filter"]["meta.len"]["$gt"] == 3);
 }
 
-TEST_CASE("load_run_recipe: unknown or malformed ids and unreachable servers are one clear line") {
+TEST_CASE("load_run_recipe: unknown or malformed ids and unreachable servers are one clear line", "[db]") {
   const std::string db = fresh_db();
   CHECK_THROWS_WITH(track::load_run_recipe(test_uri(), db, "66aa00000000000000000000", kTimeout),
                     Catch::StartsWith("no run 66aa00000000000000000000 in " + db + ".runs at mongodb://") &&
@@ -237,7 +237,7 @@ TEST_CASE("run references: DATABASE/ID, or a bare id with --runs-db") {
                     Catch::Contains("names no database: give it as DATABASE/ID"));
 }
 
-TEST_CASE("recipe_from_run: overrides apply and the given URI replaces a redacted one") {
+TEST_CASE("recipe_from_run: overrides apply and the given URI replaces a redacted one", "[db]") {
   const std::string db = fresh_db();
   const std::string stored_uri = "mongodb://alice:pw@db.example:27017/";
   track::RunRecorder rec(test_uri(), db, kTimeout);

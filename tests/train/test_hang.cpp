@@ -51,7 +51,7 @@ track: {{mongodb: false}}
 
 }  // namespace
 
-TEST_CASE("a rank stopped mid-training is named as the one that timed out", "[train][dist]") {
+TEST_CASE("a rank stopped mid-training is named as the one that timed out", "[e2e][dist]") {
   const int timeout_s = 6;
   const std::string dir = start_training("hang", timeout_s);
   KillOnExit cleanup;
@@ -77,7 +77,7 @@ TEST_CASE("a rank stopped mid-training is named as the one that timed out", "[tr
   CHECK(wait_for([&] { return !alive(stopped); }, 5.0));
 }
 
-TEST_CASE("a stopped rank 0, which hosts the store, is named by the rank that noticed", "[train][dist]") {
+TEST_CASE("a stopped rank 0, which hosts the store, is named by the rank that noticed", "[e2e][dist]") {
   const int timeout_s = 6;
   const std::string dir = start_training("hang0", timeout_s);
   KillOnExit cleanup;

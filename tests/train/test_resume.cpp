@@ -76,7 +76,7 @@ Result interrupt(const std::string& cmd, const std::string& log, const std::stri
 
 }  // namespace
 
-TEST_CASE("lora-train follows transformers + PEFT + AdamW step by step, on 1 and 2 ranks", "[train][reference]") {
+TEST_CASE("lora-train follows transformers + PEFT + AdamW step by step, on 1 and 2 ranks", "[e2e][reference]") {
   const std::string dir = temp_dir("equiv");
   write_data(dir + "/data.jsonl", 30);
   const Result init = sh(fmt::format("'{}' '{}/reference/train_reference.py' init {}/llama {}/init 4 8 7", LORARUN_PYTHON,
@@ -103,7 +103,8 @@ TEST_CASE("lora-train follows transformers + PEFT + AdamW step by step, on 1 and
   }
 }
 
-TEST_CASE("SIGTERM mid-epoch saves the state and the same command resumes to the uninterrupted result", "[train][resume]") {
+TEST_CASE("SIGTERM mid-epoch saves the state and the same command resumes to the uninterrupted result",
+          "[e2e][resume]") {
   const std::string dir = temp_dir("sigterm");
   write_data(dir + "/data.jsonl", 240);
   const std::string train = "epochs: 3, lr: 1.0e-3, warmup_steps: 5";
@@ -142,7 +143,7 @@ TEST_CASE("SIGTERM mid-epoch saves the state and the same command resumes to the
   CHECK(lines >= 360);
 }
 
-TEST_CASE("kill -9 of a rank: the run fails and rerunning resumes from the last periodic state", "[train][resume]") {
+TEST_CASE("kill -9 of a rank: the run fails and rerunning resumes from the last periodic state", "[e2e][resume]") {
   const std::string dir = temp_dir("kill9");
   write_data(dir + "/data.jsonl", 160);
   const std::string train = "epochs: 2, lr: 1.0e-3";
@@ -165,7 +166,7 @@ TEST_CASE("kill -9 of a rank: the run fails and rerunning resumes from the last 
   CHECK_FALSE(fs::exists(dir + "/cut/resume_state"));
 }
 
-TEST_CASE("a resumable state is not used by a different recipe", "[train][resume]") {
+TEST_CASE("a resumable state is not used by a different recipe", "[e2e][resume]") {
   const std::string dir = temp_dir("resume-changed");
   write_data(dir + "/data.jsonl", 24);
   const std::string recipe = write_recipe(dir, "run", "epochs: 2, lr: 1.0e-3", ", batch_size: 2");
@@ -193,7 +194,7 @@ TEST_CASE("a resumable state is not used by a different recipe", "[train][resume
   CHECK_THAT(d.output, !Catch::Contains("resuming"));
 }
 
-TEST_CASE("2 ranks: save_last_epoch_only keeps exactly the last epoch, replicas checked every step", "[train]") {
+TEST_CASE("2 ranks: save_last_epoch_only keeps exactly the last epoch, replicas checked every step", "[e2e]") {
   const std::string dir = temp_dir("last-only");
   write_data(dir + "/data.jsonl", 21);
   const std::string recipe = write_recipe(dir, "run", "epochs: 3, lr: 1.0e-3", ", batch_size: 2");
@@ -210,7 +211,7 @@ TEST_CASE("2 ranks: save_last_epoch_only keeps exactly the last epoch, replicas 
   CHECK(fs::exists(dir + "/run/epoch_2/adapter_config.json"));
 }
 
-TEST_CASE("bf16 base weights train with fp32 adapters (the recipe default dtype)", "[train]") {
+TEST_CASE("bf16 base weights train with fp32 adapters (the recipe default dtype)", "[e2e]") {
   const std::string dir = temp_dir("bf16");
   write_data(dir + "/data.jsonl", 16);
   const std::string recipe = write_recipe(dir, "run", "epochs: 1, lr: 1.0e-3", ", batch_size: 4");
@@ -232,7 +233,8 @@ TEST_CASE("bf16 base weights train with fp32 adapters (the recipe default dtype)
   CHECK(f.tensors().front().dtype == lorarun::io::DType::F32);
 }
 
-TEST_CASE("packing and activation checkpointing train the same and packing and length grouping pad less", "[train][memory]") {
+TEST_CASE("packing and activation checkpointing train the same and packing and length grouping pad less",
+          "[e2e][memory]") {
   const std::string dir = temp_dir("packing");
   {
     std::ofstream data(dir + "/data.jsonl");

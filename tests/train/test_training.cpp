@@ -12,7 +12,7 @@
 using namespace lorarun::test;
 namespace fs = std::filesystem;
 
-TEST_CASE("2 ranks train from JSONL and keep exactly the epochs asked for") {
+TEST_CASE("2 ranks train from JSONL and keep exactly the epochs asked for", "[e2e][reference]") {
   const std::string dir = temp_dir("train");
   {
     std::ofstream data(dir + "/data.jsonl");

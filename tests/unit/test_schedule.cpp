@@ -7,7 +7,7 @@
 using namespace lorarun;
 
 // transformers' own schedules (get_*_schedule_with_warmup) on the same steps are the reference.
-TEST_CASE("lr schedules equal transformers' with warmup") {
+TEST_CASE("lr schedules equal transformers' with warmup", "[reference]") {
   const int64_t warmup = 7, total = 50;
   for (const std::string name : {"constant", "linear", "cosine"}) {
     INFO(name);
