@@ -4,7 +4,6 @@
 // stop requests; unreachable servers and refused credentials.
 #include <catch2/catch.hpp>
 
-#include <arpa/inet.h>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -13,15 +12,16 @@
 #include <fmt/format.h>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <mongoc/mongoc.h>
 #include <set>
-#include <sys/socket.h>
 #include <thread>
 #include <unistd.h>
 
 #include "data/batches.hpp"
 #include "data/mongo.hpp"
 #include "data/source.hpp"
+#include "support/servers.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "util/error.hpp"
 
@@ -436,22 +436,11 @@ TEST_CASE("a stop request while waiting to retry: DataUnavailable within 0.5 s, 
 // the kernel and never answered — what a firewalled or wrong host looks like, without leaving
 // the loopback interface.
 struct Port {
-  int fd = -1, port = 0;
-  explicit Port(bool silent) {
-    fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t n = sizeof a;
-    REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n) == 0);
-    port = ntohs(a.sin_port);
-    if (silent) REQUIRE(listen(fd, 16) == 0);
-    else close(fd), fd = -1;
-  }
-  ~Port() {
-    if (fd >= 0) close(fd);
-  }
+  std::unique_ptr<test::SilentPort> silent_port;
+  int port;
+  explicit Port(bool silent)
+      : silent_port(silent ? std::make_unique<test::SilentPort>() : nullptr),
+        port(silent ? silent_port->port : test::free_port()) {}
 };
 
 TEST_CASE("an unreachable server fails within data.timeout_s with one redacted line") {

@@ -1,20 +1,13 @@
 // lora-train --check-env against the FerretDB that scripts/test started, and against nothing.
 #include <catch2/catch.hpp>
-#include <cstdlib>
 #include <fmt/format.h>
 
 #include "support/oracle.hpp"
+#include "support/servers.hpp"
 
 using namespace lorarun::test;
 
 namespace {
-
-std::string test_uri() {
-  const char* uri = std::getenv("LORARUN_TEST_MONGODB_URI");
-  if (!uri || !*uri)
-    FAIL("LORARUN_TEST_MONGODB_URI is not set: run the tests with scripts/test, which starts FerretDB");
-  return uri;
-}
 
 // A TCP port on 127.0.0.1 that nothing listens on: the launcher's free-port choice.
 int closed_port() {

@@ -1,50 +1,14 @@
 // lorarun's errors: each one line, printed once, quickly — a master that is not there, a rank
 // count that is a typo, a recipe error on every rank, a recipe without .yaml.
-#include <arpa/inet.h>
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
-#include <netinet/in.h>
-#include <sstream>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include "support/process.hpp"
+#include "support/servers.hpp"
 
 using namespace lorarun::test;
-
-namespace {
-
-// A loopback port nobody listens on now.
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// The lines of `s` that contain `needle`.
-std::vector<std::string> lines_with(const std::string& s, const std::string& needle) {
-  std::istringstream in(s);
-  std::vector<std::string> out;
-  for (std::string line; std::getline(in, line);)
-    if (line.find(needle) != std::string::npos) out.push_back(line);
-  return out;
-}
-
-size_t occurrences(const std::string& s, const std::string& needle) {
-  size_t n = 0;
-  for (size_t at = s.find(needle); at != std::string::npos; at = s.find(needle, at + 1)) ++n;
-  return n;
-}
-
-}  // namespace
 
 TEST_CASE("a node whose master never starts fails after --rdzv-timeout with one line naming the master", "[e2e]") {
   const int port = free_port();

@@ -1,32 +1,16 @@
 // lorarun's torchrun parity: several nodes, restarts, error files, log files, environment, Slurm.
-#include <arpa/inet.h>
 #include <csignal>
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include "support/process.hpp"
+#include "support/servers.hpp"
 
 using namespace lorarun::test;
 
 namespace {
-
-// A loopback port nobody listens on now, for the simulated nodes' shared master port.
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // Writes an executable shell script and returns its path.
 std::string script(const std::string& dir, const std::string& name, const std::string& body) {

@@ -8,12 +8,11 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <arpa/inet.h>
 #include <sstream>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "support/process.hpp"
+#include "support/servers.hpp"
 
 using namespace lorarun::test;
 using nlohmann::json;
@@ -189,27 +188,6 @@ TEST_CASE("lora-data errors are one line and exit 1", "[e2e][lora-data]") {
   check_one_line_error(fmt::format("env -u LORARUN_MONGODB_URI {} import {} --db d --collection c", bin("lora-data"), recipe),
                        "give --uri or set LORARUN_MONGODB_URI");
 }
-
-namespace {
-
-// A port on 127.0.0.1 whose connections the kernel accepts and nobody ever answers: a wrong or
-// firewalled host, without leaving the loopback interface.
-struct SilentPort {
-  int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
-  SilentPort() {
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t n = sizeof a;
-    REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n) == 0);
-    REQUIRE(listen(fd, 64) == 0);
-    port = ntohs(a.sin_port);
-  }
-  ~SilentPort() { close(fd); }
-};
-
-}  // namespace
 
 TEST_CASE("an unreachable data.uri stops lora-train and lora-data within data.timeout_s, not dist.timeout_s",
           "[e2e][lora-data]") {

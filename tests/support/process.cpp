@@ -92,4 +92,18 @@ int count_lines(const std::string& s) {
   return n;
 }
 
+std::vector<std::string> lines_with(const std::string& s, const std::string& needle) {
+  std::istringstream in(s);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);)
+    if (line.find(needle) != std::string::npos) out.push_back(line);
+  return out;
+}
+
+size_t occurrences(const std::string& s, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = s.find(needle); at != std::string::npos; at = s.find(needle, at + 1)) ++n;
+  return n;
+}
+
 }  // namespace lorarun::test

@@ -41,6 +41,12 @@ std::string read_file(const std::string& path);
 // Number of lines in `s` that are not empty.
 int count_lines(const std::string& s);
 
+// The lines of `s` that contain `needle`.
+std::vector<std::string> lines_with(const std::string& s, const std::string& needle);
+
+// How many times `needle` occurs in `s` (overlaps counted).
+size_t occurrences(const std::string& s, const std::string& needle);
+
 }  // namespace lorarun::test
 
 #include <chrono>

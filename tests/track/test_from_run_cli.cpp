@@ -1,28 +1,18 @@
 // lora-train --from-run against the FerretDB that scripts/test starts (part of integration_tests).
 #include <catch2/catch.hpp>
-#include <cstdlib>
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include "recipe/recipe.hpp"
 #include "support/process.hpp"
+#include "support/servers.hpp"
 #include "track/record.hpp"
 
 using namespace lorarun;
 
-namespace {
-
-std::string mongo_uri() {
-  const char* uri = std::getenv("LORARUN_TEST_MONGODB_URI");
-  if (!uri || !*uri) FAIL("LORARUN_TEST_MONGODB_URI is not set: run the tests with scripts/test, which starts FerretDB");
-  return uri;
-}
-
-}  // namespace
-
 TEST_CASE("lora-train --from-run DB/ID --dry-run prints the stored recipe with the overrides", "[e2e][db]") {
   // The quickstart recipe, recorded with a password in its URI as a real run would be.
-  std::string uri = mongo_uri();
+  std::string uri = test::test_uri();
   uri.insert(uri.find("://") + 3, "alice:s3cr3t-pw@");
   uri += "?authMechanism=PLAIN";
   const recipe::Recipe r = recipe::load_recipe(std::string(LORARUN_SOURCE_DIR) + "/configs/quickstart.yaml",

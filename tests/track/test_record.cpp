@@ -1,7 +1,6 @@
 // Run records against the FerretDB that scripts/test starts: the documents RunRecorder writes,
 // resume, secrets, and reading a run's recipe back for --from-run.
 #include <catch2/catch.hpp>
-#include <cstdlib>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
@@ -11,23 +10,19 @@
 #include "io/sha256.hpp"
 #include "recipe/recipe.hpp"
 #include "support/process.hpp"
+#include "support/servers.hpp"
 #include "track/from_run.hpp"
 #include "track/record.hpp"
 #include "util/error.hpp"
 
 using namespace lorarun;
+using lorarun::test::test_uri;
 using nlohmann::json;
 using std::chrono::milliseconds;
 
 namespace {
 
 constexpr milliseconds kTimeout{5000};
-
-std::string test_uri() {
-  const char* uri = std::getenv("LORARUN_TEST_MONGODB_URI");
-  if (!uri || !*uri) FAIL("LORARUN_TEST_MONGODB_URI is not set: run the tests with scripts/test, which starts FerretDB");
-  return uri;
-}
 
 // The test server's URI with a password (FerretDB accepts any with PLAIN and no auth set up).
 std::string uri_with_password(const std::string& password) {

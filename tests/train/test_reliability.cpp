@@ -16,6 +16,8 @@
 #include "io/files.hpp"
 #include "io/sha256.hpp"
 #include "support/process.hpp"
+#include "support/runs.hpp"
+#include "support/servers.hpp"
 
 using namespace lorarun::test;
 namespace fs = std::filesystem;
@@ -23,38 +25,8 @@ using nlohmann::json;
 
 namespace {
 
-void write_data(const std::string& path, int n, int from = 0) {
-  std::ofstream data(path);
-  for (int i = from; i < from + n; ++i)
-    data << json{{"instruction", fmt::format("Add {} and {}", i, 3 * i + 1)}, {"output", std::to_string(4 * i + 1)}}.dump()
-         << "\n";
-}
-
-// A recipe on the llama fixture reading `dir`/data.jsonl, writing `dir`/`name`.
-std::string write_recipe(const std::string& dir, const std::string& name, const std::string& train,
-                         const std::string& lora = "", const std::string& data = "", const std::string& extra = "") {
-  const std::string path = fmt::format("{}/{}.yaml", dir, name);
-  std::ofstream(path) << fmt::format(R"(model: {{path: {}/llama, dtype: fp32, device: cpu}}
-lora: {{r: 4, alpha: 8, target_modules: all-linear{}}}
-data: {{source: jsonl, path: {}/data.jsonl, format: instruction, prompt_template: "Q: {{instruction}}\nA: "{}}}
-train: {{{}}}
-checkpoint: {{output_dir: {}/{}}}
-track: {{mongodb: false}}
-{})", LORARUN_MODEL_FIXTURES, lora, dir, data, train, dir, name, extra);
-  return path;
-}
-
 std::string lorarun_cmd(int ranks, const std::string& recipe, const std::string& overrides = "") {
   return fmt::format("{} --nproc-per-node {} {} {}", bin("lorarun"), ranks, recipe, overrides);
-}
-
-// Runs `cmd` in the background until its output shows `marker`, then `act` ($pid: the command,
-// $log: its output); waits for it and prints exit=<status>.
-Result interrupt(const std::string& cmd, const std::string& log, const std::string& marker, const std::string& act) {
-  return sh(fmt::format("log='{}'; {} > \"$log\" 2>&1 & pid=$!; "
-                        "for i in $(seq 1 1200); do grep -q '{}' \"$log\" && break; sleep 0.05; done; {}; "
-                        "wait $pid; echo exit=$?",
-                        log, cmd, marker, act));
 }
 
 std::string all_text_under(const std::string& dir) {
@@ -62,18 +34,6 @@ std::string all_text_under(const std::string& dir) {
   for (const auto& e : fs::recursive_directory_iterator(dir))
     if (e.is_regular_file()) all += e.path().string() + "\n" + read_file(e.path().string()) + "\n";
   return all;
-}
-
-int occurrences(const std::string& text, const std::string& what) {
-  int n = 0;
-  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
-}
-
-std::string test_uri() {
-  const char* uri = std::getenv("LORARUN_TEST_MONGODB_URI");
-  if (!uri || !*uri) FAIL("LORARUN_TEST_MONGODB_URI is not set: run the tests with scripts/test, which starts FerretDB");
-  return uri;
 }
 
 // A FerretDB of the test's own that demands SCRAM-SHA-256 credentials; stopped on destruction.

@@ -14,32 +14,27 @@
 
 #include "io/safetensors.hpp"
 #include "support/oracle.hpp"
+#include "support/runs.hpp"
 
-using namespace lorarun::test;
+// Not `using namespace lorarun::test`: this file's write_recipe would be ambiguous with the shared one.
+using lorarun::test::bin;
+using lorarun::test::interrupt;
+using lorarun::test::Oracle;
+using lorarun::test::oracle;
+using lorarun::test::read_file;
+using lorarun::test::Result;
+using lorarun::test::sh;
+using lorarun::test::temp_dir;
+using lorarun::test::write_data;
 namespace fs = std::filesystem;
 
 namespace {
 
-void write_data(const std::string& path, int n) {
-  std::ofstream data(path);
-  for (int i = 0; i < n; ++i)
-    data << nlohmann::json{{"instruction", fmt::format("Add {} and {}", i, 3 * i + 1)}, {"output", std::to_string(4 * i + 1)}}
-                .dump()
-         << "\n";
-}
-
-// A recipe on the llama fixture; `extra` is appended YAML (more sections or keys).
+// The shared recipe (support/runs.hpp) with data.shuffle: none and `data_extra` appended to the
+// data: section; `extra` is appended YAML (more sections or keys).
 std::string write_recipe(const std::string& dir, const std::string& name, const std::string& train,
                          const std::string& data_extra, const std::string& extra = "") {
-  const std::string path = fmt::format("{}/{}.yaml", dir, name);
-  std::ofstream(path) << fmt::format(R"(model: {{path: {}/llama, dtype: fp32, device: cpu}}
-lora: {{r: 4, alpha: 8, target_modules: all-linear}}
-data: {{source: jsonl, path: {}/data.jsonl, format: instruction, prompt_template: "Q: {{instruction}}\nA: ", shuffle: none{}}}
-train: {{{}}}
-checkpoint: {{output_dir: {}/{}}}
-track: {{mongodb: false}}
-{})", LORARUN_MODEL_FIXTURES, dir, data_extra, train, dir, name, extra);
-  return path;
+  return lorarun::test::write_recipe(dir, name, train, "", ", shuffle: none" + data_extra, extra);
 }
 
 // Largest absolute difference between two adapter files, tensor by tensor (inf if keys differ).
@@ -63,15 +58,6 @@ std::vector<std::string> entries(const std::string& dir) {
   for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   return names;
-}
-
-// Runs `cmd` in the background, waits until its output shows `marker`, runs `act` (a shell
-// snippet; $pid is the command, $log its output), waits for the command and prints exit=<status>.
-Result interrupt(const std::string& cmd, const std::string& log, const std::string& marker, const std::string& act) {
-  return sh(fmt::format("log='{}'; {} > \"$log\" 2>&1 & pid=$!; "
-                        "for i in $(seq 1 1200); do grep -q '{}' \"$log\" && break; sleep 0.05; done; {}; "
-                        "wait $pid; echo exit=$?",
-                        log, cmd, marker, act));
 }
 
 }  // namespace

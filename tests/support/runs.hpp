@@ -1,0 +1,24 @@
+// Training runs of the real binaries on the tiny llama fixture (LORARUN_MODEL_FIXTURES): the
+// documents, the recipe, and a run interrupted part way.
+#pragma once
+#include <string>
+
+#include "support/process.hpp"
+
+namespace lorarun::test {
+
+// `n` instruction documents "Add i and 3i+1" -> "4i+1", i from `from`, one JSON object a line.
+void write_data(const std::string& path, int n, int from = 0);
+
+// `dir`/`name`.yaml: LoRA r 4 on every linear of the llama fixture, fp32 on the CPU, reading
+// `dir`/data.jsonl, writing `dir`/`name`, no MongoDB records. `train` is the train: section's
+// keys; `lora` and `data` are appended to those sections (", dropout: 0.1"); `extra` is appended
+// YAML. Returns the path.
+std::string write_recipe(const std::string& dir, const std::string& name, const std::string& train,
+                         const std::string& lora = "", const std::string& data = "", const std::string& extra = "");
+
+// Runs `cmd` in the background until its output shows `marker`, then `act`, a shell snippet
+// ($pid: the command, $log: its output); waits for the command and prints exit=<status>.
+Result interrupt(const std::string& cmd, const std::string& log, const std::string& marker, const std::string& act);
+
+}  // namespace lorarun::test
