@@ -74,8 +74,12 @@ int64_t padding(const std::vector<MicroBatch>& mbs, const std::map<int64_t, int6
   int64_t pad = 0;
   for (const auto& m : mbs) {
     int64_t longest = 0, sum = 0, count = 0;
-    for (int64_t n : m)
-      if (n >= 0) longest = std::max(longest, length.at(n)), sum += length.at(n), ++count;
+    for (int64_t n : m) {
+      if (n < 0) continue;
+      longest = std::max(longest, length.at(n));
+      sum += length.at(n);
+      ++count;
+    }
     pad += longest * count - sum;
   }
   return pad;

@@ -55,11 +55,18 @@ nlohmann::json doc(int64_t i) {
 
 recipe::DataSection config(const std::string& uri, const std::string& db, Shuffle shuffle) {
   recipe::DataSection d;
-  d.uri = uri, d.database = db, d.collection = "docs", d.shuffle = shuffle;
+  d.uri = uri;
+  d.database = db;
+  d.collection = "docs";
+  d.shuffle = shuffle;
   d.format = recipe::Format::Instruction;
   d.prompt_template = "{instruction}\n";
   d.response_field = "output";
-  d.shuffle_buffer = 8, d.prefetch = 2, d.retries = 5, d.retry_backoff_s = 0.05, d.timeout_s = 10;
+  d.shuffle_buffer = 8;
+  d.prefetch = 2;
+  d.retries = 5;
+  d.retry_backoff_s = 0.05;
+  d.timeout_s = 10;
   return d;
 }
 
@@ -240,7 +247,8 @@ TEST_CASE("the reader fetches only the fields the format needs", "[db]") {
   for (const auto& f : docs.run(1, "", 2, builder.fields())) CHECK_FALSE(f.doc.contains("extra"));
   CHECK(docs.fetch({0})[0].contains("extra"));  // no projection: the whole document
   recipe::DataSection text = d, chat = d;
-  text.format = recipe::Format::Text, chat.format = recipe::Format::Chat;
+  text.format = recipe::Format::Text;
+  chat.format = recipe::Format::Chat;
   CHECK(data::ExampleBuilder(text, tokenizer()).fields() == std::vector<std::string>{"text"});
   CHECK(data::ExampleBuilder(chat, tokenizer()).fields() == std::vector<std::string>{"messages"});
 }
@@ -301,7 +309,11 @@ TEST_CASE("an empty selection and an unknown collection are errors before traini
 void restart_mid_epoch(Shuffle mode, int prefetch) {
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 1500, mode);
-  d.prefetch = prefetch, d.shuffle_buffer = 100, d.retries = 8, d.retry_backoff_s = 0.25, d.timeout_s = 5;
+  d.prefetch = prefetch;
+  d.shuffle_buffer = 100;
+  d.retries = 8;
+  d.retry_backoff_s = 0.25;
+  d.timeout_s = 5;
   const data::Documents docs(d);
   const auto full = read_shard(docs, {1, 0, 3, 0, mode});
   const data::ExampleBuilder builder(d, tokenizer());
@@ -336,12 +348,16 @@ TEST_CASE("FerretDB gone past the retry budget: one DataUnavailable naming the s
   NEED_SERVER();
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
-  d.retries = 2, d.retry_backoff_s = 0.2, d.prefetch = 1, d.timeout_s = 2;
+  d.retries = 2;
+  d.retry_backoff_s = 0.2;
+  d.prefetch = 1;
+  d.timeout_s = 2;
   const data::Documents docs(d);
   const data::ExampleBuilder builder(d, tokenizer());
   {  // destroyed in the middle of a backoff: returns at once
     recipe::DataSection patient = d;
-    patient.retries = 10, patient.retry_backoff_s = 5;
+    patient.retries = 10;
+    patient.retry_backoff_s = 5;
     const data::Documents slow(patient);
     server.stop();
     auto r = std::make_unique<data::ShardReader>(slow, builder, data::ShardSpec{});
@@ -383,7 +399,9 @@ TEST_CASE("FerretDB gone: DataUnavailable reaches MicroBatches::next() from the 
   NEED_SERVER();
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
-  d.retries = 1, d.retry_backoff_s = 0.1, d.timeout_s = 2;
+  d.retries = 1;
+  d.retry_backoff_s = 0.1;
+  d.timeout_s = 2;
   const data::ExampleBuilder builder(d, tokenizer());
   for (const int prefetch : {2, 0}) {
     INFO("prefetch " << prefetch);
@@ -403,7 +421,9 @@ TEST_CASE("a stop request while waiting to retry: DataUnavailable within 0.5 s, 
   NEED_SERVER();
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
-  d.retries = 10, d.retry_backoff_s = 20, d.timeout_s = 2;  // minutes of patience without the stop
+  d.retries = 10;
+  d.retry_backoff_s = 20;
+  d.timeout_s = 2;  // minutes of patience without the stop
   const data::ExampleBuilder builder(d, tokenizer());
   for (const int prefetch : {1, 0}) {
     INFO("prefetch " << prefetch);
