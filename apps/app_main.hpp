@@ -1,11 +1,11 @@
 // The one place each app turns exceptions into a one-line error and an exit status.
 #pragma once
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <exception>
-#include <fmt/format.h>
 #include <optional>
 #include <string>
 
@@ -26,9 +26,12 @@ inline std::string without_backtrace(std::string m) {
 inline std::string json_string(const std::string& s) {
   std::string json;
   for (const unsigned char ch : s) {
-    if (ch == '"' || ch == '\\') json += {'\\', static_cast<char>(ch)};
-    else if (ch < 0x20) json += fmt::format("\\u{:04x}", ch);
-    else json += static_cast<char>(ch);
+    if (ch == '"' || ch == '\\')
+      json += {'\\', static_cast<char>(ch)};
+    else if (ch < 0x20)
+      json += fmt::format("\\u{:04x}", ch);
+    else
+      json += static_cast<char>(ch);
   }
   return json;
 }

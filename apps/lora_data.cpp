@@ -12,13 +12,14 @@
 //
 // Positions (#N) are 0-based: _id order for MongoDB, order of the non-blank lines for JSONL —
 // the positions training shards and `preview --json` reports.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -26,7 +27,6 @@
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
-#include <unistd.h>
 
 #include "app_main.hpp"
 #include "data/mongo.hpp"
@@ -77,8 +77,10 @@ void tokenize(const TokenizeArgs& a) {
     } else {
       json j = json::parse(line, nullptr, false);
       if (!j.is_string())
-        throw Error(fmt::format("stdin line {}: not a JSON string literal (quote it, or pass --raw "
-                                "for plain text lines)", n));
+        throw Error(
+            fmt::format("stdin line {}: not a JSON string literal (quote it, or pass --raw "
+                        "for plain text lines)",
+                        n));
       text = j.get<std::string>();
     }
     std::string out = ids_json(tok.encode(text, !a.no_special));
@@ -127,11 +129,12 @@ struct Dataset {
 // What the trainer's builder makes of `doc`; a line that is not a JSON object says so.
 data::Built build(const data::ExampleBuilder& b, const data::Found& found, recipe::Source source) {
   const json& doc = found.doc;
-  if (!found.invalid_utf8.empty()) return data::Rejection{data::Rejection::BadDocument, data::invalid_utf8_reason(found.invalid_utf8)};
+  if (!found.invalid_utf8.empty())
+    return data::Rejection{data::Rejection::BadDocument, data::invalid_utf8_reason(found.invalid_utf8)};
   if (doc.is_object()) return b.build(doc);
-  const char* why = doc.is_discarded()                                       ? "not valid JSON"
+  const char* why = doc.is_discarded()                                   ? "not valid JSON"
                     : doc.is_null() && source == recipe::Source::MongoDB ? "no longer in the collection"
-                                                                             : "not a JSON object";
+                                                                         : "not a JSON object";
   return data::Rejection{data::Rejection::BadDocument, why};
 }
 
@@ -173,7 +176,7 @@ struct Stats {
     std::vector<std::string> first;  // where the first few are
   };
   int64_t documents = 0, examples = 0, overlong = 0, trained = 0;
-  std::vector<int64_t> lengths;  // untruncated example lengths (overlong ones included)
+  std::vector<int64_t> lengths;    // untruncated example lengths (overlong ones included)
   std::map<std::string, Bad> bad;  // by reason
 
   void reject(const std::string& reason, int64_t position, const data::Found& doc) {
@@ -226,8 +229,10 @@ nlohmann::ordered_json stats_json(const Dataset& d, const Stats& s) {
   for (const auto& [reason, b] : s.bad) bad.push_back({{"reason", reason}, {"count", b.count}, {"first", b.first}});
   nlohmann::ordered_json lengths = nullptr;
   if (!s.lengths.empty())
-    lengths = {{"p50", percentile(s.lengths, 50)}, {"p90", percentile(s.lengths, 90)},
-               {"p99", percentile(s.lengths, 99)}, {"max", s.lengths.back()}};
+    lengths = {{"p50", percentile(s.lengths, 50)},
+               {"p90", percentile(s.lengths, 90)},
+               {"p99", percentile(s.lengths, 99)},
+               {"max", s.lengths.back()}};
   return {{"data", d.docs.describe()},
           {"documents", s.documents},
           {"examples", s.examples},
@@ -248,15 +253,16 @@ void print_stats(const Dataset& d, const Stats& s) {
   row("examples", fmt::format("{}", s.examples));
   row("bad documents", fmt::format("{}{}", s.bad_total(),
                                    s.bad.empty() || c.bad_documents == recipe::BadDocuments::Skip
-                                       ? "" : " (data.bad_documents is fail: training stops at the first)"));
+                                       ? ""
+                                       : " (data.bad_documents is fail: training stops at the first)"));
   for (const auto& [reason, b] : s.bad)
     fmt::print("  {:>6}  {}: {}{}\n", b.count, reason, fmt::join(b.first, ", "), b.count > 5 ? ", …" : "");
   if (s.lengths.empty()) {
     row("token lengths", "- (no example)");
   } else {
-    row("token lengths", fmt::format("p50 {}  p90 {}  p99 {}  max {}  (untruncated, {} examples)",
-                                     percentile(s.lengths, 50), percentile(s.lengths, 90), percentile(s.lengths, 99),
-                                     s.lengths.back(), s.lengths.size()));
+    row("token lengths",
+        fmt::format("p50 {}  p90 {}  p99 {}  max {}  (untruncated, {} examples)", percentile(s.lengths, 50),
+                    percentile(s.lengths, 90), percentile(s.lengths, 99), s.lengths.back(), s.lengths.size()));
   }
   row("overlong", fmt::format("{} exceed data.max_length {} ({})", s.overlong, c.max_length,
                               c.overlong == recipe::Overlong::Skip ? "skipped" : "truncated"));
@@ -266,8 +272,10 @@ void print_stats(const Dataset& d, const Stats& s) {
 void stats(const RecipeArgs& a) {
   const Dataset d(a);
   const Stats s = collect(d);
-  if (a.as_json) fmt::print("{}\n", stats_json(d, s).dump());
-  else print_stats(d, s);
+  if (a.as_json)
+    fmt::print("{}\n", stats_json(d, s).dump());
+  else
+    print_stats(d, s);
 }
 
 // ---- preview ------------------------------------------------------------------------------
@@ -316,8 +324,10 @@ void preview(int64_t n, const RecipeArgs& a) {
   const bool colour = !a.as_json && isatty(STDOUT_FILENO) && !std::getenv("NO_COLOR");
   for_each_document(d, std::min(n, d.docs.size()), [&](int64_t position, const data::Found& doc) {
     const data::Built built = build(builder, doc, d.recipe.data.source);
-    if (a.as_json) fmt::print("{}\n", preview_json(position, built).dump());
-    else print_preview(d, position, doc, built, colour);
+    if (a.as_json)
+      fmt::print("{}\n", preview_json(position, built).dump());
+    else
+      print_preview(d, position, doc, built, colour);
   });
 }
 
@@ -344,7 +354,8 @@ void import_jsonl(const ImportArgs& a) {
   int64_t inserted = 0;
   size_t n = 0, batch_start = 1;
   const auto so_far = [&] {
-    return fmt::format("{} documents inserted: the whole batches of 1,000 before it, nothing from its batch on", inserted);
+    return fmt::format("{} documents inserted: the whole batches of 1,000 before it, nothing from its batch on",
+                       inserted);
   };
   const auto flush = [&] {
     try {
@@ -385,7 +396,8 @@ int run(int argc, char** argv) {
   app.require_subcommand(1);
 
   TokenizeArgs t;
-  auto* tkn = app.add_subcommand("tokenize", "JSON string lines (or --raw text lines) on stdin to JSON id arrays on stdout");
+  auto* tkn =
+      app.add_subcommand("tokenize", "JSON string lines (or --raw text lines) on stdin to JSON id arrays on stdout");
   tkn->add_option("--model", t.model, "model directory with tokenizer.json")->required();
   tkn->add_flag("--no-special", t.no_special, "do not add the post-processor's special tokens");
   tkn->add_flag("--raw", t.raw, "input lines are plain text, not JSON string literals");

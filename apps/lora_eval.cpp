@@ -2,21 +2,21 @@
 // optionally the loss of every document, on the CPU or a GPU; --dump-logits writes the first
 // batch's logits for reference checks (scripts/gpu-check compares them with transformers').
 #include <ATen/ATen.h>
-#include <CLI/CLI.hpp>
 #include <c10/core/GradMode.h>
-#include <cmath>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "app_main.hpp"
-#include "model_args.hpp"
 #include "data/example.hpp"
 #include "io/files.hpp"
 #include "model/lora.hpp"
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
+#include "model_args.hpp"
 #include "tokenizer/tokenizer.hpp"
 
 namespace {
@@ -47,7 +47,8 @@ int run(int argc, char** argv) {
   model_args.add_to(app);
   app.add_option("--data", data, "JSONL file, one document per line")->required();
   app.add_option("--text-field", field, "the field holding each document's text");
-  app.add_option("--max-length", max_length, "tokens per document (longer ones are truncated)")->check(CLI::Range(2, 1 << 20));
+  app.add_option("--max-length", max_length, "tokens per document (longer ones are truncated)")
+      ->check(CLI::Range(2, 1 << 20));
   app.add_option("--batch-size", batch_size, "documents per forward pass")->check(CLI::Range(1, 4096));
   app.add_option("--per-doc", per_doc, "write {index, tokens, loss} of every document to this JSONL file");
   app.add_option("--device", model_args.device, "cpu, cuda or cuda:N");
@@ -86,8 +87,8 @@ int run(int argc, char** argv) {
     const at::Tensor mask = labels != data::kIgnoreIndex;
     const at::Tensor logits = m.forward(ids.to(m.device()), mask.to(m.device()));
     if (start == 0 && !dump_logits.empty())
-      model::save_tensors(dump_logits, {{"input_ids", ids}, {"attention_mask", mask.to(at::kLong)},
-                                        {"logits", logits.to(at::kFloat)}});
+      model::save_tensors(
+          dump_logits, {{"input_ids", ids}, {"attention_mask", mask.to(at::kLong)}, {"logits", logits.to(at::kFloat)}});
     const at::Tensor losses = model::per_sequence_loss(logits, labels.to(m.device())).cpu();
     for (size_t i = start; i < end; ++i) {
       const int64_t n = static_cast<int64_t>(docs[i].size()) - 1;  // tokens that are predicted

@@ -1,15 +1,15 @@
 // lora-generate: look at what an adapter learned — continue a prompt, greedy or top-p.
 #include <ATen/ATen.h>
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <CLI/CLI.hpp>
 
 #include "app_main.hpp"
-#include "model_args.hpp"
 #include "model/generate.hpp"
 #include "model/lora.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
+#include "model_args.hpp"
 #include "tokenizer/tokenizer.hpp"
 
 namespace {

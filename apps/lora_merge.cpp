@@ -1,8 +1,8 @@
 // lora-merge: fold a LoRA adapter into its base model and write a Hugging Face model directory.
-#include <CLI/CLI.hpp>
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "app_main.hpp"
 #include "model/export.hpp"
@@ -24,13 +24,16 @@ int run(int argc, char** argv) {
   app.add_option("--out", out, "output directory (must not exist)")->required();
   app.add_option("--max-shard-size", shard, "largest safetensors shard, e.g. 5GB, 500MB");
   app.add_option("--dtype", dtype, "auto (the base model's), fp32, bf16, fp16");
-  CLI::Option* qlora_flag = app.add_flag("--qlora", qlora,
-               "the adapter was trained on an NF4 base (lora.quantize_base): merge into the base linears as "
-               "training saw them, dequantize(quantize(W)), rather than into W");
+  CLI::Option* qlora_flag =
+      app.add_flag("--qlora", qlora,
+                   "the adapter was trained on an NF4 base (lora.quantize_base): merge into the base linears as "
+                   "training saw them, dequantize(quantize(W)), rather than into W");
   app.add_option("--qlora-dtype", qlora_dtype,
                  "with --qlora: model.dtype of the training run, the dtype the base was quantised from (bf16, "
-                 "fp32, fp16; default bf16)")->needs(qlora_flag);
-  app.add_flag("--no-double-quant", no_double_quant, "with --qlora: the run had lora.double_quant: false")->needs(qlora_flag);
+                 "fp32, fp16; default bf16)")
+      ->needs(qlora_flag);
+  app.add_flag("--no-double-quant", no_double_quant, "with --qlora: the run had lora.double_quant: false")
+      ->needs(qlora_flag);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -47,7 +50,8 @@ int run(int argc, char** argv) {
   }
   const model::LoraConfig cfg = model::load_adapter(m, adapter);
   model::merge_lora(m);
-  const at::ScalarType out_dtype = dtype == "auto" ? model::parse_dtype(m.config().torch_dtype) : model::parse_dtype(dtype);
+  const at::ScalarType out_dtype =
+      dtype == "auto" ? model::parse_dtype(m.config().torch_dtype) : model::parse_dtype(dtype);
   model::export_hf_model(m, out, out_dtype, max_shard);
   std::string nf4;
   if (qlora) nf4 = fmt::format(" (NF4 from {}{})", qlora_dtype, no_double_quant ? "" : ", double quant");

@@ -1,12 +1,12 @@
 // lora-train: one rank of a LoRA fine-tuning job. Run it under lorarun, or alone as world size 1.
 #include <ATen/ATen.h>
-#include <CLI/CLI.hpp>
 #include <c10/util/Logging.h>
-#include <cstdlib>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
-#include <fmt/ranges.h>
+#include <CLI/CLI.hpp>
+#include <cstdlib>
 
 #include "app_main.hpp"
 #include "data/mongo.hpp"
@@ -16,8 +16,8 @@
 #include "recipe/recipe.hpp"
 #include "track/from_run.hpp"
 #include "train/trainer.hpp"
-#include "util/log.hpp"
 #include "util/error.hpp"
+#include "util/log.hpp"
 #include "util/secrets.hpp"
 
 namespace {
@@ -47,13 +47,12 @@ int check_env(const Args& a) {
   const bool cuda = torch::cuda::is_available();
   const dist::NcclBuild nccl = dist::nccl_build();
   fmt::print("lorarun    {}\n", LORARUN_VERSION);
-  fmt::print("torch      {} ({})\n", TORCH_VERSION,
-             LORARUN_TORCH_CUDA ? "CUDA build" : "CPU-only build");
+  fmt::print("torch      {} ({})\n", TORCH_VERSION, LORARUN_TORCH_CUDA ? "CUDA build" : "CPU-only build");
   fmt::print("cuda       {}\n", cuda ? fmt::format("available, {} GPU(s)", torch::cuda::device_count())
                                      : std::string("not available, 0 GPUs"));
-  fmt::print("nccl       {}\n", nccl.compiled ? fmt::format("compiled in (NCCL {}, CUDA runtime {})",
-                                                           nccl.nccl_version, nccl.cuda_version)
-                                              : std::string("not compiled in"));
+  fmt::print("nccl       {}\n",
+             nccl.compiled ? fmt::format("compiled in (NCCL {}, CUDA runtime {})", nccl.nccl_version, nccl.cuda_version)
+                           : std::string("not compiled in"));
   fmt::print("gloo       compiled in\n");
   const std::string uri = a.uri.empty() ? env_or("LORARUN_MONGODB_URI", "") : a.uri;
   if (uri.empty()) {
@@ -63,8 +62,7 @@ int check_env(const Args& a) {
   data::Client client(uri, std::chrono::milliseconds(a.timeout_ms));
   const data::ServerInfo info = client.server_info();
   fmt::print("mongodb    {}{} at {}\n", info.version,
-             info.ferretdb_version.empty() ? "" : fmt::format(" (FerretDB {})", info.ferretdb_version),
-             info.address);
+             info.ferretdb_version.empty() ? "" : fmt::format(" (FerretDB {})", info.ferretdb_version), info.address);
   return 0;
 }
 
@@ -74,8 +72,7 @@ void dist_check(const Args& a) {
   const bool cuda = torch::cuda::is_available();
   const dist::Backend backend = dist::resolve_backend(a.backend, cuda);
   dist::ProcessGroup pg(env, backend, std::chrono::seconds(a.dist_timeout_s));
-  const auto device = backend == dist::Backend::Nccl ? at::Device(at::kCUDA, env.local_rank)
-                                                     : at::Device(at::kCPU);
+  const auto device = backend == dist::Backend::Nccl ? at::Device(at::kCUDA, env.local_rank) : at::Device(at::kCPU);
   at::Tensor t = at::full({4}, double(env.rank + 1), at::TensorOptions().dtype(at::kDouble).device(device));
   pg.all_reduce_sum(t);
   const double want = env.world_size * (env.world_size + 1) / 2.0;
@@ -83,8 +80,8 @@ void dist_check(const Args& a) {
   if (got_min != want || got_max != want)
     throw Error(fmt::format("rank {}: all-reduce over {} gave {}..{}, expected {}", env.rank,
                             dist::backend_name(backend), got_min, got_max, want));
-  fmt::print("rank {}/{}: all-reduce over {} on {} ok (sum {} = expected {})\n", env.rank,
-             env.world_size, dist::backend_name(backend), device.str(), got_max, want);
+  fmt::print("rank {}/{}: all-reduce over {} on {} ok (sum {} = expected {})\n", env.rank, env.world_size,
+             dist::backend_name(backend), device.str(), got_max, want);
   std::fflush(stdout);
   pg.barrier();
 }
@@ -105,15 +102,14 @@ int run(int argc, char** argv) {
   Args a;
   app.add_flag("--check-env", a.check_env, "print torch/CUDA/NCCL/MongoDB facts and exit");
   app.add_option("--uri", a.uri, "MongoDB URI for --check-env and --from-run (default: $LORARUN_MONGODB_URI)");
-  app.add_option("--timeout-ms", a.timeout_ms, "MongoDB server selection timeout")
-      ->check(CLI::Range(1, 600000));
+  app.add_option("--timeout-ms", a.timeout_ms, "MongoDB server selection timeout")->check(CLI::Range(1, 600000));
   app.add_flag("--dist-check", a.dist_check, "join the process group, all-reduce, check the sum");
-  app.add_option("--backend", a.backend, "auto, nccl or gloo")
-      ->check(CLI::IsMember({"auto", "nccl", "gloo"}));
+  app.add_option("--backend", a.backend, "auto, nccl or gloo")->check(CLI::IsMember({"auto", "nccl", "gloo"}));
   app.add_option("--dist-timeout-s", a.dist_timeout_s, "rendezvous and collective timeout")
       ->check(CLI::Range(1, 86400));
   app.add_flag("--dry-run", a.dry_run, "validate the recipe, print it resolved and the epochs kept, exit");
-  app.add_option("--from-run", a.from_run, "repeat a recorded run (DATABASE/ID, as printed at its start) with overrides");
+  app.add_option("--from-run", a.from_run,
+                 "repeat a recorded run (DATABASE/ID, as printed at its start) with overrides");
   app.add_option("--runs-db", a.runs_db, "the run records' database, for a --from-run ID without one");
   app.add_option("recipe", a.recipe, "recipe YAML");
   app.add_option("overrides", a.overrides, "key=value overrides of recipe keys");
@@ -139,8 +135,10 @@ int run(int argc, char** argv) {
                fmt::join(recipe::epochs_kept(r.checkpoint, r.train.epochs), ", "));
     if (r.data.source == recipe::Source::MongoDB) {  // the server's verdict on data.filter, if one answers
       const data::Selection s = data::check_selection(r.data);
-      if (s.warning.empty()) fmt::print("# documents selected: {}\n", s.count);
-      else warn(s.warning);
+      if (s.warning.empty())
+        fmt::print("# documents selected: {}\n", s.count);
+      else
+        warn(s.warning);
     }
     return 0;
   }

@@ -20,9 +20,10 @@ struct ModelArgs {
     app.add_option("--model", base, "base model directory or cached model id")->required();
     app.add_option("--adapter", adapter, "PEFT LoRA adapter directory");
     app.add_option("--dtype", dtype, "fp32, bf16 or fp16");
-    CLI::Option* q = app.add_flag("--quantize-base", quantize,
-                 "base linears in NF4, as QLoRA training holds them (lora.quantize_base); use --dtype of the "
-                 "training run (model.dtype)");
+    CLI::Option* q =
+        app.add_flag("--quantize-base", quantize,
+                     "base linears in NF4, as QLoRA training holds them (lora.quantize_base); use --dtype of the "
+                     "training run (model.dtype)");
     app.add_flag("--no-double-quant", no_double_quant, "with --quantize-base: as lora.double_quant: false")->needs(q);
   }
   model::CausalLM load() const {

@@ -1,5 +1,6 @@
 // Shared by the fuzz harnesses: the input as a file, and the one rule for exceptions.
 #pragma once
+#include <unistd.h>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -9,7 +10,6 @@
 #include <string>
 #include <string_view>
 #include <typeinfo>
-#include <unistd.h>
 
 #include "util/error.hpp"
 

@@ -5,11 +5,11 @@
 // an accepted file whose tensors break the invariants lib/model relies on (shape dims >= 0,
 // numel * dtype size == nbytes, bytes inside the data section); every tensor's bytes are read.
 // Build and run with scripts/fuzz; seeds come from fuzz/make_seeds.py.
+#include <fmt/format.h>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string_view>
-#include <fmt/format.h>
 
 #include "common.hpp"
 #include "io/safetensors.hpp"
@@ -29,8 +29,8 @@ void check_invariants(const SafetensorsFile& f, std::string_view file) {
   for (const auto& t : f.tensors()) {
     // The mapping is not heap memory, so ASan cannot see a read past it: check the bounds.
     if (t.offset > data_size || t.nbytes > data_size - t.offset || f.bytes(t).size() != t.nbytes)
-      lorarun::fuzz::finding(fmt::format("tensor '{}' [{}, +{}) is outside the {}-byte data section",
-                                         t.name, t.offset, t.nbytes, data_size));
+      lorarun::fuzz::finding(fmt::format("tensor '{}' [{}, +{}) is outside the {}-byte data section", t.name, t.offset,
+                                         t.nbytes, data_size));
     unsigned __int128 numel = 1;
     for (int64_t d : t.shape) {
       if (d < 0) lorarun::fuzz::finding(fmt::format("tensor '{}' accepted with dimension {}", t.name, d));

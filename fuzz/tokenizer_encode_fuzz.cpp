@@ -61,8 +61,8 @@ void text_mode(const Loaded& t, std::string_view text) {
     std::string back = t.tok->decode(without, false);
     (void)t.tok->decode(with, true);
     if (t.byte_level && back != text)
-      lorarun::fuzz::finding(std::string(t.name) + ": decode(encode(x)) != x for x = '" +
-                             std::string(text) + "', got '" + back + "'");
+      lorarun::fuzz::finding(std::string(t.name) + ": decode(encode(x)) != x for x = '" + std::string(text) +
+                             "', got '" + back + "'");
   });
 }
 
@@ -89,7 +89,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const Loaded& t = tokenizers()[data[0] % 3];
   std::string_view rest(reinterpret_cast<const char*>(data) + 1, size - 1);
-  if (data[0] & 4) ids_mode(t, rest);
-  else text_mode(t, rest);
+  if (data[0] & 4)
+    ids_mode(t, rest);
+  else
+    text_mode(t, rest);
   return 0;
 }

@@ -44,8 +44,7 @@ void exercise(const Tokenizer& tok, std::string_view extra_text) {
   for (std::string_view text : all) {
     for (bool special : {true, false}) {
       std::vector<int32_t> ids;
-      if (!lorarun::fuzz::expect_only_lorarun_errors([&] { ids = tok.encode(text, special); }))
-        continue;
+      if (!lorarun::fuzz::expect_only_lorarun_errors([&] { ids = tok.encode(text, special); })) continue;
       lorarun::fuzz::expect_only_lorarun_errors([&] {
         (void)tok.decode(ids, false);
         (void)tok.decode(ids, true);

@@ -1,18 +1,18 @@
 // lorarun's command line: torchrun's flags, Slurm's defaults, and the worker command.
-#include <CLI/CLI.hpp>
 #include <arpa/inet.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+#include <CLI/CLI.hpp>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
-#include <fmt/format.h>
-#include <netinet/in.h>
 #include <fstream>
 #include <random>
-#include <sys/socket.h>
-#include <sys/stat.h>
 #include <thread>
-#include <unistd.h>
-#include <yaml-cpp/yaml.h>
 
 #include "launch.hpp"
 #include "slurm.hpp"
@@ -56,11 +56,13 @@ int parse_nproc(const std::string& nproc) {
 void check_nproc(const Config& c, bool limit_given) {
   const int limit = limit_given ? c.nproc_limit : 4 * cpu_count();
   if (c.nproc_per_node > limit)
-    throw Error(limit_given ? fmt::format("--nproc-per-node {} is above --nproc-limit {}: raise --nproc-limit to "
-                                          "start that many ranks", c.nproc_per_node, limit)
-                            : fmt::format("--nproc-per-node {} is above the limit of {} (4 per CPU, {} CPUs here): pass "
-                                          "--nproc-limit {} to start that many ranks anyway", c.nproc_per_node, limit,
-                                          cpu_count(), c.nproc_per_node));
+    throw Error(limit_given
+                    ? fmt::format("--nproc-per-node {} is above --nproc-limit {}: raise --nproc-limit to "
+                                  "start that many ranks",
+                                  c.nproc_per_node, limit)
+                    : fmt::format("--nproc-per-node {} is above the limit of {} (4 per CPU, {} CPUs here): pass "
+                                  "--nproc-limit {} to start that many ranks anyway",
+                                  c.nproc_per_node, limit, cpu_count(), c.nproc_per_node));
   if (static_cast<long long>(c.nproc_per_node) * c.nnodes > (1 << 24))
     throw Error(fmt::format("--nproc-per-node {} x --nnodes {} is more ranks than lorarun supports ({})",
                             c.nproc_per_node, c.nnodes, 1 << 24));
@@ -80,8 +82,10 @@ void apply_rdzv_conf(Config& c, const std::string& conf) {
       int s = 0;
       const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), s);
       if (ec != std::errc() || end != value.data() + value.size() || s < 1)
-        throw Error(fmt::format("--rdzv-conf '{}': join_timeout must be a whole number of seconds, at least 1 "
-                                "(or use --rdzv-timeout SECONDS)", conf));
+        throw Error(
+            fmt::format("--rdzv-conf '{}': join_timeout must be a whole number of seconds, at least 1 "
+                        "(or use --rdzv-timeout SECONDS)",
+                        conf));
       c.rdzv_timeout_s = s;
     } else if (eq == std::string_view::npos || key.empty()) {
       throw Error(fmt::format("--rdzv-conf '{}': use key=value pairs, e.g. join_timeout=300", conf));
@@ -127,7 +131,11 @@ bool holds_yaml_mapping(const std::string& path) {
   std::string head(1 << 20, '\0');
   in.read(head.data(), static_cast<std::streamsize>(head.size()));
   head.resize(static_cast<size_t>(in.gcount()));
-  if (head.starts_with("#!") || head.starts_with("\x7f" "ELF") || head.find('\0') != std::string::npos) return false;
+  if (head.starts_with("#!") ||
+      head.starts_with("\x7f"
+                       "ELF") ||
+      head.find('\0') != std::string::npos)
+    return false;
   try {
     return YAML::Load(head).IsMap();
   } catch (const std::exception&) {
@@ -141,7 +149,7 @@ bool on_path(const std::string& name) {
     const size_t colon = dirs.find(':');
     const std::string dir(dirs.substr(0, colon));
     dirs = colon == std::string_view::npos ? std::string_view() : dirs.substr(colon + 1);
-    struct stat st {};
+    struct stat st{};
     const std::string file = (dir.empty() ? "." : dir) + "/" + name;
     if (stat(file.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(file.c_str(), X_OK) == 0) return true;
   }
@@ -154,19 +162,23 @@ bool on_path(const std::string& name) {
 // an error here rather than one failed rank per slot.
 bool is_recipe(const std::string& arg) {
   if (has_yaml_extension(arg)) return true;
-  struct stat st {};
+  struct stat st{};
   if (stat(arg.c_str(), &st) == 0) {
     if (S_ISDIR(st.st_mode))
-      throw Error(fmt::format("'{}' is a directory: give a recipe file (lorarun RECIPE.yaml) or a command after -- "
-                              "(lorarun -- CMD ARGS)", arg));
+      throw Error(
+          fmt::format("'{}' is a directory: give a recipe file (lorarun RECIPE.yaml) or a command after -- "
+                      "(lorarun -- CMD ARGS)",
+                      arg));
     return access(arg.c_str(), X_OK) != 0 || holds_yaml_mapping(arg);
   }
   if (arg.find('/') == std::string::npos && on_path(arg)) return false;
   for (const char* ext : {".yaml", ".yml"})
     if (access((arg + ext).c_str(), F_OK) == 0)
       throw Error(fmt::format("'{}' does not exist: did you mean the recipe {}{}?", arg, arg, ext));
-  throw Error(fmt::format("'{}' is neither a file nor a command on PATH: give a recipe file (lorarun RECIPE.yaml) or "
-                          "a command after -- (lorarun -- CMD ARGS)", arg));
+  throw Error(
+      fmt::format("'{}' is neither a file nor a command on PATH: give a recipe file (lorarun RECIPE.yaml) or "
+                  "a command after -- (lorarun -- CMD ARGS)",
+                  arg));
 }
 
 // Flags the user gave; Slurm only fills in the others.
@@ -189,11 +201,14 @@ std::vector<std::string> worker_command(std::vector<std::string> rest, const std
   const bool explicit_cmd = !rest.empty() && rest.front() == "--";
   if (explicit_cmd) rest.erase(rest.begin());
   if (rest.empty() && (explicit_cmd || from_run.empty()))
-    throw Error("nothing to run: give a recipe (lorarun --nproc-per-node 2 RECIPE.yaml) or a "
-                "command after -- (lorarun --nproc-per-node 2 -- CMD ARGS)");
+    throw Error(
+        "nothing to run: give a recipe (lorarun --nproc-per-node 2 RECIPE.yaml) or a "
+        "command after -- (lorarun --nproc-per-node 2 -- CMD ARGS)");
   if (!explicit_cmd && from_run.empty() && rest.front().starts_with('-'))
-    throw Error(fmt::format("unknown lorarun flag '{}': see lorarun --help (a command's own flags go "
-                            "after --: lorarun -- CMD ARGS)", rest.front()));
+    throw Error(
+        fmt::format("unknown lorarun flag '{}': see lorarun --help (a command's own flags go "
+                    "after --: lorarun -- CMD ARGS)",
+                    rest.front()));
   if (!explicit_cmd && (!from_run.empty() || is_recipe(rest.front()))) {
     const std::string beside = self.substr(0, self.rfind('/') + 1) + "lora-train";
     rest.insert(rest.begin(), access(beside.c_str(), X_OK) == 0 ? beside : "lora-train");
@@ -215,8 +230,10 @@ StdSpec parse_std_spec(const std::string& spec, const std::string& flag) {
     int v = -1;
     const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
     if (ec != std::errc() || end != s.data() + s.size() || v < 0 || v > max)
-      throw Error(fmt::format("{} '{}': use 0-3 (1 stdout, 2 stderr, 3 both) for every rank, or "
-                              "LOCAL_RANK:VALUE pairs like 0:3,1:2", flag, spec));
+      throw Error(
+          fmt::format("{} '{}': use 0-3 (1 stdout, 2 stderr, 3 both) for every rank, or "
+                      "LOCAL_RANK:VALUE pairs like 0:3,1:2",
+                      flag, spec));
     return v;
   };
   StdSpec out;
@@ -236,22 +253,23 @@ StdSpec parse_std_spec(const std::string& spec, const std::string& flag) {
 }
 
 Parsed parse_args(int argc, char** argv, const std::string& self) {
-  CLI::App app{"lorarun: start one lora-train (or any command) per GPU/CPU slot, torchrun-style.\n"
-               "  lorarun [options] RECIPE.yaml [key=value ...]\n"
-               "  lorarun [options] --from-run DATABASE/ID [key=value ...]\n"
-               "  lorarun [options] -- COMMAND [ARGS ...]"};
+  CLI::App app{
+      "lorarun: start one lora-train (or any command) per GPU/CPU slot, torchrun-style.\n"
+      "  lorarun [options] RECIPE.yaml [key=value ...]\n"
+      "  lorarun [options] --from-run DATABASE/ID [key=value ...]\n"
+      "  lorarun [options] -- COMMAND [ARGS ...]"};
   app.prefix_command();
   Config c;
   std::string nproc = "1", redirects = "0", tee = "0", from_run, rdzv_conf;
   double grace_s = 15;
   bool standalone = false;
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers on this node: N or auto (GPUs, else CPUs)");
-  auto* nproc_limit = app.add_option("--nproc-limit", c.nproc_limit,
-                                     "most workers --nproc-per-node may start (default: 4 per CPU)")
-                          ->check(CLI::Range(1, 1 << 24));
+  auto* nproc_limit =
+      app.add_option("--nproc-limit", c.nproc_limit, "most workers --nproc-per-node may start (default: 4 per CPU)")
+          ->check(CLI::Range(1, 1 << 24));
   auto* nnodes = app.add_option("--nnodes", c.nnodes, "number of nodes")->check(CLI::Range(1, 100000));
-  auto* node_rank = app.add_option("--node-rank,--node_rank", c.node_rank, "rank of this node")
-                        ->check(CLI::NonNegativeNumber);
+  auto* node_rank =
+      app.add_option("--node-rank,--node_rank", c.node_rank, "rank of this node")->check(CLI::NonNegativeNumber);
   auto* master_addr = app.add_option("--master-addr,--master_addr", c.master_addr, "address of node 0");
   app.add_option("--master-port,--master_port", c.master_port,
                  "rendezvous port (default: a free port on one node, 29500 on several)")

@@ -1,25 +1,25 @@
 #include "launch.hpp"
 
-#include <cerrno>
-#include <csignal>
-#include <cstring>
-#include <algorithm>
-#include <chrono>
-#include <deque>
 #include <fcntl.h>
-#include <filesystem>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <fstream>
-#include <memory>
-#include <nlohmann/json.hpp>
-#include <optional>
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
 
 #include "util/error.hpp"
 
@@ -33,7 +33,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kTailLines = 10;    // lines of the failing rank shown in the summary
 constexpr size_t kTailWidth = 2000;  // a longer line is cut there
-constexpr int kExitResumable = 75;     // lora-train stopped with its state saved (EX_TEMPFAIL)
+constexpr int kExitResumable = 75;   // lora-train stopped with its state saved (EX_TEMPFAIL)
 
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
@@ -123,7 +123,7 @@ struct Worker {
   bool signalled = false;  // lorarun sent it a stop signal while it ran
   int status = 0;
   std::chrono::nanoseconds ended{};  // since the epoch: when it was reaped
-  fs::path dir;  // DIR/<run_id>/attempt_<n>/<local_rank>: error.json, stdout.log, stderr.log
+  fs::path dir;                      // DIR/<run_id>/attempt_<n>/<local_rank>: error.json, stdout.log, stderr.log
   std::deque<std::string> tail;
   LineRelay out, err;
 };
@@ -156,7 +156,8 @@ std::vector<char*> c_strings(std::vector<std::string>& v) {
 bool writes_files(const Config& c) {
   auto any = [](const StdSpec& s) {
     if (s.all) return true;
-    for (auto& [rank, bits] : s.per_rank) if (bits) return true;
+    for (auto& [rank, bits] : s.per_rank)
+      if (bits) return true;
     return false;
   };
   return any(c.redirects) || any(c.tee);
@@ -219,7 +220,7 @@ class Supervisor {
     for (int attempt = 0;; ++attempt) {
       start_workers(attempt);
       loop();
-      drain_signals();  // a signal that came as the last rank ended still stops restarts
+      drain_signals();                    // a signal that came as the last rank ended still stops restarts
       if (first_failure_ || got_signal_)  // leave nothing behind that a rank started in its group
         for (const Worker& w : workers_)
           if (w.pid > 0) kill(-w.pid, SIGKILL);
@@ -260,8 +261,8 @@ class Supervisor {
     std::string where = cfg_.nnodes > 1 ? fmt::format(", node {} of {}", cfg_.node_rank, cfg_.nnodes) : "";
     if (attempt > 0) where += fmt::format(", restart {} of {}", attempt, cfg_.max_restarts);
     fmt::print(stderr, "lorarun: started {} rank(s) of world size {} (pids {}){}, master {}:{}, run {}\n",
-               cfg_.nproc_per_node, cfg_.nproc_per_node * cfg_.nnodes, fmt::join(pids, " "), where,
-               cfg_.master_addr, cfg_.master_port, cfg_.run_id);
+               cfg_.nproc_per_node, cfg_.nproc_per_node * cfg_.nnodes, fmt::join(pids, " "), where, cfg_.master_addr,
+               cfg_.master_port, cfg_.run_id);
     std::fflush(stderr);
   }
 
@@ -300,8 +301,7 @@ class Supervisor {
   }
 
   // In the child: own process group, die with the launcher, stdio to our pipes, exec.
-  [[noreturn]] void exec_worker(pid_t parent, int out, int err, std::vector<char*>& argv,
-                                std::vector<char*>& envp) {
+  [[noreturn]] void exec_worker(pid_t parent, int out, int err, std::vector<char*>& argv, std::vector<char*>& envp) {
     sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
     signal(SIGPIPE, SIG_DFL);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -387,8 +387,8 @@ class Supervisor {
       std::optional<Clock::time_point> wake = drain_deadline ? drain_deadline : kill_deadline_;
       int timeout = -1;
       if (wake)
-        timeout = static_cast<int>(std::max<long>(0, std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                         *wake - Clock::now()).count()));
+        timeout = static_cast<int>(
+            std::max<long>(0, std::chrono::duration_cast<std::chrono::milliseconds>(*wake - Clock::now()).count()));
       if (poll(fds.data(), fds.size(), timeout) < 0 && errno != EINTR)
         throw Error(fmt::format("poll failed: {}", std::strerror(errno)));
       for (size_t i = 1; i < fds.size(); ++i)
@@ -464,8 +464,8 @@ class Supervisor {
     const ErrorFile error = read_error_file(w.dir / "error.json");
     fmt::print(stderr, "lorarun: {}{}\n", first_failure_line(error),
                error.message.empty() ? "" : " (" + error.message + ")");
-    fmt::print(stderr, "lorarun: restarting all {} rank(s) on this node (restart {} of {})\n",
-               workers_.size(), attempt_ + 1, cfg_.max_restarts);
+    fmt::print(stderr, "lorarun: restarting all {} rank(s) on this node (restart {} of {})\n", workers_.size(),
+               attempt_ + 1, cfg_.max_restarts);
     std::fflush(stderr);
   }
 
@@ -479,7 +479,8 @@ class Supervisor {
     const std::string& message = error.message;
     const std::string rule(64, '=');
     std::string out = fmt::format("lorarun: {}\nlorarun: run {} failed", rule, cfg_.run_id);
-    if (cfg_.max_restarts > 0) out += fmt::format(" after {} restart(s) (--max-restarts {})", attempt_, cfg_.max_restarts);
+    if (cfg_.max_restarts > 0)
+      out += fmt::format(" after {} restart(s) (--max-restarts {})", attempt_, cfg_.max_restarts);
     out += fmt::format("\nlorarun: {}\n", first_failure_line(error));
     if (!message.empty()) {
       out += fmt::format("lorarun:   error: {}\n", indent(message));

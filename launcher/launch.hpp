@@ -28,9 +28,9 @@ struct Config {
   std::string run_id;
   int max_restarts = 0;
   int rdzv_timeout_s = 600;  // how long a rank waits for the master and the others (torchrun's join_timeout)
-  std::string log_dir;  // empty: error files (and any redirected output) go to a temp dir
-  StdSpec redirects;    // streams written to DIR/<run_id>/attempt_<n>/<local_rank>/ only
-  StdSpec tee;          // streams written there and to the console
+  std::string log_dir;       // empty: error files (and any redirected output) go to a temp dir
+  StdSpec redirects;         // streams written to DIR/<run_id>/attempt_<n>/<local_rank>/ only
+  StdSpec tee;               // streams written there and to the console
   std::chrono::milliseconds grace{15000};  // SIGTERM -> SIGKILL
   std::vector<std::string> command;        // argv of every worker
 };

@@ -1,9 +1,9 @@
 // lorarun: a torchrun-style launcher for lora-train (or any command).
+#include <unistd.h>
 #include <climits>
 #include <cstdio>
 #include <exception>
 #include <string>
-#include <unistd.h>
 
 #include "launch.hpp"
 #include "util/error.hpp"

@@ -1,7 +1,7 @@
 #include "slurm.hpp"
 
-#include <charconv>
 #include <fmt/format.h>
+#include <charconv>
 
 #include "util/error.hpp"
 
@@ -60,8 +60,7 @@ void expand_host(std::string_view host, std::string_view list, std::vector<std::
   }
 }
 
-int env_int(const std::function<const char*(const char*)>& env, const char* name, const char* flag,
-            int fallback) {
+int env_int(const std::function<const char*(const char*)>& env, const char* name, const char* flag, int fallback) {
   const char* v = env(name);
   if (!v || !*v) return fallback;
   int n = 0;

@@ -2,9 +2,9 @@
 // bench/data/data_bench.py, which times pymongo + HF tokenizers on the same collection).
 //   data_bench URI DB COLLECTION TOKENIZER_DIR [global|stream|none] [prefetch]
 // Prints {"documents": n, "examples": e, "tokens": t, "seconds": s}.
+#include <fmt/format.h>
 #include <chrono>
 #include <cstdio>
-#include <fmt/format.h>
 #include <string>
 
 #include "data/source.hpp"
@@ -19,8 +19,9 @@ int main(int argc, char** argv) try {
   d.uri = argv[1];
   d.database = argv[2];
   d.collection = argv[3];
-  d.prompt_template = "Below is an instruction that describes a task. Write a response that appropriately "
-                      "completes the request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n";
+  d.prompt_template =
+      "Below is an instruction that describes a task. Write a response that appropriately "
+      "completes the request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n";
   const std::string mode = argc > 5 ? argv[5] : "global";
   d.shuffle = recipe::Shuffle::Global;
   if (mode == "stream") d.shuffle = recipe::Shuffle::Stream;

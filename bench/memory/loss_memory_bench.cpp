@@ -3,11 +3,11 @@
 // usage: loss_memory_bench full|chunked TOKENS HIDDEN VOCAB   (bench/memory/bench.py runs it)
 // Prints one JSON line: the peak RSS growth during the loss, forward and backward, in MiB.
 #include <ATen/ATen.h>
+#include <sys/resource.h>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
-#include <sys/resource.h>
 
 #include "model/loss.hpp"
 
@@ -29,8 +29,8 @@ int main(int argc, char** argv) {
   const std::string mode = argv[1];
   const int64_t N = std::atoll(argv[2]), H = std::atoll(argv[3]), V = std::atoll(argv[4]);
   at::manual_seed(0);
-  const at::Tensor w = at::randn({V, H}) * 0.02;                                   // frozen output projection
-  const at::Tensor h = (at::randn({1, N, H})).set_requires_grad(true);            // final hidden states
+  const at::Tensor w = at::randn({V, H}) * 0.02;                        // frozen output projection
+  const at::Tensor h = (at::randn({1, N, H})).set_requires_grad(true);  // final hidden states
   const at::Tensor labels = at::randint(V, {1, N}, at::kLong);
   const double before = peak_rss_mb();
   const auto t0 = std::chrono::steady_clock::now();

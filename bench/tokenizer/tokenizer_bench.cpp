@@ -47,8 +47,9 @@ int main(int argc, char** argv) {
     for (int r = 0; r < repeat; ++r)
       for (const auto& ids : tok.encode_batch(texts, false, threads)) batch_tokens += ids.size();
     double batch_s = seconds_since(t0);
-    fmt::print("{{\"tokens\": {}, \"single_s\": {:.4f}, \"batch_tokens\": {}, \"batch_s\": {:.4f}, \"load_s\": {:.3f}}}\n",
-               tokens, single_s, batch_tokens, batch_s, load_s);
+    fmt::print(
+        "{{\"tokens\": {}, \"single_s\": {:.4f}, \"batch_tokens\": {}, \"batch_s\": {:.4f}, \"load_s\": {:.3f}}}\n",
+        tokens, single_s, batch_tokens, batch_s, load_s);
   } catch (const lorarun::Error& e) {
     fmt::print(stderr, "tokenizer_bench: error: {}\n", e.what());
     return 1;

@@ -45,8 +45,8 @@ void MicroBatches::fill_window() {
                         std::make_move_iterator(examples.begin() + static_cast<std::ptrdiff_t>(end)));
   }
   // Groups take the first slots in a drawn order; the empties (rejections' room) come last.
-  const std::vector<int64_t> order = permutation(static_cast<int64_t>(groups.size()), plan_.seed ^ 0x9e3779b97f4a7c15ULL,
-                                                 plan_.epoch * 1000003 + window_index_);
+  const std::vector<int64_t> order = permutation(
+      static_cast<int64_t>(groups.size()), plan_.seed ^ 0x9e3779b97f4a7c15ULL, plan_.epoch * 1000003 + window_index_);
   for (size_t k = 0; k < groups.size(); ++k) window_[k] = std::move(groups[static_cast<size_t>(order[k])]);
   if (!rejected.empty()) {
     auto& first = window_.front();

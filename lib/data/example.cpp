@@ -1,7 +1,7 @@
 #include "data/example.hpp"
 
-#include <algorithm>
 #include <fmt/format.h>
+#include <algorithm>
 
 namespace lorarun::data {
 namespace {
@@ -25,8 +25,10 @@ struct Turn {
 
 Turn chat_turn(recipe::ChatFormat f, const std::string& role) {
   switch (f) {
-    case recipe::ChatFormat::ChatML: return {"<|im_start|>" + role + "\n", "<|im_end|>\n"};
-    case recipe::ChatFormat::Llama3: return {"<|start_header_id|>" + role + "<|end_header_id|>\n\n", "<|eot_id|>"};
+    case recipe::ChatFormat::ChatML:
+      return {"<|im_start|>" + role + "\n", "<|im_end|>\n"};
+    case recipe::ChatFormat::Llama3:
+      return {"<|start_header_id|>" + role + "<|end_header_id|>\n\n", "<|eot_id|>"};
     case recipe::ChatFormat::Mistral:
       return role == "assistant" ? Turn{"", "</s>"} : Turn{"[INST] ", " [/INST]"};
   }
@@ -84,7 +86,8 @@ std::variant<Example, Rejection> ExampleBuilder::finish(Example e, bool add_eos)
   }
   if (static_cast<int64_t>(e.ids.size()) > cfg_.max_length) {
     if (cfg_.overlong == recipe::Overlong::Skip)
-      return Rejection{Rejection::Overlong, fmt::format("{} tokens, data.max_length is {}", e.ids.size(), cfg_.max_length)};
+      return Rejection{Rejection::Overlong,
+                       fmt::format("{} tokens, data.max_length is {}", e.ids.size(), cfg_.max_length)};
     e.ids.resize(static_cast<size_t>(cfg_.max_length));
     e.labels.resize(static_cast<size_t>(cfg_.max_length));
     e.truncated = true;
@@ -96,9 +99,12 @@ std::variant<Example, Rejection> ExampleBuilder::finish(Example e, bool add_eos)
 
 std::variant<Example, Rejection> ExampleBuilder::build(const nlohmann::json& doc) const {
   switch (cfg_.format) {
-    case recipe::Format::Instruction: return instruction(doc);
-    case recipe::Format::Text: return text(doc);
-    case recipe::Format::Chat: return chat(doc);
+    case recipe::Format::Instruction:
+      return instruction(doc);
+    case recipe::Format::Text:
+      return text(doc);
+    case recipe::Format::Chat:
+      return chat(doc);
   }
   return bad("unknown format");
 }
@@ -110,8 +116,10 @@ std::vector<std::string> ExampleBuilder::fields_of(const recipe::DataSection& cf
       if (std::find(f.begin(), f.end(), cfg.response_field) == f.end()) f.push_back(cfg.response_field);
       return f;
     }
-    case recipe::Format::Text: return {cfg.text_field};
-    case recipe::Format::Chat: return {cfg.messages_field};
+    case recipe::Format::Text:
+      return {cfg.text_field};
+    case recipe::Format::Chat:
+      return {cfg.messages_field};
   }
   return {};
 }

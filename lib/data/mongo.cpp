@@ -1,10 +1,10 @@
 #include "data/mongo.hpp"
 
-#include <cstdio>
-#include <map>
-#include <cstdlib>
 #include <fmt/format.h>
 #include <mongoc/mongoc.h>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
 
 #include "data/example.hpp"
 #include "util/error.hpp"
@@ -50,8 +50,7 @@ struct Bson {
 
 std::string string_field(const bson_t* doc, const char* key) {
   bson_iter_t it;
-  if (bson_iter_init_find(&it, doc, key) && BSON_ITER_HOLDS_UTF8(&it))
-    return bson_iter_utf8(&it, nullptr);
+  if (bson_iter_init_find(&it, doc, key) && BSON_ITER_HOLDS_UTF8(&it)) return bson_iter_utf8(&it, nullptr);
   return {};
 }
 
@@ -70,11 +69,11 @@ Client::Client(const std::string& uri_text, std::chrono::milliseconds timeout, O
   std::unique_ptr<mongoc_uri_t, UriDeleter> uri(mongoc_uri_new_with_error(uri_text.c_str(), &error));
   driver_notes = nullptr;
   if (!uri)
-    throw Error(fmt::format("invalid MongoDB URI '{}': {}{}; expected "
-                            "mongodb://[user:password@]host[:port]/[database][?options], with '@', '/' and ':' in "
-                            "the user name or password percent-encoded (%40, %2F, %3A)",
-                            redacted_uri_, scrub(error.message),
-                            notes.empty() ? "" : " (" + scrub(notes) + ")"));
+    throw Error(
+        fmt::format("invalid MongoDB URI '{}': {}{}; expected "
+                    "mongodb://[user:password@]host[:port]/[database][?options], with '@', '/' and ':' in "
+                    "the user name or password percent-encoded (%40, %2F, %3A)",
+                    redacted_uri_, scrub(error.message), notes.empty() ? "" : " (" + scrub(notes) + ")"));
   // The driver ends the password at the first '@'; a password with an unescaped '@' would be cut
   // there and its tail taken for a host name (and shown in the driver's messages).
   if (const char* parsed = mongoc_uri_get_password(uri.get())) {
@@ -95,8 +94,7 @@ Client::Client(const std::string& uri_text, std::chrono::milliseconds timeout, O
   has_user_ = mongoc_uri_get_username(uri.get()) != nullptr;
   if (const mongoc_host_list_t* hosts = mongoc_uri_get_hosts(uri.get())) first_host_ = hosts->host_and_port;
   client_.reset(mongoc_client_new_from_uri_with_error(uri.get(), &error));
-  if (!client_)
-    throw Error(fmt::format("cannot use MongoDB URI '{}': {}", redacted_uri_, scrub(error.message)));
+  if (!client_) throw Error(fmt::format("cannot use MongoDB URI '{}': {}", redacted_uri_, scrub(error.message)));
   mongoc_client_set_error_api(client_.get(), MONGOC_ERROR_API_VERSION_2);
   mongoc_client_set_appname(client_.get(), "lorarun");
 }
@@ -119,24 +117,32 @@ void Client::fail(const bson_error_t& e, const std::string& what) const {
   switch (classify(e.domain, e.code)) {
     case Failure::Credentials:
       if (!has_user_)
-        throw Error(fmt::format("MongoDB at {} requires authentication: put the user, password and authSource in {} "
-                                "(server: {})", redacted_uri_, origin_.uri, msg));
+        throw Error(
+            fmt::format("MongoDB at {} requires authentication: put the user, password and authSource in {} "
+                        "(server: {})",
+                        redacted_uri_, origin_.uri, msg));
       if (e.domain == MONGOC_ERROR_SERVER && e.code == 13) break;  // logged in, lacks a role: the server says which
-      throw Error(fmt::format("MongoDB at {} refused the credentials: check the user, password and authSource in {} "
-                              "(server: {})", redacted_uri_, origin_.uri, msg));
+      throw Error(
+          fmt::format("MongoDB at {} refused the credentials: check the user, password and authSource in {} "
+                      "(server: {})",
+                      redacted_uri_, origin_.uri, msg));
     case Failure::Unreachable:
       if (e.domain == MONGOC_ERROR_SERVER_SELECTION)
         throw ConnectionError(fmt::format("cannot reach MongoDB at {} within {}: {}: start the server or fix {}",
                                           redacted_uri_, waited_, msg, origin_.uri));
       throw ConnectionError(fmt::format("{}: {}", what, msg));
-    case Failure::Other: break;
+    case Failure::Other:
+      break;
   }
-  throw ServerError(fmt::format("{}: {}", what, msg), e.domain == MONGOC_ERROR_SERVER ? static_cast<int32_t>(e.code) : 0, msg);
+  throw ServerError(fmt::format("{}: {}", what, msg),
+                    e.domain == MONGOC_ERROR_SERVER ? static_cast<int32_t>(e.code) : 0, msg);
 }
 
 void Client::bad_id(const std::string& db, const std::string& coll) const {
-  throw Error(fmt::format("a document of {}.{} at {} has an _id that is not valid UTF-8: fix or delete it, or leave it "
-                          "out with data.filter", db, coll, redacted_uri_));
+  throw Error(
+      fmt::format("a document of {}.{} at {} has an _id that is not valid UTF-8: fix or delete it, or leave it "
+                  "out with data.filter",
+                  db, coll, redacted_uri_));
 }
 
 ServerInfo Client::server_info() {
@@ -172,7 +178,8 @@ using BsonPtr = std::unique_ptr<bson_t, BsonDeleter>;
 BsonPtr to_bson(const nlohmann::json& j, const char* what) {
   bson_error_t error;
   const std::string text = j.dump();
-  BsonPtr b(bson_new_from_json(reinterpret_cast<const uint8_t*>(text.data()), static_cast<ssize_t>(text.size()), &error));
+  BsonPtr b(
+      bson_new_from_json(reinterpret_cast<const uint8_t*>(text.data()), static_cast<ssize_t>(text.size()), &error));
   if (!b) throw Error(fmt::format("{} is not valid (extended) JSON for MongoDB: {}", what, error.message));
   return b;
 }
@@ -191,7 +198,8 @@ std::string shown_key(std::string_view key) {
   if (valid_utf8(key)) return std::string(key);
   std::string out;
   for (const char c : key)
-    out += static_cast<unsigned char>(c) < 0x80 ? std::string(1, c) : fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+    out += static_cast<unsigned char>(c) < 0x80 ? std::string(1, c)
+                                                : fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
   return out;
 }
 
@@ -259,14 +267,16 @@ std::vector<std::string> Client::collections(const std::string& db) {
   return out;
 }
 
-std::vector<std::string> Client::sorted_ids(const std::string& db, const std::string& coll, const nlohmann::json& filter,
-                                            std::optional<int64_t> limit) {
-  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+std::vector<std::string> Client::sorted_ids(const std::string& db, const std::string& coll,
+                                            const nlohmann::json& filter, std::optional<int64_t> limit) {
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
+      mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
   const BsonPtr query = to_bson(filter, "data.filter");
   nlohmann::json opts = {{"projection", {{"_id", 1}}}, {"sort", {{"_id", 1}}}};
   if (limit) opts["limit"] = *limit;
   const BsonPtr bopts = to_bson(opts, "query options");
-  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
+  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(
+      mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
   std::vector<std::string> ids;
   const bson_t* doc = nullptr;
   while (mongoc_cursor_next(cur.get(), &doc)) {
@@ -281,7 +291,8 @@ std::vector<std::string> Client::sorted_ids(const std::string& db, const std::st
 
 std::vector<Found> Client::find_by_ids(const std::string& db, const std::string& coll,
                                        const std::vector<std::string>& ids, const std::vector<std::string>& fields) {
-  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
+      mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
   nlohmann::json in = nlohmann::json::array();
   std::map<std::string, size_t> where;
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -294,7 +305,8 @@ std::vector<Found> Client::find_by_ids(const std::string& db, const std::string&
     for (const std::string& f : fields) opts["projection"][f] = 1;
   }
   const BsonPtr bopts = to_bson(opts, "query options");
-  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
+  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(
+      mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
   std::vector<Found> out(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) out[i].id = ids[i];
   const bson_t* doc = nullptr;
@@ -310,7 +322,8 @@ std::vector<Found> Client::find_by_ids(const std::string& db, const std::string&
 
 int64_t Client::count(const std::string& db, const std::string& coll, const nlohmann::json& filter,
                       std::optional<int64_t> limit) {
-  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
+      mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
   const BsonPtr query = to_bson(filter, "data.filter");
   const BsonPtr opts = to_bson(limit ? nlohmann::json{{"limit", *limit}} : nlohmann::json::object(), "count options");
   bson_error_t error;
@@ -322,7 +335,8 @@ int64_t Client::count(const std::string& db, const std::string& coll, const nloh
 std::vector<Found> Client::find_sorted(const std::string& db, const std::string& coll, const nlohmann::json& filter,
                                        const std::string& after, int64_t skip, int64_t limit,
                                        const std::vector<std::string>& fields) {
-  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
+      mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
   nlohmann::json q = filter;
   if (!after.empty()) {
     const nlohmann::json past = {{"_id", {{"$gt", nlohmann::json::parse(after)["_id"]}}}};
@@ -333,7 +347,8 @@ std::vector<Found> Client::find_sorted(const std::string& db, const std::string&
   if (after.empty() && skip > 0) opts["skip"] = skip;
   for (const std::string& f : fields) opts["projection"][f] = 1;
   const BsonPtr bopts = to_bson(opts, "query options");
-  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
+  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(
+      mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
   std::vector<Found> out;
   const bson_t* doc = nullptr;
   while (mongoc_cursor_next(cur.get(), &doc)) {
@@ -349,7 +364,8 @@ std::vector<Found> Client::find_sorted(const std::string& db, const std::string&
 }
 
 void Client::drop(const std::string& db, const std::string& coll) {
-  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
+      mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
   bson_error_t error;
   if (!mongoc_collection_drop(c.get(), &error) && error.code != 26 /* NamespaceNotFound */ &&
       std::string_view(error.message).find("ns not found") == std::string_view::npos)
@@ -357,7 +373,8 @@ void Client::drop(const std::string& db, const std::string& coll) {
 }
 
 int64_t Client::insert_many(const std::string& db, const std::string& coll, const std::vector<nlohmann::json>& docs) {
-  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
+      mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
   constexpr size_t kBatch = 1000;
   int64_t inserted = 0;
   for (size_t start = 0; start < docs.size(); start += kBatch) {
@@ -392,7 +409,8 @@ std::string Client::insert_one(const std::string& db, const std::string& coll, n
   } else {
     id = doc["_id"].contains("$oid") ? doc["_id"]["$oid"].get<std::string>() : doc["_id"].dump();
   }
-  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
+      mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
   const BsonPtr b = to_bson(doc, "a document");
   bson_error_t error;
   if (!mongoc_collection_insert_one(c.get(), b.get(), nullptr, nullptr, &error))
@@ -402,7 +420,8 @@ std::string Client::insert_one(const std::string& db, const std::string& coll, n
 
 bool Client::update_one(const std::string& db, const std::string& coll, const nlohmann::json& filter,
                         const nlohmann::json& update) {
-  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
+      mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
   const BsonPtr query = to_bson(filter, "update filter");
   const BsonPtr change = to_bson(update, "update");
   Bson reply;
@@ -415,12 +434,14 @@ bool Client::update_one(const std::string& db, const std::string& coll, const nl
 
 std::vector<nlohmann::json> Client::find(const std::string& db, const std::string& coll, const nlohmann::json& filter,
                                          std::optional<int64_t> limit) {
-  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
+      mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
   const BsonPtr query = to_bson(filter, "query filter");
   nlohmann::json opts = {{"sort", {{"_id", 1}}}};
   if (limit) opts["limit"] = *limit;
   const BsonPtr bopts = to_bson(opts, "query options");
-  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
+  std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(
+      mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
   std::vector<nlohmann::json> out;
   const bson_t* doc = nullptr;
   while (mongoc_cursor_next(cur.get(), &doc)) out.push_back(nlohmann::json::parse(to_json_text(doc, false)));

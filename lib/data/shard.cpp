@@ -30,8 +30,7 @@ std::vector<int64_t> permutation(int64_t n, uint64_t seed, int64_t epoch) {
   std::vector<int64_t> p(static_cast<size_t>(n));
   std::iota(p.begin(), p.end(), 0);
   SplitMix64 rng{seed * 0x100000001b3ULL ^ static_cast<uint64_t>(epoch) * 0x9e3779b97f4a7c15ULL};
-  for (int64_t i = n - 1; i > 0; --i)
-    std::swap(p[static_cast<size_t>(i)], p[rng.below(static_cast<uint64_t>(i) + 1)]);
+  for (int64_t i = n - 1; i > 0; --i) std::swap(p[static_cast<size_t>(i)], p[rng.below(static_cast<uint64_t>(i) + 1)]);
   return p;
 }
 
@@ -47,11 +46,11 @@ std::vector<int64_t> shard_positions(int64_t n, int world, int rank, uint64_t se
     std::iota(all.begin(), all.end(), 0);
   }
   const int64_t per_rank = (n + world - 1) / world;
-  for (int64_t i = 0; static_cast<int64_t>(all.size()) < per_rank * world; ++i) all.push_back(all[static_cast<size_t>(i)]);
+  for (int64_t i = 0; static_cast<int64_t>(all.size()) < per_rank * world; ++i)
+    all.push_back(all[static_cast<size_t>(i)]);
   std::vector<int64_t> mine;
   mine.reserve(static_cast<size_t>(per_rank));
-  for (int64_t k = 0; k < per_rank; ++k)
-    mine.push_back(all[static_cast<size_t>(rank + k * world)]);
+  for (int64_t k = 0; k < per_rank; ++k) mine.push_back(all[static_cast<size_t>(rank + k * world)]);
   return mine;
 }
 

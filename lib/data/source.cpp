@@ -1,7 +1,7 @@
 #include "data/source.hpp"
 
-#include <algorithm>
 #include <fmt/format.h>
+#include <algorithm>
 #include <fstream>
 #include <functional>
 
@@ -33,8 +33,10 @@ auto selecting(const recipe::DataSection& d, const Client& c, F request) {
 void check_collection(const recipe::DataSection& d, Client& c) {
   const auto names = c.collections(d.database);
   if (std::find(names.begin(), names.end(), d.collection) == names.end())
-    throw Error(fmt::format("collection '{}' does not exist in database '{}' at {}: check data.database and "
-                            "data.collection", d.collection, d.database, c.redacted_uri()));
+    throw Error(
+        fmt::format("collection '{}' does not exist in database '{}' at {}: check data.database and "
+                    "data.collection",
+                    d.collection, d.database, c.redacted_uri()));
 }
 
 void check_not_empty(const recipe::DataSection& d, const Client& c, int64_t n) {
@@ -81,10 +83,13 @@ Selection check_selection(const recipe::DataSection& d) {
   try {
     const std::unique_ptr<Client> c = connect(d);
     s.count = selecting(d, *c, [&] { return c->count(d.database, d.collection, d.filter, d.limit); });
-    selecting(d, *c, [&] { c->find_sorted(d.database, d.collection, d.filter, "", 0, 1, ExampleBuilder::fields_of(d)); });
+    selecting(d, *c,
+              [&] { c->find_sorted(d.database, d.collection, d.filter, "", 0, 1, ExampleBuilder::fields_of(d)); });
     if (s.count == 0)
-      s.warning = fmt::format("data.filter {} selects no document of {}.{} at {} (or the collection does not exist yet): "
-                              "training would stop there", d.filter.dump(), d.database, d.collection, c->redacted_uri());
+      s.warning = fmt::format(
+          "data.filter {} selects no document of {}.{} at {} (or the collection does not exist yet): "
+          "training would stop there",
+          d.filter.dump(), d.database, d.collection, c->redacted_uri());
   } catch (const ConnectionError& e) {
     s.warning = fmt::format("could not check data.filter: {}", e.what());
   }
@@ -182,15 +187,20 @@ struct Retry {
         return request();
       } catch (const ConnectionError& e) {
         if (attempt > retries)
-          throw DataUnavailable(fmt::format("lost {}: {} attempt(s) over {:.1f} s failed (last: {}); restart the server "
-                                            "or fix the network, or raise data.retries ({}) / data.retry_backoff_s ({})",
-                                            server, attempt, waited, e.what(), retries, backoff));
+          throw DataUnavailable(
+              fmt::format("lost {}: {} attempt(s) over {:.1f} s failed (last: {}); restart the server "
+                          "or fix the network, or raise data.retries ({}) / data.retry_backoff_s ({})",
+                          server, attempt, waited, e.what(), retries, backoff));
         switch (pause(wait)) {
-          case Waited::Done: break;
-          case Waited::Destroyed: throw Stopping{};
+          case Waited::Done:
+            break;
+          case Waited::Destroyed:
+            throw Stopping{};
           case Waited::StopRequested:
-            throw DataUnavailable(fmt::format("lost {}: stopped while waiting to retry, after {} failed attempt(s) "
-                                              "(last: {})", server, attempt, e.what()));
+            throw DataUnavailable(
+                fmt::format("lost {}: stopped while waiting to retry, after {} failed attempt(s) "
+                            "(last: {})",
+                            server, attempt, e.what()));
         }
         waited += wait;
         wait = std::min(wait * 2, kMaxBackoff);
@@ -244,8 +254,11 @@ class PositionPlan : public ShardReader::Plan {
 class StreamPlan : public ShardReader::Plan {
  public:
   StreamPlan(const Documents& docs, std::vector<std::string> fields, const ShardSpec& s, int64_t start, Retry retry)
-      : docs_(docs), fields_(std::move(fields)), retry_(std::move(retry)),
-        window_size_(docs.config().shuffle_buffer), seed_(mix(s.seed, static_cast<uint64_t>(s.rank))),
+      : docs_(docs),
+        fields_(std::move(fields)),
+        retry_(std::move(retry)),
+        window_size_(docs.config().shuffle_buffer),
+        seed_(mix(s.seed, static_cast<uint64_t>(s.rank))),
         epoch_(s.epoch) {
     const int64_t n = docs.size(), per = examples_per_rank(n, s.world);
     size_ = per;
@@ -293,7 +306,10 @@ class StreamPlan : public ShardReader::Plan {
     std::vector<Found> w = read(n);
     ready_.clear();
     for (int64_t i : permutation(n, mix(seed_, static_cast<uint64_t>(window_)), epoch_))
-      if (skip_ > 0) --skip_; else ready_.push_back(std::move(w[static_cast<size_t>(i)]));
+      if (skip_ > 0)
+        --skip_;
+      else
+        ready_.push_back(std::move(w[static_cast<size_t>(i)]));
     ready_next_ = 0;
     ++window_;
     return !ready_.empty() || load_window();
@@ -334,8 +350,8 @@ class StreamPlan : public ShardReader::Plan {
   int64_t size_ = 0;
   std::vector<Run> runs_;
   size_t run_ = 0;
-  int64_t offset_ = 0;  // within runs_[run_]
-  std::string last_;    // id of the last document read in runs_[run_] (empty: seek by skip)
+  int64_t offset_ = 0;        // within runs_[run_]
+  std::string last_;          // id of the last document read in runs_[run_] (empty: seek by skip)
   std::vector<Found> ahead_;  // read from runs_[run_], not yet in a window
   size_t ahead_next_ = 0;
   int64_t window_ = 0, skip_ = 0;

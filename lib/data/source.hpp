@@ -57,17 +57,18 @@ class Documents {
   std::vector<Found> fetch_found(const std::vector<int64_t>& positions, const std::vector<std::string>& fields) const;
   // Up to `n` documents from sorted position `pos` on, where `after` is the id of the one
   // before `pos` (empty: seek to `pos`, a server-side skip). Stream mode's cursor step.
-  std::vector<Found> run(int64_t pos, const std::string& after, int64_t n, const std::vector<std::string>& fields) const;
+  std::vector<Found> run(int64_t pos, const std::string& after, int64_t n,
+                         const std::vector<std::string>& fields) const;
 
  private:
   void list_ids() const;
   const recipe::DataSection& d_;
   std::unique_ptr<Client> client_;
   int64_t size_ = 0;
-  mutable std::mutex mu_;                     // one request at a time on client_
-  mutable std::vector<std::string> ids_;      // mongodb: canonical {"_id": …} per position
+  mutable std::mutex mu_;                 // one request at a time on client_
+  mutable std::vector<std::string> ids_;  // mongodb: canonical {"_id": …} per position
   mutable bool listed_ = false;
-  std::vector<std::string> lines_;            // jsonl: one document per position
+  std::vector<std::string> lines_;  // jsonl: one document per position
 };
 
 // What lora-train --dry-run learns of a MongoDB selection: the server runs it as training
@@ -133,7 +134,7 @@ class ShardReader {
   int64_t rejected(Rejection::Kind kind) const { return rejected_[kind]; }
   const std::vector<std::string>& first_rejected() const { return first_rejected_; }
 
-  struct Plan;  // the order and how to read it (source.cpp)
+  struct Plan;                                           // the order and how to read it (source.cpp)
   enum class Waited { Done, Destroyed, StopRequested };  // how a backoff ended
 
  private:

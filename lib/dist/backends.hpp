@@ -10,8 +10,7 @@
 
 namespace lorarun::dist {
 
-c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
-                                                    int rank, int size, int device_index,
-                                                    std::chrono::milliseconds timeout);
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                    int device_index, std::chrono::milliseconds timeout);
 
 }  // namespace lorarun::dist

@@ -1,7 +1,7 @@
 #include "dist/env.hpp"
 
-#include <cstdlib>
 #include <fmt/format.h>
+#include <cstdlib>
 
 #include "util/error.hpp"
 
@@ -14,8 +14,10 @@ int int_var(const char* name, int fallback) {
   char* end = nullptr;
   const long x = std::strtol(v, &end, 10);
   if (*end != '\0' || x < 0 || x > 1 << 24)
-    throw Error(fmt::format("{}='{}' is not a non-negative integer: launch with lorarun or set it "
-                            "to a number", name, v));
+    throw Error(
+        fmt::format("{}='{}' is not a non-negative integer: launch with lorarun or set it "
+                    "to a number",
+                    name, v));
   return static_cast<int>(x);
 }
 
@@ -35,11 +37,12 @@ DistEnv DistEnv::from_environment() {
   e.rdzv_timeout_s = int_var("LORARUN_RDZV_TIMEOUT", 0);
   if (e.world_size < 1) throw Error("WORLD_SIZE=0: it must be at least 1");
   if (e.rank >= e.world_size)
-    throw Error(fmt::format("RANK={} is not below WORLD_SIZE={}: each rank must be in "
-                            "[0, WORLD_SIZE)", e.rank, e.world_size));
+    throw Error(
+        fmt::format("RANK={} is not below WORLD_SIZE={}: each rank must be in "
+                    "[0, WORLD_SIZE)",
+                    e.rank, e.world_size));
   if (e.local_rank >= e.local_world_size)
-    throw Error(fmt::format("LOCAL_RANK={} is not below LOCAL_WORLD_SIZE={}", e.local_rank,
-                            e.local_world_size));
+    throw Error(fmt::format("LOCAL_RANK={} is not below LOCAL_WORLD_SIZE={}", e.local_rank, e.local_world_size));
   if ((e.master_port < 1 && !(e.master_port == 0 && e.world_size == 1)) || e.master_port > 65535)
     throw Error(fmt::format("MASTER_PORT={} is not a TCP port (1-65535)", e.master_port));
   return e;

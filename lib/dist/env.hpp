@@ -11,8 +11,8 @@ struct DistEnv {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;  // 0: any free port (a world of one without MASTER_PORT)
-  bool launched = false;  // true when RANK/WORLD_SIZE came from a launcher
-  int rdzv_timeout_s = 0;  // how long to wait for the master and the other ranks; 0: the collective timeout
+  bool launched = false;    // true when RANK/WORLD_SIZE came from a launcher
+  int rdzv_timeout_s = 0;   // how long to wait for the master and the other ranks; 0: the collective timeout
 
   // Reads RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
   // LORARUN_RDZV_TIMEOUT (seconds, from lorarun --rdzv-timeout).

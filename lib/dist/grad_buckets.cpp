@@ -45,10 +45,14 @@ void GradBuckets::fill(size_t i, const at::Tensor* g) {
   const at::Tensor& p = params_[i];
   at::Tensor slot = buckets_[bucket_of_[i]].flat.narrow(0, static_cast<int64_t>(offset_[i]), p.numel()).view_as(p);
   const at::Tensor& acc = p.grad();
-  if (g && acc.defined()) at::add_out(slot, acc, *g);
-  else if (g) slot.copy_(*g);
-  else if (acc.defined()) slot.copy_(acc);
-  else slot.zero_();
+  if (g && acc.defined())
+    at::add_out(slot, acc, *g);
+  else if (g)
+    slot.copy_(*g);
+  else if (acc.defined())
+    slot.copy_(acc);
+  else
+    slot.zero_();
   filled_[i] = true;
   ++buckets_[bucket_of_[i]].filled;
 }
@@ -77,7 +81,10 @@ void GradBuckets::finish() {
     for (size_t k : b.params) {
       at::Tensor& p = params_[k];
       const at::Tensor sum = b.flat.narrow(0, static_cast<int64_t>(offset_[k]), p.numel()).view_as(p);
-      if (p.grad().defined()) p.mutable_grad().copy_(sum); else p.mutable_grad() = sum.clone();
+      if (p.grad().defined())
+        p.mutable_grad().copy_(sum);
+      else
+        p.mutable_grad() = sum.clone();
       filled_[k] = false;
     }
   }

@@ -30,8 +30,8 @@ class GradBuckets {
 
  private:
   struct Bucket {
-    at::Tensor flat;                // the bucket's gradients, back to back
-    std::vector<size_t> params;     // indices into params_
+    at::Tensor flat;             // the bucket's gradients, back to back
+    std::vector<size_t> params;  // indices into params_
     size_t filled = 0;
     std::optional<ProcessGroup::Pending> pending;
   };

@@ -1,8 +1,8 @@
 #include "dist/heartbeat.hpp"
 
+#include <fmt/format.h>
 #include <algorithm>
 #include <cstdio>
-#include <fmt/format.h>
 #include <memory>
 #include <vector>
 
@@ -43,12 +43,14 @@ std::vector<std::optional<Beat>> read_all(c10d::Store& store, int world_size) {
 }
 
 // Whom two readings `gap` apart blame, seen from `rank` which has started `mine` collectives.
-std::optional<Blame> judge(const std::vector<std::optional<Beat>>& first, const std::vector<std::optional<Beat>>& second,
-                           int rank, long mine, std::chrono::milliseconds gap) {
+std::optional<Blame> judge(const std::vector<std::optional<Beat>>& first,
+                           const std::vector<std::optional<Beat>>& second, int rank, long mine,
+                           std::chrono::milliseconds gap) {
   const long long now = unix_ms();
   for (size_t r = 0; r < second.size(); ++r) {
     if (static_cast<int>(r) == rank) continue;
-    if (!second[r]) return Blame{static_cast<int>(r), true, "it never sent a heartbeat; the process is stopped or hung"};
+    if (!second[r])
+      return Blame{static_cast<int>(r), true, "it never sent a heartbeat; the process is stopped or hung"};
     if (first[r] && first[r]->beat == second[r]->beat) {
       // Clocks of other nodes may differ a little: never claim less than what was watched here.
       const long long silent_ms = std::max<long long>(now - second[r]->unix_ms, gap.count());
@@ -62,9 +64,11 @@ std::optional<Blame> judge(const std::vector<std::optional<Beat>>& first, const 
         (behind < 0 || second[r]->started < second[behind]->started))
       behind = static_cast<int>(r);
   if (behind < 0) return {};
-  return Blame{behind, false,
-               fmt::format("its heartbeat goes on, but it started {} collective(s) to rank {}'s {}: it is stuck outside "
-                           "communication", second[behind]->started, rank, mine)};
+  return Blame{
+      behind, false,
+      fmt::format("its heartbeat goes on, but it started {} collective(s) to rank {}'s {}: it is stuck outside "
+                  "communication",
+                  second[behind]->started, rank, mine)};
 }
 
 }  // namespace

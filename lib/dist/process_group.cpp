@@ -2,8 +2,8 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <cstdlib>
 #include <fmt/format.h>
+#include <cstdlib>
 #include <optional>
 #include <regex>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -29,18 +29,22 @@ Backend resolve_backend(std::string_view name, bool cuda) {
 #ifndef LORARUN_HAVE_NCCL
 NcclBuild nccl_build() { return {}; }
 
-c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>&, int,
-                                                    int, int, std::chrono::milliseconds) {
-  throw Error("this lora-train was built without NCCL: rebuild where nccl.h and the CUDA headers "
-              "are found (scripts/setup installs them), or set dist.backend: gloo");
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>&, int, int, int,
+                                                    std::chrono::milliseconds) {
+  throw Error(
+      "this lora-train was built without NCCL: rebuild where nccl.h and the CUDA headers "
+      "are found (scripts/setup installs them), or set dist.backend: gloo");
 }
 #endif
 
 Backend backend_of(recipe::DistBackend b, bool cuda) {
   switch (b) {
-    case recipe::DistBackend::Auto: return cuda ? Backend::Nccl : Backend::Gloo;
-    case recipe::DistBackend::Nccl: return Backend::Nccl;
-    case recipe::DistBackend::Gloo: return Backend::Gloo;
+    case recipe::DistBackend::Auto:
+      return cuda ? Backend::Nccl : Backend::Gloo;
+    case recipe::DistBackend::Nccl:
+      return Backend::Nccl;
+    case recipe::DistBackend::Gloo:
+      return Backend::Gloo;
   }
   throw Error("unknown dist.backend");
 }
@@ -59,9 +63,7 @@ std::string short_message(const std::exception& e) {
   return m;
 }
 
-bool is_loopback(const std::string& addr) {
-  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
-}
+bool is_loopback(const std::string& addr) { return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1"; }
 
 std::shared_ptr<gloo::transport::Device> gloo_device(const DistEnv& env) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
@@ -85,19 +87,25 @@ std::string rendezvous_failure(const DistEnv& env, std::chrono::seconds waited, 
   const std::string flags = "--master-addr/--master-port (MASTER_ADDR/MASTER_PORT)";
   std::smatch joined;
   if (env.rank == 0 && std::regex_search(why, joined, std::regex(R"(([0-9]+)/([0-9]+) clients joined)")))
-    return fmt::format("rendezvous at {} timed out after {} s with {} of {} ranks joined: start every node (the same "
-                       "lorarun command with each --node-rank), check that their {} name this node, and that no "
-                       "firewall blocks port {} (lorarun --rdzv-timeout sets the wait)", master, waited.count(),
-                       joined[1].str(), joined[2].str(), flags, env.master_port);
+    return fmt::format(
+        "rendezvous at {} timed out after {} s with {} of {} ranks joined: start every node (the same "
+        "lorarun command with each --node-rank), check that their {} name this node, and that no "
+        "firewall blocks port {} (lorarun --rdzv-timeout sets the wait)",
+        master, waited.count(), joined[1].str(), joined[2].str(), flags, env.master_port);
   if (env.rank == 0)
-    return fmt::format("rank 0 cannot host the rendezvous at {} ({}): choose another --master-port, or check that "
-                       "--master-addr is this node", master, why);
+    return fmt::format(
+        "rank 0 cannot host the rendezvous at {} ({}): choose another --master-port, or check that "
+        "--master-addr is this node",
+        master, why);
   if (why.find("timed out") != std::string::npos || why.find("Timed out") != std::string::npos)
-    return fmt::format("rank {} could not reach the master at {} within {} s: check that node 0 is started, that {} "
-                       "name it, and that no firewall blocks port {} (lorarun --rdzv-timeout sets the wait)",
-                       env.rank, master, waited.count(), flags, env.master_port);
-  return fmt::format("rank {} could not reach the master at {} ({}): check that node 0 is started, that {} name it, "
-                     "and that no firewall blocks port {}", env.rank, master, why, flags, env.master_port);
+    return fmt::format(
+        "rank {} could not reach the master at {} within {} s: check that node 0 is started, that {} "
+        "name it, and that no firewall blocks port {} (lorarun --rdzv-timeout sets the wait)",
+        env.rank, master, waited.count(), flags, env.master_port);
+  return fmt::format(
+      "rank {} could not reach the master at {} ({}): check that node 0 is started, that {} name it, "
+      "and that no firewall blocks port {}",
+      env.rank, master, why, flags, env.master_port);
 }
 
 // A new client connection to the store at the master (for the heartbeats), under `prefix`.
@@ -133,17 +141,21 @@ void ProcessGroup::Impl::collective_failed(const std::exception& e, Clock::durat
   const bool timed_out = why.find("imed out") != std::string::npos || why.find("imeout") != std::string::npos ||
                          elapsed >= timeout * 9 / 10;
   if (!timed_out || !heartbeat)
-    throw Error(fmt::format("rank {} lost its connection to another rank ({}): that rank stopped first, and its "
-                            "error says why", env.rank, why));
+    throw Error(
+        fmt::format("rank {} lost its connection to another rank ({}): that rank stopped first, and its "
+                    "error says why",
+                    env.rank, why));
   const std::string what = fmt::format("rank {}'s all-reduce timed out after {} s (dist.timeout_s)", env.rank,
                                        std::chrono::duration_cast<std::chrono::seconds>(timeout).count());
   const std::optional<Blame> blame = heartbeat->find_stopped_rank();
   if (!blame)
-    throw Error(fmt::format("{}, and every rank's heartbeat goes on: a rank is slower than dist.timeout_s allows "
-                            "(raise it) or the network between ranks is broken ({})", what, why));
-  throw PeerError(blame->rank, fmt::format("rank {} {} ({}): {}", blame->rank,
-                                           blame->silent ? "stopped responding" : "stopped making progress",
-                                           blame->why, what));
+    throw Error(
+        fmt::format("{}, and every rank's heartbeat goes on: a rank is slower than dist.timeout_s allows "
+                    "(raise it) or the network between ranks is broken ({})",
+                    what, why));
+  throw PeerError(blame->rank,
+                  fmt::format("rank {} {} ({}): {}", blame->rank,
+                              blame->silent ? "stopped responding" : "stopped making progress", blame->why, what));
 }
 
 ProcessGroup::ProcessGroup(const DistEnv& env, Backend backend, std::chrono::seconds timeout)
@@ -174,8 +186,7 @@ ProcessGroup::ProcessGroup(const DistEnv& env, Backend backend, std::chrono::sec
     } else {
       auto opts = c10d::ProcessGroupGloo::Options::create(ms);
       opts->devices.push_back(gloo_device(env));
-      impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, env.rank,
-                                                              env.world_size, opts);
+      impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, env.rank, env.world_size, opts);
     }
     if (env.world_size > 1)
       impl_->heartbeat = std::make_unique<Heartbeat>(store_client(env, attempt_prefix() + "heartbeat"), env.rank,
@@ -184,14 +195,14 @@ ProcessGroup::ProcessGroup(const DistEnv& env, Backend backend, std::chrono::sec
     // Rank 0 hosts the store: when it goes away (its own rendezvous timed out, say) the others
     // lose the connection here, and rank 0's error is the one that says why.
     const std::string what = e.what();
-    if (env.rank != 0 && (what.find("Failed to recv") != std::string::npos ||
-                          what.find("likely closed") != std::string::npos ||
-                          what.find("Connection reset") != std::string::npos))
+    if (env.rank != 0 &&
+        (what.find("Failed to recv") != std::string::npos || what.find("likely closed") != std::string::npos ||
+         what.find("Connection reset") != std::string::npos))
       throw PeerError(0, fmt::format("rank {} lost the rendezvous store on rank 0 at {}:{} while creating the {} "
-                                     "process group: rank 0 ended first, and its error says why", env.rank,
-                                     env.master_addr, env.master_port, backend_name(backend)));
-    throw Error(fmt::format("rank {}: creating the {} process group failed: {}", env.rank,
-                            backend_name(backend), short_message(e)));
+                                     "process group: rank 0 ended first, and its error says why",
+                                     env.rank, env.master_addr, env.master_port, backend_name(backend)));
+    throw Error(fmt::format("rank {}: creating the {} process group failed: {}", env.rank, backend_name(backend),
+                            short_message(e)));
   }
 }
 

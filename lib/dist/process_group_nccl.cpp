@@ -15,9 +15,8 @@ NcclBuild nccl_build() {
           fmt::format("{}.{}", CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10)};
 }
 
-c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
-                                                    int rank, int size, int device_index,
-                                                    std::chrono::milliseconds timeout) {
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                    int device_index, std::chrono::milliseconds timeout) {
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device_index));
   auto opts = c10d::ProcessGroupNCCL::Options::create();
   opts->timeout = timeout;

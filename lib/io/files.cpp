@@ -1,16 +1,16 @@
 #include "io/files.hpp"
 
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <ftw.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fcntl.h>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
-#include <ftw.h>
-#include <sys/stat.h>
 #include <sstream>
-#include <unistd.h>
 
 #include "util/error.hpp"
 
@@ -77,7 +77,7 @@ void sync_dir(const std::string& dir) {
 }
 
 void remove_tree(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   if (lstat(path.c_str(), &st) != 0) return;
   auto remove_one = [](const char* p, const struct stat*, int, FTW*) { return std::remove(p) == 0 ? 0 : -1; };
   if (nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0)

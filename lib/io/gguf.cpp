@@ -1,14 +1,14 @@
 #include "io/gguf.hpp"
 
-#include <algorithm>
-#include <bit>
-#include <cerrno>
-#include <cstring>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
 
 #include "util/error.hpp"
 
@@ -20,8 +20,8 @@
 namespace lorarun::io {
 namespace {
 
-constexpr uint32_t kMaxDims = 4;           // GGML_MAX_DIMS
-constexpr size_t kMaxArrayDepth = 8;       // arrays of arrays: gguf-py writes at most 2 levels
+constexpr uint32_t kMaxDims = 4;      // GGML_MAX_DIMS
+constexpr size_t kMaxArrayDepth = 8;  // arrays of arrays: gguf-py writes at most 2 levels
 constexpr uint64_t kMaxNumel = uint64_t{1} << 48;
 
 struct TypeTraits {
@@ -32,22 +32,38 @@ struct TypeTraits {
 };
 // ggml's type_traits (block size, bytes per block), for every type a file may hold.
 constexpr TypeTraits kTypes[] = {
-    {GgmlType::F32, "F32", 1, 4, true},        {GgmlType::F16, "F16", 1, 2, true},
-    {GgmlType::Q4_0, "Q4_0", 32, 18, true},    {GgmlType::Q4_1, "Q4_1", 32, 20, true},
-    {GgmlType::Q5_0, "Q5_0", 32, 22, true},    {GgmlType::Q5_1, "Q5_1", 32, 24, true},
-    {GgmlType::Q8_0, "Q8_0", 32, 34, true},    {GgmlType::Q8_1, "Q8_1", 32, 40, false},
-    {GgmlType::Q2_K, "Q2_K", 256, 84, true},   {GgmlType::Q3_K, "Q3_K", 256, 110, true},
-    {GgmlType::Q4_K, "Q4_K", 256, 144, true},  {GgmlType::Q5_K, "Q5_K", 256, 176, true},
-    {GgmlType::Q6_K, "Q6_K", 256, 210, true},  {GgmlType::Q8_K, "Q8_K", 256, 292, false},
-    {GgmlType::IQ2_XXS, "IQ2_XXS", 256, 66, false}, {GgmlType::IQ2_XS, "IQ2_XS", 256, 74, false},
-    {GgmlType::IQ3_XXS, "IQ3_XXS", 256, 98, false}, {GgmlType::IQ1_S, "IQ1_S", 256, 50, false},
-    {GgmlType::IQ4_NL, "IQ4_NL", 32, 18, false},    {GgmlType::IQ3_S, "IQ3_S", 256, 110, false},
-    {GgmlType::IQ2_S, "IQ2_S", 256, 82, false},     {GgmlType::IQ4_XS, "IQ4_XS", 256, 136, false},
-    {GgmlType::I8, "I8", 1, 1, false},         {GgmlType::I16, "I16", 1, 2, false},
-    {GgmlType::I32, "I32", 1, 4, false},       {GgmlType::I64, "I64", 1, 8, false},
-    {GgmlType::F64, "F64", 1, 8, false},       {GgmlType::IQ1_M, "IQ1_M", 256, 56, false},
-    {GgmlType::BF16, "BF16", 1, 2, true},      {GgmlType::TQ1_0, "TQ1_0", 256, 54, false},
-    {GgmlType::TQ2_0, "TQ2_0", 256, 66, false}, {GgmlType::MXFP4, "MXFP4", 32, 17, false},
+    {GgmlType::F32, "F32", 1, 4, true},
+    {GgmlType::F16, "F16", 1, 2, true},
+    {GgmlType::Q4_0, "Q4_0", 32, 18, true},
+    {GgmlType::Q4_1, "Q4_1", 32, 20, true},
+    {GgmlType::Q5_0, "Q5_0", 32, 22, true},
+    {GgmlType::Q5_1, "Q5_1", 32, 24, true},
+    {GgmlType::Q8_0, "Q8_0", 32, 34, true},
+    {GgmlType::Q8_1, "Q8_1", 32, 40, false},
+    {GgmlType::Q2_K, "Q2_K", 256, 84, true},
+    {GgmlType::Q3_K, "Q3_K", 256, 110, true},
+    {GgmlType::Q4_K, "Q4_K", 256, 144, true},
+    {GgmlType::Q5_K, "Q5_K", 256, 176, true},
+    {GgmlType::Q6_K, "Q6_K", 256, 210, true},
+    {GgmlType::Q8_K, "Q8_K", 256, 292, false},
+    {GgmlType::IQ2_XXS, "IQ2_XXS", 256, 66, false},
+    {GgmlType::IQ2_XS, "IQ2_XS", 256, 74, false},
+    {GgmlType::IQ3_XXS, "IQ3_XXS", 256, 98, false},
+    {GgmlType::IQ1_S, "IQ1_S", 256, 50, false},
+    {GgmlType::IQ4_NL, "IQ4_NL", 32, 18, false},
+    {GgmlType::IQ3_S, "IQ3_S", 256, 110, false},
+    {GgmlType::IQ2_S, "IQ2_S", 256, 82, false},
+    {GgmlType::IQ4_XS, "IQ4_XS", 256, 136, false},
+    {GgmlType::I8, "I8", 1, 1, false},
+    {GgmlType::I16, "I16", 1, 2, false},
+    {GgmlType::I32, "I32", 1, 4, false},
+    {GgmlType::I64, "I64", 1, 8, false},
+    {GgmlType::F64, "F64", 1, 8, false},
+    {GgmlType::IQ1_M, "IQ1_M", 256, 56, false},
+    {GgmlType::BF16, "BF16", 1, 2, true},
+    {GgmlType::TQ1_0, "TQ1_0", 256, 54, false},
+    {GgmlType::TQ2_0, "TQ2_0", 256, 66, false},
+    {GgmlType::MXFP4, "MXFP4", 32, 17, false},
 };
 
 const TypeTraits* traits(uint32_t id) {
@@ -69,19 +85,31 @@ std::string dequantizable_names() {
   return s;
 }
 
-constexpr const char* kValueTypeNames[] = {"UINT8", "INT8",   "UINT16", "INT16", "UINT32",
-                                           "INT32", "FLOAT32", "BOOL",  "STRING", "ARRAY",
-                                           "UINT64", "INT64",  "FLOAT64"};
+constexpr const char* kValueTypeNames[] = {"UINT8", "INT8",   "UINT16", "INT16",  "UINT32", "INT32",  "FLOAT32",
+                                           "BOOL",  "STRING", "ARRAY",  "UINT64", "INT64",  "FLOAT64"};
 
 // The smallest number of bytes a value of type `t` takes in the file: what bounds an array's
 // count before anything is allocated for it.
 size_t min_value_bytes(GgufType t) {
   switch (t) {
-    case GgufType::U8: case GgufType::I8: case GgufType::Bool: return 1;
-    case GgufType::U16: case GgufType::I16: return 2;
-    case GgufType::U32: case GgufType::I32: case GgufType::F32: return 4;
-    case GgufType::U64: case GgufType::I64: case GgufType::F64: case GgufType::String: return 8;
-    case GgufType::Array: return 12;
+    case GgufType::U8:
+    case GgufType::I8:
+    case GgufType::Bool:
+      return 1;
+    case GgufType::U16:
+    case GgufType::I16:
+      return 2;
+    case GgufType::U32:
+    case GgufType::I32:
+    case GgufType::F32:
+      return 4;
+    case GgufType::U64:
+    case GgufType::I64:
+    case GgufType::F64:
+    case GgufType::String:
+      return 8;
+    case GgufType::Array:
+      return 12;
   }
   return 1;
 }
@@ -96,8 +124,10 @@ class Cursor {
   size_t left() const { return size_ - pos_; }
 
   Error corrupt(const std::string& what) const {
-    return Error(fmt::format("{} is not a valid GGUF file: {}; the file is truncated or corrupt, "
-                             "re-download or re-convert it", path_, what));
+    return Error(
+        fmt::format("{} is not a valid GGUF file: {}; the file is truncated or corrupt, "
+                    "re-download or re-convert it",
+                    path_, what));
   }
   void need(size_t n, const std::string& what) const {
     if (n > left())
@@ -129,8 +159,7 @@ class Cursor {
 
 GgufType value_type(Cursor& c, const std::string& what) {
   const uint32_t t = c.read<uint32_t>(what + " (type)");
-  if (t > static_cast<uint32_t>(GgufType::F64))
-    throw c.corrupt(fmt::format("{} has unknown value type {}", what, t));
+  if (t > static_cast<uint32_t>(GgufType::F64)) throw c.corrupt(fmt::format("{} has unknown value type {}", what, t));
   return static_cast<GgufType>(t);
 }
 
@@ -142,8 +171,10 @@ std::vector<Item> read_items(Cursor& c, uint64_t n, GgufType item, const std::st
   v.reserve(n);  // bounded by the caller: n * min_value_bytes(item) <= bytes left
   for (uint64_t i = 0; i < n; ++i) {
     GgufValue x = read_value(c, item, what, depth + 1);
-    if constexpr (std::is_same_v<Item, GgufValue>) v.push_back(std::move(x));
-    else v.push_back(std::get<Item>(std::move(x.data)));
+    if constexpr (std::is_same_v<Item, GgufValue>)
+      v.push_back(std::move(x));
+    else
+      v.push_back(std::get<Item>(std::move(x.data)));
   }
   return v;
 }
@@ -155,17 +186,32 @@ GgufValue read_array(Cursor& c, const std::string& what, size_t depth) {
   v.item_type = value_type(c, what + " (array item type)");
   const uint64_t n = c.read<uint64_t>(what + " (array count)");
   if (n > c.left() / min_value_bytes(v.item_type))
-    throw c.corrupt(fmt::format("{} is an array of {} {} items, more than the {} bytes left at byte {} can hold",
-                                what, n, gguf_type_name(v.item_type), c.left(), c.pos()));
+    throw c.corrupt(fmt::format("{} is an array of {} {} items, more than the {} bytes left at byte {} can hold", what,
+                                n, gguf_type_name(v.item_type), c.left(), c.pos()));
   switch (v.item_type) {
-    case GgufType::U8: case GgufType::U16: case GgufType::U32: case GgufType::U64: case GgufType::Bool:
-      v.data = read_items<uint64_t>(c, n, v.item_type, what, depth); break;
-    case GgufType::I8: case GgufType::I16: case GgufType::I32: case GgufType::I64:
-      v.data = read_items<int64_t>(c, n, v.item_type, what, depth); break;
-    case GgufType::F32: case GgufType::F64:
-      v.data = read_items<double>(c, n, v.item_type, what, depth); break;
-    case GgufType::String: v.data = read_items<std::string>(c, n, v.item_type, what, depth); break;
-    case GgufType::Array: v.data = read_items<GgufValue>(c, n, v.item_type, what, depth); break;
+    case GgufType::U8:
+    case GgufType::U16:
+    case GgufType::U32:
+    case GgufType::U64:
+    case GgufType::Bool:
+      v.data = read_items<uint64_t>(c, n, v.item_type, what, depth);
+      break;
+    case GgufType::I8:
+    case GgufType::I16:
+    case GgufType::I32:
+    case GgufType::I64:
+      v.data = read_items<int64_t>(c, n, v.item_type, what, depth);
+      break;
+    case GgufType::F32:
+    case GgufType::F64:
+      v.data = read_items<double>(c, n, v.item_type, what, depth);
+      break;
+    case GgufType::String:
+      v.data = read_items<std::string>(c, n, v.item_type, what, depth);
+      break;
+    case GgufType::Array:
+      v.data = read_items<GgufValue>(c, n, v.item_type, what, depth);
+      break;
   }
   return v;
 }
@@ -174,23 +220,46 @@ GgufValue read_value(Cursor& c, GgufType type, const std::string& what, size_t d
   GgufValue v;
   v.type = type;
   switch (type) {
-    case GgufType::U8: v.data = uint64_t{c.read<uint8_t>(what)}; break;
-    case GgufType::I8: v.data = int64_t{c.read<int8_t>(what)}; break;
-    case GgufType::U16: v.data = uint64_t{c.read<uint16_t>(what)}; break;
-    case GgufType::I16: v.data = int64_t{c.read<int16_t>(what)}; break;
-    case GgufType::U32: v.data = uint64_t{c.read<uint32_t>(what)}; break;
-    case GgufType::I32: v.data = int64_t{c.read<int32_t>(what)}; break;
-    case GgufType::U64: v.data = c.read<uint64_t>(what); break;
-    case GgufType::I64: v.data = c.read<int64_t>(what); break;
-    case GgufType::F32: v.data = double{c.read<float>(what)}; break;
-    case GgufType::F64: v.data = c.read<double>(what); break;
+    case GgufType::U8:
+      v.data = uint64_t{c.read<uint8_t>(what)};
+      break;
+    case GgufType::I8:
+      v.data = int64_t{c.read<int8_t>(what)};
+      break;
+    case GgufType::U16:
+      v.data = uint64_t{c.read<uint16_t>(what)};
+      break;
+    case GgufType::I16:
+      v.data = int64_t{c.read<int16_t>(what)};
+      break;
+    case GgufType::U32:
+      v.data = uint64_t{c.read<uint32_t>(what)};
+      break;
+    case GgufType::I32:
+      v.data = int64_t{c.read<int32_t>(what)};
+      break;
+    case GgufType::U64:
+      v.data = c.read<uint64_t>(what);
+      break;
+    case GgufType::I64:
+      v.data = c.read<int64_t>(what);
+      break;
+    case GgufType::F32:
+      v.data = double{c.read<float>(what)};
+      break;
+    case GgufType::F64:
+      v.data = c.read<double>(what);
+      break;
     case GgufType::Bool: {
       // Any non-zero byte is true, as llama.cpp and gguf-py read it.
       v.data = uint64_t{c.read<uint8_t>(what) != 0};
       break;
     }
-    case GgufType::String: v.data = c.string(what); break;
-    case GgufType::Array: return read_array(c, what, depth);
+    case GgufType::String:
+      v.data = c.string(what);
+      break;
+    case GgufType::Array:
+      return read_array(c, what, depth);
   }
   return v;
 }
@@ -210,7 +279,10 @@ float half_to_float(uint16_t h) {
   } else {  // subnormal: normalise the mantissa
     int e = -1;
     uint32_t m = mant;
-    do { m <<= 1; ++e; } while (!(m & 0x400u));
+    do {
+      m <<= 1;
+      ++e;
+    } while (!(m & 0x400u));
     bits = sign | ((112 - e) << 23) | ((m & 0x3ffu) << 13);
   }
   return std::bit_cast<float>(bits);
@@ -378,17 +450,28 @@ using BlockFn = void (*)(const std::byte*, float*);
 
 BlockFn block_fn(GgmlType t) {
   switch (t) {
-    case GgmlType::Q4_0: return block_q4_0;
-    case GgmlType::Q4_1: return block_q4_1;
-    case GgmlType::Q5_0: return block_q5_0;
-    case GgmlType::Q5_1: return block_q5_1;
-    case GgmlType::Q8_0: return block_q8_0;
-    case GgmlType::Q2_K: return block_q2_k;
-    case GgmlType::Q3_K: return block_q3_k;
-    case GgmlType::Q4_K: return block_q4_k;
-    case GgmlType::Q5_K: return block_q5_k;
-    case GgmlType::Q6_K: return block_q6_k;
-    default: return nullptr;
+    case GgmlType::Q4_0:
+      return block_q4_0;
+    case GgmlType::Q4_1:
+      return block_q4_1;
+    case GgmlType::Q5_0:
+      return block_q5_0;
+    case GgmlType::Q5_1:
+      return block_q5_1;
+    case GgmlType::Q8_0:
+      return block_q8_0;
+    case GgmlType::Q2_K:
+      return block_q2_k;
+    case GgmlType::Q3_K:
+      return block_q3_k;
+    case GgmlType::Q4_K:
+      return block_q4_k;
+    case GgmlType::Q5_K:
+      return block_q5_k;
+    case GgmlType::Q6_K:
+      return block_q6_k;
+    default:
+      return nullptr;
   }
 }
 
@@ -412,10 +495,14 @@ const char* gguf_type_name(GgufType t) {
 
 size_t GgufValue::size() const {
   if (type != GgufType::Array) return 1;
-  return std::visit([](const auto& x) -> size_t {
-    if constexpr (requires { x.size(); } && !std::is_same_v<std::decay_t<decltype(x)>, std::string>) return x.size();
-    else return 1;
-  }, data);
+  return std::visit(
+      [](const auto& x) -> size_t {
+        if constexpr (requires { x.size(); } && !std::is_same_v<std::decay_t<decltype(x)>, std::string>)
+          return x.size();
+        else
+          return 1;
+      },
+      data);
 }
 
 int64_t GgufTensorInfo::numel() const {
@@ -429,7 +516,7 @@ std::vector<int64_t> GgufTensorInfo::torch_shape() const { return {dims.rbegin()
 GgufFile::GgufFile(const std::string& path) : path_(path) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw Error(fmt::format("cannot open {}: {}", path, std::strerror(errno)));
-  struct stat st {};
+  struct stat st{};
   fstat(fd, &st);
   size_ = static_cast<size_t>(st.st_size);
   if (size_ == 0) {
@@ -445,19 +532,24 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
     Cursor c(map_, size_, path_);
     c.need(4, "the magic number");
     if (std::memcmp(map_, "GGUF", 4) != 0)
-      throw Error(fmt::format("{} is not a GGUF file (it does not start with \"GGUF\"); give a .gguf "
-                              "model file or a Hugging Face model directory", path));
+      throw Error(
+          fmt::format("{} is not a GGUF file (it does not start with \"GGUF\"); give a .gguf "
+                      "model file or a Hugging Face model directory",
+                      path));
     c.read<uint32_t>("the magic number");
     version_ = c.read<uint32_t>("the version");
     if (version_ == 1)
-      throw Error(fmt::format("{} is GGUF version 1, which lorarun does not read (versions 2 and 3); "
-                              "re-convert it with a current llama.cpp", path));
+      throw Error(
+          fmt::format("{} is GGUF version 1, which lorarun does not read (versions 2 and 3); "
+                      "re-convert it with a current llama.cpp",
+                      path));
     if ((version_ & 0xffff) == 0 && version_ != 0)
-      throw Error(fmt::format("{} is a big-endian GGUF file, which lorarun does not read; convert it "
-                              "to little-endian (llama.cpp's gguf_convert_endian.py)", path));
+      throw Error(
+          fmt::format("{} is a big-endian GGUF file, which lorarun does not read; convert it "
+                      "to little-endian (llama.cpp's gguf_convert_endian.py)",
+                      path));
     if (version_ != 2 && version_ != 3)
-      throw Error(fmt::format("{} is GGUF version {}, which lorarun does not read (versions 2 and 3)",
-                              path, version_));
+      throw Error(fmt::format("{} is GGUF version {}, which lorarun does not read (versions 2 and 3)", path, version_));
     const uint64_t n_tensors = c.read<uint64_t>("the tensor count");
     const uint64_t n_keys = c.read<uint64_t>("the metadata key count");
     // The smallest key is 13 bytes (empty name, type, one byte); the smallest tensor info 24.
@@ -490,8 +582,7 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
       const std::string what = fmt::format("tensor '{}'", t.name);
       if (tensor_index_.count(t.name)) throw c.corrupt(fmt::format("{} appears twice", what));
       const uint32_t n_dims = c.read<uint32_t>(what + " (dimension count)");
-      if (n_dims > kMaxDims)
-        throw c.corrupt(fmt::format("{} has {} dimensions (at most {})", what, n_dims, kMaxDims));
+      if (n_dims > kMaxDims) throw c.corrupt(fmt::format("{} has {} dimensions (at most {})", what, n_dims, kMaxDims));
       uint64_t numel = 1;
       for (uint32_t d = 0; d < n_dims; ++d) {
         const uint64_t n = c.read<uint64_t>(what + " (dimensions)");
@@ -508,8 +599,10 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
       t.type = tr->type;
       const uint64_t row = t.dims.empty() ? 1 : t.dims[0];
       if (row % tr->block_size != 0)
-        throw c.corrupt(fmt::format("{} of type {} has rows of {} elements, not a multiple of its "
-                                    "block size {}", what, tr->name, row, tr->block_size));
+        throw c.corrupt(
+            fmt::format("{} of type {} has rows of {} elements, not a multiple of its "
+                        "block size {}",
+                        what, tr->name, row, tr->block_size));
       t.nbytes = numel / tr->block_size * tr->block_bytes;
       t.offset = c.read<uint64_t>(what + " (offset)");
       tensor_index_[t.name] = tensors_.size();
@@ -521,18 +614,22 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
     data_offset_ = pos + (alignment_ - pos % alignment_) % alignment_;
     if (data_offset_ > size_) {
       if (!tensors_.empty())
-        throw c.corrupt(fmt::format("the data section would start at byte {}, past the end of the "
-                                    "{}-byte file", data_offset_, size_));
+        throw c.corrupt(
+            fmt::format("the data section would start at byte {}, past the end of the "
+                        "{}-byte file",
+                        data_offset_, size_));
       data_offset_ = size_;
     }
     const size_t data_size = size_ - data_offset_;
     for (const GgufTensorInfo& t : tensors_) {
       if (t.offset % alignment_ != 0)
-        throw c.corrupt(fmt::format("tensor '{}' has offset {}, not a multiple of the alignment {}",
-                                    t.name, t.offset, alignment_));
+        throw c.corrupt(
+            fmt::format("tensor '{}' has offset {}, not a multiple of the alignment {}", t.name, t.offset, alignment_));
       if (t.offset > data_size || t.nbytes > data_size - t.offset)
-        throw c.corrupt(fmt::format("tensor '{}' data ({} bytes at offset {}) is outside the {}-byte "
-                                    "data section", t.name, t.nbytes, t.offset, data_size));
+        throw c.corrupt(
+            fmt::format("tensor '{}' data ({} bytes at offset {}) is outside the {}-byte "
+                        "data section",
+                        t.name, t.nbytes, t.offset, data_size));
     }
     std::vector<const GgufTensorInfo*> by_offset;
     for (const auto& t : tensors_) by_offset.push_back(&t);
@@ -558,15 +655,16 @@ const GgufValue* GgufFile::find_key(const std::string& key) const {
 const GgufValue& GgufFile::typed(const std::string& key, std::initializer_list<GgufType> types,
                                  const char* want) const {
   const GgufValue* v = find_key(key);
-  if (!v) throw Error(fmt::format("{} has no metadata key '{}' (wanted {}): the file is not a "
-                                  "complete model for this architecture", path_, key, want));
+  if (!v)
+    throw Error(
+        fmt::format("{} has no metadata key '{}' (wanted {}): the file is not a "
+                    "complete model for this architecture",
+                    path_, key, want));
   const bool array = std::string_view(want).starts_with("an array");
   const GgufType t = array ? v->item_type : v->type;
-  if ((!array || v->type == GgufType::Array) && std::find(types.begin(), types.end(), t) != types.end())
-    return *v;
-  const std::string has = v->type == GgufType::Array
-                              ? fmt::format("an array of {}", gguf_type_name(v->item_type))
-                              : gguf_type_name(v->type);
+  if ((!array || v->type == GgufType::Array) && std::find(types.begin(), types.end(), t) != types.end()) return *v;
+  const std::string has = v->type == GgufType::Array ? fmt::format("an array of {}", gguf_type_name(v->item_type))
+                                                     : gguf_type_name(v->type);
   throw Error(fmt::format("{}: metadata key '{}' is {}, not {}", path_, key, has, want));
 }
 
@@ -590,9 +688,7 @@ int64_t GgufFile::get_int(const std::string& key) const {
     throw Error(fmt::format("{}: metadata key '{}' is {}, too large", path_, key, u));
   return static_cast<int64_t>(u);
 }
-int64_t GgufFile::get_int(const std::string& key, int64_t fallback) const {
-  return has(key) ? get_int(key) : fallback;
-}
+int64_t GgufFile::get_int(const std::string& key, int64_t fallback) const { return has(key) ? get_int(key) : fallback; }
 
 double GgufFile::get_float(const std::string& key) const {
   return std::get<double>(typed(key, {GgufType::F32, GgufType::F64}, "a float").data);
@@ -604,9 +700,7 @@ double GgufFile::get_float(const std::string& key, double fallback) const {
 bool GgufFile::get_bool(const std::string& key) const {
   return std::get<uint64_t>(typed(key, {GgufType::Bool}, "a bool").data) != 0;
 }
-bool GgufFile::get_bool(const std::string& key, bool fallback) const {
-  return has(key) ? get_bool(key) : fallback;
-}
+bool GgufFile::get_bool(const std::string& key, bool fallback) const { return has(key) ? get_bool(key) : fallback; }
 
 const std::vector<std::string>& GgufFile::get_strings(const std::string& key) const {
   return std::get<std::vector<std::string>>(typed(key, {GgufType::String}, "an array of strings").data);
@@ -647,21 +741,24 @@ void GgufFile::release(const GgufTensorInfo& t) const {
 void dequantize(GgmlType type, std::span<const std::byte> in, std::span<float> out) {
   const TypeTraits* tr = traits(static_cast<uint32_t>(type));
   if (!tr || !tr->dequantize)
-    throw Error(fmt::format("ggml type {} cannot be dequantised (supported: {})", ggml_type_name(type),
-                            dequantizable_names()));
+    throw Error(
+        fmt::format("ggml type {} cannot be dequantised (supported: {})", ggml_type_name(type), dequantizable_names()));
   if (in.size() % tr->block_bytes != 0 || in.size() / tr->block_bytes * tr->block_size != out.size())
     throw Error(fmt::format("dequantising {}: {} bytes do not make {} values", tr->name, in.size(), out.size()));
   const std::byte* p = in.data();
   float* y = out.data();
   switch (type) {
-    case GgmlType::F32: std::memcpy(y, p, in.size()); return;
+    case GgmlType::F32:
+      std::memcpy(y, p, in.size());
+      return;
     case GgmlType::F16:
       for (size_t i = 0; i < out.size(); ++i) y[i] = f16(p + 2 * i);
       return;
     case GgmlType::BF16:
       for (size_t i = 0; i < out.size(); ++i) y[i] = std::bit_cast<float>(uint32_t{u16(p + 2 * i)} << 16);
       return;
-    default: break;
+    default:
+      break;
   }
   const BlockFn fn = block_fn(type);
   for (size_t b = 0; b < in.size() / tr->block_bytes; ++b) fn(p + b * tr->block_bytes, y + b * tr->block_size);
@@ -669,9 +766,10 @@ void dequantize(GgmlType type, std::span<const std::byte> in, std::span<float> o
 
 void dequantize(const GgufFile& file, const GgufTensorInfo& t, std::span<float> out) {
   if (!can_dequantize(t.type))
-    throw Error(fmt::format("{}: tensor '{}' has type {}, which lorarun cannot dequantise (supported: "
-                            "{}); convert the model with one of those", file.path(), t.name,
-                            ggml_type_name(t.type), dequantizable_names()));
+    throw Error(
+        fmt::format("{}: tensor '{}' has type {}, which lorarun cannot dequantise (supported: "
+                    "{}); convert the model with one of those",
+                    file.path(), t.name, ggml_type_name(t.type), dequantizable_names()));
   if (out.size() != static_cast<size_t>(t.numel()))
     throw Error(fmt::format("{}: tensor '{}' has {} values, not {}", file.path(), t.name, t.numel(), out.size()));
   dequantize(t.type, file.bytes(t), out);

@@ -14,11 +14,38 @@ namespace lorarun::io {
 
 // ggml's tensor types, with the ids a GGUF file stores (ggml.h's enum ggml_type).
 enum class GgmlType : uint32_t {
-  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15,
-  IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22,
-  IQ4_XS = 23, I8 = 24, I16 = 25, I32 = 26, I64 = 27, F64 = 28, IQ1_M = 29, BF16 = 30,
-  TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39,
+  F32 = 0,
+  F16 = 1,
+  Q4_0 = 2,
+  Q4_1 = 3,
+  Q5_0 = 6,
+  Q5_1 = 7,
+  Q8_0 = 8,
+  Q8_1 = 9,
+  Q2_K = 10,
+  Q3_K = 11,
+  Q4_K = 12,
+  Q5_K = 13,
+  Q6_K = 14,
+  Q8_K = 15,
+  IQ2_XXS = 16,
+  IQ2_XS = 17,
+  IQ3_XXS = 18,
+  IQ1_S = 19,
+  IQ4_NL = 20,
+  IQ3_S = 21,
+  IQ2_S = 22,
+  IQ4_XS = 23,
+  I8 = 24,
+  I16 = 25,
+  I32 = 26,
+  I64 = 27,
+  F64 = 28,
+  IQ1_M = 29,
+  BF16 = 30,
+  TQ1_0 = 34,
+  TQ2_0 = 35,
+  MXFP4 = 39,
 };
 
 const char* ggml_type_name(GgmlType t);  // "Q4_K", as llama.cpp prints it
@@ -31,8 +58,19 @@ bool can_dequantize(GgmlType t);
 
 // The type of a metadata value (gguf.h's enum gguf_type).
 enum class GgufType : uint32_t {
-  U8 = 0, I8 = 1, U16 = 2, I16 = 3, U32 = 4, I32 = 5, F32 = 6, Bool = 7, String = 8, Array = 9,
-  U64 = 10, I64 = 11, F64 = 12,
+  U8 = 0,
+  I8 = 1,
+  U16 = 2,
+  I16 = 3,
+  U32 = 4,
+  I32 = 5,
+  F32 = 6,
+  Bool = 7,
+  String = 8,
+  Array = 9,
+  U64 = 10,
+  I64 = 11,
+  F64 = 12,
 };
 const char* gguf_type_name(GgufType t);  // "UINT32", as gguf-py names it
 
@@ -41,10 +79,10 @@ const char* gguf_type_name(GgufType t);  // "UINT32", as gguf-py names it
 // for an array) says what the file holds.
 struct GgufValue {
   GgufType type = GgufType::U8;
-  GgufType item_type = GgufType::U8;  // arrays only
-  std::variant<uint64_t, int64_t, double, std::string,                       // scalars
-               std::vector<uint64_t>, std::vector<int64_t>, std::vector<double>,
-               std::vector<std::string>, std::vector<GgufValue>>            // arrays (of arrays)
+  GgufType item_type = GgufType::U8;                    // arrays only
+  std::variant<uint64_t, int64_t, double, std::string,  // scalars
+               std::vector<uint64_t>, std::vector<int64_t>, std::vector<double>, std::vector<std::string>,
+               std::vector<GgufValue>>  // arrays (of arrays)
       data;
 
   size_t size() const;  // items of an array; 1 for a scalar

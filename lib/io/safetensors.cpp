@@ -1,15 +1,15 @@
 #include "io/safetensors.hpp"
 
-#include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
 
 #include "io/files.hpp"
 #include "util/error.hpp"
@@ -17,7 +17,7 @@
 namespace lorarun::io {
 namespace {
 
-constexpr size_t kMaxHeader = 100 << 20;  // the format's own limit is 100 MB
+constexpr size_t kMaxHeader = 100 << 20;           // the format's own limit is 100 MB
 constexpr uint64_t kMaxNumel = uint64_t{1} << 48;  // elements of a tensor, and of each dimension
 
 struct DTypeName {
@@ -25,16 +25,18 @@ struct DTypeName {
   DType dtype;
   size_t size;
 };
-constexpr DTypeName kDTypes[] = {
-    {"F64", DType::F64, 8}, {"F32", DType::F32, 4}, {"F16", DType::F16, 2}, {"BF16", DType::BF16, 2},
-    {"I64", DType::I64, 8}, {"I32", DType::I32, 4}, {"I16", DType::I16, 2}, {"I8", DType::I8, 1},
-    {"U8", DType::U8, 1},   {"BOOL", DType::Bool, 1}};
+constexpr DTypeName kDTypes[] = {{"F64", DType::F64, 8},   {"F32", DType::F32, 4}, {"F16", DType::F16, 2},
+                                 {"BF16", DType::BF16, 2}, {"I64", DType::I64, 8}, {"I32", DType::I32, 4},
+                                 {"I16", DType::I16, 2},   {"I8", DType::I8, 1},   {"U8", DType::U8, 1},
+                                 {"BOOL", DType::Bool, 1}};
 
 DType parse_dtype(const std::string& s, const std::string& where) {
   for (const auto& d : kDTypes)
     if (s == d.name) return d.dtype;
-  throw Error(fmt::format("{}: dtype '{}' is not supported (F64, F32, F16, BF16, I64, I32, I16, "
-                          "I8, U8, BOOL)", where, s));
+  throw Error(
+      fmt::format("{}: dtype '{}' is not supported (F64, F32, F16, BF16, I64, I32, I16, "
+                  "I8, U8, BOOL)",
+                  where, s));
 }
 
 }  // namespace
@@ -54,12 +56,14 @@ size_t dtype_size(DType d) {
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw Error(fmt::format("cannot open {}: {}", path, std::strerror(errno)));
-  struct stat st {};
+  struct stat st{};
   fstat(fd, &st);
   size_ = static_cast<size_t>(st.st_size);
   const auto corrupt = [&](const std::string& what) {
-    return Error(fmt::format("{} is not a valid safetensors file: {}; the file is truncated or "
-                             "corrupt, re-download or re-convert it", path, what));
+    return Error(
+        fmt::format("{} is not a valid safetensors file: {}; the file is truncated or "
+                    "corrupt, re-download or re-convert it",
+                    path, what));
   };
   if (size_ < 8) {
     close(fd);
@@ -118,20 +122,18 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
         throw corrupt(fmt::format("tensor '{}' has bad data_offsets", name));
       const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
       if (begin > end || end > data_size)
-        throw corrupt(fmt::format("tensor '{}' data [{}, {}) is outside the {}-byte data section",
-                                  name, begin, end, data_size));
+        throw corrupt(
+            fmt::format("tensor '{}' data [{}, {}) is outside the {}-byte data section", name, begin, end, data_size));
       if (end - begin != numel * dtype_size(t.dtype))
-        throw corrupt(fmt::format("tensor '{}' has {} bytes but dtype {} and shape [{}] need {}", name,
-                                  end - begin, dtype_name(t.dtype), fmt::join(t.shape, ", "),
-                                  numel * dtype_size(t.dtype)));
+        throw corrupt(fmt::format("tensor '{}' has {} bytes but dtype {} and shape [{}] need {}", name, end - begin,
+                                  dtype_name(t.dtype), fmt::join(t.shape, ", "), numel * dtype_size(t.dtype)));
       t.offset = begin;
       t.nbytes = end - begin;
       tensors_.push_back(std::move(t));
     }
     std::vector<const TensorInfo*> by_offset;
     for (const auto& t : tensors_) by_offset.push_back(&t);
-    std::sort(by_offset.begin(), by_offset.end(),
-              [](auto* a, auto* b) { return a->offset < b->offset; });
+    std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
     for (size_t i = 1; i < by_offset.size(); ++i)
       if (by_offset[i]->offset < by_offset[i - 1]->offset + by_offset[i - 1]->nbytes)
         throw corrupt(fmt::format("tensors '{}' and '{}' overlap", by_offset[i - 1]->name, by_offset[i]->name));
@@ -168,8 +170,8 @@ void write_safetensors(const std::string& path, const std::vector<TensorBytes>& 
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t offset = 0;
   for (const TensorBytes& t : tensors) {
-    header[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape},
-                      {"data_offsets", {offset, offset + t.nbytes}}};
+    header[t.name] = {
+        {"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.nbytes}}};
     offset += t.nbytes;
   }
   std::string head = header.dump();

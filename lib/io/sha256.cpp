@@ -1,8 +1,8 @@
 #include "io/sha256.hpp"
 
+#include <fmt/format.h>
 #include <cerrno>
 #include <cstring>
-#include <fmt/format.h>
 #include <fstream>
 #include <vector>
 

@@ -1,7 +1,7 @@
 #include "model/config.hpp"
 
-#include <filesystem>
 #include <fmt/format.h>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "io/files.hpp"
@@ -37,8 +37,10 @@ struct Reader {
 // rope settings: transformers 5 writes rope_parameters (theta inside); 4.x rope_theta + rope_scaling.
 void read_rope(const Reader& r, ModelConfig& c) {
   const json* p = nullptr;
-  if (r.j.contains("rope_parameters") && r.j["rope_parameters"].is_object()) p = &r.j["rope_parameters"];
-  else if (r.j.contains("rope_scaling") && r.j["rope_scaling"].is_object()) p = &r.j["rope_scaling"];
+  if (r.j.contains("rope_parameters") && r.j["rope_parameters"].is_object())
+    p = &r.j["rope_parameters"];
+  else if (r.j.contains("rope_scaling") && r.j["rope_scaling"].is_object())
+    p = &r.j["rope_scaling"];
   c.rope_theta = r.get<double>("rope_theta", 10000.0);
   if (!p) return;
   const Reader s{*p, r.file + " rope parameters"};
@@ -113,8 +115,10 @@ void read_gpt2(const Reader& r, ModelConfig& c) {
 ModelConfig load_config(const std::string& model_dir) {
   const std::string file = (std::filesystem::path(model_dir) / "config.json").string();
   if (!std::filesystem::exists(file))
-    throw Error(fmt::format("{} not found: model.path must be a Hugging Face model directory "
-                            "(config.json, *.safetensors, tokenizer.json)", file));
+    throw Error(
+        fmt::format("{} not found: model.path must be a Hugging Face model directory "
+                    "(config.json, *.safetensors, tokenizer.json)",
+                    file));
   json j;
   try {
     j = json::parse(io::read_file(file));
@@ -125,17 +129,23 @@ ModelConfig load_config(const std::string& model_dir) {
   const Reader r{j, file};
   ModelConfig c;
   c.model_type = r.get<std::string>("model_type");
-  if (c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen2") read_llama(r, c);
-  else if (c.model_type == "opt") read_opt(r, c);
-  else if (c.model_type == "gpt2") read_gpt2(r, c);
+  if (c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen2")
+    read_llama(r, c);
+  else if (c.model_type == "opt")
+    read_opt(r, c);
+  else if (c.model_type == "gpt2")
+    read_gpt2(r, c);
   else
-    throw Error(fmt::format("{}: model_type '{}' is not supported; supported: llama, mistral, qwen2, "
-                            "opt, gpt2", file, c.model_type));
-  if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.num_layers <= 0 || c.num_heads <= 0 ||
-      c.num_kv_heads <= 0 || c.num_heads % c.num_kv_heads != 0 || c.head_dim <= 0)
-    throw Error(fmt::format("{}: inconsistent sizes (vocab {}, hidden {}, layers {}, heads {}/{} kv, "
-                            "head_dim {})", file, c.vocab_size, c.hidden_size, c.num_layers,
-                            c.num_heads, c.num_kv_heads, c.head_dim));
+    throw Error(
+        fmt::format("{}: model_type '{}' is not supported; supported: llama, mistral, qwen2, "
+                    "opt, gpt2",
+                    file, c.model_type));
+  if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.num_layers <= 0 || c.num_heads <= 0 || c.num_kv_heads <= 0 ||
+      c.num_heads % c.num_kv_heads != 0 || c.head_dim <= 0)
+    throw Error(
+        fmt::format("{}: inconsistent sizes (vocab {}, hidden {}, layers {}, heads {}/{} kv, "
+                    "head_dim {})",
+                    file, c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim));
   c.torch_dtype = r.get<std::string>("dtype", r.get<std::string>("torch_dtype", std::string("float32")));
   c.bos_token_id = r.token("bos_token_id");
   c.eos_token_id = r.token("eos_token_id");

@@ -16,7 +16,7 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string model_type;  // llama, mistral, qwen2, opt, gpt2
+  std::string model_type;               // llama, mistral, qwen2, opt, gpt2
   std::string torch_dtype = "float32";  // the dtype the weights were saved in
   Family family = Family::Llama;
   int64_t vocab_size = 0;
@@ -31,8 +31,8 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   RopeScaling rope;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;   // llama attention_bias; qwen2 always has q/k/v bias
-  bool qkv_bias = false;         // bias on q/k/v only (qwen2)
+  bool attention_bias = false;  // llama attention_bias; qwen2 always has q/k/v bias
+  bool qkv_bias = false;        // bias on q/k/v only (qwen2)
   bool mlp_bias = false;
   std::string activation = "silu";
   std::optional<int64_t> sliding_window;  // mistral/qwen2, when in use

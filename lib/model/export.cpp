@@ -1,11 +1,11 @@
 #include "model/export.hpp"
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <unistd.h>
 #include <cctype>
 #include <filesystem>
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include "io/files.hpp"
 #include "model/transformer.hpp"
@@ -26,16 +26,15 @@ int64_t parse_size(const std::string& text) {
   }
   std::string unit = text.substr(pos);
   for (char& ch : unit) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
-  const std::pair<const char*, double> units[] = {{"", 1},      {"B", 1},      {"KB", 1e3}, {"MB", 1e6},
-                                                  {"GB", 1e9},  {"TB", 1e12},  {"KIB", 1024.0},
-                                                  {"MIB", 1048576.0}, {"GIB", 1073741824.0}};
+  const std::pair<const char*, double> units[] = {{"", 1},         {"B", 1},           {"KB", 1e3},
+                                                  {"MB", 1e6},     {"GB", 1e9},        {"TB", 1e12},
+                                                  {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}};
   for (const auto& [name, mult] : units)
     if (pos > 0 && unit == name && value > 0) return static_cast<int64_t>(value * mult);
   throw Error(fmt::format("size '{}' is not a positive size like 5GB, 500MB or 2GiB", text));
 }
 
-void export_hf_model(const CausalLM& model, const std::string& out_dir, at::ScalarType dtype,
-                     int64_t max_shard_bytes) {
+void export_hf_model(const CausalLM& model, const std::string& out_dir, at::ScalarType dtype, int64_t max_shard_bytes) {
   if (fs::exists(out_dir))
     throw Error(fmt::format("{} already exists: choose another output directory or remove it", out_dir));
   const fs::path tmp = fmt::format("{}.tmp.{}", out_dir, getpid());
@@ -66,12 +65,14 @@ void export_hf_model(const CausalLM& model, const std::string& out_dir, at::Scal
       }
       io::write_file_atomic((tmp / "model.safetensors.index.json").string(), index.dump(2) + "\n");
     }
-    nlohmann::ordered_json config = nlohmann::ordered_json::parse(io::read_file((fs::path(model.dir()) / "config.json").string()));
+    nlohmann::ordered_json config =
+        nlohmann::ordered_json::parse(io::read_file((fs::path(model.dir()) / "config.json").string()));
     config["dtype"] = hf_dtype_name(dtype);
     if (config.contains("torch_dtype")) config["torch_dtype"] = hf_dtype_name(dtype);
     io::write_file_atomic((tmp / "config.json").string(), config.dump(2) + "\n");
-    for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                          "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja"})
+    for (const char* f :
+         {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+          "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja"})
       if (fs::exists(fs::path(model.dir()) / f)) fs::copy_file(fs::path(model.dir()) / f, tmp / f);
     io::sync_dir(tmp.string());
     fs::rename(tmp, out_dir);

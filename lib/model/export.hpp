@@ -15,7 +15,6 @@ int64_t parse_size(const std::string& text);
 // model.safetensors, or shards of at most `max_shard_bytes` plus model.safetensors.index.json —
 // with config.json (dtype updated) and the tokenizer/generation files copied from the base
 // directory. Everything is written under a temporary name and renamed at the end.
-void export_hf_model(const CausalLM& model, const std::string& out_dir, at::ScalarType dtype,
-                     int64_t max_shard_bytes);
+void export_hf_model(const CausalLM& model, const std::string& out_dir, at::ScalarType dtype, int64_t max_shard_bytes);
 
 }  // namespace lorarun::model

@@ -49,8 +49,8 @@ std::vector<int64_t> generate(const CausalLM& model, const std::vector<int64_t>&
   std::vector<int64_t> out;
   while (static_cast<int64_t>(out.size()) < opt.max_new_tokens) {
     const at::Tensor last = model.logits(model.hidden_states(ids, {}, &cache).select(1, -1)).squeeze(0);
-    const int64_t next = opt.temperature <= 0 ? last.argmax().item<int64_t>()
-                                              : sample_top_p(last, opt.temperature, opt.top_p, gen);
+    const int64_t next =
+        opt.temperature <= 0 ? last.argmax().item<int64_t>() : sample_top_p(last, opt.temperature, opt.top_p, gen);
     out.push_back(next);
     if (opt.eos_id && next == *opt.eos_id) break;
     ids = at::full({1, 1}, next, at::kLong);

@@ -3,10 +3,10 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
-#include <cmath>
-#include <filesystem>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -61,7 +61,8 @@ void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::Scal
     const double bound = 1.0 / std::sqrt(static_cast<double>(in));  // kaiming_uniform_(a=sqrt(5))
     at::Tensor a = at::empty({cfg.r, in}, at::kFloat).uniform_(-bound, bound, gen);
     l->lora_a = a.to(model.device(), dtype).set_requires_grad(true);
-    l->lora_b = at::zeros({out, cfg.r}, at::TensorOptions().dtype(dtype).device(model.device())).set_requires_grad(true);
+    l->lora_b =
+        at::zeros({out, cfg.r}, at::TensorOptions().dtype(dtype).device(model.device())).set_requires_grad(true);
     l->scaling = cfg.scaling();
     l->dropout = cfg.dropout;
     ++matched;
@@ -69,9 +70,10 @@ void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::Scal
   if (matched == 0) {
     std::set<std::string> names;
     for (const Linear* l : model.linears()) names.insert(short_name(l->name));
-    throw Error(fmt::format("lora.target_modules [{}] match no layer of this {} model; its linear layers "
-                            "are: {} (or use all-linear)", fmt::join(cfg.target_modules, ", "),
-                            model.config().model_type, fmt::join(names, ", ")));
+    throw Error(
+        fmt::format("lora.target_modules [{}] match no layer of this {} model; its linear layers "
+                    "are: {} (or use all-linear)",
+                    fmt::join(cfg.target_modules, ", "), model.config().model_type, fmt::join(names, ", ")));
   }
 }
 
@@ -103,8 +105,10 @@ std::string trainable_summary(const CausalLM& model) {
 void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::string& dir) {
   // vLLM serves an adapter when r <= --max-lora-rank, whose largest allowed value is 512.
   if (cfg.r > 512)
-    warn(fmt::format("lora.r = {} is above 512, the largest rank vLLM serves (--max-lora-rank); PEFT and "
-                     "transformers still load it", cfg.r));
+    warn(
+        fmt::format("lora.r = {} is above 512, the largest rank vLLM serves (--max-lora-rank); PEFT and "
+                    "transformers still load it",
+                    cfg.r));
   std::set<std::string> targets;
   for (const Linear* l : model.linears())
     if (l->adapted()) targets.insert(short_name(l->name));
@@ -112,8 +116,8 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
   const nlohmann::ordered_json config = {
       {"alpha_pattern", nlohmann::json::object()},
       {"auto_mapping", nullptr},
-      {"base_model_name_or_path", cfg.base_model_name_or_path.empty() ? nlohmann::json(nullptr)
-                                                                     : nlohmann::json(cfg.base_model_name_or_path)},
+      {"base_model_name_or_path",
+       cfg.base_model_name_or_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(cfg.base_model_name_or_path)},
       {"bias", "none"},
       {"fan_in_fan_out", model.config().family == Family::Gpt2},
       {"inference_mode", true},
@@ -141,8 +145,10 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
   const fs::path cfg_path = fs::path(dir) / "adapter_config.json";
   const fs::path weights_path = fs::path(dir) / "adapter_model.safetensors";
   if (!fs::exists(cfg_path))
-    throw Error(fmt::format("{} not found: an adapter directory holds adapter_config.json and "
-                            "adapter_model.safetensors", cfg_path.string()));
+    throw Error(
+        fmt::format("{} not found: an adapter directory holds adapter_config.json and "
+                    "adapter_model.safetensors",
+                    cfg_path.string()));
   if (!fs::exists(weights_path))
     throw Error(fmt::format("{} not found{}", weights_path.string(),
                             fs::exists(fs::path(dir) / "adapter_model.bin")
@@ -172,10 +178,11 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
     cfg.dropout = j.value("lora_dropout", 0.0);
     cfg.use_rslora = j.value("use_rslora", false);
     cfg.base_model_name_or_path = j.value("base_model_name_or_path", nlohmann::json("")).is_string()
-                                      ? j["base_model_name_or_path"].get<std::string>() : "";
+                                      ? j["base_model_name_or_path"].get<std::string>()
+                                      : "";
     const auto& tm = field("target_modules");
-    cfg.target_modules = tm.is_string() ? std::vector<std::string>{tm.get<std::string>()}
-                                        : tm.get<std::vector<std::string>>();
+    cfg.target_modules =
+        tm.is_string() ? std::vector<std::string>{tm.get<std::string>()} : tm.get<std::vector<std::string>>();
   } catch (const nlohmann::json::exception& e) {
     throw Error(fmt::format("{}: a field has the wrong type ({})", where, e.what()));
   }
@@ -189,23 +196,28 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
   for (const std::string& key : files.names()) {
     std::smatch m;
     if (!std::regex_match(key, m, key_re))
-      throw Error(fmt::format("{}: key '{}' is not a LoRA weight of the form "
-                              "base_model.model.<module>.lora_A.weight", weights_path.string(), key));
+      throw Error(
+          fmt::format("{}: key '{}' is not a LoRA weight of the form "
+                      "base_model.model.<module>.lora_A.weight",
+                      weights_path.string(), key));
     const auto it = by_name.find(m[1].str());
     if (it == by_name.end())
-      throw Error(fmt::format("{}: '{}' names no linear layer of this {} model: the adapter was made for "
-                              "another base model", weights_path.string(), m[1].str(), model.config().model_type));
+      throw Error(
+          fmt::format("{}: '{}' names no linear layer of this {} model: the adapter was made for "
+                      "another base model",
+                      weights_path.string(), m[1].str(), model.config().model_type));
     Linear* l = it->second;
     const bool is_a = m[2] == "A";
-    const std::vector<int64_t> want = is_a ? std::vector<int64_t>{cfg.r, l->in_features()}
-                                           : std::vector<int64_t>{l->out_features(), cfg.r};
+    const std::vector<int64_t> want =
+        is_a ? std::vector<int64_t>{cfg.r, l->in_features()} : std::vector<int64_t>{l->out_features(), cfg.r};
     at::Tensor t;
     try {
       t = files.load(key, dtype, model.device(), want).clone();  // owned: it will be trained
     } catch (const Error&) {
-      throw Error(fmt::format("{}: '{}' has shape [{}] but this base model and r={} need [{}]: the adapter "
-                              "was made for another base model", weights_path.string(), key,
-                              fmt::join(files.info(key).shape, ", "), cfg.r, fmt::join(want, ", ")));
+      throw Error(fmt::format(
+          "{}: '{}' has shape [{}] but this base model and r={} need [{}]: the adapter "
+          "was made for another base model",
+          weights_path.string(), key, fmt::join(files.info(key).shape, ", "), cfg.r, fmt::join(want, ", ")));
     }
     (is_a ? l->lora_a : l->lora_b) = t.set_requires_grad(true);
     l->scaling = cfg.scaling();
@@ -223,8 +235,10 @@ void merge_lora(CausalLM& model) {
   for (Linear* l : model.linears()) {
     if (!l->adapted()) continue;
     if (l->nf4)
-      throw Error(fmt::format("{} holds NF4 weights: merge into a base loaded without quantisation (lora-merge "
-                              "--qlora rounds it through NF4 first)", l->name));
+      throw Error(
+          fmt::format("{} holds NF4 weights: merge into a base loaded without quantisation (lora-merge "
+                      "--qlora rounds it through NF4 first)",
+                      l->name));
     const at::Tensor delta = at::matmul(l->lora_b.to(at::kFloat), l->lora_a.to(at::kFloat)) * l->scaling;
     l->weight.add_(delta.to(l->weight.scalar_type()));
     l->lora_a = at::Tensor();

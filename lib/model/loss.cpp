@@ -13,8 +13,8 @@ std::pair<at::Tensor, at::Tensor> token_losses(const at::Tensor& logits, const a
   const int64_t T = logits.size(1);
   const at::Tensor shifted = logits.narrow(1, 0, T - 1).to(at::kFloat);
   const at::Tensor target = labels.to(logits.device(), at::kLong).narrow(1, 1, T - 1);
-  const at::Tensor loss = at::cross_entropy_loss(shifted.reshape({-1, shifted.size(-1)}), target.reshape(-1),
-                                                 {}, at::Reduction::None, data::kIgnoreIndex);
+  const at::Tensor loss = at::cross_entropy_loss(shifted.reshape({-1, shifted.size(-1)}), target.reshape(-1), {},
+                                                 at::Reduction::None, data::kIgnoreIndex);
   return {loss.view(target.sizes()), target != data::kIgnoreIndex};
 }
 
@@ -46,7 +46,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
       const int64_t n = std::min(chunk_rows, h.size(0) - s);
       const at::Tensor t = targets.narrow(0, s, n).unsqueeze(1);
       at::Tensor logits = at::linear(h.narrow(0, s, n), w).to(at::kFloat);  // [n, V], as HF: logits.float()
-      const at::Tensor lse = at::logsumexp(logits, 1, true);                  // [n, 1]
+      const at::Tensor lse = at::logsumexp(logits, 1, true);                // [n, 1]
       loss += (lse - logits.gather(1, t)).sum();
       if (!need_grad) continue;
       logits.sub_(lse).exp_().scatter_add_(1, t, at::full_like(t, -1.0, at::kFloat));  // softmax - one-hot

@@ -1,12 +1,12 @@
 #include "model/nf4.hpp"
 
 #include <ATen/ATen.h>
-#include <algorithm>
 #include <c10/core/GradMode.h>
-#include <cmath>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/custom_class.h>
+#include <algorithm>
+#include <cmath>
 
 #include "util/error.hpp"
 
@@ -84,11 +84,22 @@ Blockwise8 quantize_blockwise8(const at::Tensor& x_in, int64_t blocksize) {
 }
 
 at::Tensor nf4_levels(at::Device device) {
-  static const std::vector<double> levels = {
-      -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-      -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-      0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-      0.7229568362236023, 1.0};
+  static const std::vector<double> levels = {-1.0,
+                                             -0.6961928009986877,
+                                             -0.5250730514526367,
+                                             -0.39491748809814453,
+                                             -0.28444138169288635,
+                                             -0.18477343022823334,
+                                             -0.09105003625154495,
+                                             0.0,
+                                             0.07958029955625534,
+                                             0.16093020141124725,
+                                             0.24611230194568634,
+                                             0.33791524171829224,
+                                             0.44070982933044434,
+                                             0.5626170039176941,
+                                             0.7229568362236023,
+                                             1.0};
   return at::tensor(levels, at::kDouble).to(device, at::kFloat);
 }
 
@@ -142,8 +153,8 @@ std::pair<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& a, const at:
   if (n % 2) scaled = at::constant_pad_nd(scaled, {0, 1});  // the odd last nibble is the level of 0
   // Nearest level; a value on a midpoint takes the lower one.
   const at::Tensor idx = at::bucketize(scaled, bounds, /*out_int32=*/true).to(at::kByte);
-  const at::Tensor packed = at::bitwise_or(at::bitwise_left_shift(idx.slice(0, 0, std::nullopt, 2), 4),
-                                           idx.slice(0, 1, std::nullopt, 2));
+  const at::Tensor packed =
+      at::bitwise_or(at::bitwise_left_shift(idx.slice(0, 0, std::nullopt, 2), 4), idx.slice(0, 1, std::nullopt, 2));
   return {packed, absmax};
 }
 
@@ -164,7 +175,8 @@ Nf4Weight quantize_nf4(const at::Tensor& w, bool double_quant) {
   q.packed = at::empty({(n + 1) / 2}, w.options().dtype(at::kByte));
   at::Tensor absmax = at::empty({(n + Nf4Weight::kBlock - 1) / Nf4Weight::kBlock}, w.options().dtype(at::kFloat));
   for (int64_t start = 0; start < n; start += kChunk) {
-    const auto [codes, scales] = quantize_blocks(flat.narrow(0, start, std::min(kChunk, n - start)).to(at::kFloat), bounds);
+    const auto [codes, scales] =
+        quantize_blocks(flat.narrow(0, start, std::min(kChunk, n - start)).to(at::kFloat), bounds);
     q.packed.narrow(0, start / 2, codes.numel()).copy_(codes);
     absmax.narrow(0, start / Nf4Weight::kBlock, scales.numel()).copy_(scales);
   }

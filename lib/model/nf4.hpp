@@ -26,12 +26,12 @@ Blockwise8 quantize_blockwise8(const at::Tensor& x, int64_t blocksize = 256);
 struct Nf4Weight {
   static constexpr int64_t kBlock = 64;
 
-  at::Tensor packed;   // uint8 [ceil(n/2)]: level indices two a byte, the even element in the high nibble
-  at::Tensor absmax;   // float32 [ceil(n/64)]; undefined under double quantisation
-  Blockwise8 absmax8;  // double quantisation: absmax - offset in 8 bits, blocks of 256
-  at::Tensor offset;   // double quantisation: float32 scalar, the mean of the absmax
-  at::Tensor pairs;    // float32 [256, 2]: the two levels each packed byte stands for
-  std::vector<int64_t> shape;         // [out, in]
+  at::Tensor packed;           // uint8 [ceil(n/2)]: level indices two a byte, the even element in the high nibble
+  at::Tensor absmax;           // float32 [ceil(n/64)]; undefined under double quantisation
+  Blockwise8 absmax8;          // double quantisation: absmax - offset in 8 bits, blocks of 256
+  at::Tensor offset;           // double quantisation: float32 scalar, the mean of the absmax
+  at::Tensor pairs;            // float32 [256, 2]: the two levels each packed byte stands for
+  std::vector<int64_t> shape;  // [out, in]
   at::ScalarType dtype = at::kFloat;  // of the original weight, and of dequantize()
 
   bool double_quant() const { return offset.defined(); }

@@ -2,10 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
-#include <mutex>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/custom_class.h>
+#include <mutex>
 
 namespace lorarun::model {
 namespace {
@@ -27,8 +27,7 @@ at::Tensor swap_state(at::Generator& gen, const at::Tensor& state) {
 struct Checkpoint : torch::autograd::Function<Checkpoint> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             c10::intrusive_ptr<Replay> replay) {
-    replay->gen = x.is_cuda() ? at::globalContext().defaultGenerator(x.device())
-                              : at::detail::getDefaultCPUGenerator();
+    replay->gen = x.is_cuda() ? at::globalContext().defaultGenerator(x.device()) : at::detail::getDefaultCPUGenerator();
     {
       std::lock_guard<std::mutex> lock(replay->gen.mutex());
       replay->rng = replay->gen.get_state();

@@ -1,9 +1,9 @@
 #include "model/resolve.hpp"
 
+#include <fmt/format.h>
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
-#include <fmt/format.h>
 
 #include "io/files.hpp"
 #include "util/error.hpp"
@@ -48,12 +48,16 @@ std::string resolve_model_path(const std::string& path_or_id) {
     if (!best.empty()) return best.string();
   }
   if (!id_like)
-    throw Error(fmt::format("model directory '{}' does not exist: model.path must be a Hugging Face model "
-                            "directory (config.json, *.safetensors, tokenizer.json) or a model id in the local "
-                            "HF cache", path_or_id));
-  throw Error(fmt::format("model '{}' is neither a directory nor in the local Hugging Face cache ({}): "
-                          "lorarun never downloads; fetch it where the hub is reachable (huggingface-cli "
-                          "download {}) and copy the directory or cache here", path_or_id, repo.string(), path_or_id));
+    throw Error(
+        fmt::format("model directory '{}' does not exist: model.path must be a Hugging Face model "
+                    "directory (config.json, *.safetensors, tokenizer.json) or a model id in the local "
+                    "HF cache",
+                    path_or_id));
+  throw Error(
+      fmt::format("model '{}' is neither a directory nor in the local Hugging Face cache ({}): "
+                  "lorarun never downloads; fetch it where the hub is reachable (huggingface-cli "
+                  "download {}) and copy the directory or cache here",
+                  path_or_id, repo.string(), path_or_id));
 }
 
 }  // namespace lorarun::model

@@ -2,9 +2,9 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <cmath>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <cmath>
 #include <map>
 
 #include "model/recompute.hpp"
@@ -78,8 +78,8 @@ at::Tensor rope_inv_freq(const ModelConfig& c) {
   const double high_wavelen = r.original_max_position / r.high_freq_factor;
   const at::Tensor wavelen = 2 * M_PI / inv;
   at::Tensor scaled = at::where(wavelen > low_wavelen, inv / r.factor, inv);
-  const at::Tensor smooth = (r.original_max_position / wavelen - r.low_freq_factor) /
-                            (r.high_freq_factor - r.low_freq_factor);
+  const at::Tensor smooth =
+      (r.original_max_position / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
   const at::Tensor smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
   const at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
   return at::where(medium, smoothed, scaled);
@@ -93,8 +93,7 @@ at::Tensor rotate_half(const at::Tensor& x) {
 
 // Boolean attention mask [B, 1, Tq, Tk]: key j is visible to query i when it is a real token,
 // not in the future (past + i >= j), and within the sliding window if there is one.
-at::Tensor attention_mask(const at::Tensor& key_valid, int64_t tq, int64_t past,
-                          std::optional<int64_t> window) {
+at::Tensor attention_mask(const at::Tensor& key_valid, int64_t tq, int64_t past, std::optional<int64_t> window) {
   const auto dev = key_valid.device();
   const int64_t tk = key_valid.size(1);
   const at::Tensor qi = at::arange(past, past + tq, at::TensorOptions().dtype(at::kLong).device(dev)).unsqueeze(1);
@@ -120,7 +119,8 @@ at::Tensor positions_in_document(const at::Tensor& segments) {
   const int64_t T = segments.size(1);
   const at::Tensor idx = at::arange(T, segments.options().dtype(at::kLong)).unsqueeze(0).expand_as(segments);
   const at::Tensor starts = at::cat({at::ones_like(segments.narrow(1, 0, 1), at::kBool),
-                                     segments.narrow(1, 1, T - 1) != segments.narrow(1, 0, T - 1)}, 1);
+                                     segments.narrow(1, 1, T - 1) != segments.narrow(1, 0, T - 1)},
+                                    1);
   return idx - std::get<0>(at::cummax(at::where(starts, idx, at::zeros_like(idx)), 1));
 }
 
@@ -214,8 +214,10 @@ CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at:
   else if (c.tie_word_embeddings)
     m.lm_head_ = m.embed_tokens_;
   else
-    throw Error(fmt::format("{}: lm_head.weight is missing and config.json does not tie it to the "
-                            "embeddings (tie_word_embeddings: false)", dir));
+    throw Error(
+        fmt::format("{}: lm_head.weight is missing and config.json does not tie it to the "
+                    "embeddings (tie_word_embeddings: false)",
+                    dir));
   return m;
 }
 
@@ -236,9 +238,8 @@ at::Tensor CausalLM::mlp(const Block& b, const at::Tensor& x) const {
 }
 
 // x [B, T, H] -> attention output after the output projection [B, T, H].
-at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Tensor& mask,
-                               const at::Tensor& cos, const at::Tensor& sin, KVCache* cache,
-                               size_t layer) const {
+at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& cos,
+                               const at::Tensor& sin, KVCache* cache, size_t layer) const {
   const ModelConfig& c = config_;
   const int64_t B = x.size(0), T = x.size(1), hd = c.head_dim;
   at::Tensor q, k, v;
@@ -271,20 +272,20 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
     cache->k[layer] = k;
     cache->v[layer] = v;
   }
-  const at::Tensor out = at::scaled_dot_product_attention(
-      q, k, v, mask, 0.0, false, 1.0 / std::sqrt(static_cast<double>(hd)),
-      /*enable_gqa=*/c.num_kv_heads != c.num_heads);
+  const at::Tensor out =
+      at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, 1.0 / std::sqrt(static_cast<double>(hd)),
+                                       /*enable_gqa=*/c.num_kv_heads != c.num_heads);
   return b.o.forward(out.transpose(1, 2).reshape({B, T, c.num_heads * hd}), training);
 }
 
-at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor& attention_mask_in,
-                                   KVCache* cache, bool packed) const {
+at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor& attention_mask_in, KVCache* cache,
+                                   bool packed) const {
   const ModelConfig& c = config_;
   const int64_t B = input_ids.size(0), T = input_ids.size(1);
   const int64_t past = cache ? cache->length() : 0;
   const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device_);
-  at::Tensor valid = attention_mask_in.defined() ? attention_mask_in.to(device_, at::kLong)
-                                                 : at::ones({B, past + T}, long_opts);
+  at::Tensor valid =
+      attention_mask_in.defined() ? attention_mask_in.to(device_, at::kLong) : at::ones({B, past + T}, long_opts);
   if (valid.size(1) == T && past > 0)  // a mask for the new tokens only: past ones were real
     valid = at::cat({at::ones({B, past}, long_opts), valid}, 1);
   at::Tensor mask, positions;
@@ -378,9 +379,12 @@ int64_t CausalLM::base_parameter_count() const {
 
 at::ScalarType dtype_of(recipe::Dtype d) {
   switch (d) {
-    case recipe::Dtype::BF16: return at::kBFloat16;
-    case recipe::Dtype::FP16: return at::kHalf;
-    case recipe::Dtype::FP32: return at::kFloat;
+    case recipe::Dtype::BF16:
+      return at::kBFloat16;
+    case recipe::Dtype::FP16:
+      return at::kHalf;
+    case recipe::Dtype::FP32:
+      return at::kFloat;
   }
   throw Error("unknown model.dtype");
 }

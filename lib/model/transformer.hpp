@@ -23,13 +23,13 @@ at::ScalarType dtype_of(recipe::Dtype d);
 //   y += scaling * B A dropout(x),  A [r, in], B [out, r]   (PEFT's LoraLayer)
 // W is either `weight` or, for QLoRA, `nf4` (dequantised on the fly).
 struct Linear {
-  std::string name;        // the HF module name, e.g. "model.layers.0.self_attn.q_proj"
-  at::Tensor weight;       // [out, in], frozen; undefined when the weight is in NF4
+  std::string name;   // the HF module name, e.g. "model.layers.0.self_attn.q_proj"
+  at::Tensor weight;  // [out, in], frozen; undefined when the weight is in NF4
   std::optional<Nf4Weight> nf4;
-  at::Tensor bias;         // [out] or undefined
-  bool conv1d = false;     // GPT-2 Conv1D: the file stores the weight as [in, out]
-  at::Tensor lora_a;       // [r, in]; defined when adapted
-  at::Tensor lora_b;       // [out, r]
+  at::Tensor bias;      // [out] or undefined
+  bool conv1d = false;  // GPT-2 Conv1D: the file stores the weight as [in, out]
+  at::Tensor lora_a;    // [r, in]; defined when adapted
+  at::Tensor lora_b;    // [out, r]
   double scaling = 0.0;
   double dropout = 0.0;
 
@@ -47,8 +47,8 @@ struct Norm {
 // One decoder block. Linears unused by a family stay empty (name == "").
 struct Block {
   Norm norm1, norm2;
-  Linear q, k, v, qkv, o;    // qkv: GPT-2's fused c_attn
-  Linear gate, up, down;     // opt: up=fc1, down=fc2; gpt2: up=c_fc, down=c_proj
+  Linear q, k, v, qkv, o;  // qkv: GPT-2's fused c_attn
+  Linear gate, up, down;   // opt: up=fc1, down=fc2; gpt2: up=c_fc, down=c_proj
 };
 
 // Keys and values of past positions, for generation.
@@ -82,8 +82,8 @@ class CausalLM {
   // Returns the final hidden states [B, T, H'] (before the output projection).
   // packed: several documents share a row; attention_mask then numbers them (1, 2, .. per row,
   // 0 = padding): a token attends within its document only, positions restart per document.
-  at::Tensor hidden_states(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                           KVCache* cache = nullptr, bool packed = false) const;
+  at::Tensor hidden_states(const at::Tensor& input_ids, const at::Tensor& attention_mask, KVCache* cache = nullptr,
+                           bool packed = false) const;
   // hidden [.., H'] -> logits [.., vocab]
   at::Tensor logits(const at::Tensor& hidden) const;
   const at::Tensor& lm_head() const { return lm_head_; }  // [vocab, H'], frozen
@@ -105,8 +105,8 @@ class CausalLM {
   bool recompute_activations = false;
 
  private:
-  at::Tensor attention(const Block& b, const at::Tensor& x, const at::Tensor& mask,
-                       const at::Tensor& cos, const at::Tensor& sin, KVCache* cache, size_t layer) const;
+  at::Tensor attention(const Block& b, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& cos,
+                       const at::Tensor& sin, KVCache* cache, size_t layer) const;
   at::Tensor mlp(const Block& b, const at::Tensor& x) const;
   at::Tensor norm(const Norm& n, const at::Tensor& x) const;
 
@@ -114,13 +114,13 @@ class CausalLM {
   std::string dir_;
   at::ScalarType dtype_ = at::kFloat;
   at::Device device_{at::kCPU};
-  at::Tensor embed_tokens_;  // [vocab, E]
-  at::Tensor embed_positions_;  // opt/gpt2 learned positions
-  at::Tensor inv_freq_;      // llama rope, float32 [head_dim/2]
+  at::Tensor embed_tokens_;          // [vocab, E]
+  at::Tensor embed_positions_;       // opt/gpt2 learned positions
+  at::Tensor inv_freq_;              // llama rope, float32 [head_dim/2]
   Linear project_in_, project_out_;  // opt when word_embed_proj_dim != hidden
   std::vector<Block> blocks_;
   Norm final_norm_;
-  at::Tensor lm_head_;       // [vocab, E]; may alias embed_tokens_
+  at::Tensor lm_head_;  // [vocab, E]; may alias embed_tokens_
   struct NamedWeight {
     std::string name;
     at::Tensor tensor;  // undefined for an NF4 weight: its Linear holds it

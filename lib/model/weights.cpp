@@ -1,10 +1,10 @@
 #include "model/weights.hpp"
 
 #include <ATen/ATen.h>
-#include <cstring>
-#include <filesystem>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "io/files.hpp"
@@ -16,16 +16,26 @@ namespace fs = std::filesystem;
 
 at::ScalarType to_scalar_type(io::DType d) {
   switch (d) {
-    case io::DType::F64: return at::kDouble;
-    case io::DType::F32: return at::kFloat;
-    case io::DType::F16: return at::kHalf;
-    case io::DType::BF16: return at::kBFloat16;
-    case io::DType::I64: return at::kLong;
-    case io::DType::I32: return at::kInt;
-    case io::DType::I16: return at::kShort;
-    case io::DType::I8: return at::kChar;
-    case io::DType::U8: return at::kByte;
-    case io::DType::Bool: return at::kBool;
+    case io::DType::F64:
+      return at::kDouble;
+    case io::DType::F32:
+      return at::kFloat;
+    case io::DType::F16:
+      return at::kHalf;
+    case io::DType::BF16:
+      return at::kBFloat16;
+    case io::DType::I64:
+      return at::kLong;
+    case io::DType::I32:
+      return at::kInt;
+    case io::DType::I16:
+      return at::kShort;
+    case io::DType::I8:
+      return at::kChar;
+    case io::DType::U8:
+      return at::kByte;
+    case io::DType::Bool:
+      return at::kBool;
   }
   return at::kFloat;
 }
@@ -44,8 +54,8 @@ std::string hf_dtype_name(at::ScalarType t) {
 }
 
 io::DType to_dtype(at::ScalarType t) {
-  for (io::DType d : {io::DType::F64, io::DType::F32, io::DType::F16, io::DType::BF16, io::DType::I64,
-                      io::DType::I32, io::DType::I16, io::DType::I8, io::DType::U8, io::DType::Bool})
+  for (io::DType d : {io::DType::F64, io::DType::F32, io::DType::F16, io::DType::BF16, io::DType::I64, io::DType::I32,
+                      io::DType::I16, io::DType::I8, io::DType::U8, io::DType::Bool})
     if (to_scalar_type(d) == t) return d;
   throw Error(fmt::format("dtype {} cannot be stored in safetensors", c10::toString(t)));
 }
@@ -63,8 +73,10 @@ WeightFiles WeightFiles::open_dir(const std::string& dir) {
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   if (fs::exists(single)) return open_file(single.string());
   if (!fs::exists(index))
-    throw Error(fmt::format("{} has neither model.safetensors nor model.safetensors.index.json: "
-                            "convert the weights to safetensors (PyTorch .bin files are not read)", dir));
+    throw Error(
+        fmt::format("{} has neither model.safetensors nor model.safetensors.index.json: "
+                    "convert the weights to safetensors (PyTorch .bin files are not read)",
+                    dir));
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(io::read_file(index.string()));
@@ -83,7 +95,8 @@ WeightFiles WeightFiles::open_dir(const std::string& dir) {
     auto [it, fresh] = shard_index.emplace(file, w.files_.size());
     if (fresh) w.files_.push_back(std::make_shared<io::SafetensorsFile>((fs::path(dir) / file).string()));
     if (!w.files_[it->second]->find(name))
-      throw Error(fmt::format("{}: '{}' is listed in {} but that shard does not contain it", index.string(), name, file));
+      throw Error(
+          fmt::format("{}: '{}' is listed in {} but that shard does not contain it", index.string(), name, file));
     w.where_[name] = it->second;
   }
   return w;
@@ -106,8 +119,10 @@ at::Tensor WeightFiles::load(const std::string& name, at::ScalarType dtype, at::
   const io::TensorInfo& t = info(name);
   const auto& file = *files_[where_.at(name)];
   if (!shape.empty() && shape != t.shape)
-    throw Error(fmt::format("{}: '{}' has shape [{}] but config.json implies [{}]: the weights do not "
-                            "match this config", file.path(), name, fmt::join(t.shape, ", "), fmt::join(shape, ", ")));
+    throw Error(
+        fmt::format("{}: '{}' has shape [{}] but config.json implies [{}]: the weights do not "
+                    "match this config",
+                    file.path(), name, fmt::join(t.shape, ", "), fmt::join(shape, ", ")));
   used_.insert(name);
   auto bytes = file.bytes(t);
   const auto opts = at::TensorOptions().dtype(to_scalar_type(t.dtype));
@@ -137,8 +152,7 @@ void save_tensors(const std::string& path, const std::vector<std::pair<std::stri
   for (const auto& [name, t] : tensors) {
     host.push_back(t.detach().to(at::kCPU).contiguous());
     const at::Tensor& h = host.back();
-    out.push_back({name, to_dtype(h.scalar_type()), h.sizes().vec(), h.data_ptr(),
-                   static_cast<size_t>(h.nbytes())});
+    out.push_back({name, to_dtype(h.scalar_type()), h.sizes().vec(), h.data_ptr(), static_cast<size_t>(h.nbytes())});
   }
   io::write_safetensors(path, out, metadata);
 }

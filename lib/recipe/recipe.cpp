@@ -105,12 +105,14 @@ struct Field {
   bool nullable = false;
 
   [[noreturn]] void expected(std::string_view what, const YAML::Node& got, bool with_hint = true) const {
-    fail(origin, key, fmt::format("must be {}{}, got {}{}", what, nullable ? " or null" : "", show_node(got),
-                                  with_hint ? hint(key) : ""));
+    fail(origin, key,
+         fmt::format("must be {}{}, got {}{}", what, nullable ? " or null" : "", show_node(got),
+                     with_hint ? hint(key) : ""));
   }
 };
 
-template <class E> std::string choices() {
+template <class E>
+std::string choices() {
   std::string out;
   for (const auto& [text, v] : EnumNames<E>::values) out += (out.empty() ? "" : "|") + std::string(text);
   return out;
@@ -128,7 +130,8 @@ nlohmann::json yaml_to_json(const YAML::Node& n, const Field& f) {
     case YAML::NodeType::Map: {
       nlohmann::json object = nlohmann::json::object();
       for (const auto& kv : n) {
-        if (!kv.first.IsScalar()) fail(f.origin, f.key, fmt::format("has a key that is not a name: {}", show_node(kv.first)));
+        if (!kv.first.IsScalar())
+          fail(f.origin, f.key, fmt::format("has a key that is not a name: {}", show_node(kv.first)));
         const std::string& name = kv.first.Scalar();
         if (object.contains(name)) fail(f.origin, f.key, fmt::format("has the key '{}' twice; keep one", show(name)));
         object[name] = yaml_to_json(kv.second, f);
@@ -173,7 +176,8 @@ void read_epochs(const YAML::Node& n, EpochsToSave& out, const Field& f) {
 }
 
 // Reads a YAML value into a member of the member's type, or throws naming the key.
-template <class T> void read(const YAML::Node& n, T& out, Field f) {
+template <class T>
+void read(const YAML::Node& n, T& out, Field f) {
   if constexpr (detail::IsOptional<T>::value) {
     if (n.IsNull()) {
       out.reset();
@@ -204,8 +208,7 @@ template <class T> void read(const YAML::Node& n, T& out, Field f) {
     f.expected("one of " + choices<T>(), n, false);
   } else if constexpr (std::is_integral_v<T>) {
     const auto i = n.IsScalar() ? parse_int(n.Scalar()) : std::nullopt;
-    if (!i || *i < std::numeric_limits<T>::min() || *i > std::numeric_limits<T>::max())
-      f.expected("a whole number", n);
+    if (!i || *i < std::numeric_limits<T>::min() || *i > std::numeric_limits<T>::max()) f.expected("a whole number", n);
     out = static_cast<T>(*i);
   } else if constexpr (std::is_floating_point_v<T>) {
     const auto d = n.IsScalar() ? parse_float(n.Scalar()) : std::nullopt;
@@ -238,21 +241,24 @@ void check_structure(const YAML::Node& root, const RecipeOrigin& origin) {
   const std::string& file = origin.file;
   if (!root || root.IsNull()) return;
   if (!root.IsMap())
-    throw Error(fmt::format("{}: a recipe is a mapping of sections (model:, lora:, data:, train:, checkpoint:, "
-                            "dist:, track:), got {}",
-                            file, show_node(root)));
+    throw Error(
+        fmt::format("{}: a recipe is a mapping of sections (model:, lora:, data:, train:, checkpoint:, "
+                    "dist:, track:), got {}",
+                    file, show_node(root)));
   std::set<std::string> sections;
   for (const auto& kv : root) {
     const std::string section = key_name(kv.first, file);
     if (!is_section(section)) throw Error(fmt::format("{}: {}", file, unknown_top_message(section)));
     if (!sections.insert(section).second)
-      throw Error(fmt::format("{}: section '{}' appears twice; merge its keys under one '{}:'", file, section, section));
+      throw Error(
+          fmt::format("{}: section '{}' appears twice; merge its keys under one '{}:'", file, section, section));
     const YAML::Node& body = kv.second;
     if (body.IsNull()) continue;
     if (!body.IsMap())
-      throw Error(fmt::format("{}: section '{}' must be a mapping of keys, got {}; write its keys indented "
-                              "below '{}:' (e.g. {}: {{{}: …}})",
-                              file, section, show_node(body), section, section, leaves(section).front()));
+      throw Error(
+          fmt::format("{}: section '{}' must be a mapping of keys, got {}; write its keys indented "
+                      "below '{}:' (e.g. {}: {{{}: …}})",
+                      file, section, show_node(body), section, section, leaves(section).front()));
     std::set<std::string> keys;
     for (const auto& entry : body) {
       const std::string leaf = key_name(entry.first, file);
@@ -290,9 +296,10 @@ YAML::Node override_value(const std::string& value, bool literal, const std::str
   try {
     return YAML::Load(value);
   } catch (const YAML::ParserException& e) {
-    throw Error(fmt::format("{}: malformed YAML value at column {}: {}; use YAML flow syntax such as [a, b] or "
-                            "{{k: v}}, or quote the value",
-                            where, e.mark.column + 1, e.msg));
+    throw Error(
+        fmt::format("{}: malformed YAML value at column {}: {}; use YAML flow syntax such as [a, b] or "
+                    "{{k: v}}, or quote the value",
+                    where, e.mark.column + 1, e.msg));
   }
 }
 
@@ -319,8 +326,8 @@ void apply_overrides(YAML::Node& tree, const std::vector<std::string>& overrides
     const std::string where = fmt::format("{} (override '{}')", origin.file, shown);
     const std::vector<std::string> parts = split(key, '.');
     if (parts.size() == 1 && is_section(key))
-      throw Error(fmt::format("{}: '{}' is a section; override one key such as {}.{}=…", where, key, key,
-                              leaves(key).front()));
+      throw Error(
+          fmt::format("{}: '{}' is a section; override one key such as {}.{}=…", where, key, key, leaves(key).front()));
     if (!is_section(parts[0])) throw Error(fmt::format("{}: {}", where, unknown_top_message(parts[0])));
     const std::string dotted = parts[0] + "." + parts[1];
     if (!is_key(dotted)) throw Error(fmt::format("{}: {}", where, unknown_key_message(parts[0], parts[1])));
@@ -384,9 +391,10 @@ Recipe load_recipe(const std::string& path, const std::vector<std::string>& over
   try {
     root = YAML::Load(in);
   } catch (const YAML::ParserException& e) {
-    throw Error(fmt::format("{}: malformed YAML at line {}, column {}: {} (check the indentation, colons and "
-                            "quotes there)",
-                            path, e.mark.line + 1, e.mark.column + 1, e.msg));
+    throw Error(
+        fmt::format("{}: malformed YAML at line {}, column {}: {} (check the indentation, colons and "
+                    "quotes there)",
+                    path, e.mark.line + 1, e.mark.column + 1, e.msg));
   }
   return recipe_from_yaml(root, overrides, path);
 }

@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
+#include <nlohmann/json.hpp>
 
 namespace lorarun::recipe {
 
@@ -34,54 +34,67 @@ enum class Resume { Auto, Never };
 enum class DistBackend { Auto, Nccl, Gloo };
 
 // The YAML spelling of each enum value; the first entry is the key's default.
-template <class E> struct EnumNames;
-template <> struct EnumNames<Dtype> {
+template <class E>
+struct EnumNames;
+template <>
+struct EnumNames<Dtype> {
   static constexpr std::array<std::pair<std::string_view, Dtype>, 3> values{
       {{"bf16", Dtype::BF16}, {"fp16", Dtype::FP16}, {"fp32", Dtype::FP32}}};
 };
-template <> struct EnumNames<Device> {
+template <>
+struct EnumNames<Device> {
   static constexpr std::array<std::pair<std::string_view, Device>, 3> values{
       {{"auto", Device::Auto}, {"cuda", Device::Cuda}, {"cpu", Device::Cpu}}};
 };
-template <> struct EnumNames<Source> {
+template <>
+struct EnumNames<Source> {
   static constexpr std::array<std::pair<std::string_view, Source>, 2> values{
       {{"mongodb", Source::MongoDB}, {"jsonl", Source::Jsonl}}};
 };
-template <> struct EnumNames<Format> {
+template <>
+struct EnumNames<Format> {
   static constexpr std::array<std::pair<std::string_view, Format>, 3> values{
       {{"instruction", Format::Instruction}, {"text", Format::Text}, {"chat", Format::Chat}}};
 };
-template <> struct EnumNames<ChatFormat> {
+template <>
+struct EnumNames<ChatFormat> {
   static constexpr std::array<std::pair<std::string_view, ChatFormat>, 3> values{
       {{"chatml", ChatFormat::ChatML}, {"llama3", ChatFormat::Llama3}, {"mistral", ChatFormat::Mistral}}};
 };
-template <> struct EnumNames<Overlong> {
+template <>
+struct EnumNames<Overlong> {
   static constexpr std::array<std::pair<std::string_view, Overlong>, 2> values{
       {{"truncate", Overlong::Truncate}, {"skip", Overlong::Skip}}};
 };
-template <> struct EnumNames<BadDocuments> {
+template <>
+struct EnumNames<BadDocuments> {
   static constexpr std::array<std::pair<std::string_view, BadDocuments>, 2> values{
       {{"skip", BadDocuments::Skip}, {"fail", BadDocuments::Fail}}};
 };
-template <> struct EnumNames<Shuffle> {
+template <>
+struct EnumNames<Shuffle> {
   static constexpr std::array<std::pair<std::string_view, Shuffle>, 3> values{
       {{"global", Shuffle::Global}, {"stream", Shuffle::Stream}, {"none", Shuffle::None}}};
 };
-template <> struct EnumNames<Scheduler> {
+template <>
+struct EnumNames<Scheduler> {
   static constexpr std::array<std::pair<std::string_view, Scheduler>, 3> values{
       {{"cosine", Scheduler::Cosine}, {"linear", Scheduler::Linear}, {"constant", Scheduler::Constant}}};
 };
-template <> struct EnumNames<Resume> {
+template <>
+struct EnumNames<Resume> {
   static constexpr std::array<std::pair<std::string_view, Resume>, 2> values{
       {{"auto", Resume::Auto}, {"never", Resume::Never}}};
 };
-template <> struct EnumNames<DistBackend> {
+template <>
+struct EnumNames<DistBackend> {
   static constexpr std::array<std::pair<std::string_view, DistBackend>, 3> values{
       {{"auto", DistBackend::Auto}, {"nccl", DistBackend::Nccl}, {"gloo", DistBackend::Gloo}}};
 };
 
 // "bf16" for Dtype::BF16, and so on.
-template <class E> constexpr std::string_view name(E value) {
+template <class E>
+constexpr std::string_view name(E value) {
   for (const auto& [text, v] : EnumNames<E>::values)
     if (v == value) return text;
   return "?";
@@ -207,8 +220,8 @@ struct Recipe {
 
   // Same settings (warnings, which name where a recipe came from, are not compared).
   bool operator==(const Recipe& o) const {
-    return model == o.model && lora == o.lora && data == o.data && train == o.train &&
-           checkpoint == o.checkpoint && dist == o.dist && track == o.track;
+    return model == o.model && lora == o.lora && data == o.data && train == o.train && checkpoint == o.checkpoint &&
+           dist == o.dist && track == o.track;
   }
 };
 

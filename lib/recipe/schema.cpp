@@ -67,11 +67,16 @@ std::string show(std::string_view text) {
       break;
     }
     const char c = text[i];
-    if (c == '\n') out += "\\n";
-    else if (c == '\t') out += "\\t";
-    else if (c == '\r') out += "\\r";
-    else if (static_cast<unsigned char>(c) < 0x20) out += fmt::format("\\x{:02x}", c);
-    else out += c;
+    if (c == '\n')
+      out += "\\n";
+    else if (c == '\t')
+      out += "\\t";
+    else if (c == '\r')
+      out += "\\r";
+    else if (static_cast<unsigned char>(c) < 0x20)
+      out += fmt::format("\\x{:02x}", c);
+    else
+      out += c;
   }
   return out;
 }
@@ -105,7 +110,8 @@ std::string bound_text(const Bound& b, bool whole_numbers) {
 
 namespace {
 
-template <class T> bool inside(const Bound& b, T value) {
+template <class T>
+bool inside(const Bound& b, T value) {
   const auto lo = static_cast<T>(b.lo), hi = static_cast<T>(b.hi);
   switch (b.kind) {
     case Bound::Kind::None:
@@ -122,8 +128,7 @@ template <class T> bool inside(const Bound& b, T value) {
 
 void out_of_bound(const Key& k, bool whole_numbers, std::string_view value, bool nullable, const RecipeOrigin& origin) {
   std::string or_null;
-  if (nullable)
-    or_null = k.bound.kind == Bound::Kind::Above ? fmt::format(" or null ({})", k.null_means) : " or null";
+  if (nullable) or_null = k.bound.kind == Bound::Kind::Above ? fmt::format(" or null ({})", k.null_means) : " or null";
   fail(origin, k.name,
        fmt::format("must be {}{}, got {}{}", bound_text(k.bound, whole_numbers), or_null, value, hint(k.name)));
 }
@@ -153,7 +158,8 @@ namespace {
 
 // ---- docs/recipe.md ---------------------------------------------------------------------------
 
-template <class T> std::string type_text() {
+template <class T>
+std::string type_text() {
   if constexpr (IsOptional<T>::value) {
     return type_text<typename T::value_type>() + " or null";
   } else if constexpr (std::is_same_v<T, std::string>) {
@@ -176,7 +182,8 @@ template <class T> std::string type_text() {
   }
 }
 
-template <class T> std::string allowed_text(const Key& k) {
+template <class T>
+std::string allowed_text(const Key& k) {
   std::vector<std::string> parts;
   if constexpr (IsOptional<T>::value) {
     parts.push_back(allowed_text<typename T::value_type>(k));
@@ -184,7 +191,8 @@ template <class T> std::string allowed_text(const Key& k) {
     parts.push_back(fmt::format("null: {}", k.null_means));
   } else if constexpr (std::is_enum_v<T>) {
     std::string values;
-    for (const auto& [text, v] : EnumNames<T>::values) values += (values.empty() ? "`" : ", `") + std::string(text) + "`";
+    for (const auto& [text, v] : EnumNames<T>::values)
+      values += (values.empty() ? "`" : ", `") + std::string(text) + "`";
     parts.push_back(values);
   } else if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
     if (k.bound.kind != Bound::Kind::None) parts.push_back(bound_text(k.bound, std::is_integral_v<T>));

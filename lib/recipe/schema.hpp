@@ -13,7 +13,7 @@
 
 namespace lorarun::recipe::detail {
 
-inline constexpr std::array<std::string_view, 7> kSections{"model", "lora",       "data", "train",
+inline constexpr std::array<std::string_view, 7> kSections{"model",      "lora", "data", "train",
                                                            "checkpoint", "dist", "track"};
 
 // How far a number may go. Messages and docs/recipe.md word it the same way (bound_text):
@@ -22,8 +22,8 @@ struct Bound {
   enum class Kind { None, AtLeast, Above, Within };
   Kind kind = Kind::None;
   double lo = 0, hi = 0;
-  bool hi_open = false;    // Within: [lo, hi) rather than [lo, hi]
-  std::string_view unit;   // Within: named after the interval
+  bool hi_open = false;   // Within: [lo, hi) rather than [lo, hi]
+  std::string_view unit;  // Within: named after the interval
 };
 constexpr Bound at_least(double lo) { return {Bound::Kind::AtLeast, lo, 0, false, {}}; }
 constexpr Bound above(double lo) { return {Bound::Kind::Above, lo, 0, false, {}}; }
@@ -35,10 +35,10 @@ constexpr Bound within(double lo, double hi, bool hi_open, std::string_view unit
 // enum keys take the values of EnumNames<E>. Rules that span several keys live in validate.cpp,
 // names other tools use for a key in suggest.cpp.
 struct Key {
-  std::string_view name;        // "train.lr"
-  Bound bound{};                // checked by validate(), for a nullable key only when set
-  std::string_view example{};   // a value for messages ("e.g. train.lr: 0.0002"); empty: the default
-  std::string_view required{};  // non-empty: the key must be set; "must be set <required>"
+  std::string_view name;          // "train.lr"
+  Bound bound{};                  // checked by validate(), for a nullable key only when set
+  std::string_view example{};     // a value for messages ("e.g. train.lr: 0.0002"); empty: the default
+  std::string_view required{};    // non-empty: the key must be set; "must be set <required>"
   std::string_view null_means{};  // nullable keys: what null does, for messages and the docs
   std::string_view meaning{};     // one line, for docs/recipe.md
   // Visitors may take the name alone: v(std::string_view key, auto& member).
@@ -48,19 +48,23 @@ struct Key {
 // Calls v(Key{…}, member) for every key, in the order of docs/recipe.md. R is Recipe or const
 // Recipe. This is the one list of keys: parsing, validate(), to_yaml, to_json, known_keys(),
 // messages' examples and docs/recipe.md all walk it.
-template <class R, class V> void for_each_key(R& r, V&& v) {
+template <class R, class V>
+void for_each_key(R& r, V&& v) {
   v(Key{.name = "model.path",
         .example = "/models/opt-125m",
         .required = "to a HF model directory or a model id in the local HF cache",
         .meaning = "the base model: a Hugging Face model directory, or a model id already in the local HF cache "
                    "(nothing is downloaded)"},
     r.model.path);
-  v(Key{.name = "model.dtype", .meaning = "the dtype the base weights are held and computed in; QLoRA quantises from it"},
+  v(Key{.name = "model.dtype",
+        .meaning = "the dtype the base weights are held and computed in; QLoRA quantises from it"},
     r.model.dtype);
-  v(Key{.name = "model.device", .meaning = "where each rank runs; auto: its CUDA device when GPUs are visible, else the CPU"},
+  v(Key{.name = "model.device",
+        .meaning = "where each rank runs; auto: its CUDA device when GPUs are visible, else the CPU"},
     r.model.device);
 
-  v(Key{.name = "lora.r", .bound = at_least(1), .meaning = "rank of every adapter (A is r × in, B is out × r)"}, r.lora.r);
+  v(Key{.name = "lora.r", .bound = at_least(1), .meaning = "rank of every adapter (A is r × in, B is out × r)"},
+    r.lora.r);
   v(Key{.name = "lora.alpha",
         .bound = above(0),
         .meaning = "scale numerator: the adapter's output is scaled by alpha / r (alpha / sqrt(r) with use_rslora)"},
@@ -98,7 +102,9 @@ template <class R, class V> void for_each_key(R& r, V&& v) {
     r.data.database);
   v(Key{.name = "data.collection", .example = "examples", .meaning = "the MongoDB collection (source: mongodb)"},
     r.data.collection);
-  v(Key{.name = "data.path", .example = "data/train.jsonl", .meaning = "a file of one JSON document per line (source: jsonl)"},
+  v(Key{.name = "data.path",
+        .example = "data/train.jsonl",
+        .meaning = "a file of one JSON document per line (source: jsonl)"},
     r.data.path);
   v(Key{.name = "data.filter",
         .example = "{split: train}",
@@ -245,10 +251,12 @@ template <class R, class V> void for_each_key(R& r, V&& v) {
                    "directory)"},
     r.checkpoint.overwrite);
 
-  v(Key{.name = "dist.backend", .meaning = "the collectives' backend; auto: nccl on CUDA, gloo on CPU"}, r.dist.backend);
+  v(Key{.name = "dist.backend", .meaning = "the collectives' backend; auto: nccl on CUDA, gloo on CPU"},
+    r.dist.backend);
   v(Key{.name = "dist.timeout_s",
         .bound = at_least(1),
-        .meaning = "seconds a collective may wait before the run fails (and the rendezvous, unless lorarun --rdzv-timeout sets it)"},
+        .meaning = "seconds a collective may wait before the run fails (and the rendezvous, unless lorarun "
+                   "--rdzv-timeout sets it)"},
     r.dist.timeout_s);
   v(Key{.name = "dist.debug_checksum_every_n_steps",
         .bound = at_least(1),
@@ -268,9 +276,7 @@ template <class R, class V> void for_each_key(R& r, V&& v) {
         .example = "lorarun",
         .meaning = "the MongoDB database of the run records; empty: data.database"},
     r.track.database);
-  v(Key{.name = "track.log_every_n_steps",
-        .bound = at_least(1),
-        .meaning = "a metrics line every N optimizer steps"},
+  v(Key{.name = "track.log_every_n_steps", .bound = at_least(1), .meaning = "a metrics line every N optimizer steps"},
     r.track.log_every_n_steps);
 }
 
@@ -282,8 +288,10 @@ bool is_key(std::string_view dotted);
 // The leaf names of `section`'s keys, in order.
 std::vector<std::string> leaves(std::string_view section);
 
-template <class T> struct IsOptional : std::false_type {};
-template <class T> struct IsOptional<std::optional<T>> : std::true_type {};
+template <class T>
+struct IsOptional : std::false_type {};
+template <class T>
+struct IsOptional<std::optional<T>> : std::true_type {};
 
 // "runs/x" -> "\"runs/x\"": a double-quoted YAML (and JSON) string, escapes included.
 std::string quote_string(std::string_view s);
@@ -291,7 +299,8 @@ std::string quote_string(std::string_view s);
 std::string format_double(double v);
 
 // A key's value as YAML text (flow style), the form to_yaml writes.
-template <class T> std::string yaml_text(const T& v) {
+template <class T>
+std::string yaml_text(const T& v) {
   if constexpr (std::is_same_v<T, std::string>) {
     return quote_string(v);
   } else if constexpr (std::is_same_v<T, bool>) {
@@ -346,8 +355,8 @@ void check_names(const Key& k, const std::vector<std::string>& names, const Reci
 
 // What a key's declaration implies, checked by validate(): a required key is set, a number is
 // within its bound (a nullable one when set), a list of module names is well formed.
-template <class T> void check_declared(const Key& k, const T& value, const RecipeOrigin& origin,
-                                       bool nullable = false) {
+template <class T>
+void check_declared(const Key& k, const T& value, const RecipeOrigin& origin, bool nullable = false) {
   if constexpr (IsOptional<T>::value) {
     if (value) check_declared(k, *value, origin, true);
   } else if constexpr (std::is_same_v<T, std::string>) {

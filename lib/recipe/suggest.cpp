@@ -85,12 +85,12 @@ std::optional<std::string> closest(std::string_view word, const std::vector<std:
   return best;
 }
 
-
 // ---- unknown keys and sections ---------------------------------------------------------------
 
 namespace {
 
-template <class T> std::string join(const std::vector<T>& items, std::string_view sep) {
+template <class T>
+std::string join(const std::vector<T>& items, std::string_view sep) {
   std::string out;
   for (size_t i = 0; i < items.size(); ++i) out += (i ? std::string(sep) : "") + std::string(items[i]);
   return out;
@@ -172,9 +172,9 @@ constexpr Alias kAliases[] = {
     {"", "logging_steps", "track.log_every_n_steps"},
 };
 constexpr std::pair<std::string_view, std::string_view> kSectionAliases[] = {
-    {"trainer", "train"},     {"optim", "train"},     {"optimizer", "train"}, {"peft", "lora"},
-    {"adapter", "lora"},      {"ckpt", "checkpoint"}, {"save", "checkpoint"}, {"logging", "track"},
-    {"wandb", "track"},       {"tracking", "track"},  {"dataset", "data"},    {"distributed", "dist"},
+    {"trainer", "train"}, {"optim", "train"},     {"optimizer", "train"}, {"peft", "lora"},
+    {"adapter", "lora"},  {"ckpt", "checkpoint"}, {"save", "checkpoint"}, {"logging", "track"},
+    {"wandb", "track"},   {"tracking", "track"},  {"dataset", "data"},    {"distributed", "dist"},
 };
 
 std::optional<std::string> alias(std::string_view section, std::string_view name) {

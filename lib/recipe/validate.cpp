@@ -38,13 +38,15 @@ std::vector<TemplatePart> parse_template(std::string_view t, std::string_view su
     } else {
       const size_t close = t.find_first_of("{}", i + 1);
       if (close == std::string_view::npos || t[close] == '{')
-        throw Error(fmt::format("{} has an unmatched '{{' at character {}; close the placeholder with }} or write "
-                                "{{{{ for a literal brace",
-                                subject, position(i)));
+        throw Error(
+            fmt::format("{} has an unmatched '{{' at character {}; close the placeholder with }} or write "
+                        "{{{{ for a literal brace",
+                        subject, position(i)));
       if (close == i + 1)
-        throw Error(fmt::format("{} has an empty placeholder {{}} at character {}; name a document field such as "
-                                "{{instruction}}",
-                                subject, position(i)));
+        throw Error(
+            fmt::format("{} has an empty placeholder {{}} at character {}; name a document field such as "
+                        "{{instruction}}",
+                        subject, position(i)));
       flush();
       parts.push_back({true, std::string(t.substr(i + 1, close - i - 1))});
       i = close;
@@ -167,16 +169,17 @@ constexpr Rule kRules[] = {
      [](const Recipe& r, const RecipeOrigin& o, Warnings& warnings) {
        const CheckpointSection& c = r.checkpoint;
        if (c.save_last_epoch_only && c.epochs_to_save.mode != EpochsToSave::Mode::All)
-         warnings.push_back(fmt::format("{}: checkpoint.save_last_epoch_only: true takes precedence over "
-                                        "checkpoint.epochs_to_save: {}; only epoch_{}/ is kept (remove one of the "
-                                        "two keys)",
-                                        o.at("checkpoint.save_last_epoch_only"),
-                                        detail::yaml_text(c.epochs_to_save), r.train.epochs - 1));
+         warnings.push_back(fmt::format(
+             "{}: checkpoint.save_last_epoch_only: true takes precedence over "
+             "checkpoint.epochs_to_save: {}; only epoch_{}/ is kept (remove one of the "
+             "two keys)",
+             o.at("checkpoint.save_last_epoch_only"), detail::yaml_text(c.epochs_to_save), r.train.epochs - 1));
      }},
     {"dist.backend",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        if (r.dist.backend == DistBackend::Nccl && r.model.device == Device::Cpu)
-         fail(o, "dist.backend", "is nccl, which needs CUDA, but model.device is cpu; use dist.backend: gloo (or auto)");
+         fail(o, "dist.backend",
+              "is nccl, which needs CUDA, but model.device is cpu; use dist.backend: gloo (or auto)");
      }},
 };
 

@@ -37,7 +37,10 @@ void AddedVocabulary::Trie::add(std::string_view key, int32_t token) {
   for (unsigned char b : key) {
     auto& ch = nodes[n].children;
     auto it = std::find_if(ch.begin(), ch.end(), [&](const auto& c) { return c.first == b; });
-    if (it != ch.end()) { n = it->second; continue; }
+    if (it != ch.end()) {
+      n = it->second;
+      continue;
+    }
     int32_t next = static_cast<int32_t>(nodes.size());
     nodes[n].children.emplace_back(b, next);
     nodes.emplace_back();
@@ -54,7 +57,10 @@ int32_t AddedVocabulary::Trie::longest_at(std::string_view text, size_t pos, siz
     auto it = std::find_if(ch.begin(), ch.end(), [&](const auto& c) { return c.first == b; });
     if (it == ch.end()) break;
     n = it->second;
-    if (nodes[n].token >= 0) { best = nodes[n].token; *len = i + 1 - pos; }
+    if (nodes[n].token >= 0) {
+      best = nodes[n].token;
+      *len = i + 1 - pos;
+    }
   }
   return best;
 }
@@ -72,7 +78,10 @@ AddedVocabulary::AddedVocabulary(std::vector<AddedToken> tokens, const Normalize
   for (int32_t i : order) {
     const AddedToken& t = tokens_[i];
     if (t.special) special_.insert(t.content);
-    if (!t.normalized) { raw_.add(t.content, i); continue; }
+    if (!t.normalized) {
+      raw_.add(t.content, i);
+      continue;
+    }
     std::string key = t.content;
     if (normalizer) normalizer->normalize(key);
     normalized_.add(key, i);
@@ -85,15 +94,17 @@ bool AddedVocabulary::word_char(std::string_view ch) const {
   return !m.empty();
 }
 
-std::vector<AddedVocabulary::Match> AddedVocabulary::find_matches(std::string_view text,
-                                                                  const Trie& trie) const {
+std::vector<AddedVocabulary::Match> AddedVocabulary::find_matches(std::string_view text, const Trie& trie) const {
   std::vector<Match> splits;
   if (trie.nodes.empty()) return splits;
   size_t start_offset = 0;
   for (size_t pos = 0; pos < text.size();) {
     size_t len = 0;
     int32_t ti = trie.longest_at(text, pos, &len);
-    if (ti < 0) { ++pos; continue; }
+    if (ti < 0) {
+      ++pos;
+      continue;
+    }
     size_t start = pos, stop = pos + len;
     pos = stop;  // the matcher resumes after a match even when the rules below discard it
     const AddedToken& t = tokens_[ti];
@@ -105,8 +116,8 @@ std::vector<AddedVocabulary::Match> AddedVocabulary::find_matches(std::string_vi
       };
       std::string_view before = text.substr(0, start), after = text.substr(stop);
       bool start_space = before.empty() || !word_char(last_char(before));
-      bool stop_space = after.empty() ||
-                        !word_char(after.substr(0, unicode::utf8_len(static_cast<unsigned char>(after[0]))));
+      bool stop_space =
+          after.empty() || !word_char(after.substr(0, unicode::utf8_len(static_cast<unsigned char>(after[0]))));
       if (!start_space || !stop_space) continue;
     }
     if (t.lstrip) start = std::max(trailing_space_start(text.substr(0, start)), start_offset);
@@ -117,8 +128,7 @@ std::vector<AddedVocabulary::Match> AddedVocabulary::find_matches(std::string_vi
   return splits;
 }
 
-void AddedVocabulary::split(std::string_view text, bool at_start, bool normalized,
-                            std::vector<Piece>& out) const {
+void AddedVocabulary::split(std::string_view text, bool at_start, bool normalized, std::vector<Piece>& out) const {
   size_t prev = 0;
   for (const Match& m : find_matches(text, normalized ? normalized_ : raw_)) {
     if (prev < m.start) out.push_back({std::string(text.substr(prev, m.start - prev)), at_start && prev == 0});
@@ -138,8 +148,6 @@ const AddedToken* AddedVocabulary::by_content(std::string_view content) const {
   return it == by_content_.end() ? nullptr : &tokens_[static_cast<size_t>(it->second)];
 }
 
-bool AddedVocabulary::is_special(std::string_view content) const {
-  return special_.find(content) != special_.end();
-}
+bool AddedVocabulary::is_special(std::string_view content) const { return special_.find(content) != special_.end(); }
 
 }  // namespace lorarun::tok

@@ -49,7 +49,10 @@ class AddedVocabulary {
     int32_t longest_at(std::string_view text, size_t pos, size_t* len) const;
   };
 
-  struct Match { size_t start, end; int32_t token; };
+  struct Match {
+    size_t start, end;
+    int32_t token;
+  };
   std::vector<Match> find_matches(std::string_view text, const Trie& trie) const;
   bool word_char(std::string_view ch) const;
 
@@ -58,7 +61,7 @@ class AddedVocabulary {
   std::unordered_set<std::string, StringHash, std::equal_to<>> special_;
   std::unordered_map<int32_t, size_t> by_id_;
   Vocab by_content_;  // content -> index into tokens_
-  Regex word_;  // Rust regex's \w, used by the single_word rule
+  Regex word_;        // Rust regex's \w, used by the single_word rule
 };
 
 }  // namespace lorarun::tok

@@ -15,8 +15,10 @@ uint64_t pair_key(int32_t a, int32_t b) {
 }
 
 uint64_t mix(uint64_t k) {  // splitmix64 finalizer: spreads ids that differ in few bits
-  k ^= k >> 30; k *= 0xbf58476d1ce4e5b9ULL;
-  k ^= k >> 27; k *= 0x94d049bb133111ebULL;
+  k ^= k >> 30;
+  k *= 0xbf58476d1ce4e5b9ULL;
+  k ^= k >> 27;
+  k *= 0x94d049bb133111ebULL;
   return k ^ (k >> 31);
 }
 
@@ -34,8 +36,16 @@ void Bpe::MergeMap::reserve(size_t n) {
 
 void Bpe::MergeMap::insert_or_assign(uint64_t key, MergeValue v) {
   for (size_t i = mix(key) & mask_;; i = (i + 1) & mask_) {
-    if (keys_[i] == kEmptyKey) { keys_[i] = key; values_[i] = v; ++size_; return; }
-    if (keys_[i] == key) { values_[i] = v; return; }
+    if (keys_[i] == kEmptyKey) {
+      keys_[i] = key;
+      values_[i] = v;
+      ++size_;
+      return;
+    }
+    if (keys_[i] == key) {
+      values_[i] = v;
+      return;
+    }
   }
 }
 
@@ -47,8 +57,7 @@ const Bpe::MergeValue* Bpe::MergeMap::find(uint64_t key) const {
   }
 }
 
-Bpe::Bpe(Vocab vocab, const std::vector<std::pair<std::string, std::string>>& merges,
-         BpeOptions options)
+Bpe::Bpe(Vocab vocab, const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions options)
     : vocab_(std::move(vocab)), opt_(std::move(options)) {
   int32_t max_id = -1;
   for (const auto& [tok, id] : vocab_) {
@@ -69,15 +78,15 @@ Bpe::Bpe(Vocab vocab, const std::vector<std::pair<std::string, std::string>>& me
       std::string missing = joined;
       if (!ib) missing = b;
       if (!ia) missing = a;
-      throw Error(fmt::format("tokenizer.json: merge '{} {}' uses a token missing from "
-                              "model.vocab ('{}'); the file is inconsistent",
-                              a, b, missing));
+      throw Error(
+          fmt::format("tokenizer.json: merge '{} {}' uses a token missing from "
+                      "model.vocab ('{}'); the file is inconsistent",
+                      a, b, missing));
     }
     merges_.insert_or_assign(pair_key(*ia, *ib), {static_cast<int32_t>(rank), *inew});
   }
   if (opt_.unk_token) unk_id_ = token_to_id(*opt_.unk_token);
-  for (int b = 0; b < 256; ++b)
-    byte_fallback_ids_[b] = token_to_id(fmt::format("<0x{:02X}>", b)).value_or(-1);
+  for (int b = 0; b < 256; ++b) byte_fallback_ids_[b] = token_to_id(fmt::format("<0x{:02X}>", b)).value_or(-1);
   bmp_char_ids_.assign(0x10000, -1);
   for (const auto& [tok, id] : vocab_) {
     size_t i = 0;
@@ -110,8 +119,7 @@ std::optional<int32_t> Bpe::char_id(std::string_view ch) const {
 
 // HF's merge_word: one symbol per character (with prefix/suffix), unknown characters as
 // byte-fallback tokens or (fused) unk. ids/lens receive the symbols; len is in bytes.
-void Bpe::initial_symbols(std::string_view w, std::vector<int32_t>& ids,
-                          std::vector<uint32_t>& lens) const {
+void Bpe::initial_symbols(std::string_view w, std::vector<int32_t>& ids, std::vector<uint32_t>& lens) const {
   const bool plain = opt_.continuing_subword_prefix.empty() && opt_.end_of_word_suffix.empty();
   std::optional<std::pair<int32_t, uint32_t>> unk;
   std::string s;
@@ -129,7 +137,11 @@ void Bpe::initial_symbols(std::string_view w, std::vector<int32_t>& ids,
       id = token_to_id(s);
     }
     if (id) {
-      if (unk) { ids.push_back(unk->first); lens.push_back(unk->second); unk.reset(); }
+      if (unk) {
+        ids.push_back(unk->first);
+        lens.push_back(unk->second);
+        unk.reset();
+      }
       ids.push_back(*id);
       lens.push_back(static_cast<uint32_t>(n));
       continue;
@@ -139,27 +151,41 @@ void Bpe::initial_symbols(std::string_view w, std::vector<int32_t>& ids,
       bool all = true;
       for (unsigned char b : full) all = all && byte_fallback_ids_[b] >= 0;
       if (all) {
-        for (unsigned char b : full) { ids.push_back(byte_fallback_ids_[b]); lens.push_back(1); }
+        for (unsigned char b : full) {
+          ids.push_back(byte_fallback_ids_[b]);
+          lens.push_back(1);
+        }
         continue;
       }
     }
     if (!opt_.unk_token) continue;
-    if (!unk_id_)
-      throw Error(fmt::format("tokenizer.json: unk_token '{}' is not in model.vocab", *opt_.unk_token));
-    if (unk && opt_.fuse_unk) { unk->second += static_cast<uint32_t>(n); continue; }
-    if (unk) { ids.push_back(unk->first); lens.push_back(unk->second); }
+    if (!unk_id_) throw Error(fmt::format("tokenizer.json: unk_token '{}' is not in model.vocab", *opt_.unk_token));
+    if (unk && opt_.fuse_unk) {
+      unk->second += static_cast<uint32_t>(n);
+      continue;
+    }
+    if (unk) {
+      ids.push_back(unk->first);
+      lens.push_back(unk->second);
+    }
     unk = std::pair{*unk_id_, static_cast<uint32_t>(n)};
   }
-  if (unk) { ids.push_back(unk->first); lens.push_back(unk->second); }
+  if (unk) {
+    ids.push_back(unk->first);
+    lens.push_back(unk->second);
+  }
 }
 
 void Bpe::merge_word(std::string_view word, std::vector<int32_t>& out) const {
-  struct Symbol { int32_t id, prev, next; uint32_t len; };
-  struct Merge { int32_t rank, pos, new_id; };
-  // Min-heap on (rank, pos), as HF's BinaryHeap<Merge> orders it.
-  auto later = [](const Merge& a, const Merge& b) {
-    return a.rank != b.rank ? a.rank > b.rank : a.pos > b.pos;
+  struct Symbol {
+    int32_t id, prev, next;
+    uint32_t len;
   };
+  struct Merge {
+    int32_t rank, pos, new_id;
+  };
+  // Min-heap on (rank, pos), as HF's BinaryHeap<Merge> orders it.
+  auto later = [](const Merge& a, const Merge& b) { return a.rank != b.rank ? a.rank > b.rank : a.pos > b.pos; };
   std::vector<int32_t> ids;
   std::vector<uint32_t> lens;
   initial_symbols(word, ids, lens);
@@ -169,8 +195,7 @@ void Bpe::merge_word(std::string_view word, std::vector<int32_t>& out) const {
 
   std::priority_queue<Merge, std::vector<Merge>, decltype(later)> queue(later);
   for (int32_t i = 0; i + 1 < n; ++i)
-    if (const MergeValue* m = merges_.find(pair_key(sym[i].id, sym[i + 1].id)))
-      queue.push({m->rank, i, m->new_id});
+    if (const MergeValue* m = merges_.find(pair_key(sym[i].id, sym[i + 1].id))) queue.push({m->rank, i, m->new_id});
   while (!queue.empty()) {
     Merge top = queue.top();
     queue.pop();
@@ -198,8 +223,14 @@ void Bpe::merge_word(std::string_view word, std::vector<int32_t>& out) const {
 void Bpe::tokenize(std::string_view word, std::vector<int32_t>& out) const {
   if (word.empty()) return;
   if (opt_.ignore_merges)
-    if (auto id = token_to_id(word)) { out.push_back(*id); return; }
-  if (word.size() >= kMaxCachedWord) { merge_word(word, out); return; }
+    if (auto id = token_to_id(word)) {
+      out.push_back(*id);
+      return;
+    }
+  if (word.size() >= kMaxCachedWord) {
+    merge_word(word, out);
+    return;
+  }
   Shard& shard = cache_[StringHash{}(word) % kShards];
   {
     std::lock_guard lock(shard.mu);

@@ -31,8 +31,7 @@ struct BpeOptions {
 class Bpe {
  public:
   // merges: pairs in rank order (a later duplicate of a pair takes the later rank, as in HF).
-  Bpe(Vocab vocab, const std::vector<std::pair<std::string, std::string>>& merges,
-      BpeOptions options);
+  Bpe(Vocab vocab, const std::vector<std::pair<std::string, std::string>>& merges, BpeOptions options);
   Bpe(Bpe&&) = delete;
 
   // Appends the ids of one pre-token.
@@ -43,13 +42,16 @@ class Bpe {
   const Vocab& vocab() const { return vocab_; }
 
  private:
-  struct MergeValue { int32_t rank, new_id; };
+  struct MergeValue {
+    int32_t rank, new_id;
+  };
   // Open addressing on the (left id, right id) pair: the hot lookup of every merge step.
   class MergeMap {
    public:
     void reserve(size_t n);
     void insert_or_assign(uint64_t key, MergeValue v);
     const MergeValue* find(uint64_t key) const;
+
    private:
     std::vector<uint64_t> keys_;
     std::vector<MergeValue> values_;
@@ -57,8 +59,7 @@ class Bpe {
   };
 
   void merge_word(std::string_view word, std::vector<int32_t>& out) const;
-  void initial_symbols(std::string_view word, std::vector<int32_t>& ids,
-                       std::vector<uint32_t>& lens) const;
+  void initial_symbols(std::string_view word, std::vector<int32_t>& ids, std::vector<uint32_t>& lens) const;
   std::optional<int32_t> char_id(std::string_view ch) const;
 
   Vocab vocab_;
@@ -67,7 +68,7 @@ class Bpe {
   BpeOptions opt_;
   std::optional<int32_t> unk_id_;
   std::array<int32_t, 256> byte_fallback_ids_{};  // -1 where <0xXX> is missing
-  std::vector<int32_t> bmp_char_ids_;              // id of each single BMP character, or -1
+  std::vector<int32_t> bmp_char_ids_;             // id of each single BMP character, or -1
 
   // Results for short words; sharded so that parallel encoders rarely wait on one lock.
   static constexpr size_t kShards = 64, kShardCapacity = 4096, kMaxCachedWord = 256;

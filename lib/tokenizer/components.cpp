@@ -26,8 +26,7 @@ constexpr int kMaxSequenceDepth = 64;
 
 int nested(int depth, std::string_view stage) {
   if (depth >= kMaxSequenceDepth)
-    throw Error(fmt::format("tokenizer.json: {} Sequences are nested more than {} deep", stage,
-                            kMaxSequenceDepth));
+    throw Error(fmt::format("tokenizer.json: {} Sequences are nested more than {} deep", stage, kMaxSequenceDepth));
   return depth + 1;
 }
 
@@ -37,10 +36,8 @@ std::string type_of(const json& j, std::string_view stage) {
   return j["type"].get<std::string>();
 }
 
-[[noreturn]] void unsupported(std::string_view stage, std::string_view type,
-                              std::string_view supported) {
-  throw Error(fmt::format("tokenizer.json: {} type '{}' is not supported (supported: {})", stage,
-                          type, supported));
+[[noreturn]] void unsupported(std::string_view stage, std::string_view type, std::string_view supported) {
+  throw Error(fmt::format("tokenizer.json: {} type '{}' is not supported (supported: {})", stage, type, supported));
 }
 
 template <class T>
@@ -70,8 +67,10 @@ std::string replace_all(std::string_view text, const Pattern& pattern, std::stri
   std::string out;
   out.reserve(text.size());
   for (const Span& s : spans) {
-    if (s.match) out += content;
-    else out.append(text.substr(s.start, s.end - s.start));
+    if (s.match)
+      out += content;
+    else
+      out.append(text.substr(s.start, s.end - s.start));
   }
   return out;
 }
@@ -136,8 +135,10 @@ Behavior parse_behavior(const json& j) {
   if (b == "MergedWithPrevious") return Behavior::MergedWithPrevious;
   if (b == "MergedWithNext") return Behavior::MergedWithNext;
   if (b == "Contiguous") return Behavior::Contiguous;
-  throw Error(fmt::format("tokenizer.json: split behavior '{}' is not one of Removed, Isolated, "
-                          "MergedWithPrevious, MergedWithNext, Contiguous", b));
+  throw Error(
+      fmt::format("tokenizer.json: split behavior '{}' is not one of Removed, Isolated, "
+                  "MergedWithPrevious, MergedWithNext, Contiguous",
+                  b));
 }
 
 // HF's NormalizedString::split: turns match/non-match spans into the kept parts.
@@ -145,28 +146,36 @@ std::vector<Span> apply_behavior(const std::vector<Span>& spans, Behavior behavi
   std::vector<Span> out;
   bool prev_match = false;
   switch (behavior) {
-    case Behavior::Isolated: return spans;
+    case Behavior::Isolated:
+      return spans;
     case Behavior::Removed:
-      for (const Span& s : spans) if (!s.match) out.push_back(s);
+      for (const Span& s : spans)
+        if (!s.match) out.push_back(s);
       return out;
     case Behavior::MergedWithPrevious:
       for (const Span& s : spans) {
-        if (s.match && !prev_match && !out.empty()) out.back().end = s.end;
-        else out.push_back(s);
+        if (s.match && !prev_match && !out.empty())
+          out.back().end = s.end;
+        else
+          out.push_back(s);
         prev_match = s.match;
       }
       return out;
     case Behavior::MergedWithNext:
       for (auto it = spans.rbegin(); it != spans.rend(); ++it) {
-        if (it->match && !prev_match && !out.empty()) out.back().start = it->start;
-        else out.push_back(*it);
+        if (it->match && !prev_match && !out.empty())
+          out.back().start = it->start;
+        else
+          out.push_back(*it);
         prev_match = it->match;
       }
       return {out.rbegin(), out.rend()};
     case Behavior::Contiguous:
       for (const Span& s : spans) {
-        if (s.match == prev_match && !out.empty()) out.back().end = s.end;
-        else out.push_back(s);
+        if (s.match == prev_match && !out.empty())
+          out.back().end = s.end;
+        else
+          out.push_back(s);
         prev_match = s.match;
       }
       return out;
@@ -180,22 +189,22 @@ void split_pieces(std::vector<Piece>& pieces, F&& f) {
   std::vector<Piece> out;
   out.reserve(pieces.size() * 2);
   for (Piece& p : pieces) {
-    if (p.id >= 0) out.push_back(std::move(p));
-    else f(p, out);
+    if (p.id >= 0)
+      out.push_back(std::move(p));
+    else
+      f(p, out);
   }
   std::erase_if(out, [](const Piece& p) { return p.id < 0 && p.text.empty(); });
   pieces.swap(out);
 }
 
-void emit_spans(const Piece& p, std::string_view text, const std::vector<Span>& spans,
-                std::vector<Piece>& out) {
+void emit_spans(const Piece& p, std::string_view text, const std::vector<Span>& spans, std::vector<Piece>& out) {
   for (const Span& s : spans)
     if (s.end > s.start)
       out.push_back({std::string(text.substr(s.start, s.end - s.start)), p.at_start && s.start == 0});
 }
 
-void split_by(const Pattern& pattern, Behavior behavior, bool invert, Piece& p,
-              std::vector<Piece>& out) {
+void split_by(const Pattern& pattern, Behavior behavior, bool invert, Piece& p, std::vector<Piece>& out) {
   std::vector<Span> spans;
   pattern.find_matches(p.text, spans);
   if (invert)
@@ -215,9 +224,7 @@ struct Split : PreTokenizer {
   Behavior behavior = Behavior::Isolated;
   bool invert = false;
   void pre_tokenize(std::vector<Piece>& pieces) const override {
-    split_pieces(pieces, [&](Piece& p, std::vector<Piece>& out) {
-      split_by(pattern, behavior, invert, p, out);
-    });
+    split_pieces(pieces, [&](Piece& p, std::vector<Piece>& out) { split_by(pattern, behavior, invert, p, out); });
   }
 };
 
@@ -227,8 +234,10 @@ struct ByteLevelPre : PreTokenizer {
   void pre_tokenize(std::vector<Piece>& pieces) const override {
     split_pieces(pieces, [&](Piece& p, std::vector<Piece>& out) {
       if (add_prefix_space && !p.text.starts_with(' ')) p.text = " " + p.text;
-      if (regex) split_by(*regex, Behavior::Isolated, false, p, out);
-      else out.push_back(std::move(p));
+      if (regex)
+        split_by(*regex, Behavior::Isolated, false, p, out);
+      else
+        out.push_back(std::move(p));
     });
     for (Piece& p : pieces) {
       if (p.id >= 0) continue;
@@ -251,11 +260,12 @@ struct MetaspacePre : PreTokenizer {
     static const Pattern space = Pattern::literal(" ");
     split_pieces(pieces, [&](Piece& p, std::vector<Piece>& out) {
       p.text = replace_all(p.text, space, replacement);
-      bool prepend = scheme == PrependScheme::Always ||
-                     (scheme == PrependScheme::First && p.at_start);
+      bool prepend = scheme == PrependScheme::Always || (scheme == PrependScheme::First && p.at_start);
       if (prepend && !p.text.starts_with(replacement)) p.text.insert(0, replacement);
-      if (split) split_by(delimiter, Behavior::MergedWithNext, false, p, out);
-      else out.push_back(std::move(p));
+      if (split)
+        split_by(delimiter, Behavior::MergedWithNext, false, p, out);
+      else
+        out.push_back(std::move(p));
     });
   }
 };
@@ -276,8 +286,10 @@ PrependScheme parse_prepend_scheme(const json& j) {
     if (s == "always") return PrependScheme::Always;
     if (s == "first") return PrependScheme::First;
     if (s == "never") return PrependScheme::Never;
-    throw Error(fmt::format("tokenizer.json: Metaspace prepend_scheme '{}' is not one of always, "
-                            "first, never", s));
+    throw Error(
+        fmt::format("tokenizer.json: Metaspace prepend_scheme '{}' is not one of always, "
+                    "first, never",
+                    s));
   }
   // Files from before prepend_scheme existed say add_prefix_space.
   return value_or(j, "add_prefix_space", true) ? PrependScheme::Always : PrependScheme::Never;
@@ -293,8 +305,10 @@ struct Template : PostProcessor {
     std::vector<int32_t> out;
     out.reserve(ids.size() + 4);
     for (const auto& s : steps) {
-      if (s) out.insert(out.end(), s->begin(), s->end());
-      else out.insert(out.end(), ids.begin(), ids.end());
+      if (s)
+        out.insert(out.end(), s->begin(), s->end());
+      else
+        out.insert(out.end(), ids.begin(), ids.end());
     }
     ids.swap(out);
   }
@@ -326,11 +340,16 @@ std::unique_ptr<PostProcessor> make_template(const json& j) {
   auto t = std::make_unique<Template>();
   const json& specials = j.at("special_tokens");
   for (const json& item : j.at("single")) {
-    if (item.contains("Sequence")) { t->steps.emplace_back(std::nullopt); continue; }
+    if (item.contains("Sequence")) {
+      t->steps.emplace_back(std::nullopt);
+      continue;
+    }
     auto name = item.at("SpecialToken").at("id").get<std::string>();
     if (!specials.contains(name))
-      throw Error(fmt::format("tokenizer.json: TemplateProcessing uses special token '{}' that "
-                              "is not in its special_tokens", name));
+      throw Error(
+          fmt::format("tokenizer.json: TemplateProcessing uses special token '{}' that "
+                      "is not in its special_tokens",
+                      name));
     const json& id_list = specials[name].at("ids");
     if (!id_list.is_array())
       throw Error(fmt::format("tokenizer.json: TemplateProcessing special token '{}' has no ids array", name));
@@ -432,14 +451,19 @@ struct ByteFallbackDecoder : Decoder {
     std::string pending;
     auto flush = [&] {
       if (pending.empty()) return;
-      if (unicode::is_valid_utf8(pending)) out.push_back(pending);
-      else for (size_t i = 0; i < pending.size(); ++i) out.emplace_back("\xEF\xBF\xBD");
+      if (unicode::is_valid_utf8(pending))
+        out.push_back(pending);
+      else
+        for (size_t i = 0; i < pending.size(); ++i) out.emplace_back("\xEF\xBF\xBD");
       pending.clear();
     };
     for (std::string& t : tokens) {
       std::optional<unsigned char> byte;
       if (t.size() == 6 && t.starts_with("<0x") && t.ends_with('>')) byte = parse_hex_byte(t.substr(3, 2));
-      if (byte) { pending.push_back(static_cast<char>(*byte)); continue; }
+      if (byte) {
+        pending.push_back(static_cast<char>(*byte));
+        continue;
+      }
       flush();
       out.push_back(std::move(t));
     }
@@ -484,14 +508,12 @@ struct ReplaceDecoder : Decoder {
 }  // namespace
 
 int64_t json_int(const json& j, std::string_view what, int64_t lo, int64_t hi) {
-  const bool in_range = j.is_number_integer() &&
-                        !(j.is_number_unsigned() && j.get<uint64_t>() > uint64_t{INT64_MAX}) &&
+  const bool in_range = j.is_number_integer() && !(j.is_number_unsigned() && j.get<uint64_t>() > uint64_t{INT64_MAX}) &&
                         j.get<int64_t>() >= lo && j.get<int64_t>() <= hi;
   if (!in_range) {
     std::string got = j.dump();
     if (got.size() > 40) got = got.substr(0, 37) + "...";
-    throw Error(fmt::format("tokenizer.json: {} must be an integer in [{}, {}], got {}", what, lo,
-                            hi, got));
+    throw Error(fmt::format("tokenizer.json: {} must be an integer in [{}, {}], got {}", what, lo, hi, got));
   }
   return j.get<int64_t>();
 }
@@ -593,8 +615,7 @@ std::unique_ptr<PostProcessor> make_post_processor(const json& j, int depth) {
     std::erase(s->steps, nullptr);
     return s;
   }
-  unsupported("post_processor", type,
-              "TemplateProcessing, ByteLevel, BertProcessing, RobertaProcessing, Sequence");
+  unsupported("post_processor", type, "TemplateProcessing, ByteLevel, BertProcessing, RobertaProcessing, Sequence");
 }
 
 std::unique_ptr<Decoder> make_decoder(const json& j, int depth) {

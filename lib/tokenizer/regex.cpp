@@ -22,7 +22,9 @@ constexpr std::string_view kWordSet = "\\p{L}\\p{M}\\p{Nd}\\p{Pc}";
 constexpr std::string_view kHexSet = "0-9a-fA-F";
 
 // Per category, as class members: what HF's engine has beyond PCRE2, and what only PCRE2 has.
-struct PropertyAdditions { std::string_view name, added, removed; };
+struct PropertyAdditions {
+  std::string_view name, added, removed;
+};
 #include "tokenizer/regex_props.inc"
 
 const PropertyAdditions* additions(std::string_view name) {
@@ -43,7 +45,10 @@ size_t translate_property(std::string_view p, size_t i, bool in_class, std::stri
     ++end;
   }
   std::string_view raw = p.substr(i - 1, end - (i - 1));
-  if (name.starts_with('^')) { negated = !negated; name.remove_prefix(1); }
+  if (name.starts_with('^')) {
+    negated = !negated;
+    name.remove_prefix(1);
+  }
   const PropertyAdditions* fix = additions(name);
   if (!fix || (in_class && negated)) {
     out += raw;  // nothing known to fix (or no way inside a class: PCRE2's own set)
@@ -99,24 +104,46 @@ std::string Regex::translate(std::string_view p) {
     char c = p[i];
     if (c == '\\' && i + 1 < p.size()) {
       char e = p[++i];
-      if (e == 'p' || e == 'P') { i += translate_property(p, i, class_depth > 0, out) - 1; continue; }
+      if (e == 'p' || e == 'P') {
+        i += translate_property(p, i, class_depth > 0, out) - 1;
+        continue;
+      }
       std::string_view set;
       switch (e) {
-        case 's': case 'S': set = kSpaceSet; break;
-        case 'w': case 'W': set = kWordSet; break;
-        case 'h': case 'H': set = kHexSet; break;
-        default: out += c; out += e; continue;
+        case 's':
+        case 'S':
+          set = kSpaceSet;
+          break;
+        case 'w':
+        case 'W':
+          set = kWordSet;
+          break;
+        case 'h':
+        case 'H':
+          set = kHexSet;
+          break;
+        default:
+          out += c;
+          out += e;
+          continue;
       }
       bool negated = e == 'S' || e == 'W' || e == 'H';
       std::string members;
       for (size_t k = 0; k < set.size(); ++k) {
-        if (set[k] == '\\' && set[k + 1] == 'p') k += translate_property(set, k + 1, true, members);
-        else members += set[k];
+        if (set[k] == '\\' && set[k + 1] == 'p')
+          k += translate_property(set, k + 1, true, members);
+        else
+          members += set[k];
       }
-      if (class_depth == 0) out += fmt::format("[{}{}]", negated ? "^" : "", members);
-      else if (!negated) out += members;
-      else throw Error(fmt::format("tokenizer.json: regex escape \\{} inside a character class is "
-                                   "not supported in pattern '{}'", e, p));
+      if (class_depth == 0)
+        out += fmt::format("[{}{}]", negated ? "^" : "", members);
+      else if (!negated)
+        out += members;
+      else
+        throw Error(
+            fmt::format("tokenizer.json: regex escape \\{} inside a character class is "
+                        "not supported in pattern '{}'",
+                        e, p));
       continue;
     }
     out += c;
@@ -140,8 +167,8 @@ Regex::Regex(std::string_view onig_pattern) : impl_(std::make_unique<Impl>()) {
   impl_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
                               PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE, &err, &err_offset, nullptr);
   if (!impl_->code)
-    throw Error(fmt::format("tokenizer.json: cannot compile regex '{}' at offset {}: {}",
-                            onig_pattern, err_offset, pcre2_message(err)));
+    throw Error(fmt::format("tokenizer.json: cannot compile regex '{}' at offset {}: {}", onig_pattern, err_offset,
+                            pcre2_message(err)));
   impl_->jit = pcre2_jit_compile(impl_->code, PCRE2_JIT_COMPLETE) == 0;
 }
 
@@ -158,9 +185,11 @@ void Regex::find_all(std::string_view text, std::vector<std::pair<size_t, size_t
   std::optional<size_t> last_match_end;
   while (pos <= text.size()) {
     int rc = impl_->jit ? pcre2_jit_match(impl_->code, subject, text.size(), pos, 0, m.md, m.ctx)
-                        : pcre2_match(impl_->code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK,
-                                      m.md, m.ctx);
-    if (rc == PCRE2_ERROR_JIT_STACKLIMIT && !m.stack) { m.grow_stack(); continue; }
+                        : pcre2_match(impl_->code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK, m.md, m.ctx);
+    if (rc == PCRE2_ERROR_JIT_STACKLIMIT && !m.stack) {
+      m.grow_stack();
+      continue;
+    }
     if (rc == PCRE2_ERROR_NOMATCH) break;
     if (rc < 0) throw Error(fmt::format("tokenizer: regex match failed: {}", pcre2_message(rc)));
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(m.md);
@@ -189,14 +218,19 @@ Pattern Pattern::regex(std::string_view onig_pattern) {
 }
 
 void Pattern::find_matches(std::string_view text, std::vector<Span>& out) const {
-  if (text.empty()) { out.push_back({0, 0, false}); return; }
-  if (!regex_ && literal_.empty()) { out.push_back({0, text.size(), false}); return; }
+  if (text.empty()) {
+    out.push_back({0, 0, false});
+    return;
+  }
+  if (!regex_ && literal_.empty()) {
+    out.push_back({0, text.size(), false});
+    return;
+  }
   std::vector<std::pair<size_t, size_t>> found;
   if (regex_) {
     regex_->find_all(text, found);
   } else {
-    for (size_t at = text.find(literal_); at != std::string_view::npos;
-         at = text.find(literal_, at + literal_.size()))
+    for (size_t at = text.find(literal_); at != std::string_view::npos; at = text.find(literal_, at + literal_.size()))
       found.emplace_back(at, at + literal_.size());
   }
   size_t prev = 0;

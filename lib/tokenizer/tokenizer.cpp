@@ -65,8 +65,10 @@ json parse_json(const std::filesystem::path& path) {
   try {
     return json::parse(text);
   } catch (const json::parse_error& e) {
-    throw Error(fmt::format("{}: not valid JSON at byte {} (truncated or corrupt download?); "
-                            "fetch the file again", path.string(), e.byte));
+    throw Error(
+        fmt::format("{}: not valid JSON at byte {} (truncated or corrupt download?); "
+                    "fetch the file again",
+                    path.string(), e.byte));
   } catch (const json::exception& e) {  // out_of_range: a number beyond double, like 1e500
     throw Error(fmt::format("{}: not valid JSON ({}); fetch the file again", path.string(), e.what()));
   }
@@ -101,8 +103,7 @@ std::unique_ptr<Bpe> make_model(const json& m) {
   Vocab vocab;
   const json& v = m.at("vocab");
   if (!v.is_object()) throw Error("tokenizer.json: model.vocab must be an object of token -> id");
-  if (m.contains("merges") && !m["merges"].is_array())
-    throw Error("tokenizer.json: model.merges must be an array");
+  if (m.contains("merges") && !m["merges"].is_array()) throw Error("tokenizer.json: model.merges must be an array");
   vocab.reserve(v.size());
   for (const auto& [tok, id] : v.items()) {
     // Ids index a table (id -> token): a stray 2^30 would allocate gigabytes.
@@ -148,8 +149,10 @@ std::vector<AddedToken> parse_added_tokens(const json& j, const Bpe& model) {
       out[static_cast<size_t>(it->second)] = std::move(a);
       continue;
     }
-    if (auto id = model.token_to_id(a.content)) a.id = *id;
-    else a.id = static_cast<int32_t>(max_id && (*max_id >= vocab_len || vocab_len == 0) ? *max_id + 1 : vocab_len);
+    if (auto id = model.token_to_id(a.content))
+      a.id = *id;
+    else
+      a.id = static_cast<int32_t>(max_id && (*max_id >= vocab_len || vocab_len == 0) ? *max_id + 1 : vocab_len);
     max_id = std::max(max_id.value_or(a.id), static_cast<int64_t>(a.id));
     index.emplace(a.content, static_cast<int32_t>(out.size()));
     out.push_back(std::move(a));
@@ -161,8 +164,10 @@ std::optional<Truncation> parse_truncation(const json& j) {
   if (j.is_null()) return std::nullopt;
   auto strategy = j.value("strategy", std::string("LongestFirst"));
   if (strategy != "LongestFirst" && strategy != "OnlyFirst")
-    throw Error(fmt::format("tokenizer.json: truncation strategy '{}' is not supported for one "
-                            "sequence (supported: LongestFirst, OnlyFirst)", strategy));
+    throw Error(
+        fmt::format("tokenizer.json: truncation strategy '{}' is not supported for one "
+                    "sequence (supported: LongestFirst, OnlyFirst)",
+                    strategy));
   return Truncation{static_cast<size_t>(json_int(j.at("max_length"), "truncation.max_length", 0, INT64_MAX)),
                     j.value("direction", std::string("Right")) == "Left"};
 }
@@ -194,8 +199,7 @@ void load_tokenizer_json(Tokenizer::Impl& t, const json& j) {
   t.decoder = make_decoder(get("decoder"));
   t.truncation = parse_truncation(get("truncation"));
   t.padding = parse_padding(get("padding"));
-  t.added = std::make_unique<AddedVocabulary>(parse_added_tokens(get("added_tokens"), *t.model),
-                                              t.normalizer.get());
+  t.added = std::make_unique<AddedVocabulary>(parse_added_tokens(get("added_tokens"), *t.model), t.normalizer.get());
 }
 
 // bos/eos/pad and the add_*_token flags; tokenizer_config.json wins over special_tokens_map.json.
@@ -216,9 +220,7 @@ void load_config(Tokenizer& tok, Tokenizer::Impl& t, const std::filesystem::path
       throw Error(fmt::format("{}: malformed ({})", path.string(), e.what()));
     }
   }
-  auto id = [&](const std::optional<std::string>& s) {
-    return s ? tok.token_to_id(*s) : std::nullopt;
-  };
+  auto id = [&](const std::optional<std::string>& s) { return s ? tok.token_to_id(*s) : std::nullopt; };
   t.bos = id(bos);
   t.eos = id(eos);
   t.pad = id(pad);
@@ -231,8 +233,10 @@ void finish(const Tokenizer::Impl& t, std::vector<int32_t>& ids, bool add_specia
     size_t added = add_special_tokens && t.post_processor ? t.post_processor->added_tokens() : 0;
     room = room > added ? room - added : 0;
     if (ids.size() > room) {
-      if (t.truncation->left) ids.erase(ids.begin(), ids.end() - static_cast<std::ptrdiff_t>(room));
-      else ids.resize(room);
+      if (t.truncation->left)
+        ids.erase(ids.begin(), ids.end() - static_cast<std::ptrdiff_t>(room));
+      else
+        ids.resize(room);
     }
   }
   if (t.post_processor) t.post_processor->process(ids, add_special_tokens);
@@ -266,12 +270,16 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
 
 Tokenizer Tokenizer::from_dir(const std::string& dir) {
   if (!std::filesystem::is_directory(dir))
-    throw Error(fmt::format("model directory '{}' does not exist; pass a Hugging Face model "
-                            "directory that contains tokenizer.json", dir));
+    throw Error(
+        fmt::format("model directory '{}' does not exist; pass a Hugging Face model "
+                    "directory that contains tokenizer.json",
+                    dir));
   auto path = std::filesystem::path(dir) / "tokenizer.json";
   if (!std::filesystem::exists(path))
-    throw Error(fmt::format("{}: not found; only tokenizer.json (fast tokenizer) files are read, "
-                            "save one with transformers' save_pretrained", path.string()));
+    throw Error(
+        fmt::format("{}: not found; only tokenizer.json (fast tokenizer) files are read, "
+                    "save one with transformers' save_pretrained",
+                    path.string()));
   Tokenizer tok = from_file(path.string());
   load_config(tok, *tok.impl_, dir);
   return tok;
@@ -284,10 +292,15 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
   std::vector<Piece> pieces, normalized;
   t.added->split(text, true, false, pieces);
   for (Piece& p : pieces) {
-    if (p.id >= 0) { normalized.push_back(std::move(p)); continue; }
+    if (p.id >= 0) {
+      normalized.push_back(std::move(p));
+      continue;
+    }
     if (t.normalizer) t.normalizer->normalize(p.text);
-    if (t.added->has_normalized()) t.added->split(p.text, p.at_start, true, normalized);
-    else normalized.push_back(std::move(p));
+    if (t.added->has_normalized())
+      t.added->split(p.text, p.at_start, true, normalized);
+    else
+      normalized.push_back(std::move(p));
   }
   std::erase_if(normalized, [](const Piece& p) { return p.id < 0 && p.text.empty(); });
   // 3. Pre-tokenization into words, 4. the model on each word, 5. special tokens.
@@ -295,15 +308,16 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
   std::vector<int32_t> ids;
   ids.reserve(text.size() / 3 + 4);
   for (const Piece& p : normalized) {
-    if (p.id >= 0) ids.push_back(p.id);
-    else t.model->tokenize(p.text, ids);
+    if (p.id >= 0)
+      ids.push_back(p.id);
+    else
+      t.model->tokenize(p.text, ids);
   }
   finish(t, ids, add_special_tokens);
   return ids;
 }
 
-std::vector<std::vector<int32_t>> Tokenizer::encode_batch(std::span<const std::string> texts,
-                                                          bool add_special_tokens,
+std::vector<std::vector<int32_t>> Tokenizer::encode_batch(std::span<const std::string> texts, bool add_special_tokens,
                                                           unsigned threads) const {
   std::vector<std::vector<int32_t>> out(texts.size());
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
@@ -313,8 +327,7 @@ std::vector<std::vector<int32_t>> Tokenizer::encode_batch(std::span<const std::s
   std::atomic<bool> failed{false};
   auto work = [&] {
     try {
-      for (size_t i; (i = next.fetch_add(1)) < texts.size() && !failed;)
-        out[i] = encode(texts[i], add_special_tokens);
+      for (size_t i; (i = next.fetch_add(1)) < texts.size() && !failed;) out[i] = encode(texts[i], add_special_tokens);
     } catch (...) {
       if (!failed.exchange(true)) error = std::current_exception();
     }

@@ -30,8 +30,7 @@ class Tokenizer {
   // with add_special_tokens, the tokenizer.json post_processor adds its special tokens.
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = true) const;
   // Many texts on `threads` threads (0: hardware concurrency); same results as encode.
-  std::vector<std::vector<int32_t>> encode_batch(std::span<const std::string> texts,
-                                                 bool add_special_tokens = true,
+  std::vector<std::vector<int32_t>> encode_batch(std::span<const std::string> texts, bool add_special_tokens = true,
                                                  unsigned threads = 0) const;
   // Ids to text, as HF's Tokenizer.decode; unknown ids are skipped like HF does.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;

@@ -10,9 +10,20 @@ namespace lorarun::tok::unicode {
 inline char32_t next_cp(std::string_view s, size_t& i) {
   auto b = [&](size_t k) { return static_cast<char32_t>(static_cast<unsigned char>(s[k])); };
   char32_t c = b(i);
-  if (c < 0x80) { i += 1; return c; }
-  if (c < 0xE0) { c = ((c & 0x1F) << 6) | (b(i + 1) & 0x3F); i += 2; return c; }
-  if (c < 0xF0) { c = ((c & 0x0F) << 12) | ((b(i + 1) & 0x3F) << 6) | (b(i + 2) & 0x3F); i += 3; return c; }
+  if (c < 0x80) {
+    i += 1;
+    return c;
+  }
+  if (c < 0xE0) {
+    c = ((c & 0x1F) << 6) | (b(i + 1) & 0x3F);
+    i += 2;
+    return c;
+  }
+  if (c < 0xF0) {
+    c = ((c & 0x0F) << 12) | ((b(i + 1) & 0x3F) << 6) | (b(i + 2) & 0x3F);
+    i += 3;
+    return c;
+  }
   c = ((c & 0x07) << 18) | ((b(i + 1) & 0x3F) << 12) | ((b(i + 2) & 0x3F) << 6) | (b(i + 3) & 0x3F);
   i += 4;
   return c;

@@ -1,7 +1,7 @@
 #include "track/from_run.hpp"
 
-#include <algorithm>
 #include <fmt/format.h>
+#include <algorithm>
 
 #include "track/record.hpp"
 #include "util/error.hpp"
@@ -25,7 +25,8 @@ std::string hosts_of(const std::string& given) {
 }
 
 bool overrides_uri(const std::vector<std::string>& overrides) {
-  return std::any_of(overrides.begin(), overrides.end(), [](const std::string& o) { return o.starts_with("data.uri="); });
+  return std::any_of(overrides.begin(), overrides.end(),
+                     [](const std::string& o) { return o.starts_with("data.uri="); });
 }
 
 }  // namespace
@@ -34,14 +35,15 @@ RunRef parse_run_ref(const std::string& text, const std::string& runs_db) {
   const size_t slash = text.rfind('/');
   if (slash != std::string::npos && slash > 0) return {text.substr(0, slash), text.substr(slash + 1)};
   if (slash == std::string::npos && !runs_db.empty()) return {runs_db, text};
-  throw Error(fmt::format("run '{}' names no database: give it as DATABASE/ID, as lora-train printed it, or add "
-                          "--runs-db DATABASE", redact_uri(text)));
+  throw Error(
+      fmt::format("run '{}' names no database: give it as DATABASE/ID, as lora-train printed it, or add "
+                  "--runs-db DATABASE",
+                  redact_uri(text)));
 }
 
 recipe::Recipe recipe_from_run(const std::string& ref, const std::string& runs_db, const std::string& uri,
                                const std::vector<std::string>& overrides, std::chrono::milliseconds timeout) {
-  if (uri.empty())
-    throw Error("--from-run reads the run record from MongoDB: give --uri or set LORARUN_MONGODB_URI");
+  if (uri.empty()) throw Error("--from-run reads the run record from MongoDB: give --uri or set LORARUN_MONGODB_URI");
   const RunRef run = parse_run_ref(ref, runs_db);
   nlohmann::json j = load_run_recipe(uri, run.database, run.id, timeout);
   std::vector<std::string> notes;

@@ -1,11 +1,11 @@
 #include "track/record.hpp"
 
+#include <fmt/format.h>
+#include <unistd.h>
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <filesystem>
-#include <fmt/format.h>
-#include <unistd.h>
 
 #include "data/mongo.hpp"
 #include "io/sha256.hpp"
@@ -26,8 +26,9 @@ constexpr const char* kMetrics = "metrics";
 constexpr auto kPauseAfterFailure = std::chrono::seconds(30);
 
 json now_date() {
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-      std::chrono::system_clock::now().time_since_epoch()).count();
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
   return {{"$date", {{"$numberLong", std::to_string(ms)}}}};
 }
 
@@ -60,9 +61,11 @@ json stored_recipe(json r) {
 }
 
 void check_id(const std::string& id) {
-  const bool hex = id.size() == 24 && std::all_of(id.begin(), id.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
+  const bool hex = id.size() == 24 && std::all_of(id.begin(), id.end(),
+                                                  [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
   if (!hex)
-    throw Error(fmt::format("'{}' is not a run id: expected 24 hex digits, as lora-train prints it (DATABASE/ID)", clean(id)));
+    throw Error(
+        fmt::format("'{}' is not a run id: expected 24 hex digits, as lora-train prints it (DATABASE/ID)", clean(id)));
 }
 
 json oid(const std::string& id) { return {{"$oid", id}}; }
@@ -123,7 +126,8 @@ const std::string& RunRecorder::id() const { return id_; }
 
 std::string RunRecorder::ref() const { return database_ + "/" + id_; }
 
-std::string RunRecorder::begin(const json& recipe_redacted, const json& info, const std::optional<std::string>& resume_id) {
+std::string RunRecorder::begin(const json& recipe_redacted, const json& info,
+                               const std::optional<std::string>& resume_id) {
   if (resume_id) return resume(*resume_id, info);
   json doc = {{"lorarun_version", LORARUN_VERSION}, {"hostname", hostname()}};
   const json extra = storable(info);  // a named json: items() of a temporary would dangle
@@ -145,12 +149,11 @@ std::string RunRecorder::begin(const json& recipe_redacted, const json& info, co
 
 std::string RunRecorder::resume(const std::string& id, const json& info) {
   const json run = find_run(*client_, database_, id);
-  const json entry = {{"resumed_at", now_date()},
-                      {"restart", restart_count(info)},
-                      {"previous_status", run.value("status", "")}};
-  client_->update_one(database_, kRuns, {{"_id", oid(id)}},
-                      {{"$set", {{"status", "running"}, {"ended_at", nullptr}, {"error", nullptr}}},
-                       {"$push", {{"resumes", entry}}}});
+  const json entry = {
+      {"resumed_at", now_date()}, {"restart", restart_count(info)}, {"previous_status", run.value("status", "")}};
+  client_->update_one(
+      database_, kRuns, {{"_id", oid(id)}},
+      {{"$set", {{"status", "running"}, {"ended_at", nullptr}, {"error", nullptr}}}, {"$push", {{"resumes", entry}}}});
   id_ = id;
   finished_ = false;
   return id_;
@@ -192,7 +195,8 @@ void RunRecorder::metrics(const json& row) {
 void RunRecorder::checkpoint(int epoch, const std::string& dir) {
   attempt("checkpoint", false, [&] {
     const fs::path path = fs::absolute(dir);
-    const json entry = {{"epoch", epoch}, {"path", clean(path.string())}, {"saved_at", now_date()}, {"files", hash_files(path)}};
+    const json entry = {
+        {"epoch", epoch}, {"path", clean(path.string())}, {"saved_at", now_date()}, {"files", hash_files(path)}};
     client_->update_one(database_, kRuns, {{"_id", oid(id_)}}, {{"$push", {{"checkpoints", entry}}}});
   });
 }
@@ -211,7 +215,8 @@ void RunRecorder::finish(const std::string& status, const json& final_metrics, c
   });
 }
 
-json load_run_recipe(const std::string& uri, const std::string& database, const std::string& id, std::chrono::milliseconds timeout) {
+json load_run_recipe(const std::string& uri, const std::string& database, const std::string& id,
+                     std::chrono::milliseconds timeout) {
   check_id(id);
   data::Client client(uri, timeout);
   client.server_info();
@@ -221,7 +226,8 @@ json load_run_recipe(const std::string& uri, const std::string& database, const 
   if (recipe.contains("data") && recipe["data"].contains("filter") && recipe["data"]["filter"].is_string())
     recipe["data"]["filter"] = json::parse(recipe["data"]["filter"].get<std::string>(), nullptr, false);
   if (recipe.contains("data") && recipe["data"].contains("filter") && recipe["data"]["filter"].is_discarded())
-    throw Error(fmt::format("run {}/{}: its stored data.filter is not JSON; the record was edited by hand", database, id));
+    throw Error(
+        fmt::format("run {}/{}: its stored data.filter is not JSON; the record was edited by hand", database, id));
   return recipe;
 }
 

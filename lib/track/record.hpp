@@ -33,15 +33,17 @@ class RunRecorder {
   RunRecorder(const RunRecorder&) = delete;
   RunRecorder& operator=(const RunRecorder&) = delete;
 
-  // Inserts the run document (status "running") and returns its id (hex ObjectId). `resume_id`: continue that run instead
-  // (status back to "running", a {"resumed_at", "restart"} entry appended to its "resumes" array).
-  // `info` ({"torch_version", "world_size", "data", "documents", …}) goes to the top level of the
-  // document; lorarun_version and hostname are added unless given; the record's own fields win.
-  // "restart" is info["restart"], else $TORCHELASTIC_RESTART_COUNT, else 0.
-  std::string begin(const nlohmann::json& recipe_redacted, const nlohmann::json& info, const std::optional<std::string>& resume_id = {});
+  // Inserts the run document (status "running") and returns its id (hex ObjectId). `resume_id`: continue that run
+  // instead (status back to "running", a {"resumed_at", "restart"} entry appended to its "resumes" array). `info`
+  // ({"torch_version", "world_size", "data", "documents", …}) goes to the top level of the document; lorarun_version
+  // and hostname are added unless given; the record's own fields win. "restart" is info["restart"], else
+  // $TORCHELASTIC_RESTART_COUNT, else 0.
+  std::string begin(const nlohmann::json& recipe_redacted, const nlohmann::json& info,
+                    const std::optional<std::string>& resume_id = {});
   // One metrics document {run_id, step, ...row}; failures after begin() warn once and do not stop training.
   void metrics(const nlohmann::json& row);
-  // Appends {epoch, path, files: [{name, bytes, sha256}]} to the run's "checkpoints" (computes the hashes of the files in dir).
+  // Appends {epoch, path, files: [{name, bytes, sha256}]} to the run's "checkpoints" (computes the hashes of the files
+  // in dir).
   void checkpoint(int epoch, const std::string& dir);
   // status: "completed" | "failed" | "interrupted"; final: last metrics; sets ended_at.
   void finish(const std::string& status, const nlohmann::json& final_metrics, const std::string& error = {});
@@ -51,7 +53,8 @@ class RunRecorder {
 
  private:
   std::string resume(const std::string& id, const nlohmann::json& info);
-  template <class Write> void attempt(const char* what, bool skippable, Write write);
+  template <class Write>
+  void attempt(const char* what, bool skippable, Write write);
 
   std::unique_ptr<data::Client> client_;
   std::string database_, id_;
@@ -62,6 +65,7 @@ class RunRecorder {
 };
 
 // The stored (redacted) recipe of run `id` in <database>.runs; throws lorarun::Error naming the id if absent.
-nlohmann::json load_run_recipe(const std::string& uri, const std::string& database, const std::string& id, std::chrono::milliseconds timeout);
+nlohmann::json load_run_recipe(const std::string& uri, const std::string& database, const std::string& id,
+                               std::chrono::milliseconds timeout);
 
 }  // namespace lorarun::track

@@ -1,14 +1,14 @@
 #include "train/output_dir.hpp"
 
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/file.h>
+#include <unistd.h>
 #include <cerrno>
 #include <cstring>
 #include <ctime>
-#include <fcntl.h>
 #include <filesystem>
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <sys/file.h>
-#include <unistd.h>
 
 #include "io/files.hpp"
 #include "util/error.hpp"
@@ -45,8 +45,10 @@ OutputDirLock::OutputDirLock(const std::string& dir) {
     const std::string who = holder_text(fd_);
     ::close(fd_);
     fd_ = -1;
-    throw Error(fmt::format("checkpoint.output_dir {} is in use by another run ({}): wait for it to end, or give this "
-                            "run another checkpoint.output_dir", dir, who));
+    throw Error(
+        fmt::format("checkpoint.output_dir {} is in use by another run ({}): wait for it to end, or give this "
+                    "run another checkpoint.output_dir",
+                    dir, who));
   }
   char stamp[32];
   const std::time_t now = std::time(nullptr);
@@ -76,8 +78,10 @@ void claim_output_dir(const std::string& dir, bool overwrite, bool may_resume) {
                                   j.value("finished", std::string("?")), j.value("steps", int64_t{0}))
                     : "a finished run";
   if (!overwrite)
-    throw Error(fmt::format("checkpoint.output_dir {} holds the adapters of another run ({}): choose another "
-                            "checkpoint.output_dir, or set checkpoint.overwrite=true to replace them", dir, what));
+    throw Error(
+        fmt::format("checkpoint.output_dir {} holds the adapters of another run ({}): choose another "
+                    "checkpoint.output_dir, or set checkpoint.overwrite=true to replace them",
+                    dir, what));
   // Replacing: nothing of the old run may be taken for this one's.
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();

@@ -1,17 +1,17 @@
 #include "train/state.hpp"
 
 #include <ATen/ATen.h>
-#include <algorithm>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
-#include <filesystem>
 #include <fmt/format.h>
 #include <torch/optim/adamw.h>
 #include <unistd.h>
+#include <algorithm>
+#include <filesystem>
 
 #include "io/files.hpp"
-#include "io/sha256.hpp"
 #include "io/safetensors.hpp"
+#include "io/sha256.hpp"
 #include "model/lora.hpp"
 #include "util/error.hpp"
 
@@ -44,16 +44,18 @@ void check_same_recipe(const nlohmann::json& saved, const nlohmann::json& now, c
     const auto it = a.find(key);
     const std::string was = it == a.end() ? "(absent)" : it->second.dump();
     if (was != value.dump())
-      throw Error(fmt::format("the resumable state in {} was written with {} = {}, this run has {}: resume with the "
-                              "same recipe, or set checkpoint.resume=never to start over (the state is then replaced)",
-                              where, key, was, value.dump()));
+      throw Error(
+          fmt::format("the resumable state in {} was written with {} = {}, this run has {}: resume with the "
+                      "same recipe, or set checkpoint.resume=never to start over (the state is then replaced)",
+                      where, key, was, value.dump()));
   }
 }
 
 at::Tensor load_tensor(const io::SafetensorsFile& f, const std::string& name, at::ScalarType dtype) {
   const io::TensorInfo* t = f.find(name);
-  if (!t) throw Error(fmt::format("{}: '{}' is missing: the resumable state is damaged; move it away to start over",
-                                  f.path(), name));
+  if (!t)
+    throw Error(
+        fmt::format("{}: '{}' is missing: the resumable state is damaged; move it away to start over", f.path(), name));
   const auto bytes = f.bytes(*t);
   return at::from_blob(const_cast<std::byte*>(bytes.data()), t->shape, at::TensorOptions().dtype(dtype)).clone();
 }
@@ -68,8 +70,10 @@ void write_manifest(const fs::path& dir) {
 }
 
 [[noreturn]] void refuse(const fs::path& dir, const std::string& problem) {
-  throw Error(fmt::format("the resumable state in {} {}: restore it, or set checkpoint.resume=never to start over (the "
-                          "state is then replaced)", dir.string(), problem));
+  throw Error(
+      fmt::format("the resumable state in {} {}: restore it, or set checkpoint.resume=never to start over (the "
+                  "state is then replaced)",
+                  dir.string(), problem));
 }
 
 void verify_manifest(const fs::path& dir) {
@@ -96,7 +100,8 @@ void check_counters(const fs::path& dir, const Progress& p, const RunShape& shap
                             p.epoch, shape.steps_per_epoch - 1));
   if (p.step != int64_t{p.epoch} * shape.steps_per_epoch + p.step_in_epoch)
     refuse(dir, fmt::format("counts {} steps in all, but epoch {} step {} with {} steps per epoch make {} (did the "
-                            "data selection change?)", p.step, p.epoch, p.step_in_epoch, shape.steps_per_epoch,
+                            "data selection change?)",
+                            p.step, p.epoch, p.step_in_epoch, shape.steps_per_epoch,
                             int64_t{p.epoch} * shape.steps_per_epoch + p.step_in_epoch));
 }
 
@@ -180,12 +185,12 @@ void save_state(const std::string& output_dir, const model::CausalLM& m, const m
   for (auto& [name, t] : named) {
     host.push_back(t.detach().to(at::kCPU, t.scalar_type() == at::kByte ? at::kByte : at::kFloat).contiguous());
     const at::Tensor& h = host.back();
-    out.push_back({name, h.scalar_type() == at::kByte ? io::DType::U8 : io::DType::F32, h.sizes().vec(),
-                   h.data_ptr(), h.nbytes()});
+    out.push_back({name, h.scalar_type() == at::kByte ? io::DType::U8 : io::DType::F32, h.sizes().vec(), h.data_ptr(),
+                   h.nbytes()});
   }
   io::write_safetensors((tmp / "state.safetensors").string(), out);
-  const nlohmann::json meta = {{"epoch", p.epoch}, {"step_in_epoch", p.step_in_epoch}, {"step", p.step},
-                               {"run_id", p.run_id}, {"world_size", rngs.size(0)}, {"adam_steps", steps},
+  const nlohmann::json meta = {{"epoch", p.epoch},   {"step_in_epoch", p.step_in_epoch}, {"step", p.step},
+                               {"run_id", p.run_id}, {"world_size", rngs.size(0)},       {"adam_steps", steps},
                                {"recipe", recipe}};
   io::write_file_atomic((tmp / "state.json").string(), meta.dump(1));
   write_manifest(tmp);
@@ -213,9 +218,10 @@ std::optional<Progress> load_state(const std::string& output_dir, torch::optim::
                  meta.at("run_id").get<std::string>()};
     steps = meta.at("adam_steps").get<std::vector<int64_t>>();
     if (meta.at("world_size").get<int>() != world)
-      throw Error(fmt::format("the resumable state in {} was written by {} ranks and this run has {}: run with {} "
-                              "ranks, or set checkpoint.resume=never to start over", dir.string(),
-                              meta["world_size"].get<int>(), world, meta["world_size"].get<int>()));
+      throw Error(
+          fmt::format("the resumable state in {} was written by {} ranks and this run has {}: run with {} "
+                      "ranks, or set checkpoint.resume=never to start over",
+                      dir.string(), meta["world_size"].get<int>(), world, meta["world_size"].get<int>()));
   } catch (const nlohmann::json::exception& e) {
     refuse(dir, fmt::format("has a damaged state.json ({})", e.what()));
   }

@@ -1,20 +1,20 @@
 #include "train/trainer.hpp"
 
 #include <ATen/ATen.h>
-#include <atomic>
-#include <cmath>
-#include <chrono>
-#include <csignal>
-#include <ctime>
-#include <filesystem>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <fstream>
 #include <sys/resource.h>
 #include <torch/cuda.h>
 #include <torch/optim/adamw.h>
 #include <torch/version.h>
 #include <unistd.h>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
 
 #include "data/batches.hpp"
 #include "data/collate.hpp"
@@ -45,7 +45,7 @@ std::atomic<bool> g_stop_requested{false};
 void request_stop(int) { g_stop_requested = true; }
 
 void install_stop_handlers() {
-  struct sigaction sa {};
+  struct sigaction sa{};
   sa.sa_handler = request_stop;
   sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
@@ -80,13 +80,13 @@ std::string clock_text(double seconds) {
 // What one optimizer step did, summed over ranks where it says so.
 struct StepResult {
   double loss = 0, lr = 0, grad_norm = 0, seconds = 0;
-  double tokens = 0;        // trained tokens, all ranks
-  double rank_tokens = 0;   // trained tokens, this rank
-  double data_wait = 0;     // mean share of the step the ranks spent waiting for data
-  double padding = 0;       // share of the row slots that held padding, all ranks
-  double rejected = 0;      // documents skipped in this step, all ranks
-  bool stop = false;        // some rank was asked to stop
-  bool data_failed = false; // some rank lost its data source: nothing of this step was applied
+  double tokens = 0;         // trained tokens, all ranks
+  double rank_tokens = 0;    // trained tokens, this rank
+  double data_wait = 0;      // mean share of the step the ranks spent waiting for data
+  double padding = 0;        // share of the row slots that held padding, all ranks
+  double rejected = 0;       // documents skipped in this step, all ranks
+  bool stop = false;         // some rank was asked to stop
+  bool data_failed = false;  // some rank lost its data source: nothing of this step was applied
 };
 
 // What this rank's micro-batches of one step added up to, before the ranks compare.
@@ -170,8 +170,10 @@ at::Device pick_device(const recipe::Recipe& r, const dist::DistEnv& env, bool c
   if (!cuda) return at::Device(at::kCPU);
   const int gpus = static_cast<int>(torch::cuda::device_count());
   if (env.local_rank >= gpus && r.dist.backend != recipe::DistBackend::Gloo)
-    throw Error(fmt::format("local rank {} has no GPU of its own ({} visible): start at most {} ranks per node, or set "
-                            "dist.backend=gloo to share GPUs", env.local_rank, gpus, gpus));
+    throw Error(
+        fmt::format("local rank {} has no GPU of its own ({} visible): start at most {} ranks per node, or set "
+                    "dist.backend=gloo to share GPUs",
+                    env.local_rank, gpus, gpus));
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank % gpus));
 }
 
@@ -215,7 +217,8 @@ void Trainer::setup_data() {
   docs_ = std::make_unique<data::Documents>(r_.data);
   const int64_t per_rank = data::examples_per_rank(docs_->size(), env_.world_size);
   steps_per_epoch_ = (per_rank + examples_per_step_ - 1) / examples_per_step_;
-  if (r_.train.max_steps_per_epoch) steps_per_epoch_ = std::min<int64_t>(steps_per_epoch_, *r_.train.max_steps_per_epoch);
+  if (r_.train.max_steps_per_epoch)
+    steps_per_epoch_ = std::min<int64_t>(steps_per_epoch_, *r_.train.max_steps_per_epoch);
   total_steps_ = steps_per_epoch_ * r_.train.epochs;
 }
 
@@ -223,8 +226,8 @@ void Trainer::setup_data() {
 void Trainer::setup_optimizer() {
   params_ = model::lora_parameters(m_);
   sync_ = std::make_unique<dist::GradBuckets>(pg_, params_, static_cast<int64_t>(r_.dist.bucket_mb * (1 << 20) / 4));
-  opt_ = std::make_unique<torch::optim::AdamW>(params_,
-                                               torch::optim::AdamWOptions(r_.train.lr).weight_decay(r_.train.weight_decay));
+  opt_ = std::make_unique<torch::optim::AdamW>(
+      params_, torch::optim::AdamWOptions(r_.train.lr).weight_decay(r_.train.weight_decay));
   schedule_ = schedule_of(r_.train.lr_scheduler);
 }
 
@@ -239,7 +242,8 @@ void Trainer::start_from_adapter(model::CausalLM& m) {
                             from_dir, adapter, key, recipe));
   };
   if (from.r != lcfg_.r) differ("lora.r", fmt::format("r={}", from.r), std::to_string(lcfg_.r));
-  if (from.alpha != lcfg_.alpha) differ("lora.alpha", fmt::format("lora_alpha={}", from.alpha), fmt::format("{}", lcfg_.alpha));
+  if (from.alpha != lcfg_.alpha)
+    differ("lora.alpha", fmt::format("lora_alpha={}", from.alpha), fmt::format("{}", lcfg_.alpha));
   if (from.use_rslora != lcfg_.use_rslora)
     differ("lora.use_rslora", fmt::format("use_rslora={}", from.use_rslora), lcfg_.use_rslora ? "true" : "false");
   std::vector<std::string> adapted;
@@ -250,8 +254,8 @@ void Trainer::start_from_adapter(model::CausalLM& m) {
     l->dropout = lcfg_.dropout;
   }
   if (adapted != wanted)
-    differ("lora.target_modules", fmt::format("{} adapted layers (target_modules {})", adapted.size(),
-                                              fmt::join(from.target_modules, ", ")),
+    differ("lora.target_modules",
+           fmt::format("{} adapted layers (target_modules {})", adapted.size(), fmt::join(from.target_modules, ", ")),
            fmt::format("[{}] ({} layers)", fmt::join(lcfg_.target_modules, ", "), wanted.size()));
   if (from.dropout != lcfg_.dropout && lead_)
     info(fmt::format("lora.init_from {} was trained with lora_dropout={}; this run uses lora.dropout={}", from_dir,
@@ -268,8 +272,10 @@ int Trainer::run() {
   Progress p = resumed.value_or(Progress{});
   // Ranks must agree on where they stand (a state visible to only some ranks is an error).
   if (!ranks_agree(static_cast<double>(p.step)))
-    throw Error(fmt::format("rank {} resumes at step {} but the ranks disagree: checkpoint.output_dir {} must be the same "
-                            "directory (a shared filesystem) for every rank", env_.rank, p.step, out_.string()));
+    throw Error(
+        fmt::format("rank {} resumes at step {} but the ranks disagree: checkpoint.output_dir {} must be the same "
+                    "directory (a shared filesystem) for every rank",
+                    env_.rank, p.step, out_.string()));
   step_ = p.step;
   if (lead_) begin(p, resumed.has_value());
   m_.training = true;
@@ -283,11 +289,14 @@ void Trainer::begin(Progress& p, bool resumed) {
   fs::create_directories(out_);
   io::write_file_atomic((out_ / "recipe.yaml").string(), recipe::to_yaml(r_));
   open_metrics(resumed ? std::optional(p) : std::nullopt);
-  info(fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch, gradients all-reduced in {} "
-                   "bucket(s)", model::trainable_summary(m_), docs_->size(), docs_->describe(), env_.world_size,
-                   steps_per_epoch_, std::max<size_t>(1, sync_->buckets())));
+  info(
+      fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch, gradients all-reduced in {} "
+                  "bucket(s)",
+                  model::trainable_summary(m_), docs_->size(), docs_->describe(), env_.world_size, steps_per_epoch_,
+                  std::max<size_t>(1, sync_->buckets())));
   if (r_.lora.quantize_base) info(nf4_summary(m_));
-  if (resumed) info(fmt::format("resuming at epoch {} step {} (step {} of {})", p.epoch, p.step_in_epoch, p.step, total_steps_));
+  if (resumed)
+    info(fmt::format("resuming at epoch {} step {} (step {} of {})", p.epoch, p.step_in_epoch, p.step, total_steps_));
   start_record(p, resumed);
 }
 
@@ -302,8 +311,10 @@ void Trainer::lose_data(const std::string& why) {
 // from. Returns the exit status when the run ends inside it (stopped, data lost).
 std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::string& run_id) {
   if (!ranks_agree(static_cast<double>(steps_per_epoch_ - first)))  // a mismatch would hang a collective
-    throw Error(fmt::format("rank {} plans {} steps in epoch {} but the ranks disagree: every rank must see the same "
-                            "documents and recipe", env_.rank, steps_per_epoch_ - first, epoch));
+    throw Error(
+        fmt::format("rank {} plans {} steps in epoch {} but the ranks disagree: every rank must see the same "
+                    "documents and recipe",
+                    env_.rank, steps_per_epoch_ - first, epoch));
   std::optional<data::MicroBatches> batches = open_epoch(epoch, first);
   double epoch_tokens = 0;
   bool stop = false;
@@ -323,9 +334,11 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
   }
   if (tty_) std::fputs("\n", stdout);
   if (first == 0 && epoch_tokens == 0)
-    throw Error(fmt::format("epoch {} trained on no token: every document of the selection was rejected ({} skipped: "
-                            "bad, longer than data.max_length with data.overlong=skip, or with no trained token); fix "
-                            "the data or the data.* keys (see the warnings above)", epoch, rejected_total_));
+    throw Error(
+        fmt::format("epoch {} trained on no token: every document of the selection was rejected ({} skipped: "
+                    "bad, longer than data.max_length with data.overlong=skip, or with no trained token); fix "
+                    "the data or the data.* keys (see the warnings above)",
+                    epoch, rejected_total_));
   save_checkpoint(epoch);
   if (epoch + 1 < r_.train.epochs) save_state({epoch + 1, 0, step_, run_id});
   if (stop && epoch + 1 < r_.train.epochs) return stopped();
@@ -373,10 +386,11 @@ StepResult Trainer::step(data::MicroBatches* batches) {
     return res;
   }
   if (!std::isfinite(res.loss) || !std::isfinite(res.grad_norm))
-    throw Error(fmt::format("training diverged at step {}: the loss is {} and the gradient norm {}; nothing of this "
-                            "step was applied or saved. Lower train.lr (now {:g}), set train.max_grad_norm, or check "
-                            "the data, then start over (checkpoint.resume=never)",
-                            step_ + 1, res.loss, res.grad_norm, r_.train.lr));
+    throw Error(
+        fmt::format("training diverged at step {}: the loss is {} and the gradient norm {}; nothing of this "
+                    "step was applied or saved. Lower train.lr (now {:g}), set train.max_grad_norm, or check "
+                    "the data, then start over (checkpoint.resume=never)",
+                    step_ + 1, res.loss, res.grad_norm, r_.train.lr));
   if (r_.train.max_grad_norm && !grads.empty())  // torch's clip_grad_norm_
     at::_foreach_mul_(grads, (*r_.train.max_grad_norm / (grad_norm + 1e-6)).clamp_max(1.0));
   for (auto& group : opt_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(res.lr);
@@ -410,10 +424,10 @@ LocalSums Trainer::forward_backward(data::MicroBatches* batches) {
 // padding, skipped documents); the gradients divided by the global token count, and their norm.
 StepResult Trainer::reduce(const LocalSums& sums, double data_wait, const std::vector<at::Tensor>& grads,
                            at::Tensor& norm) {
-  const at::Tensor host = at::tensor({0.0, double(sums.tokens), g_stop_requested ? 1.0 : 0.0, data_wait,
-                                      double(sums.real), double(sums.slots), double(rejected_here_),
-                                      data_error_.empty() ? 0.0 : 1.0},
-                                     at::kDouble);
+  const at::Tensor host =
+      at::tensor({0.0, double(sums.tokens), g_stop_requested ? 1.0 : 0.0, data_wait, double(sums.real),
+                  double(sums.slots), double(rejected_here_), data_error_.empty() ? 0.0 : 1.0},
+                 at::kDouble);
   at::Tensor stats = host.to(device_, /*non_blocking=*/false);
   stats[0].add_(sums.loss);
   if (env_.world_size > 1) pg_.all_reduce_sum(stats);
@@ -455,8 +469,10 @@ std::vector<data::Example> Trainer::examples(data::MicroBatches* batches) {
     }
     const auto& why = std::get<data::Rejection>(built);
     if (r_.data.bad_documents == recipe::BadDocuments::Fail && why.kind == data::Rejection::BadDocument)
-      throw Error(fmt::format("rank {}: bad document ({}) and data.bad_documents is fail: fix the document or set "
-                              "data.bad_documents=skip", env_.rank, why.reason));
+      throw Error(
+          fmt::format("rank {}: bad document ({}) and data.bad_documents is fail: fix the document or set "
+                      "data.bad_documents=skip",
+                      env_.rank, why.reason));
     ++rejected_here_;
     if (warned_++ < 3) warn(fmt::format("rank {}: skipping a document: {}", env_.rank, why.reason));
   }
@@ -468,10 +484,11 @@ std::vector<data::Example> Trainer::examples(data::MicroBatches* batches) {
 void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
   const double elapsed = std::chrono::duration<double>(Clock::now() - started_).count();
   const double eta = elapsed / static_cast<double>(steps_this_process_) * static_cast<double>(total_steps_ - step_);
-  const std::string line =
-      fmt::format("epoch {}/{} step {}/{} loss {:.4f} lr {:.3g} grad_norm {:.3f} tokens/s {:.0f} data_wait {:.0f}% "
-                  "eta {}", epoch, r_.train.epochs, s_in_epoch + 1, steps_per_epoch_, s.loss, s.lr, s.grad_norm,
-                  s.tokens / s.seconds, 100 * s.data_wait, clock_text(eta));
+  const std::string line = fmt::format(
+      "epoch {}/{} step {}/{} loss {:.4f} lr {:.3g} grad_norm {:.3f} tokens/s {:.0f} data_wait {:.0f}% "
+      "eta {}",
+      epoch, r_.train.epochs, s_in_epoch + 1, steps_per_epoch_, s.loss, s.lr, s.grad_norm, s.tokens / s.seconds,
+      100 * s.data_wait, clock_text(eta));
   if (tty_) {
     std::fputs(("\r\033[K" + line).c_str(), stdout);
     std::fflush(stdout);
@@ -479,11 +496,18 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
   if (step_ % r_.track.log_every_n_steps != 0) return;
   info(line, lead_ && !tty_);
   if (!lead_) return;
-  const nlohmann::json row = {{"epoch", epoch}, {"step", step_}, {"loss", s.loss}, {"lr", s.lr},
-                              {"grad_norm", s.grad_norm}, {"tokens", s.tokens}, {"tokens_per_s", s.tokens / s.seconds},
-                              {"tokens_per_s_rank0", s.rank_tokens / s.seconds}, {"data_wait_share", s.data_wait},
+  const nlohmann::json row = {{"epoch", epoch},
+                              {"step", step_},
+                              {"loss", s.loss},
+                              {"lr", s.lr},
+                              {"grad_norm", s.grad_norm},
+                              {"tokens", s.tokens},
+                              {"tokens_per_s", s.tokens / s.seconds},
+                              {"tokens_per_s_rank0", s.rank_tokens / s.seconds},
+                              {"data_wait_share", s.data_wait},
                               {"padding_share", s.padding},
-                              {"peak_rss_mb", peak_rss_mb()}, {"seconds", s.seconds}};
+                              {"peak_rss_mb", peak_rss_mb()},
+                              {"seconds", s.seconds}};
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
   last_row_ = row;
@@ -492,10 +516,14 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
 // track.mongodb: the run document in <track.database>.runs (continued when resuming).
 void Trainer::start_record(Progress& p, bool resumed) {
   if (!r_.track.mongodb || r_.data.uri.empty() || r_.track.database.empty()) return;
-  record_ = std::make_unique<track::RunRecorder>(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
-  const nlohmann::json run_info = {{"torch_version", TORCH_VERSION}, {"world_size", env_.world_size},
-                                   {"device", cuda_ ? "cuda" : "cpu"}, {"data", docs_->describe()},
-                                   {"documents", docs_->size()}, {"steps_per_epoch", steps_per_epoch_},
+  record_ =
+      std::make_unique<track::RunRecorder>(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
+  const nlohmann::json run_info = {{"torch_version", TORCH_VERSION},
+                                   {"world_size", env_.world_size},
+                                   {"device", cuda_ ? "cuda" : "cpu"},
+                                   {"data", docs_->describe()},
+                                   {"documents", docs_->size()},
+                                   {"steps_per_epoch", steps_per_epoch_},
                                    {"output_dir", fs::absolute(out_).string()}};
   const std::optional<std::string> again = resumed && !p.run_id.empty() ? std::optional(p.run_id) : std::nullopt;
   p.run_id = record_->begin(recipe::to_json(r_), run_info, again);
@@ -511,7 +539,8 @@ void Trainer::all_agree(bool ok, const std::string& why, const std::string& what
   at::Tensor failed = at::full({1}, ok ? 0.0 : 1.0, at::TensorOptions().dtype(at::kFloat).device(device_));
   if (env_.world_size > 1) pg_.all_reduce_sum(failed);
   if (failed.item<double>() > 0)
-    throw Error(lead_ ? fmt::format("writing {} failed: {}", what, why) : fmt::format("rank 0 could not write {}; stopping", what));
+    throw Error(lead_ ? fmt::format("writing {} failed: {}", what, why)
+                      : fmt::format("rank 0 could not write {}; stopping", what));
 }
 
 // No adapter with a NaN or an infinity is ever written (every rank checks its replica).
@@ -520,9 +549,10 @@ void Trainer::check_finite_adapter(const std::string& what) {
   for (const at::Tensor& p : params_) each.push_back(at::isfinite(p).all());
   const bool finite = each.empty() || at::stack(each).all().item<bool>();
   if (!ranks_agree(finite ? 1.0 : 0.0) || !finite)
-    throw Error(fmt::format("the LoRA weights hold non-finite values at step {}: {} was not written. Lower train.lr "
-                            "(now {:g}) or set train.max_grad_norm, then start over (checkpoint.resume=never)",
-                            step_, what, r_.train.lr));
+    throw Error(
+        fmt::format("the LoRA weights hold non-finite values at step {}: {} was not written. Lower train.lr "
+                    "(now {:g}) or set train.max_grad_norm, then start over (checkpoint.resume=never)",
+                    step_, what, r_.train.lr));
 }
 
 void Trainer::save_checkpoint(int epoch) {
@@ -571,13 +601,18 @@ void Trainer::check_replicas() {
   double mine = 0;
   for (size_t i = 0; i < params_.size(); ++i) mine += params_[i].to(at::kDouble).sum().item<double>() * double(i + 1);
   if (!ranks_agree(mine))
-    throw Error(fmt::format("rank {}'s LoRA parameters differ from another rank's at step {} (checksum {}): the "
-                            "replicas diverged", env_.rank, step_, mine));
+    throw Error(
+        fmt::format("rank {}'s LoRA parameters differ from another rank's at step {} (checksum {}): the "
+                    "replicas diverged",
+                    env_.rank, step_, mine));
 }
 
 int Trainer::stopped() {
-  if (lead_) info(fmt::format("stopped at step {} on request; the resumable state is in {}: run the same command to "
-                              "resume", step_, state_dir(out_.string())));
+  if (lead_)
+    info(
+        fmt::format("stopped at step {} on request; the resumable state is in {}: run the same command to "
+                    "resume",
+                    step_, state_dir(out_.string())));
   if (record_) record_->finish("interrupted", last_row_);
   pg_.barrier();
   return kExitStopped;
@@ -623,10 +658,12 @@ int Trainer::finish() {
     const std::time_t now = std::time(nullptr);
     std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
     io::write_file_atomic(finished_marker(out_.string()),
-                          nlohmann::json{{"status", "completed"}, {"run_id", record_ ? record_->ref() : ""},
-                                         {"steps", step_}, {"finished", stamp},
+                          nlohmann::json{{"status", "completed"},
+                                         {"run_id", record_ ? record_->ref() : ""},
+                                         {"steps", step_},
+                                         {"finished", stamp},
                                          {"epochs_kept", recipe::epochs_kept(r_.checkpoint, r_.train.epochs)}}
-                                  .dump(1));
+                              .dump(1));
     info(fmt::format("done: {} steps; adapters in {}", step_, out_.string()));
     if (record_) record_->finish("completed", last_row_);
   }
@@ -646,7 +683,8 @@ int run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
   }
   log_to_file((fs::path(r.checkpoint.output_dir) / "logs" / fmt::format("rank_{}.log", env.rank)).string());
   info(fmt::format("rank {}/{} (local {}) on {}; lorarun {}, torch {}", env.rank, env.world_size, env.local_rank,
-                   want_cuda(r) ? "cuda" : "cpu", LORARUN_VERSION, TORCH_VERSION), false);
+                   want_cuda(r) ? "cuda" : "cpu", LORARUN_VERSION, TORCH_VERSION),
+       false);
   std::unique_ptr<Trainer> t;
   try {
     t = std::make_unique<Trainer>(r, env);
@@ -658,7 +696,8 @@ int run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
     const std::string what = e.what();
     if (!dynamic_cast<const Error*>(&e) && what.find("gloo") != std::string::npos)
       throw PeerError(-1, fmt::format("rank {} lost its connection to another rank ({}): that rank stopped first, and "
-                                      "its error says why", env.rank, what.substr(what.find(']') + 2)));
+                                      "its error says why",
+                                      env.rank, what.substr(what.find(']') + 2)));
     throw;
   }
 }

@@ -1,11 +1,11 @@
 #include "util/log.hpp"
 
+#include <fmt/format.h>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <fmt/format.h>
 #include <mutex>
 
 #include "util/error.hpp"

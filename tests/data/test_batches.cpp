@@ -1,15 +1,15 @@
 // Micro-batches of an epoch: reading order, grouping by length within windows, exact resume at
 // any step, and first-fit-decreasing packing of rows.
+#include <fmt/format.h>
+#include <unistd.h>
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
-#include <unistd.h>
 
 #include "data/batches.hpp"
 #include "tokenizer/tokenizer.hpp"

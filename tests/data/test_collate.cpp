@@ -30,7 +30,8 @@ const c10::Device cpu(at::kCPU);
 
 }  // namespace
 
-TEST_CASE("position k predicts labels[k + 1]: the prompt is not trained, the last token predicts nothing", "[collate]") {
+TEST_CASE("position k predicts labels[k + 1]: the prompt is not trained, the last token predicts nothing",
+          "[collate]") {
   const data::Batch b = data::collate({example({11, 12, 13, 14}, 2)}, false, 0, cpu);
   CHECK(b.ids.sizes() == at::IntArrayRef{1, 4});
   CHECK(values(b.ids) == std::vector<int64_t>{11, 12, 13, 14});
@@ -54,11 +55,12 @@ TEST_CASE("unpacked examples are right-padded to the longest, padding masked and
   CHECK(b.slots == 8);
 }
 
-TEST_CASE("packed examples share rows first-fit decreasing, numbered in the mask, and never predict across a "
-          "boundary", "[collate][packing]") {
+TEST_CASE(
+    "packed examples share rows first-fit decreasing, numbered in the mask, and never predict across a "
+    "boundary",
+    "[collate][packing]") {
   // Lengths 3, 2, 2 in rows of 4: [ex0] and [ex1 ex2].
-  const data::Batch b =
-      data::collate({example({1, 2, 3}, 0), example({4, 5}, 0), example({6, 7}, 0)}, true, 4, cpu);
+  const data::Batch b = data::collate({example({1, 2, 3}, 0), example({4, 5}, 0), example({6, 7}, 0)}, true, 4, cpu);
   CHECK(b.ids.sizes() == at::IntArrayRef{2, 4});
   CHECK(values(b.ids) == std::vector<int64_t>{1, 2, 3, 0, 4, 5, 6, 7});
   CHECK(values(b.mask) == std::vector<int64_t>{1, 1, 1, 0, 1, 1, 2, 2});

@@ -29,7 +29,8 @@ std::vector<int32_t> trained(const data::Example& e) {
 }  // namespace
 
 TEST_CASE("instruction examples train exactly the response and EOS") {
-  const nlohmann::json doc = {{"instruction", "Add the numbers."}, {"input", "3 and 4 ☃"}, {"output", " 7, since 3 + 4 = 7."}};
+  const nlohmann::json doc = {
+      {"instruction", "Add the numbers."}, {"input", "3 and 4 ☃"}, {"output", " 7, since 3 + 4 = 7."}};
   for (const std::string name : {"llama3", "llama2", "gpt2", "qwen3"}) {
     INFO(name);
     const auto tok = tok::Tokenizer::from_dir(kTokenizers + "/" + name);
@@ -87,11 +88,13 @@ TEST_CASE("chat examples train only assistant turns, with their end-of-turn toke
   recipe::DataSection cfg;
   cfg.format = recipe::Format::Chat;
   cfg.chat_format = recipe::ChatFormat::ChatML;
-  const nlohmann::json doc = {{"messages", {{{"role", "system"}, {"content", "Be brief."}},
-                                            {{"role", "user"}, {"content", "Hi?"}},
-                                            {{"role", "assistant"}, {"content", "Hello."}}}}};
+  const nlohmann::json doc = {{"messages",
+                               {{{"role", "system"}, {"content", "Be brief."}},
+                                {{"role", "user"}, {"content", "Hi?"}},
+                                {{"role", "assistant"}, {"content", "Hello."}}}}};
   const auto e = std::get<data::Example>(data::ExampleBuilder(cfg, tok).build(doc));
-  CHECK(tok.decode(e.ids) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
-                             "<|im_start|>assistant\nHello.<|im_end|>\n");
+  CHECK(tok.decode(e.ids) ==
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n");
   CHECK(tok.decode(trained(e)) == "Hello.<|im_end|>\n");
 }

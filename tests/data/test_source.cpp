@@ -4,19 +4,19 @@
 // stop requests; unreachable servers and refused credentials.
 #include <catch2/catch.hpp>
 
+#include <fmt/format.h>
+#include <mongoc/mongoc.h>
+#include <unistd.h>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 #include <map>
 #include <memory>
-#include <mongoc/mongoc.h>
 #include <set>
 #include <thread>
-#include <unistd.h>
 
 #include "data/batches.hpp"
 #include "data/mongo.hpp"
@@ -49,7 +49,11 @@ std::string unique_db() {
 
 // Document i: {_id: i, n: i, instruction: "doc i", input: "", output: "answer", extra: …}.
 nlohmann::json doc(int64_t i) {
-  return {{"_id", i}, {"n", i}, {"instruction", fmt::format("doc {}", i)}, {"input", ""}, {"output", " answer"},
+  return {{"_id", i},
+          {"n", i},
+          {"instruction", fmt::format("doc {}", i)},
+          {"input", ""},
+          {"output", " answer"},
           {"extra", std::string(200, 'x')}};
 }
 
@@ -109,10 +113,10 @@ std::vector<int64_t> read_shard(const data::Documents& docs, const data::ShardSp
   return read_all(r);
 }
 
-#define NEED_SERVER()                                                        \
-  if (test_uri().empty()) {                                                  \
-    WARN("LORARUN_TEST_MONGODB_URI is not set: run scripts/test");           \
-    return;                                                                  \
+#define NEED_SERVER()                                              \
+  if (test_uri().empty()) {                                        \
+    WARN("LORARUN_TEST_MONGODB_URI is not set: run scripts/test"); \
+    return;                                                        \
   }
 
 // A FerretDB of the test's own, to stop and restart (scripts/ferretdb; same port on restart).
@@ -295,12 +299,10 @@ TEST_CASE("an empty selection and an unknown collection are errors before traini
   for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream}) {
     recipe::DataSection d = with_documents(test_uri(), 3, mode);
     d.filter = {{"n", 1000}};
-    CHECK_THROWS_WITH(data::Documents(d),
-                      Catch::Contains("selects no document") && Catch::Contains("fix data.filter"));
+    CHECK_THROWS_WITH(data::Documents(d), Catch::Contains("selects no document") && Catch::Contains("fix data.filter"));
     d.filter = nlohmann::json::object();
     d.collection = "nope";
-    CHECK_THROWS_WITH(data::Documents(d),
-                      Catch::Contains("collection 'nope' does not exist"));
+    CHECK_THROWS_WITH(data::Documents(d), Catch::Contains("collection 'nope' does not exist"));
   }
 }
 
@@ -416,8 +418,7 @@ TEST_CASE("FerretDB gone: DataUnavailable reaches MicroBatches::next() from the 
   }
 }
 
-TEST_CASE("a stop request while waiting to retry: DataUnavailable within 0.5 s, through MicroBatches::next()",
-          "[db]") {
+TEST_CASE("a stop request while waiting to retry: DataUnavailable within 0.5 s, through MicroBatches::next()", "[db]") {
   NEED_SERVER();
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
@@ -466,7 +467,8 @@ struct Port {
 TEST_CASE("an unreachable server fails within data.timeout_s with one redacted line") {
   for (const bool silent : {false, true}) {
     const Port port(silent);
-    recipe::DataSection d = config(fmt::format("mongodb://alice:s3cr3t-pw@127.0.0.1:{}/", port.port), "db", Shuffle::Global);
+    recipe::DataSection d =
+        config(fmt::format("mongodb://alice:s3cr3t-pw@127.0.0.1:{}/", port.port), "db", Shuffle::Global);
     d.timeout_s = 2;
     INFO((silent ? "silent port " : "closed port ") << port.port);
     const auto t0 = Clock::now();
@@ -481,7 +483,8 @@ TEST_CASE("an unreachable server fails within data.timeout_s with one redacted l
     CHECK(s < 2 + 1.5);
     if (silent) CHECK(s > 1.5);  // it did wait for the server, as long as it was told
     CHECK_THAT(message, Catch::StartsWith(fmt::format("cannot reach MongoDB at mongodb://alice:****@127.0.0.1:{}/ "
-                                                      "within 2 s (data.timeout_s): ", port.port)) &&
+                                                      "within 2 s (data.timeout_s): ",
+                                                      port.port)) &&
                             Catch::EndsWith("start the server or fix data.uri"));
     CHECK_THAT(message, !Catch::Contains("s3cr3t"));
     CHECK(message.find('\n') == std::string::npos);
@@ -525,11 +528,13 @@ TEST_CASE("a filter the server rejects names data.filter, in training and in che
 
 TEST_CASE("refused credentials are told apart from an unreachable server (FerretDB with authentication)", "[db]") {
   NEED_SERVER();
-  OwnServer server("FERRETDB_TEST_ENABLE_NEW_AUTH=true FERRETDB_SETUP_USERNAME=alice FERRETDB_SETUP_PASSWORD=s3cr3t-pw "
-                   "FERRETDB_SETUP_DATABASE=admin");
+  OwnServer server(
+      "FERRETDB_TEST_ENABLE_NEW_AUTH=true FERRETDB_SETUP_USERNAME=alice FERRETDB_SETUP_PASSWORD=s3cr3t-pw "
+      "FERRETDB_SETUP_DATABASE=admin");
   REQUIRE(server.uri.rfind("mongodb://127.0.0.1:", 0) == 0);
   const std::string host = server.uri.substr(10);  // 127.0.0.1:PORT/
-  recipe::DataSection d = config(fmt::format("mongodb://alice:s3cr3t-pw@{}?authSource=admin", host), "db", Shuffle::Global);
+  recipe::DataSection d =
+      config(fmt::format("mongodb://alice:s3cr3t-pw@{}?authSource=admin", host), "db", Shuffle::Global);
   data::Client(d.uri, std::chrono::seconds(5)).insert_many(d.database, "docs", {doc(1), doc(2)});
   CHECK(data::Documents(d).size() == 2);  // the right password
   for (const std::string bad : {"alice:wrong-pw@", "bob:s3cr3t-pw@"}) {
@@ -545,19 +550,21 @@ TEST_CASE("refused credentials are told apart from an unreachable server (Ferret
     }
     INFO(message);
     CHECK(std::chrono::duration<double>(Clock::now() - t0).count() < 5);  // not retried, not waited for
-    CHECK_THAT(message, Catch::StartsWith(fmt::format("MongoDB at mongodb://{}:****@{}", bad.substr(0, bad.find(':')),
-                                                      host)) &&
-                            Catch::Contains("refused the credentials: check the user, password and authSource in "
-                                            "data.uri"));
+    CHECK_THAT(message,
+               Catch::StartsWith(fmt::format("MongoDB at mongodb://{}:****@{}", bad.substr(0, bad.find(':')), host)) &&
+                   Catch::Contains("refused the credentials: check the user, password and authSource in "
+                                   "data.uri"));
     CHECK_THAT(message, !Catch::Contains("s3cr3t") && !Catch::Contains("wrong-pw"));
   }
   d.uri = server.uri;  // none at all
-  CHECK_THROWS_WITH(data::Documents(d), Catch::StartsWith("MongoDB at " + server.uri + " requires authentication: put "
+  CHECK_THROWS_WITH(data::Documents(d), Catch::StartsWith("MongoDB at " + server.uri +
+                                                          " requires authentication: put "
                                                           "the user, password and authSource in data.uri"));
   // The driver's own error codes, as the messages above were classified.
   CHECK(data::classify(MONGOC_ERROR_CLIENT, MONGOC_ERROR_CLIENT_AUTHENTICATE) == data::Failure::Credentials);
   CHECK(data::classify(MONGOC_ERROR_SERVER, 18) == data::Failure::Credentials);
-  CHECK(data::classify(MONGOC_ERROR_SERVER_SELECTION, MONGOC_ERROR_SERVER_SELECTION_FAILURE) == data::Failure::Unreachable);
+  CHECK(data::classify(MONGOC_ERROR_SERVER_SELECTION, MONGOC_ERROR_SERVER_SELECTION_FAILURE) ==
+        data::Failure::Unreachable);
   CHECK(data::classify(MONGOC_ERROR_SERVER, 2) == data::Failure::Other);
 }
 
@@ -576,8 +583,8 @@ TEST_CASE("a MongoDB string that is not UTF-8 is a bad document naming its _id a
   recipe::DataSection d = config("", "db", Shuffle::Global);
   const data::ExampleBuilder builder(d, tokenizer());
   // Bytes no JSON text can hold; libbson turns some into other characters, drops others.
-  for (const std::string bad : {"bad \xff\xfe", "cont \xc3\x28", "surrogate \xed\xa0\x80", "overlong \xc1\xbf",
-                                "cut \xe2\x82"}) {
+  for (const std::string bad :
+       {"bad \xff\xfe", "cont \xc3\x28", "surrogate \xed\xa0\x80", "overlong \xc1\xbf", "cut \xe2\x82"}) {
     INFO(bad);
     const std::vector<uint8_t> wire = wire_document("instruction", bad);
     const data::Found f = data::decode_document(wire.data(), wire.size());

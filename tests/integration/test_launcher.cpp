@@ -1,7 +1,7 @@
 // lorarun with real ranks: Gloo all-reduce across processes, failure handling, signals.
+#include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <csignal>
-#include <fmt/format.h>
 #include <fstream>
 
 #include "support/process.hpp"
@@ -11,15 +11,15 @@ using namespace lorarun::test;
 namespace {
 
 void check_all_reduce(int n) {
-  const Result r = sh(fmt::format("{} --nproc-per-node {} -- {} --dist-check --dist-timeout-s 60",
-                                  bin("lorarun"), n, bin("lora-train")));
+  const Result r = sh(fmt::format("{} --nproc-per-node {} -- {} --dist-check --dist-timeout-s 60", bin("lorarun"), n,
+                                  bin("lora-train")));
   INFO(r.output);
   CHECK(r.status == 0);
   const double sum = n * (n + 1) / 2.0;
   for (int rank = 0; rank < n; ++rank)
-    CHECK_THAT(r.output, Catch::Contains(fmt::format(
-                             "[rank{0}]: rank {0}/{1}: all-reduce over gloo on cpu ok (sum {2} = expected {2})",
-                             rank, n, sum)));
+    CHECK_THAT(r.output,
+               Catch::Contains(fmt::format(
+                   "[rank{0}]: rank {0}/{1}: all-reduce over gloo on cpu ok (sum {2} = expected {2})", rank, n, sum)));
 }
 
 void check_gone(const std::vector<pid_t>& pids) {
@@ -56,15 +56,18 @@ TEST_CASE("a bad recipe fails on every rank with one clear line", "[e2e]") {
                                   LORARUN_SOURCE_DIR, bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 1);
-  CHECK_THAT(r.output, Catch::Contains("lora-train: error: configs/quickstart.yaml (override 'train.learning_rate=2e-4'): "
-                                       "unknown key 'train.learning_rate'; did you mean 'train.lr'?"));
+  CHECK_THAT(r.output,
+             Catch::Contains("lora-train: error: configs/quickstart.yaml (override 'train.learning_rate=2e-4'): "
+                             "unknown key 'train.learning_rate'; did you mean 'train.lr'?"));
   CHECK_THAT(r.output, Catch::Contains("failed first: exited with code 1"));
 }
 
 TEST_CASE("lora-train --dry-run prints the resolved recipe and the epochs it will keep", "[e2e]") {
   // Nothing listens on port 1: the data cannot be checked, which is a warning, not a failure.
-  const Result r = sh(fmt::format("cd '{}' && {} --dry-run configs/quickstart.yaml checkpoint.epochs_to_save=[0,2] "
-                                  "data.uri=mongodb://u:hunter2@127.0.0.1:1/", LORARUN_SOURCE_DIR, bin("lora-train")));
+  const Result r =
+      sh(fmt::format("cd '{}' && {} --dry-run configs/quickstart.yaml checkpoint.epochs_to_save=[0,2] "
+                     "data.uri=mongodb://u:hunter2@127.0.0.1:1/",
+                     LORARUN_SOURCE_DIR, bin("lora-train")));
   INFO(r.output);
   CHECK(r.status == 0);
   CHECK_THAT(r.output, Catch::Contains("# epoch checkpoints kept at the end: [0, 2]"));
@@ -75,11 +78,11 @@ TEST_CASE("lora-train --dry-run prints the resolved recipe and the epochs it wil
 }
 
 TEST_CASE("workers see torchrun's environment and their output is prefixed", "[e2e]") {
-  const Result r = sh(fmt::format(
-      "{} --nproc-per-node 2 --master-port 29123 --run-id job42 -- sh -c "
-      "'echo \"env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
-      "$TORCHELASTIC_RUN_ID $OMP_NUM_THREADS\"; printf partial; echo oops >&2'",
-      bin("lorarun")));
+  const Result r =
+      sh(fmt::format("{} --nproc-per-node 2 --master-port 29123 --run-id job42 -- sh -c "
+                     "'echo \"env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
+                     "$TORCHELASTIC_RUN_ID $OMP_NUM_THREADS\"; printf partial; echo oops >&2'",
+                     bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 0);
   CHECK_THAT(r.output, Catch::Contains("[rank0]: env 0 0 2 2 127.0.0.1 29123 job42 1\n"));
@@ -90,24 +93,23 @@ TEST_CASE("workers see torchrun's environment and their output is prefixed", "[e
 
 TEST_CASE("a rank that exits 3 at start-up stops the group within 10 s", "[e2e]") {
   // Ranks 0 and 2 start a grandchild and wait on it: the whole process group must go.
-  const Result r = sh(fmt::format(
-      "{} --nproc-per-node 3 --grace-period 5 -- sh -c "
-      "'if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 3; fi; sleep 60 & wait'",
-      bin("lorarun")));
+  const Result r =
+      sh(fmt::format("{} --nproc-per-node 3 --grace-period 5 -- sh -c "
+                     "'if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 3; fi; sleep 60 & wait'",
+                     bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 1);
   CHECK(r.seconds < 10);
   const auto pids = launched_pids(r.output);
   REQUIRE(pids.size() == 3);
-  CHECK_THAT(r.output, Catch::Contains(fmt::format("rank 1 (local rank 1, pid {}) failed first: exited with code 3",
-                                                   pids[1])));
+  CHECK_THAT(r.output,
+             Catch::Contains(fmt::format("rank 1 (local rank 1, pid {}) failed first: exited with code 3", pids[1])));
   check_gone(pids);
 }
 
 TEST_CASE("a rank killed by a signal is reported as such", "[e2e]") {
   const Result r = sh(fmt::format(
-      "{} --nproc-per-node 2 -- sh -c 'if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 60'",
-      bin("lorarun")));
+      "{} --nproc-per-node 2 -- sh -c 'if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 60'", bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 1);
   CHECK_THAT(r.output, Catch::Contains("rank 0 (local rank 0"));
@@ -126,8 +128,8 @@ TEST_CASE("a command that cannot be started fails cleanly", "[e2e]") {
 namespace {
 // Starts lorarun in the background; returns its pid and the pids of its ranks.
 std::pair<pid_t, std::vector<pid_t>> start_background(const std::string& log) {
-  const Result r = sh(fmt::format("{} --nproc-per-node 2 --grace-period 5 -- sleep 60 > '{}' 2>&1 & echo $!",
-                                  bin("lorarun"), log));
+  const Result r =
+      sh(fmt::format("{} --nproc-per-node 2 --grace-period 5 -- sleep 60 > '{}' 2>&1 & echo $!", bin("lorarun"), log));
   const pid_t launcher = std::stoi(r.output);
   std::vector<pid_t> pids;
   wait_for([&] { return (pids = launched_pids(read_file(log))).size() == 2; }, 10.0);
@@ -138,9 +140,10 @@ std::pair<pid_t, std::vector<pid_t>> start_background(const std::string& log) {
 TEST_CASE("SIGTERM to the launcher stops every rank and exits 143", "[e2e]") {
   const std::string dir = temp_dir("sigterm");
   // A wrapper shell records the launcher's pid and, once it ends, its exit status.
-  sh(fmt::format("( {lorarun} --nproc-per-node 2 --grace-period 5 -- sleep 60 & echo $! > '{d}/pid'; "
-                 "wait $!; echo $? > '{d}/status' ) > '{d}/log' 2>&1 &",
-                 fmt::arg("lorarun", bin("lorarun")), fmt::arg("d", dir)));
+  sh(
+      fmt::format("( {lorarun} --nproc-per-node 2 --grace-period 5 -- sleep 60 & echo $! > '{d}/pid'; "
+                  "wait $!; echo $? > '{d}/status' ) > '{d}/log' 2>&1 &",
+                  fmt::arg("lorarun", bin("lorarun")), fmt::arg("d", dir)));
   REQUIRE(wait_for([&] { return !read_file(dir + "/pid").empty(); }, 10.0));
   const pid_t launcher = std::stoi(read_file(dir + "/pid"));
   std::vector<pid_t> pids;

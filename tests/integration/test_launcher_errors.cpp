@@ -1,8 +1,8 @@
 // lorarun's errors: each one line, printed once, quickly — a master that is not there, a rank
 // count that is a typo, a recipe error on every rank, a recipe without .yaml.
+#include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 
 #include "support/process.hpp"
@@ -12,32 +12,36 @@ using namespace lorarun::test;
 
 TEST_CASE("a node whose master never starts fails after --rdzv-timeout with one line naming the master", "[e2e]") {
   const int port = free_port();
-  const Result r = sh(fmt::format("{} --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 "
-                                  "--master-port {} --rdzv-timeout 3 -- {} --dist-check",
-                                  bin("lorarun"), port, bin("lora-train")));
+  const Result r =
+      sh(fmt::format("{} --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 "
+                     "--master-port {} --rdzv-timeout 3 -- {} --dist-check",
+                     bin("lorarun"), port, bin("lora-train")));
   INFO(r.output);
   CHECK(r.status == 1);
   CHECK(r.seconds < 15);
   const auto errors = lines_with(r.output, "error");
   REQUIRE(errors.size() == 1);
-  CHECK_THAT(errors[0], Catch::Contains(fmt::format("rank 1 could not reach the master at 127.0.0.1:{} within 3 s", port)));
-  CHECK_THAT(errors[0], Catch::Contains("node 0 is started") && Catch::Contains("--master-addr") &&
-                            Catch::Contains("firewall"));
+  CHECK_THAT(errors[0],
+             Catch::Contains(fmt::format("rank 1 could not reach the master at 127.0.0.1:{} within 3 s", port)));
+  CHECK_THAT(errors[0],
+             Catch::Contains("node 0 is started") && Catch::Contains("--master-addr") && Catch::Contains("firewall"));
   CHECK_THAT(r.output, !Catch::Contains("frame #") && !Catch::Contains("Exception raised from"));
 }
 
 TEST_CASE("node 0 whose other node never comes says how many ranks joined", "[e2e]") {
   const int port = free_port();
-  const Result r = sh(fmt::format("{} --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr 127.0.0.1 "
-                                  "--master-port {} --rdzv-conf join_timeout=3 -- {} --dist-check",
-                                  bin("lorarun"), port, bin("lora-train")));
+  const Result r =
+      sh(fmt::format("{} --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr 127.0.0.1 "
+                     "--master-port {} --rdzv-conf join_timeout=3 -- {} --dist-check",
+                     bin("lorarun"), port, bin("lora-train")));
   INFO(r.output);
   CHECK(r.status == 1);
   CHECK(r.seconds < 15);
   const auto errors = lines_with(r.output, "error");
   REQUIRE(errors.size() == 1);
   CHECK_THAT(errors[0], Catch::Contains(fmt::format("rendezvous at 127.0.0.1:{} timed out after 3 s with 2 of 4 ranks "
-                                                    "joined", port)));
+                                                    "joined",
+                                                    port)));
   CHECK_THAT(r.output, !Catch::Contains("frame #"));
 }
 
@@ -80,9 +84,10 @@ TEST_CASE("a runtime error on every rank is printed once", "[e2e]") {
   // Both ranks rendezvous, then fail the same way loading the model.
   const std::string dir = temp_dir("error-once");
   std::ofstream(dir + "/d.jsonl") << "{\"instruction\": \"a\", \"output\": \"b\"}\n";
-  const Result r = sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml model.path={}/no-model "
-                                  "data.source=jsonl data.path={}/d.jsonl track.mongodb=false checkpoint.output_dir={}/out",
-                                  LORARUN_SOURCE_DIR, bin("lorarun"), dir, dir, dir));
+  const Result r =
+      sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml model.path={}/no-model "
+                     "data.source=jsonl data.path={}/d.jsonl track.mongodb=false checkpoint.output_dir={}/out",
+                     LORARUN_SOURCE_DIR, bin("lorarun"), dir, dir, dir));
   INFO(r.output);
   CHECK(r.status == 1);
   const auto errors = lines_with(r.output, "lora-train: error:");
@@ -104,7 +109,8 @@ TEST_CASE("a recipe file without .yaml is a recipe, a missing one is one line", 
   CHECK(missing.status == 1);
   CHECK(count_lines(missing.output) == 1);
   CHECK_THAT(missing.output, Catch::StartsWith(fmt::format("lorarun: error: '{}/nope' is neither a file nor a command "
-                                                           "on PATH", dir)));
+                                                           "on PATH",
+                                                           dir)));
   const Result typo = sh(fmt::format("{} --nproc-per-node 2 configs/quickstart", bin("lorarun")));
   CHECK(typo.status == 1);
   CHECK(count_lines(typo.output) == 1);

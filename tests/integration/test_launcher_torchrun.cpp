@@ -1,8 +1,8 @@
 // lorarun's torchrun parity: several nodes, restarts, error files, log files, environment, Slurm.
-#include <csignal>
-#include <catch2/catch.hpp>
-#include <filesystem>
 #include <fmt/format.h>
+#include <catch2/catch.hpp>
+#include <csignal>
+#include <filesystem>
 #include <fstream>
 
 #include "support/process.hpp"
@@ -29,9 +29,10 @@ std::string summary(const std::string& output) {
 // Runs two lorarun "nodes" on this machine (node 1 in the background); the output is node 0's,
 // then node 1's, then "statuses S0 S1".
 Result two_nodes(const std::string& dir, const std::string& node0, const std::string& node1) {
-  return sh(fmt::format("{{ ( {n1} > '{d}/node1' 2>&1; echo $? > '{d}/status1' ) & {n0}; s0=$?; wait; "
-                        "cat '{d}/node1'; echo \"statuses $s0 $(cat '{d}/status1')\"; }}",
-                        fmt::arg("n0", node0), fmt::arg("n1", node1), fmt::arg("d", dir)));
+  return sh(
+      fmt::format("{{ ( {n1} > '{d}/node1' 2>&1; echo $? > '{d}/status1' ) & {n0}; s0=$?; wait; "
+                  "cat '{d}/node1'; echo \"statuses $s0 $(cat '{d}/status1')\"; }}",
+                  fmt::arg("n0", node0), fmt::arg("n1", node1), fmt::arg("d", dir)));
 }
 
 void check_world(const Result& r, int world) {
@@ -40,8 +41,8 @@ void check_world(const Result& r, int world) {
   const double sum = world * (world + 1) / 2.0;
   for (int rank = 0; rank < world; ++rank)
     CHECK_THAT(r.output, Catch::Contains(fmt::format(
-                             "[rank{0}]: rank {0}/{1}: all-reduce over gloo on cpu ok (sum {2} = expected {2})",
-                             rank, world, sum)));
+                             "[rank{0}]: rank {0}/{1}: all-reduce over gloo on cpu ok (sum {2} = expected {2})", rank,
+                             world, sum)));
   CHECK_THAT(r.output, Catch::Contains("node 1 of 2"));
 }
 
@@ -60,8 +61,9 @@ TEST_CASE("two nodes of 2 ranks, started with --nnodes/--node-rank, are one worl
 TEST_CASE("two nodes of 1 rank take nodes, node rank and master from a Slurm job", "[e2e]") {
   const std::string slurm = "SLURM_JOB_ID=31337 SLURM_NNODES=2 SLURM_JOB_NODELIST='localhost,nohost[1-3]'";
   const std::string flags = fmt::format("{} --master-port {} -- ", bin("lorarun"), free_port());
-  const Result r = two_nodes(temp_dir("slurm-nodes"), fmt::format("env {} SLURM_NODEID=0 {}", slurm, flags + dist_check()),
-                             fmt::format("env {} SLURM_NODEID=1 {}", slurm, flags + dist_check()));
+  const Result r =
+      two_nodes(temp_dir("slurm-nodes"), fmt::format("env {} SLURM_NODEID=0 {}", slurm, flags + dist_check()),
+                fmt::format("env {} SLURM_NODEID=1 {}", slurm, flags + dist_check()));
   check_world(r, 2);
   CHECK_THAT(r.output, Catch::Contains("master localhost:"));
   CHECK_THAT(r.output, Catch::Contains("run 31337"));
@@ -72,8 +74,9 @@ TEST_CASE("lorarun --max-restarts restarts the whole group with TORCHELASTIC_RES
   const std::string worker = script(dir, "worker.sh",
                                     "echo \"attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"\n"
                                     "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then exit 5; fi\n");
-  const Result r = sh(fmt::format("{} --nproc-per-node 2 --max-restarts 2 --log-dir '{}/logs' --run-id rr --tee 1 -- {}",
-                                  bin("lorarun"), dir, worker));
+  const Result r =
+      sh(fmt::format("{} --nproc-per-node 2 --max-restarts 2 --log-dir '{}/logs' --run-id rr --tee 1 -- {}",
+                     bin("lorarun"), dir, worker));
   INFO(r.output);
   CHECK(r.status == 0);
   CHECK_THAT(r.output, Catch::Contains("failed first: exited with code 5"));
@@ -89,8 +92,9 @@ TEST_CASE("lorarun --max-restarts restarts the whole group with TORCHELASTIC_RES
 }
 
 TEST_CASE("restarts that run out end in the failure summary", "[e2e]") {
-  const Result r = sh(fmt::format("{} --nproc-per-node 1 --max-restarts 1 -- sh -c 'echo try $TORCHELASTIC_RESTART_COUNT; exit 4'",
-                                  bin("lorarun")));
+  const Result r =
+      sh(fmt::format("{} --nproc-per-node 1 --max-restarts 1 -- sh -c 'echo try $TORCHELASTIC_RESTART_COUNT; exit 4'",
+                     bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 1);
   CHECK_THAT(r.output, Catch::Contains("restart 1 of 1"));
@@ -110,14 +114,16 @@ if [ "$RANK" = 1 ]; then
 fi
 exec sleep 30
 )");
-  const Result r = sh(fmt::format("{} --nproc-per-node 2 --max-restarts 0 --grace-period 5 -- {}", bin("lorarun"), worker));
+  const Result r =
+      sh(fmt::format("{} --nproc-per-node 2 --max-restarts 0 --grace-period 5 -- {}", bin("lorarun"), worker));
   INFO(r.output);
   CHECK(r.status == 1);
   CHECK(r.seconds < 10);
   const std::string s = summary(r.output);
   const auto pids = launched_pids(r.output);
   REQUIRE(pids.size() == 2);
-  CHECK_THAT(s, Catch::Contains(fmt::format("rank 1 (local rank 1, pid {}) failed first: exited with code 3", pids[1])));
+  CHECK_THAT(s,
+             Catch::Contains(fmt::format("rank 1 (local rank 1, pid {}) failed first: exited with code 3", pids[1])));
   CHECK_THAT(s, Catch::Contains("lorarun:   error: ValueError: worker says \"no\"\n"));
   CHECK_THAT(s, Catch::Contains("last 10 line(s) of rank 1:"));
   CHECK_THAT(s, Catch::Contains("[rank1]: line 6\n"));
@@ -132,16 +138,18 @@ TEST_CASE("a lora-train error reaches the summary through its error file", "[e2e
                                   LORARUN_SOURCE_DIR, bin("lorarun")));
   INFO(r.output);
   CHECK(r.status == 1);
-  CHECK_THAT(summary(r.output), Catch::Contains("lorarun:   error: lora-train: error: configs/quickstart.yaml "
-                                                "(override 'train.learning_rate=2e-4'): unknown key 'train.learning_rate'; "
-                                                "did you mean 'train.lr'?\n"));
+  CHECK_THAT(summary(r.output),
+             Catch::Contains("lorarun:   error: lora-train: error: configs/quickstart.yaml "
+                             "(override 'train.learning_rate=2e-4'): unknown key 'train.learning_rate'; "
+                             "did you mean 'train.lr'?\n"));
 }
 
 TEST_CASE("lora-train writes torchrun's error file, secrets scrubbed", "[e2e]") {
   const std::string dir = temp_dir("error-file");
-  const Result r = sh(fmt::format("cd '{}' && TORCHELASTIC_ERROR_FILE='{}/error.json' {} configs/quickstart.yaml "
-                                  "data.uri=mongodb://u:hunter2@db:27017/ train.nope=1",
-                                  LORARUN_SOURCE_DIR, dir, bin("lora-train")));
+  const Result r =
+      sh(fmt::format("cd '{}' && TORCHELASTIC_ERROR_FILE='{}/error.json' {} configs/quickstart.yaml "
+                     "data.uri=mongodb://u:hunter2@db:27017/ train.nope=1",
+                     LORARUN_SOURCE_DIR, dir, bin("lora-train")));
   INFO(r.output);
   CHECK(r.status == 1);
   const std::string json = read_file(dir + "/error.json");
@@ -153,26 +161,28 @@ TEST_CASE("lora-train writes torchrun's error file, secrets scrubbed", "[e2e]") 
 
 TEST_CASE("lorarun --log-dir with --redirects and --tee writes each rank's streams to files", "[e2e]") {
   const std::string dir = temp_dir("log-dir");
-  const Result r = sh(fmt::format("{} --nproc-per-node 2 --log-dir '{}' --run-id lg --redirects 1 --tee 2 -- "
-                                  "sh -c 'echo out $RANK; echo err $RANK >&2'",
-                                  bin("lorarun"), dir));
+  const Result r =
+      sh(fmt::format("{} --nproc-per-node 2 --log-dir '{}' --run-id lg --redirects 1 --tee 2 -- "
+                     "sh -c 'echo out $RANK; echo err $RANK >&2'",
+                     bin("lorarun"), dir));
   INFO(r.output);
   CHECK(r.status == 0);
   for (int rank : {0, 1}) {
     const std::string rank_dir = fmt::format("{}/lg/attempt_0/{}", dir, rank);
     CHECK(read_file(rank_dir + "/stdout.log") == fmt::format("out {}\n", rank));
     CHECK(read_file(rank_dir + "/stderr.log") == fmt::format("err {}\n", rank));
-    CHECK_THAT(r.output, !Catch::Contains(fmt::format("out {}", rank)));         // redirected: file only
+    CHECK_THAT(r.output, !Catch::Contains(fmt::format("out {}", rank)));               // redirected: file only
     CHECK_THAT(r.output, Catch::Contains(fmt::format("[rank{0}]: err {0}\n", rank)));  // teed: both
   }
 }
 
 TEST_CASE("workers get every variable torchrun sets", "[e2e]") {
   const std::string dir = temp_dir("env");
-  const Result r = sh(fmt::format("env -u OMP_NUM_THREADS {} --nproc-per-node 2 --master-port 29321 --run-id ev "
-                                  "--max-restarts 3 --log-dir '{}/logs' -- sh -c 'env > {}/env_$RANK; "
-                                  "test -d \"$(dirname \"$TORCHELASTIC_ERROR_FILE\")\"'",
-                                  bin("lorarun"), dir, dir));
+  const Result r =
+      sh(fmt::format("env -u OMP_NUM_THREADS {} --nproc-per-node 2 --master-port 29321 --run-id ev "
+                     "--max-restarts 3 --log-dir '{}/logs' -- sh -c 'env > {}/env_$RANK; "
+                     "test -d \"$(dirname \"$TORCHELASTIC_ERROR_FILE\")\"'",
+                     bin("lorarun"), dir, dir));
   INFO(r.output);
   CHECK(r.status == 0);
   const std::string env = read_file(dir + "/env_1");
@@ -190,10 +200,11 @@ TEST_CASE("workers get every variable torchrun sets", "[e2e]") {
 
 TEST_CASE("SIGTERM to lorarun during restarts stops the group for good and exits 143", "[e2e]") {
   const std::string dir = temp_dir("restart-sigterm");
-  sh(fmt::format("( {} --nproc-per-node 2 --max-restarts 5 --grace-period 5 -- sh -c "
-                 "'if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exit 1; fi; exec sleep 30' & echo $! > '{d}/pid'; "
-                 "wait $!; echo $? > '{d}/status' ) > '{d}/log' 2>&1 &",
-                 bin("lorarun"), fmt::arg("d", dir)));
+  sh(
+      fmt::format("( {} --nproc-per-node 2 --max-restarts 5 --grace-period 5 -- sh -c "
+                  "'if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exit 1; fi; exec sleep 30' & echo $! > '{d}/pid'; "
+                  "wait $!; echo $? > '{d}/status' ) > '{d}/log' 2>&1 &",
+                  bin("lorarun"), fmt::arg("d", dir)));
   REQUIRE(wait_for([&] { return read_file(dir + "/log").find("restart 1 of 5, master") != std::string::npos; }, 10.0));
   kill(std::stoi(read_file(dir + "/pid")), SIGTERM);
   REQUIRE(wait_for([&] { return !read_file(dir + "/status").empty(); }, 10.0));

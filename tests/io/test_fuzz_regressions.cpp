@@ -2,11 +2,11 @@
 // each was accepted with a shape lib/model cannot use, or worse, before the fix.
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <string>
-#include <unistd.h>
 
 #include "io/safetensors.hpp"
 #include "util/error.hpp"
@@ -21,7 +21,8 @@ struct RawSafetensors {
   fs::path dir, path;
   RawSafetensors(const std::string& header, size_t data_bytes) {
     static int counter = 0;
-    dir = fs::temp_directory_path() / ("lorarun-fuzzreg-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    dir =
+        fs::temp_directory_path() / ("lorarun-fuzzreg-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
     fs::create_directories(dir);
     path = dir / "t.safetensors";
     std::ofstream out(path, std::ios::binary);

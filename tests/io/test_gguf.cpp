@@ -3,11 +3,11 @@
 // every value type and every tensor type we dequantise; and what a truncated or hostile file gets:
 // one line naming the file and the problem, never a crash or a huge allocation.
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -36,26 +36,29 @@ test::Oracle gguf_check(const std::string& mode, const std::string& path) {
 }
 
 void require_smollm2() {
-  if (!std::filesystem::exists(kSmolLM2))
-    FAIL(kSmolLM2 << " is missing: run scripts/setup (or scripts/fetch-models)");
+  if (!std::filesystem::exists(kSmolLM2)) FAIL(kSmolLM2 << " is missing: run scripts/setup (or scripts/fetch-models)");
 }
 
 // A metadata value as gguf-py's contents() gives it in JSON.
 json to_json(const io::GgufValue& v) {
   const bool bools = (v.type == GgufType::Array ? v.item_type : v.type) == GgufType::Bool;
-  return std::visit([&](const auto& x) -> json {
-    using T = std::decay_t<decltype(x)>;
-    if constexpr (std::is_same_v<T, uint64_t>) return bools ? json(x != 0) : json(x);
-    else if constexpr (std::is_same_v<T, std::vector<uint64_t>>) {
-      json a = json::array();
-      for (uint64_t u : x) a.push_back(bools ? json(u != 0) : json(u));
-      return a;
-    } else if constexpr (std::is_same_v<T, std::vector<io::GgufValue>>) {
-      json a = json::array();
-      for (const auto& item : x) a.push_back(to_json(item));
-      return a;
-    } else return json(x);
-  }, v.data);
+  return std::visit(
+      [&](const auto& x) -> json {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, uint64_t>)
+          return bools ? json(x != 0) : json(x);
+        else if constexpr (std::is_same_v<T, std::vector<uint64_t>>) {
+          json a = json::array();
+          for (uint64_t u : x) a.push_back(bools ? json(u != 0) : json(u));
+          return a;
+        } else if constexpr (std::is_same_v<T, std::vector<io::GgufValue>>) {
+          json a = json::array();
+          for (const auto& item : x) a.push_back(to_json(item));
+          return a;
+        } else
+          return json(x);
+      },
+      v.data);
 }
 
 // "" when equal; otherwise where they first differ (arrays of 49,152 tokens are not printed whole).
@@ -155,9 +158,10 @@ std::map<std::string, TypeTally> check_against(const GgufFile& file, const json&
 
 void print_tally(const std::string& what, const std::map<std::string, TypeTally>& tally) {
   for (const auto& [type, k] : tally)
-    fmt::print("gguf: {} {}: {}/{} tensors ({} values) bit-identical to gguf-py's dequantize; "
-               "max |diff| at the sampled values {}\n", what, type, k.identical, k.tensors, k.values,
-               k.max_sample_diff);
+    fmt::print(
+        "gguf: {} {}: {}/{} tensors ({} values) bit-identical to gguf-py's dequantize; "
+        "max |diff| at the sampled values {}\n",
+        what, type, k.identical, k.tensors, k.values, k.max_sample_diff);
 }
 
 // Little-endian GGUF bytes, for files gguf-py will not write.
@@ -296,8 +300,8 @@ TEST_CASE("gguf: every value type, arrays of arrays, and every tensor type we de
   const GgufFile f(path);
   const auto tally = check_against(f, ref.fields);
   print_tally("every type", tally);
-  for (const char* type : {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K",
-                           "Q4_K", "Q5_K", "Q6_K"}) {
+  for (const char* type :
+       {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}) {
     INFO(type);
     CHECK(tally.count(type) == 1);
   }
@@ -328,8 +332,8 @@ TEST_CASE("gguf: every value type, arrays of arrays, and every tensor type we de
   REQUIRE(iq != nullptr);
   CHECK_THROWS_WITH(model::dequantize(f, *iq),
                     Catch::Contains(path + ": tensor 'unsupported.IQ4_NL' has type IQ4_NL, which lorarun "
-                                    "cannot dequantise (supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
-                                    "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16)"));
+                                           "cannot dequantise (supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                                           "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16)"));
   CHECK_THROWS_WITH(model::dequantize(f, "nope"), Catch::Contains(path + " has no tensor 'nope'"));
 }
 
@@ -347,8 +351,7 @@ TEST_CASE("gguf: a small file reads, and every truncation of it is one line nami
   }
 }
 
-TEST_CASE("gguf: the real file truncated in its metadata, its tensor infos and its data is refused",
-          "[gguf]") {
+TEST_CASE("gguf: the real file truncated in its metadata, its tensor infos and its data is refused", "[gguf]") {
   require_smollm2();
   const std::string dir = test::temp_dir("gguf-real-truncated");
   std::ifstream in(kSmolLM2, std::ios::binary);
@@ -367,8 +370,7 @@ TEST_CASE("gguf: the real file truncated in its metadata, its tensor infos and i
   }
 }
 
-TEST_CASE("gguf: hostile counts, lengths, offsets and types are one-line errors, never allocations",
-          "[gguf]") {
+TEST_CASE("gguf: hostile counts, lengths, offsets and types are one-line errors, never allocations", "[gguf]") {
   const std::string dir = test::temp_dir("gguf-hostile");
   const uint64_t huge = uint64_t{1} << 62;
   // Lengths and counts far beyond the file.
@@ -376,7 +378,8 @@ TEST_CASE("gguf: hostile counts, lengths, offsets and types are one-line errors,
                 "is an array of 4611686018427387904 STRING items, more than the 0 bytes left");
   check_refused(dir, Bytes().header(0, 1).str("a").u32(9).u32(0).u64(huge).u64(0).s,
                 "array of 4611686018427387904 UINT8 items");
-  check_refused(dir, Bytes().header(0, 1).str("a").u32(9).u32(9).u64(huge).s, "array of 4611686018427387904 ARRAY items");
+  check_refused(dir, Bytes().header(0, 1).str("a").u32(9).u32(9).u64(huge).s,
+                "array of 4611686018427387904 ARRAY items");
   check_refused(dir, Bytes().header(0, 1).u64(uint64_t{1} << 63).u64(0).s, "has length 9223372036854775808");
   check_refused(dir, Bytes().header(0, 1).str("a").u32(8).u64(~uint64_t{0}).s, "has length 18446744073709551615");
   check_refused(dir, Bytes().header(0, huge).s, "4611686018427387904 metadata keys cannot fit");
@@ -387,7 +390,8 @@ TEST_CASE("gguf: hostile counts, lengths, offsets and types are one-line errors,
   check_refused(dir, deep.s, "nests arrays deeper than 8");
 
   // Tensor offsets and shapes.
-  check_refused(dir, tiny(uint64_t{1} << 40), "tensor 'q' data (68 bytes at offset 1099511627776) is outside the 100-byte data section");
+  check_refused(dir, tiny(uint64_t{1} << 40),
+                "tensor 'q' data (68 bytes at offset 1099511627776) is outside the 100-byte data section");
   check_refused(dir, tiny(~uint64_t{0} - 31), "is outside the");
   check_refused(dir, tiny(33), "tensor 'q' has offset 33, not a multiple of the alignment 32");
   check_refused(dir, tiny(0), "tensors 'w' and 'q' overlap");
@@ -395,7 +399,8 @@ TEST_CASE("gguf: hostile counts, lengths, offsets and types are one-line errors,
     return Bytes().header(1, 0).tensor("t", dims, type, 0).pad(32).s + std::string(64, '\0');
   };
   check_refused(dir, one_tensor({1, 1, 1, 1, 1}, 0), "tensor 't' has 5 dimensions (at most 4)");
-  check_refused(dir, one_tensor({uint64_t{1} << 63}, 0), "tensor 't' is too large (dimension 0 is 9223372036854775808)");
+  check_refused(dir, one_tensor({uint64_t{1} << 63}, 0),
+                "tensor 't' is too large (dimension 0 is 9223372036854775808)");
   check_refused(dir, one_tensor({uint64_t{1} << 30, uint64_t{1} << 30}, 0), "tensor 't' is too large (dimension 1");
   check_refused(dir, one_tensor({16}, 77), "tensor 't' has unknown ggml type 77");
   check_refused(dir, one_tensor({31}, 8), "rows of 31 elements, not a multiple of its block size 32");
@@ -404,11 +409,15 @@ TEST_CASE("gguf: hostile counts, lengths, offsets and types are one-line errors,
   // Keys, header and alignment.
   check_refused(dir, Bytes().header(0, 1).str("a").u32(13).u32(0).s, "key 'a' has unknown value type 13");
   check_refused(dir, Bytes().header(0, 2).key_u32("a", 1).key_u32("a", 2).s, "key 'a' appears twice");
-  check_refused(dir, Bytes().header(2, 0).tensor("t", {1}, 0, 0).tensor("t", {1}, 0, 32).pad(32).s + std::string(64, '\0'),
+  check_refused(dir,
+                Bytes().header(2, 0).tensor("t", {1}, 0, 0).tensor("t", {1}, 0, 32).pad(32).s + std::string(64, '\0'),
                 "tensor 't' appears twice");
-  check_refused(dir, Bytes().header(0, 1).key_u32("general.alignment", 3).s, "general.alignment 3 is not a power of two");
-  check_refused(dir, Bytes().header(0, 1).key_u32("general.alignment", 0).s, "general.alignment 0 is not a power of two");
-  check_refused(dir, Bytes().header(0, 1).str("general.alignment").u32(10).u64(32).s, "general.alignment is UINT64, not UINT32");
+  check_refused(dir, Bytes().header(0, 1).key_u32("general.alignment", 3).s,
+                "general.alignment 3 is not a power of two");
+  check_refused(dir, Bytes().header(0, 1).key_u32("general.alignment", 0).s,
+                "general.alignment 0 is not a power of two");
+  check_refused(dir, Bytes().header(0, 1).str("general.alignment").u32(10).u64(32).s,
+                "general.alignment is UINT64, not UINT32");
   check_refused(dir, "GGML" + Bytes().u32(3).u64(0).u64(0).s, "is not a GGUF file (it does not start with \"GGUF\")");
   check_refused(dir, Bytes().header(0, 0, 1).s, "is GGUF version 1, which lorarun does not read");
   check_refused(dir, Bytes().header(0, 0, 0x03000000).s, "is a big-endian GGUF file");

@@ -1,9 +1,9 @@
 // Bad model, weight and adapter files: one clear error each, never a crash, nothing written.
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 
 #include "io/safetensors.hpp"
@@ -51,8 +51,10 @@ TEST_CASE("corrupt safetensors files are rejected with the reason") {
                     Catch::Contains("has 16 bytes but dtype F32 and shape [3] need 12"));
   CHECK_THROWS_WITH(SafetensorsFile(write_raw(dir, R"({"a":{"dtype":"Q4","shape":[4],"data_offsets":[0,4]}})", 4)),
                     Catch::Contains("dtype 'Q4' is not supported"));
-  CHECK_THROWS_WITH(SafetensorsFile(write_raw(dir, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-                                                   R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12)),
+  CHECK_THROWS_WITH(SafetensorsFile(write_raw(dir,
+                                              R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                              R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                                              12)),
                     Catch::Contains("overlap"));
   CHECK_THROWS_WITH(SafetensorsFile(write_raw(dir, R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4)),
                     Catch::Contains("bad shape"));
@@ -96,7 +98,8 @@ TEST_CASE("adapters for another base, unknown keys, and targets that match nothi
                     Catch::Contains("was made for another base model"));
   CHECK_THROWS_WITH(model::load_adapter(llama, kFixtures + "/gpt2/peft_adapter"),
                     Catch::Contains("names no linear layer of this llama model"));
-  CHECK_THROWS_WITH(model::load_adapter(llama, kFixtures + "/nowhere"), Catch::Contains("adapter_config.json not found"));
+  CHECK_THROWS_WITH(model::load_adapter(llama, kFixtures + "/nowhere"),
+                    Catch::Contains("adapter_config.json not found"));
   model::LoraConfig cfg;
   cfg.target_modules = {"query_key_value"};
   CHECK_THROWS_WITH(model::attach_lora(llama, cfg, 0),
@@ -109,13 +112,15 @@ TEST_CASE("lora-merge output loads in transformers and gives PEFT's merged logit
   for (const std::string family : {"llama", "gpt2", "opt", "mistral"}) {
     INFO(family);
     const std::string base = kFixtures + "/" + family;
-    const test::Result r = test::sh(fmt::format("{} --model {} --adapter {}/peft_adapter --out {}/{} --max-shard-size 40KB",
-                                                test::bin("lora-merge"), base, base, out, family));
+    const test::Result r =
+        test::sh(fmt::format("{} --model {} --adapter {}/peft_adapter --out {}/{} --max-shard-size 40KB",
+                             test::bin("lora-merge"), base, base, out, family));
     INFO(r.output);
     REQUIRE(r.status == 0);
     CHECK(fs::exists(out + "/" + family + "/model.safetensors.index.json"));  // sharded at 40KB
-    const test::Result check = test::sh(fmt::format("'{}' '{}/tests/reference/check.py' model {}/{} {}/reference.safetensors merged_logits",
-                                                    LORARUN_PYTHON, LORARUN_SOURCE_DIR, out, family, base));
+    const test::Result check =
+        test::sh(fmt::format("'{}' '{}/tests/reference/check.py' model {}/{} {}/reference.safetensors merged_logits",
+                             LORARUN_PYTHON, LORARUN_SOURCE_DIR, out, family, base));
     INFO(check.output);
     CHECK(check.status == 0);
   }
@@ -125,8 +130,9 @@ TEST_CASE("lora-merge with bad input: one line, non-zero, nothing written", "[e2
   const std::string out = test::temp_dir("merge-bad");
   const std::string llama = kFixtures + "/llama";
   for (const std::string& adapter : {kFixtures + "/qwen2/peft_adapter", out + "/missing"}) {
-    const test::Result r = test::sh(fmt::format("{} --model {} --adapter {} --out {}/x", test::bin("lora-merge"),
-                                                llama, adapter, out), test::Capture::StderrOnly);
+    const test::Result r =
+        test::sh(fmt::format("{} --model {} --adapter {} --out {}/x", test::bin("lora-merge"), llama, adapter, out),
+                 test::Capture::StderrOnly);
     INFO(r.output);
     CHECK(r.status == 1);
     CHECK(test::count_lines(r.output) == 1);
@@ -134,7 +140,8 @@ TEST_CASE("lora-merge with bad input: one line, non-zero, nothing written", "[e2
     CHECK(fs::is_empty(out));
   }
   const test::Result r = test::sh(fmt::format("{} --model {} --adapter {}/peft_adapter --out {} --max-shard-size 5XB",
-                                              test::bin("lora-merge"), llama, llama, out + "/y"), test::Capture::StderrOnly);
+                                              test::bin("lora-merge"), llama, llama, out + "/y"),
+                                  test::Capture::StderrOnly);
   CHECK_THAT(r.output, Catch::Contains("size '5XB' is not a positive size"));
   CHECK(fs::is_empty(out));
 }
@@ -153,6 +160,7 @@ TEST_CASE("a model id is found in the local Hugging Face cache, never downloaded
   CHECK(m.dir() == snap);
   CHECK_THROWS_WITH(model::CausalLM::load("tiny/absent", at::kFloat, at::kCPU),
                     Catch::Contains("model 'tiny/absent' is neither a directory nor in the local Hugging Face "
-                                    "cache") && Catch::Contains("never downloads"));
+                                    "cache") &&
+                        Catch::Contains("never downloads"));
   unsetenv("HF_HOME");
 }

@@ -1,15 +1,15 @@
 // lora-data stats / preview / import on the fixture llama's tokenizer, checked against HF
 // tokenizers (tests/reference/lora_data_check.py) and a dataset whose counts are known.
+#include <fmt/format.h>
+#include <unistd.h>
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdlib>
-#include <fmt/format.h>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <unistd.h>
 
 #include "support/process.hpp"
 #include "support/servers.hpp"
@@ -28,12 +28,18 @@ void write_designed(const std::string& path) {
   std::ofstream f(path);
   for (int i = 0, good = 0; i < 49; ++i) {
     const std::string q = fmt::format("Add {} and {}", good, good + 1);
-    if (i == 3 || i == 10) f << json{{"instruction", q}}.dump() << "\n";
-    else if (i == 15) f << json{{"instruction", q}, {"output", 7}}.dump() << "\n";
-    else if (i == 20) f << json{{"instruction", q}, {"output", ""}}.dump() << "\n";
-    else if (i == 25) f << "{not json\n\n";
-    else if (i >= 30 && i < 34) f << json{{"instruction", q}, {"output", std::string(400, 'z') + " the end"}}.dump() << "\n";
-    else f << json{{"instruction", q}, {"output", std::to_string(2 * good++ + 1)}}.dump() << "\n";
+    if (i == 3 || i == 10)
+      f << json{{"instruction", q}}.dump() << "\n";
+    else if (i == 15)
+      f << json{{"instruction", q}, {"output", 7}}.dump() << "\n";
+    else if (i == 20)
+      f << json{{"instruction", q}, {"output", ""}}.dump() << "\n";
+    else if (i == 25)
+      f << "{not json\n\n";
+    else if (i >= 30 && i < 34)
+      f << json{{"instruction", q}, {"output", std::string(400, 'z') + " the end"}}.dump() << "\n";
+    else
+      f << json{{"instruction", q}, {"output", std::to_string(2 * good++ + 1)}}.dump() << "\n";
   }
 }
 
@@ -47,8 +53,10 @@ std::string write_recipe(const std::string& dir, const std::string& source) {
                        parts.substr(c1 + 1, c2 - c1 - 1), parts.substr(c2 + 1));
   }
   const std::string path = dir + "/recipe.yaml";
-  std::ofstream(path) << fmt::format("model: {{path: {}}}\ndata: {{{}, format: instruction, prompt_template: "
-                                     "\"Q: {{instruction}}\\nA: \", max_length: 64}}\n", kModel, data);
+  std::ofstream(path) << fmt::format(
+      "model: {{path: {}}}\ndata: {{{}, format: instruction, prompt_template: "
+      "\"Q: {{instruction}}\\nA: \", max_length: 64}}\n",
+      kModel, data);
   return path;
 }
 
@@ -129,10 +137,11 @@ TEST_CASE("lora-data preview ids equal HF tokenizers' and labels mask exactly th
   // #0 "Q: Add 0 and 1\nA: " + "1" + EOS: a masked prompt, then trained tokens to the end.
   const auto ids = docs[0]["ids"].get<std::vector<int>>(), labels = docs[0]["labels"].get<std::vector<int>>();
   REQUIRE(ids.size() == labels.size());
-  const size_t prompt = static_cast<size_t>(std::find_if(labels.begin(), labels.end(), [](int l) { return l != -100; }) - labels.begin());
+  const size_t prompt =
+      static_cast<size_t>(std::find_if(labels.begin(), labels.end(), [](int l) { return l != -100; }) - labels.begin());
   CHECK(prompt > 3);
   CHECK(std::equal(ids.begin() + static_cast<long>(prompt), ids.end(), labels.begin() + static_cast<long>(prompt)));
-  CHECK(ids.back() == 0);  // <|endoftext|>
+  CHECK(ids.back() == 0);               // <|endoftext|>
   CHECK(docs[30]["ids"].size() == 64);  // truncated to data.max_length
 
   const Result c = sh(oracle("preview", dir + "/data.jsonl", "truncate", dir + "/ours.jsonl"));
@@ -154,13 +163,15 @@ TEST_CASE("lora-data import streams JSONL into MongoDB in batches and names a ba
   const auto write = [&](const std::string& name, int lines, int bad_line) {
     std::ofstream f(dir + "/" + name);
     for (int n = 1; n <= lines; ++n)
-      f << (n == bad_line ? "[\"not an object\"]" : json{{"instruction", fmt::format("Say {}", n)}, {"output", "ok"}}.dump()) << "\n";
+      f << (n == bad_line ? "[\"not an object\"]"
+                          : json{{"instruction", fmt::format("Say {}", n)}, {"output", "ok"}}.dump())
+        << "\n";
   };
   write("good.jsonl", 2500, 0);
   write("bad.jsonl", 2500, 1700);
   write("bad_early.jsonl", 10, 5);
-  const std::string import = fmt::format("{} import --uri '{}' --db lorarun_test_lora_data --collection {} ",
-                                         bin("lora-data"), uri, coll);
+  const std::string import =
+      fmt::format("{} import --uri '{}' --db lorarun_test_lora_data --collection {} ", bin("lora-data"), uri, coll);
   const std::string recipe = write_recipe(dir, fmt::format("mongodb:{}:lorarun_test_lora_data:{}", uri, coll));
 
   const Result ok = sh(import + dir + "/good.jsonl --drop");
@@ -171,7 +182,8 @@ TEST_CASE("lora-data import streams JSONL into MongoDB in batches and names a ba
   CHECK(stats_json(recipe)["examples"] == 2500);
 
   // Line 1,700 is bad: the first whole batch (1,000) is in, nothing after it.
-  check_one_line_error(import + dir + "/bad.jsonl --drop", "bad.jsonl:1700: not a JSON object (1000 documents inserted");
+  check_one_line_error(import + dir + "/bad.jsonl --drop",
+                       "bad.jsonl:1700: not a JSON object (1000 documents inserted");
   CHECK(stats_json(recipe)["documents"] == 1000);
   // A bad line in the first batch leaves the collection as it was, --drop or not.
   check_one_line_error(import + dir + "/bad_early.jsonl --drop", "bad_early.jsonl:5: not a JSON object (0 documents");
@@ -185,8 +197,9 @@ TEST_CASE("lora-data errors are one line and exit 1", "[e2e][lora-data]") {
   check_one_line_error(fmt::format("{} stats {}/nope.yaml", bin("lora-data"), dir), "nope.yaml");
   check_one_line_error(fmt::format("{} preview {}", bin("lora-data"), recipe), "see lora-data --help");
   check_one_line_error(fmt::format("{} stats {} data.max_lenght=5", bin("lora-data"), recipe), "max_length");
-  check_one_line_error(fmt::format("env -u LORARUN_MONGODB_URI {} import {} --db d --collection c", bin("lora-data"), recipe),
-                       "give --uri or set LORARUN_MONGODB_URI");
+  check_one_line_error(
+      fmt::format("env -u LORARUN_MONGODB_URI {} import {} --db d --collection c", bin("lora-data"), recipe),
+      "give --uri or set LORARUN_MONGODB_URI");
 }
 
 TEST_CASE("an unreachable data.uri stops lora-train and lora-data within data.timeout_s, not dist.timeout_s",
@@ -198,15 +211,18 @@ TEST_CASE("an unreachable data.uri stops lora-train and lora-data within data.ti
   // `timeout 120`: before data.timeout_s, lora-train waited dist.timeout_s (600 s) here.
   for (const std::string& cmd :
        {fmt::format("timeout 120 {} {} data.timeout_s=2 dist.timeout_s=600 model.device=cpu track.mongodb=false "
-                    "checkpoint.output_dir={}/out", bin("lora-train"), recipe, dir),
+                    "checkpoint.output_dir={}/out",
+                    bin("lora-train"), recipe, dir),
         fmt::format("timeout 120 {} stats {} data.timeout_s=2", bin("lora-data"), recipe)}) {
     const Result r = sh(cmd);
     INFO(cmd << "\n" << r.output);
     CHECK(r.status == 1);
     CHECK(r.seconds < 2 + 8);  // the timeout, and loading the tiny model
-    CHECK_THAT(r.output, Catch::Contains(fmt::format("error: cannot reach MongoDB at mongodb://alice:****@127.0.0.1:{}/ "
-                                                     "within 2 s (data.timeout_s): ", silent.port)) &&
-                             Catch::Contains("start the server or fix data.uri\n"));
+    CHECK_THAT(r.output,
+               Catch::Contains(fmt::format("error: cannot reach MongoDB at mongodb://alice:****@127.0.0.1:{}/ "
+                                           "within 2 s (data.timeout_s): ",
+                                           silent.port)) &&
+                   Catch::Contains("start the server or fix data.uri\n"));
     CHECK(r.output.find("error:") == r.output.rfind("error:"));  // one error line, no stack
     CHECK_THAT(r.output, !Catch::Contains("s3cr3t"));
   }
@@ -219,7 +235,8 @@ TEST_CASE("lora-train --dry-run runs data.filter on the server when it answers",
   std::ofstream(dir + "/docs.jsonl") << json{{"instruction", "a"}, {"output", "b"}}.dump() << "\n"
                                      << json{{"instruction", "c"}, {"output", "d"}}.dump() << "\n";
   REQUIRE(sh(fmt::format("{} import --uri '{}' --db lorarun_test_lora_data --collection {} {}/docs.jsonl --drop",
-                         bin("lora-data"), uri, coll, dir)).status == 0);
+                         bin("lora-data"), uri, coll, dir))
+              .status == 0);
   const std::string recipe = write_recipe(dir, fmt::format("mongodb:{}:lorarun_test_lora_data:{}", uri, coll));
   const std::string dry = fmt::format("{} --dry-run {}", bin("lora-train"), recipe);
 
@@ -240,8 +257,8 @@ TEST_CASE("lora-train --dry-run runs data.filter on the server when it answers",
 
   // No server: the recipe itself is fine, so a warning and exit 0.
   const SilentPort silent;
-  const Result down = sh(fmt::format("{} 'data.filter={{$foo: 1}}' data.timeout_s=1 data.uri=mongodb://127.0.0.1:{}/",
-                                     dry, silent.port));
+  const Result down = sh(
+      fmt::format("{} 'data.filter={{$foo: 1}}' data.timeout_s=1 data.uri=mongodb://127.0.0.1:{}/", dry, silent.port));
   INFO(down.output);
   CHECK(down.status == 0);
   CHECK_THAT(down.output, Catch::Contains("warning: could not check data.filter: cannot reach MongoDB at"));

@@ -1,8 +1,8 @@
 // The memory features against the plain path on every fixture family: the chunked loss from
 // hidden states, activation checkpointing, and packed documents.
 #include <ATen/ATen.h>
-#include <catch2/catch.hpp>
 #include <fmt/format.h>
+#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 #include "io/files.hpp"
@@ -61,8 +61,8 @@ Result backward(CausalLM& m, const LossSum& l) {
   return r;
 }
 
-Result chunked(CausalLM& m, const at::Tensor& ids, const at::Tensor& mask, const at::Tensor& labels, bool packed = false,
-               int64_t chunk_rows = 1 << 20) {
+Result chunked(CausalLM& m, const at::Tensor& ids, const at::Tensor& mask, const at::Tensor& labels,
+               bool packed = false, int64_t chunk_rows = 1 << 20) {
   const auto [rows, targets] = trained_rows(labels);
   const at::Tensor h = m.hidden_states(ids, mask, nullptr, packed);
   return backward(m, lm_head_loss(h, m.lm_head(), rows, targets, chunk_rows * m.lm_head().size(0) * 4));
@@ -128,7 +128,8 @@ TEST_CASE("packed documents give the loss and gradients of one document per row"
       labels.back()[0] = -100;  // nothing predicts a document's first token
       seg.push_back(at::full({n}, b + 1, at::kLong));
     }
-    const Result packed = chunked(m, at::cat(ids).unsqueeze(0), at::cat(seg).unsqueeze(0), at::cat(labels).unsqueeze(0), true);
+    const Result packed =
+        chunked(m, at::cat(ids).unsqueeze(0), at::cat(seg).unsqueeze(0), at::cat(labels).unsqueeze(0), true);
     INFO(fmt::format("loss sum: rows {} packed {}", rows.loss, packed.loss));
     CHECK(std::abs(packed.loss - rows.loss) <= 1e-5 * rows.loss);
     CHECK(grad_diff(packed, rows) <= 1e-5);

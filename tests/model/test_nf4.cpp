@@ -3,12 +3,12 @@
 // way on every CPU (LORARUN_TEST_FORCE_BNB_AVX512BF16=1 runs the references as on an AVX-512 BF16 one).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <catch2/catch.hpp>
 #include <fmt/format.h>
-#include <fstream>
-#include <nlohmann/json.hpp>
 #include <malloc.h>
 #include <unistd.h>
+#include <catch2/catch.hpp>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "model/lora.hpp"
 #include "model/loss.hpp"
@@ -207,8 +207,9 @@ TEST_CASE("QLoRA logits equal transformers + PEFT on bitsandbytes' NF4 weights",
       save_adapter(m, cfg, dir);
       c10::NoGradGuard no_grad;
       const at::Tensor logits = m.forward(ref.at("input_ids"), ref.at("attention_mask"));
-      save_tensors(dir + "/expected.safetensors", {{"input_ids", ref.at("input_ids")},
-                                                   {"attention_mask", ref.at("attention_mask")}, {"logits", logits}});
+      save_tensors(
+          dir + "/expected.safetensors",
+          {{"input_ids", ref.at("input_ids")}, {"attention_mask", ref.at("attention_mask")}, {"logits", logits}});
       cases += " " + c;
     }
   }
@@ -218,18 +219,24 @@ TEST_CASE("QLoRA logits equal transformers + PEFT on bitsandbytes' NF4 weights",
 }
 
 // (No semicolons in test names: CTest's test discovery splits names there.)
-TEST_CASE("lora-train with lora.quantize_base follows transformers + PEFT on the NF4 base, PEFT loads the adapter "
-          "onto a 4-bit model, lora-eval --quantize-base agrees", "[e2e][reference]") {
+TEST_CASE(
+    "lora-train with lora.quantize_base follows transformers + PEFT on the NF4 base, PEFT loads the adapter "
+    "onto a 4-bit model, lora-eval --quantize-base agrees",
+    "[e2e][reference]") {
   const std::string dir = test::temp_dir("qlora-train");
   {
     std::ofstream data(dir + "/data.jsonl"), docs(dir + "/docs.jsonl");
     for (int i = 0; i < 12; ++i) {
-      data << nlohmann::json{{"instruction", fmt::format("Add {} and {}", i, 3 * i + 1)}, {"output", std::to_string(4 * i + 1)}}.dump() << "\n";
+      data << nlohmann::json{{"instruction", fmt::format("Add {} and {}", i, 3 * i + 1)},
+                             {"output", std::to_string(4 * i + 1)}}
+                  .dump()
+           << "\n";
       docs << nlohmann::json{{"text", fmt::format("Q: Add {} and {}\nA: {}", i, i + 2, 2 * i + 2)}}.dump() << "\n";
     }
   }
-  const test::Result init = test::sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {}/llama {}/init 4 8 7",
-                                                 LORARUN_PYTHON, LORARUN_SOURCE_DIR, kFixtures, dir));
+  const test::Result init =
+      test::sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {}/llama {}/init 4 8 7", LORARUN_PYTHON,
+                           LORARUN_SOURCE_DIR, kFixtures, dir));
   REQUIRE(init.status == 0);
   for (const bool dq : {true, false}) {  // without double quantisation, with activation checkpointing
     const std::string name = fmt::format("dq{}", int(dq));
@@ -239,13 +246,14 @@ data: {{source: jsonl, path: {}/data.jsonl, format: instruction, prompt_template
 train: {{epochs: 2, lr: 5.0e-3, warmup_steps: 2, lr_scheduler: cosine, activation_checkpointing: {}}}
 checkpoint: {{output_dir: {}/{}}}
 track: {{mongodb: false}}
-)", kFixtures, dq, dir, dir, !dq, dir, name);
+)",
+                                                             kFixtures, dq, dir, dir, !dq, dir, name);
     const test::Result t = test::sh(fmt::format("{} --nproc-per-node 2 {}/{}.yaml", test::bin("lorarun"), dir, name));
     INFO(t.output);
     REQUIRE(t.status == 0);
     CHECK_THAT(t.output, Catch::Contains("base linears in NF4"));
-    const test::Oracle ref = test::oracle(nf4_check(fmt::format("train {} {}/llama {}/init {}/data.jsonl {}/{} 2 2 1 2 5e-3 2",
-                                                                int(dq), kFixtures, dir, dir, dir, name)));
+    const test::Oracle ref = test::oracle(nf4_check(fmt::format(
+        "train {} {}/llama {}/init {}/data.jsonl {}/{} 2 2 1 2 5e-3 2", int(dq), kFixtures, dir, dir, dir, name)));
     INFO(ref.run.output);
     CHECK(ref.run.status == 0);
     CHECK(ref.fields.value("match", false));
@@ -256,10 +264,10 @@ track: {{mongodb: false}}
     if (peft_4bit == "compared") CHECK(ref.fields.at("peft_4bit_logit_diff").get<double>() <= 1e-4);
 
     const std::string adapter = fmt::format("{}/{}/epoch_1", dir, name);
-    const test::Result e = test::sh(fmt::format("{} --model {}/llama --adapter {} --quantize-base {} --data {}/docs.jsonl "
-                                                "--max-length 16 --per-doc {}/{}.losses.jsonl",
-                                                test::bin("lora-eval"), kFixtures, adapter, dq ? "" : "--no-double-quant",
-                                                dir, dir, name));
+    const test::Result e = test::sh(
+        fmt::format("{} --model {}/llama --adapter {} --quantize-base {} --data {}/docs.jsonl "
+                    "--max-length 16 --per-doc {}/{}.losses.jsonl",
+                    test::bin("lora-eval"), kFixtures, adapter, dq ? "" : "--no-double-quant", dir, dir, name));
     INFO(e.output);
     REQUIRE(e.status == 0);
     const test::Result c = test::sh(nf4_check(fmt::format("eval {} {}/llama {} {}/docs.jsonl 16 {}/{}.losses.jsonl",
@@ -272,20 +280,23 @@ track: {{mongodb: false}}
 TEST_CASE("lora-merge --qlora folds the adapter into dequantize(quantize(W))", "[e2e][reference]") {
   const std::string dir = test::temp_dir("qlora-merge");
   // (family, the dtype training quantised from, double quant)
-  for (const auto& [family, from, dq] : {std::tuple{"llama", "fp32", true}, {"gpt2", "fp32", true}, {"llama", "bf16", false}}) {
+  for (const auto& [family, from, dq] :
+       {std::tuple{"llama", "fp32", true}, {"gpt2", "fp32", true}, {"llama", "bf16", false}}) {
     INFO(family << " " << from << " dq " << dq);
     const std::string base = kFixtures + "/" + family, out = fmt::format("{}/{}-{}-{}", dir, family, from, int(dq));
-    const test::Result r = test::sh(fmt::format("{} --model {} --adapter {}/peft_adapter --out {} --dtype fp32 --qlora "
-                                                "--qlora-dtype {} {}", test::bin("lora-merge"), base, base, out, from,
-                                                dq ? "" : "--no-double-quant"));
+    const test::Result r =
+        test::sh(fmt::format("{} --model {} --adapter {}/peft_adapter --out {} --dtype fp32 --qlora "
+                             "--qlora-dtype {} {}",
+                             test::bin("lora-merge"), base, base, out, from, dq ? "" : "--no-double-quant"));
     INFO(r.output);
     REQUIRE(r.status == 0);
-    const test::Result c = test::sh(nf4_check(fmt::format("merge {} {}/peft_adapter {} {} {}", base, base, out, from, int(dq))));
+    const test::Result c =
+        test::sh(nf4_check(fmt::format("merge {} {}/peft_adapter {} {} {}", base, base, out, from, int(dq))));
     INFO(c.output);
     CHECK(c.status == 0);
   }
-  const test::Result bad = test::sh(fmt::format("{} --model {}/llama --adapter x --out y --no-double-quant",
-                                                test::bin("lora-merge"), kFixtures));
+  const test::Result bad = test::sh(
+      fmt::format("{} --model {}/llama --adapter x --out y --no-double-quant", test::bin("lora-merge"), kFixtures));
   CHECK(bad.status != 0);
   CHECK_THAT(bad.output, Catch::Contains("--no-double-quant requires --qlora"));
 }

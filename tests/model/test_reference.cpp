@@ -1,9 +1,9 @@
 // Our transformer families and LoRA against transformers + PEFT, on fixtures they made.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <filesystem>
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "io/files.hpp"
@@ -43,9 +43,7 @@ double max_diff_on_tokens(const at::Tensor& a, const at::Tensor& b, const at::Te
   return (a.index({real}) - b.index({real})).abs().max().item<double>();
 }
 
-CausalLM load(const std::string& family) {
-  return CausalLM::load(kFixtures + "/" + family, at::kFloat, at::kCPU);
-}
+CausalLM load(const std::string& family) { return CausalLM::load(kFixtures + "/" + family, at::kFloat, at::kCPU); }
 
 }  // namespace
 
@@ -118,8 +116,9 @@ TEST_CASE("PEFT loads the adapter we save and gives our logits", "[reference]") 
     const at::Tensor logits = m.forward(ref["input_ids"], ref["attention_mask"]);
     save_tensors(dir + "/expected.safetensors",
                  {{"input_ids", ref["input_ids"]}, {"attention_mask", ref["attention_mask"]}, {"logits", logits}});
-    const test::Result r = test::sh(fmt::format("'{}' '{}/tests/reference/check.py' adapter '{}/{}' '{}' '{}/expected.safetensors'",
-                                                LORARUN_PYTHON, LORARUN_SOURCE_DIR, kFixtures, family, dir, dir));
+    const test::Result r =
+        test::sh(fmt::format("'{}' '{}/tests/reference/check.py' adapter '{}/{}' '{}' '{}/expected.safetensors'",
+                             LORARUN_PYTHON, LORARUN_SOURCE_DIR, kFixtures, family, dir, dir));
     INFO(r.output);
     CHECK(r.status == 0);
   }
@@ -133,6 +132,6 @@ TEST_CASE("trainable summary counts like PEFT") {
   attach_lora(m, cfg, 1);
   // llama fixture: 2 layers, hidden 64, q_out 96, kv_out 48: A+B of q (8*64 + 96*8) and v (8*64 + 48*8)
   const int64_t trainable = 2 * ((8 * 64 + 96 * 8) + (8 * 64 + 48 * 8));
-  CHECK_THAT(trainable_summary(m), Catch::StartsWith(fmt::format("trainable params: {},{:03d} ||",
-                                                                 trainable / 1000, trainable % 1000)));
+  CHECK_THAT(trainable_summary(m),
+             Catch::StartsWith(fmt::format("trainable params: {},{:03d} ||", trainable / 1000, trainable % 1000)));
 }

@@ -1,6 +1,6 @@
 // lora-eval and lora-generate against transformers + PEFT on the fixture models.
-#include <catch2/catch.hpp>
 #include <fmt/format.h>
+#include <catch2/catch.hpp>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -22,8 +22,8 @@ TEST_CASE("lora-eval per-document losses equal transformers + PEFT's", "[e2e][re
   {
     std::ofstream data(dir + "/docs.jsonl");
     const char* texts[] = {"The quick brown fox jumps over the lazy dog.", "LoRA adapts a frozen layer.",
-                           "Ünïcödé 🦊 0123456789 and a longer sentence that goes on and on to be truncated here",
-                           "x", "Instruction: add two numbers. Response: 3 + 4 = 7"};
+                           "Ünïcödé 🦊 0123456789 and a longer sentence that goes on and on to be truncated here", "x",
+                           "Instruction: add two numbers. Response: 3 + 4 = 7"};
     for (const char* t : texts) data << nlohmann::json{{"text", t}}.dump() << "\n";
   }
   // One python reference run costs seconds: three cases cover base-only, adapters and families.
@@ -32,9 +32,10 @@ TEST_CASE("lora-eval per-document losses equal transformers + PEFT's", "[e2e][re
     const std::string base = kFixtures + "/" + family;
     {
       const std::string adapter = with_adapter ? base + "/peft_adapter" : "-";
-      const Result r = sh(fmt::format("{} --model {} {} --data {}/docs.jsonl --max-length 16 --batch-size 2 "
-                                      "--per-doc {}/losses.jsonl", bin("lora-eval"), base,
-                                      adapter == "-" ? "" : "--adapter " + adapter, dir, dir));
+      const Result r =
+          sh(fmt::format("{} --model {} {} --data {}/docs.jsonl --max-length 16 --batch-size 2 "
+                         "--per-doc {}/losses.jsonl",
+                         bin("lora-eval"), base, adapter == "-" ? "" : "--adapter " + adapter, dir, dir));
       INFO(r.output);
       REQUIRE(r.status == 0);
       CHECK_THAT(r.output, Catch::Contains("documents 4, predicted tokens"));  // "x" is one token: skipped
@@ -56,14 +57,17 @@ TEST_CASE("lora-eval --dump-logits writes transformers' logits in bf16 and fp32"
   }
   const std::string base = kFixtures + "/llama";
   for (const char* dtype : {"bf16", "fp32"}) {
-    const Result r = sh(fmt::format("{} --model {} --data {}/docs.jsonl --batch-size 3 --dtype {} --device cpu "
-                                    "--dump-logits {}/{}.safetensors", bin("lora-eval"), base, dir, dtype, dir, dtype));
+    const Result r =
+        sh(fmt::format("{} --model {} --data {}/docs.jsonl --batch-size 3 --dtype {} --device cpu "
+                       "--dump-logits {}/{}.safetensors",
+                       bin("lora-eval"), base, dir, dtype, dir, dtype));
     INFO(r.output);
     REQUIRE(r.status == 0);
   }
-  const Oracle c = oracle(fmt::format("'{}' '{}/bench/gpu/bench.py' ref-small --model {} --ours-bf16 {}/bf16.safetensors "
-                                      "--ours-fp32 {}/fp32.safetensors --device cpu", LORARUN_PYTHON, LORARUN_SOURCE_DIR,
-                                      base, dir, dir));
+  const Oracle c =
+      oracle(fmt::format("'{}' '{}/bench/gpu/bench.py' ref-small --model {} --ours-bf16 {}/bf16.safetensors "
+                         "--ours-fp32 {}/fp32.safetensors --device cpu",
+                         LORARUN_PYTHON, LORARUN_SOURCE_DIR, base, dir, dir));
   INFO(c.run.output);
   REQUIRE(c.run.status == 0);
   const nlohmann::json rows = c.fields.value("rows", nlohmann::json::array());
@@ -75,8 +79,10 @@ TEST_CASE("lora-generate greedy ids equal transformers' generate", "[e2e][refere
   for (const std::string family : {"llama", "gpt2", "opt"}) {
     INFO(family);
     const std::string base = kFixtures + "/" + family;
-    const Result r = sh(fmt::format("{} --model {} --adapter {}/peft_adapter --prompt 'The quick brown' "
-                                    "--max-new-tokens 12 --ids", bin("lora-generate"), base, base));
+    const Result r =
+        sh(fmt::format("{} --model {} --adapter {}/peft_adapter --prompt 'The quick brown' "
+                       "--max-new-tokens 12 --ids",
+                       bin("lora-generate"), base, base));
     INFO(r.output);
     REQUIRE(r.status == 0);
     const std::string ids = r.output.substr(0, r.output.find('\n'));
@@ -88,8 +94,10 @@ TEST_CASE("lora-generate greedy ids equal transformers' generate", "[e2e][refere
 
 TEST_CASE("lora-generate prints text and samples reproducibly", "[e2e]") {
   const std::string base = kFixtures + "/llama";
-  const std::string cmd = fmt::format("{} --model {} --prompt 'LoRA adapts' --max-new-tokens 8 --temperature 0.8 "
-                                      "--top-p 0.9 --seed 3", bin("lora-generate"), base);
+  const std::string cmd = fmt::format(
+      "{} --model {} --prompt 'LoRA adapts' --max-new-tokens 8 --temperature 0.8 "
+      "--top-p 0.9 --seed 3",
+      bin("lora-generate"), base);
   const Result a = sh(cmd), b = sh(cmd);
   INFO(a.output);
   CHECK(a.status == 0);

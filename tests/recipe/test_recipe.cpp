@@ -47,8 +47,8 @@ std::string override_error(const Strings& overrides) { return error_of(kBase, ov
 struct TempDir {
   fs::path dir;
   TempDir() {
-    dir = fs::temp_directory_path() / ("lorarun-recipe-" + std::to_string(::getpid()) + "-" +
-                                       std::to_string(reinterpret_cast<uintptr_t>(this)));
+    dir = fs::temp_directory_path() /
+          ("lorarun-recipe-" + std::to_string(::getpid()) + "-" + std::to_string(reinterpret_cast<uintptr_t>(this)));
     fs::create_directories(dir);
   }
   ~TempDir() { fs::remove_all(dir); }
@@ -130,75 +130,74 @@ TEST_CASE("every key has its documented default") {
 }
 
 TEST_CASE("the keys, in docs/recipe.md's order") {
-  CHECK(known_keys() ==
-        Strings{"model.path",
-                "model.dtype",
-                "model.device",
-                "lora.r",
-                "lora.alpha",
-                "lora.dropout",
-                "lora.target_modules",
-                "lora.use_rslora",
-                "lora.quantize_base",
-                "lora.double_quant",
-                "lora.init_from",
-                "data.source",
-                "data.uri",
-                "data.database",
-                "data.collection",
-                "data.path",
-                "data.filter",
-                "data.limit",
-                "data.format",
-                "data.prompt_template",
-                "data.response_field",
-                "data.text_field",
-                "data.messages_field",
-                "data.chat_format",
-                "data.train_on_input",
-                "data.max_length",
-                "data.overlong",
-                "data.bad_documents",
-                "data.shuffle",
-                "data.packing",
-                "data.batch_size",
-                "data.prefetch",
-                "data.shuffle_buffer",
-                "data.group_by_length",
-                "data.group_window",
-                "data.retries",
-                "data.retry_backoff_s",
-                "data.timeout_s",
-                "train.epochs",
-                "train.gradient_accumulation_steps",
-                "train.lr",
-                "train.weight_decay",
-                "train.lr_scheduler",
-                "train.warmup_steps",
-                "train.max_grad_norm",
-                "train.max_steps_per_epoch",
-                "train.seed",
-                "train.activation_checkpointing",
-                "checkpoint.output_dir",
-                "checkpoint.epochs_to_save",
-                "checkpoint.save_last_epoch_only",
-                "checkpoint.state_every_n_steps",
-                "checkpoint.resume",
-                "checkpoint.keep_resume_state",
-                "checkpoint.overwrite",
-                "dist.backend",
-                "dist.timeout_s",
-                "dist.debug_checksum_every_n_steps",
-                "dist.bucket_mb",
-                "track.mongodb",
-                "track.database",
-                "track.log_every_n_steps"});
+  CHECK(known_keys() == Strings{"model.path",
+                                "model.dtype",
+                                "model.device",
+                                "lora.r",
+                                "lora.alpha",
+                                "lora.dropout",
+                                "lora.target_modules",
+                                "lora.use_rslora",
+                                "lora.quantize_base",
+                                "lora.double_quant",
+                                "lora.init_from",
+                                "data.source",
+                                "data.uri",
+                                "data.database",
+                                "data.collection",
+                                "data.path",
+                                "data.filter",
+                                "data.limit",
+                                "data.format",
+                                "data.prompt_template",
+                                "data.response_field",
+                                "data.text_field",
+                                "data.messages_field",
+                                "data.chat_format",
+                                "data.train_on_input",
+                                "data.max_length",
+                                "data.overlong",
+                                "data.bad_documents",
+                                "data.shuffle",
+                                "data.packing",
+                                "data.batch_size",
+                                "data.prefetch",
+                                "data.shuffle_buffer",
+                                "data.group_by_length",
+                                "data.group_window",
+                                "data.retries",
+                                "data.retry_backoff_s",
+                                "data.timeout_s",
+                                "train.epochs",
+                                "train.gradient_accumulation_steps",
+                                "train.lr",
+                                "train.weight_decay",
+                                "train.lr_scheduler",
+                                "train.warmup_steps",
+                                "train.max_grad_norm",
+                                "train.max_steps_per_epoch",
+                                "train.seed",
+                                "train.activation_checkpointing",
+                                "checkpoint.output_dir",
+                                "checkpoint.epochs_to_save",
+                                "checkpoint.save_last_epoch_only",
+                                "checkpoint.state_every_n_steps",
+                                "checkpoint.resume",
+                                "checkpoint.keep_resume_state",
+                                "checkpoint.overwrite",
+                                "dist.backend",
+                                "dist.timeout_s",
+                                "dist.debug_checksum_every_n_steps",
+                                "dist.bucket_mb",
+                                "track.mongodb",
+                                "track.database",
+                                "track.log_every_n_steps"});
 }
 
 TEST_CASE("every enum value is accepted") {
   const Recipe r = load(kBase, {"model.dtype=fp16", "model.device=cpu", "data.chat_format=llama3", "data.overlong=skip",
-                         "data.bad_documents=fail", "data.shuffle=none", "train.lr_scheduler=linear",
-                         "checkpoint.resume=never", "dist.backend=gloo"});
+                                "data.bad_documents=fail", "data.shuffle=none", "train.lr_scheduler=linear",
+                                "checkpoint.resume=never", "dist.backend=gloo"});
   CHECK(r.model.dtype == Dtype::FP16);
   CHECK(r.model.device == Device::Cpu);
   CHECK(r.data.chat_format == ChatFormat::Llama3);
@@ -224,7 +223,8 @@ TEST_CASE("numbers: decimal and exponent forms are floats, integers are exact") 
   CHECK(load(kBase + "lora: {alpha: 32, dropout: 0.1}\n").lora.alpha == 32.0);
   CHECK(load(kBase + "train: {seed: 1234567890123}\n").train.seed == 1234567890123);
   CHECK(load(kBase + "lora: {use_rslora: yes}\n").lora.use_rslora);
-  CHECK(error_of(kBase + "lora: {r: 8.5}\n") == "recipe.yaml: lora.r must be a whole number, got '8.5' (e.g. lora.r: 8)");
+  CHECK(error_of(kBase + "lora: {r: 8.5}\n") ==
+        "recipe.yaml: lora.r must be a whole number, got '8.5' (e.g. lora.r: 8)");
   CHECK(error_of(kBase + "train: {lr: .inf}\n") ==
         "recipe.yaml: train.lr must be a number, got '.inf' (e.g. train.lr: 0.0002)");
   CHECK(error_of(kBase + "train: {epochs: 99999999999}\n") ==
@@ -258,8 +258,8 @@ TEST_CASE("overrides: every form") {
           "Q: {instruction}\nA: ");
   }
   SECTION("null, and an empty value, unset a nullable key") {
-    const Recipe r = load(kBase + "train: {max_steps_per_epoch: 10}\n",
-                          {"train.max_grad_norm=null", "train.max_steps_per_epoch="});
+    const Recipe r =
+        load(kBase + "train: {max_steps_per_epoch: 10}\n", {"train.max_grad_norm=null", "train.max_steps_per_epoch="});
     CHECK_FALSE(r.train.max_grad_norm);
     CHECK_FALSE(r.train.max_steps_per_epoch);
   }
@@ -311,16 +311,19 @@ TEST_CASE("unknown keys name the closest known key") {
         "recipe.yaml: unknown key 'train.grad_accum_steps'; did you mean 'train.gradient_accumulation_steps'?");
   CHECK(in_file("train: {dropout: 0.1}\n") == "recipe.yaml: unknown key 'train.dropout'; did you mean 'lora.dropout'?");
   CHECK(in_file("lora: {rank: 4}\n") == "recipe.yaml: unknown key 'lora.rank'; did you mean 'lora.r'?");
-  CHECK(in_file("lora: {lora_alpha: 32}\n") == "recipe.yaml: unknown key 'lora.lora_alpha'; did you mean 'lora.alpha'?");
+  CHECK(in_file("lora: {lora_alpha: 32}\n") ==
+        "recipe.yaml: unknown key 'lora.lora_alpha'; did you mean 'lora.alpha'?");
   CHECK(in_file("checkpoint: {epoch_to_save: all}\n") ==
         "recipe.yaml: unknown key 'checkpoint.epoch_to_save'; did you mean 'checkpoint.epochs_to_save'?");
   CHECK(in_file("checkpoint: {path: out}\n") ==
         "recipe.yaml: unknown key 'checkpoint.path'; did you mean 'checkpoint.output_dir'?");
-  CHECK(error_of("model: {path: /m, name: x}\n") == "recipe.yaml: unknown key 'model.name'; did you mean 'model.path'?");
+  CHECK(error_of("model: {path: /m, name: x}\n") ==
+        "recipe.yaml: unknown key 'model.name'; did you mean 'model.path'?");
   CHECK(in_file("track: {log_every: 10}\n") ==
         "recipe.yaml: unknown key 'track.log_every'; did you mean 'track.log_every_n_steps'?");
   CHECK(in_file("dist: {zzz: 1}\n") ==
-        "recipe.yaml: unknown key 'dist.zzz'; the keys of 'dist' are backend, timeout_s, debug_checksum_every_n_steps, bucket_mb");
+        "recipe.yaml: unknown key 'dist.zzz'; the keys of 'dist' are backend, timeout_s, debug_checksum_every_n_steps, "
+        "bucket_mb");
 }
 
 TEST_CASE("unknown sections name the closest section, or the key they hold") {
@@ -495,7 +498,8 @@ TEST_CASE("checkpoint.epochs_to_save and the checkpoint policy") {
         "list of 0-based epoch indices, got [1.5] (e.g. checkpoint.epochs_to_save: [0, 2])");
 
   SECTION("save_last_epoch_only with an explicit list: a warning, and only the last epoch") {
-    const Recipe r = load(kBase + "train: {epochs: 4}\ncheckpoint: {epochs_to_save: [1, 3], save_last_epoch_only: true}\n");
+    const Recipe r =
+        load(kBase + "train: {epochs: 4}\ncheckpoint: {epochs_to_save: [1, 3], save_last_epoch_only: true}\n");
     REQUIRE(r.warnings.size() == 1);
     CHECK(r.warnings[0] ==
           "recipe.yaml: checkpoint.save_last_epoch_only: true takes precedence over checkpoint.epochs_to_save: "
@@ -594,8 +598,7 @@ data:
 TEST_CASE("prompt templates: placeholders, escaped braces, unbalanced braces") {
   const Recipe r = load(kBase, {"data.prompt_template={instruction} {{literal}} {input} {instruction}"});
   CHECK(r.data.template_fields() == Strings{"instruction", "input"});
-  CHECK(parse_template("a {x} {{b}} c") ==
-        std::vector<TemplatePart>{{false, "a "}, {true, "x"}, {false, " {b} c"}});
+  CHECK(parse_template("a {x} {{b}} c") == std::vector<TemplatePart>{{false, "a "}, {true, "x"}, {false, " {b} c"}});
   CHECK(parse_template("{{{x}}}") == std::vector<TemplatePart>{{false, "{"}, {true, "x"}, {false, "}"}});
   CHECK(parse_template("").empty());
 
@@ -611,24 +614,27 @@ TEST_CASE("prompt templates: placeholders, escaped braces, unbalanced braces") {
   CHECK(override_error({"data.prompt_template=x {}"}) ==
         "recipe.yaml (override 'data.prompt_template=x {}'): data.prompt_template has an empty placeholder {} at "
         "character 3; name a document field such as {instruction}");
-  CHECK_THROWS_WITH(parse_template("{"), "the prompt template has an unmatched '{' at character 1; close the "
-                                         "placeholder with } or write {{ for a literal brace");
+  CHECK_THROWS_WITH(parse_template("{"),
+                    "the prompt template has an unmatched '{' at character 1; close the "
+                    "placeholder with } or write {{ for a literal brace");
 }
 
 TEST_CASE("files: a missing file, a directory, malformed YAML, the output_dir default") {
   TempDir tmp;
-  CHECK_THROWS_WITH(load_recipe((tmp.dir / "nope.yaml").string()),
-                    (tmp.dir / "nope.yaml").string() +
-                        ": cannot open the recipe (No such file or directory); check the path");
+  CHECK_THROWS_WITH(
+      load_recipe((tmp.dir / "nope.yaml").string()),
+      (tmp.dir / "nope.yaml").string() + ": cannot open the recipe (No such file or directory); check the path");
   CHECK_THROWS_WITH(load_recipe(tmp.dir.string()),
                     tmp.dir.string() + ": is a directory, not a recipe; give a .yaml file (see configs/)");
 
   const std::string bad = tmp.write("bad.yaml", "model:\n  path: m\n  dtype: bf16\n train:\n  lr: 1\n");
-  CHECK_THROWS_WITH(load_recipe(bad), bad + ": malformed YAML at line 4, column 2: end of map not found (check the "
-                                            "indentation, colons and quotes there)");
+  CHECK_THROWS_WITH(load_recipe(bad), bad +
+                                          ": malformed YAML at line 4, column 2: end of map not found (check the "
+                                          "indentation, colons and quotes there)");
   const std::string flow = tmp.write("flow.yaml", "model: {path: m\n");
-  CHECK_THROWS_WITH(load_recipe(flow), flow + ": malformed YAML at line 2, column 1: end of map flow not found "
-                                              "(check the indentation, colons and quotes there)");
+  CHECK_THROWS_WITH(load_recipe(flow), flow +
+                                           ": malformed YAML at line 2, column 1: end of map flow not found "
+                                           "(check the indentation, colons and quotes there)");
 
   const std::string unknown = tmp.write("my-run.yaml", kBase + "train:\n  learning_rate: 1e-4\n");
   CHECK_THROWS_WITH(load_recipe(unknown), unknown + ": unknown key 'train.learning_rate'; did you mean 'train.lr'?");
@@ -700,8 +706,9 @@ track: {mongodb: false, database: runs_db, log_every_n_steps: 29}
   // A default recipe and its text.
   const Recipe defaults = load(kBase);
   CHECK(load(to_yaml(defaults)) == defaults);
-  CHECK(to_yaml(defaults).starts_with("model:\n  path: \"/models/m\"\n  dtype: bf16\n  device: auto\nlora:\n  r: 8\n"
-                                      "  alpha: 16.0\n  dropout: 0.0\n  target_modules: [\"q_proj\", \"v_proj\"]\n"));
+  CHECK(
+      to_yaml(defaults).starts_with("model:\n  path: \"/models/m\"\n  dtype: bf16\n  device: auto\nlora:\n  r: 8\n"
+                                    "  alpha: 16.0\n  dropout: 0.0\n  target_modules: [\"q_proj\", \"v_proj\"]\n"));
   CHECK(to_yaml(defaults).find("\ntrain:\n  epochs: 3\n  gradient_accumulation_steps: 1\n  lr: 0.0002\n") !=
         std::string::npos);
   CHECK(to_json(defaults)["checkpoint"]["epochs_to_save"] == "all");

@@ -43,7 +43,8 @@ std::vector<std::string> lines_of(const std::string& text) {
 // The dotted names `section.key` a text mentions, for every section name; a name inside a longer
 // word or path (data/train.jsonl, base_model.model) is not one.
 std::set<std::string> dotted_names(const std::string& text) {
-  static const std::regex name(R"((^|[^A-Za-z0-9_./-])(model|lora|data|train|checkpoint|dist|track)\.([A-Za-z_][A-Za-z0-9_]*))");
+  static const std::regex name(
+      R"((^|[^A-Za-z0-9_./-])(model|lora|data|train|checkpoint|dist|track)\.([A-Za-z_][A-Za-z0-9_]*))");
   std::set<std::string> found;
   for (auto it = std::sregex_iterator(text.begin(), text.end(), name); it != std::sregex_iterator(); ++it)
     found.insert((*it)[2].str() + "." + (*it)[3].str());
@@ -70,8 +71,9 @@ TEST_CASE("docs/recipe.md: its key tables are the declarations") {
   }
   const std::vector<std::string> have = lines_of(written), want = lines_of(made);
   for (size_t i = 0; i < std::max(have.size(), want.size()); ++i) {
-    INFO("line " << i + 1 << " of the key tables; after changing lib/recipe/schema.hpp run "
-                             "LORARUN_UPDATE_RECIPE_DOC=1 build/bin/recipe_tests \"docs/recipe.md*\"");
+    INFO("line " << i + 1
+                 << " of the key tables; after changing lib/recipe/schema.hpp run "
+                    "LORARUN_UPDATE_RECIPE_DOC=1 build/bin/recipe_tests \"docs/recipe.md*\"");
     REQUIRE((i < have.size() ? have[i] : "(none)") == (i < want.size() ? want[i] : "(none)"));
   }
   CHECK(written == made);
@@ -152,8 +154,9 @@ TEST_CASE("every key is declared in full") {
 }
 
 TEST_CASE("the keys added after the first contract have their defaults") {
-  const Recipe r = recipe_from_yaml(YAML::Load("model: {path: /m}\ndata: {database: d, collection: c, "
-                                               "prompt_template: x}\n"));
+  const Recipe r =
+      recipe_from_yaml(YAML::Load("model: {path: /m}\ndata: {database: d, collection: c, "
+                                  "prompt_template: x}\n"));
   CHECK(r.lora.init_from.empty());
   CHECK_FALSE(r.data.group_by_length);
   CHECK(r.data.group_window == 64);

@@ -17,8 +17,10 @@ Oracle reported(Result run) {
     if (at == std::string::npos) continue;
     const auto fields = nlohmann::json::parse(line.substr(at + kMark.size()));
     for (const auto& [key, value] : fields.items()) {
-      if (key == "warning") o.warnings.push_back(value.get<std::string>());
-      else o.fields[key] = value;
+      if (key == "warning")
+        o.warnings.push_back(value.get<std::string>());
+      else
+        o.fields[key] = value;
     }
   }
   o.run = std::move(run);

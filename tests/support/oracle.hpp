@@ -10,9 +10,9 @@
 namespace lorarun::test {
 
 struct Oracle {
-  Result run;                         // exit status and the whole output, for INFO
+  Result run;                                        // exit status and the whole output, for INFO
   nlohmann::json fields = nlohmann::json::object();  // every report's fields, later ones overriding
-  std::vector<std::string> warnings;  // what it could not check here, and why (oracle.warn)
+  std::vector<std::string> warnings;                 // what it could not check here, and why (oracle.warn)
 };
 
 // The marked lines of `output` (oracle.MARK, anywhere in a line: a progress bar may still be open).

@@ -1,16 +1,16 @@
 #include "support/process.hpp"
 
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 #include <regex>
 #include <sstream>
-#include <sys/wait.h>
-#include <unistd.h>
 
 namespace lorarun::test {
 
@@ -30,8 +30,8 @@ Result sh(const std::string& cmd, Capture what) {
 std::string bin(const std::string& name) { return fmt::format("'{}/{}'", LORARUN_BIN_DIR, name); }
 
 std::string temp_dir(const std::string& name) {
-  const auto dir = std::filesystem::path(LORARUN_BIN_DIR).parent_path() / "test-tmp" /
-                   fmt::format("{}-{}", name, getpid());
+  const auto dir =
+      std::filesystem::path(LORARUN_BIN_DIR).parent_path() / "test-tmp" / fmt::format("{}-{}", name, getpid());
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir.string();

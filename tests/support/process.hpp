@@ -1,13 +1,13 @@
 // Running the real binaries from tests: shell commands, their output, exit status and time.
 #pragma once
-#include <string>
 #include <sys/types.h>
+#include <string>
 #include <vector>
 
 namespace lorarun::test {
 
 struct Result {
-  int status = -1;  // exit code, or 128+signal
+  int status = -1;     // exit code, or 128+signal
   std::string output;  // stdout and stderr together
   double seconds = 0;
 };

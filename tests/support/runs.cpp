@@ -9,7 +9,8 @@ namespace lorarun::test {
 void write_data(const std::string& path, int n, int from) {
   std::ofstream data(path);
   for (int i = from; i < from + n; ++i)
-    data << nlohmann::json{{"instruction", fmt::format("Add {} and {}", i, 3 * i + 1)}, {"output", std::to_string(4 * i + 1)}}
+    data << nlohmann::json{{"instruction", fmt::format("Add {} and {}", i, 3 * i + 1)},
+                           {"output", std::to_string(4 * i + 1)}}
                 .dump()
          << "\n";
 }
@@ -23,15 +24,17 @@ data: {{source: jsonl, path: {}/data.jsonl, format: instruction, prompt_template
 train: {{{}}}
 checkpoint: {{output_dir: {}/{}}}
 track: {{mongodb: false}}
-{})", LORARUN_MODEL_FIXTURES, lora, dir, data, train, dir, name, extra);
+{})",
+                                     LORARUN_MODEL_FIXTURES, lora, dir, data, train, dir, name, extra);
   return path;
 }
 
 Result interrupt(const std::string& cmd, const std::string& log, const std::string& marker, const std::string& act) {
-  return sh(fmt::format("log='{}'; {} > \"$log\" 2>&1 & pid=$!; "
-                        "for i in $(seq 1 1200); do grep -q '{}' \"$log\" && break; sleep 0.05; done; {}; "
-                        "wait $pid; echo exit=$?",
-                        log, cmd, marker, act));
+  return sh(
+      fmt::format("log='{}'; {} > \"$log\" 2>&1 & pid=$!; "
+                  "for i in $(seq 1 1200); do grep -q '{}' \"$log\" && break; sleep 0.05; done; {}; "
+                  "wait $pid; echo exit=$?",
+                  log, cmd, marker, act));
 }
 
 }  // namespace lorarun::test

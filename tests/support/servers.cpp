@@ -1,17 +1,18 @@
 #include "support/servers.hpp"
 
 #include <arpa/inet.h>
-#include <catch2/catch.hpp>
-#include <cstdlib>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include <catch2/catch.hpp>
+#include <cstdlib>
 
 namespace lorarun::test {
 
 std::string test_uri() {
   const char* uri = std::getenv("LORARUN_TEST_MONGODB_URI");
-  if (!uri || !*uri) FAIL("LORARUN_TEST_MONGODB_URI is not set: run the tests with scripts/test, which starts FerretDB");
+  if (!uri || !*uri)
+    FAIL("LORARUN_TEST_MONGODB_URI is not set: run the tests with scripts/test, which starts FerretDB");
   return uri;
 }
 

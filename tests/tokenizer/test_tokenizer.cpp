@@ -2,10 +2,10 @@
 // and the API on the real fixtures (scripts/fetch-tokenizers) when they are present.
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <string>
-#include <unistd.h>
 
 #include "tokenizer/regex.hpp"
 #include "tokenizer/tokenizer.hpp"
@@ -33,7 +33,8 @@ std::string toy_json(const std::string& pre_tokenizer = "null", const std::strin
   return R"({"version": "1.0", "added_tokens": [
       {"id": 9, "content": "<s>", "special": true, "normalized": false,
        "single_word": false, "lstrip": false, "rstrip": false}],
-    "normalizer": null, "pre_tokenizer": )" + pre_tokenizer + R"(,
+    "normalizer": null, "pre_tokenizer": )" +
+         pre_tokenizer + R"(,
     "post_processor": {"type": "TemplateProcessing",
       "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
       "pair": [], "special_tokens": {"<s>": {"id": "<s>", "ids": [9], "tokens": ["<s>"]}}},
@@ -53,9 +54,7 @@ std::string error_of(const std::function<void()>& f) {
   return "(no error)";
 }
 
-std::string fixture(const char* name) {
-  return std::string(LORARUN_TOKENIZER_FIXTURES) + "/" + name;
-}
+std::string fixture(const char* name) { return std::string(LORARUN_TOKENIZER_FIXTURES) + "/" + name; }
 
 bool have_fixture(const char* name) {
   if (fs::exists(fixture(name) + "/tokenizer.json")) return true;
@@ -73,8 +72,7 @@ TEST_CASE("a missing model directory is a one-line error naming it") {
 
 TEST_CASE("a directory without tokenizer.json says so") {
   TempModel m({{"config.json", "{}"}});
-  CHECK_THAT(error_of([&] { Tokenizer::from_dir(m.dir); }),
-             Catch::Contains("tokenizer.json: not found"));
+  CHECK_THAT(error_of([&] { Tokenizer::from_dir(m.dir); }), Catch::Contains("tokenizer.json: not found"));
 }
 
 TEST_CASE("a truncated tokenizer.json is reported as invalid JSON") {
@@ -201,7 +199,7 @@ TEST_CASE("fuzzed tokenizer files are one-line errors, not crashes or huge alloc
   // A vocabulary id of 288148946 made a 2.3 GB id -> token table.
   CHECK_THAT(load_error(vocab_a, R"("a": 288148946,)"),
              Catch::Contains("model.vocab id of 'a' must be an integer in [0, 16777215], got 288148946"));
-  CHECK_THAT(load_error(vocab_a, R"("a": 1e20,)"), Catch::Contains("got 1e+20"));  // UB cast
+  CHECK_THAT(load_error(vocab_a, R"("a": 1e20,)"), Catch::Contains("got 1e+20"));             // UB cast
   CHECK_THAT(load_error(vocab_a, R"("a": 4294967297,)"), Catch::Contains("got 4294967297"));  // wrapped to 1
   // A number beyond double escaped as nlohmann::json::out_of_range.
   CHECK_THAT(load_error(vocab_a, R"("a": 1e500,)"), Catch::Contains("not valid JSON"));
@@ -211,8 +209,9 @@ TEST_CASE("fuzzed tokenizer files are one-line errors, not crashes or huge alloc
   const std::string pre = R"("pre_tokenizer": null,)";
   CHECK_THAT(load_error(pre, pre + R"("padding": {"strategy": {"Fixed": 100000000000}},)"),
              Catch::Contains("padding Fixed length must be an integer in [0, 4194304]"));
-  CHECK_THAT(load_error(pre, pre + R"("padding": {"strategy": "BatchLongest", "pad_to_multiple_of": 18446744073709551615},)"),
-             Catch::Contains("padding.pad_to_multiple_of must be an integer"));
+  CHECK_THAT(
+      load_error(pre, pre + R"("padding": {"strategy": "BatchLongest", "pad_to_multiple_of": 18446744073709551615},)"),
+      Catch::Contains("padding.pad_to_multiple_of must be an integer"));
   // Floats out of the integer's range were undefined behaviour (UBSan: float-cast-overflow).
   CHECK_THAT(load_error(pre, pre + R"("padding": {"strategy": "BatchLongest", "pad_id": 1e30},)"),
              Catch::Contains("padding.pad_id must be an integer"));

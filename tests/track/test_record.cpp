@@ -1,10 +1,10 @@
 // Run records against the FerretDB that scripts/test starts: the documents RunRecorder writes,
 // resume, secrets, and reading a run's recipe back for --from-run.
+#include <fmt/format.h>
+#include <unistd.h>
 #include <catch2/catch.hpp>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
-#include <unistd.h>
 
 #include "data/mongo.hpp"
 #include "io/sha256.hpp"
@@ -44,7 +44,9 @@ data: {{uri: "{}", database: {}, collection: examples, prompt_template: "Q: {{in
         filter: {{lang: en, "meta.len": {{"$gt": 3}}}}}}
 train: {{epochs: 2, lr: 0.0005}}
 checkpoint: {{output_dir: runs/t}}
-)", uri, db)), {}, "sample.yaml");
+)",
+                                                         uri, db)),
+                                  {}, "sample.yaml");
 }
 
 json the_run(const std::string& db, const std::string& id) {
@@ -60,7 +62,9 @@ TEST_CASE("begin, metrics, checkpoint and finish write the run and metrics docum
   const std::string db = fresh_db();
   const recipe::Recipe r = sample_recipe(test_uri(), db);
   track::RunRecorder rec(test_uri(), db, kTimeout);
-  const json info = {{"torch_version", "2.11.0"}, {"world_size", 2}, {"documents", 1000},
+  const json info = {{"torch_version", "2.11.0"},
+                     {"world_size", 2},
+                     {"documents", 1000},
                      {"data", {{"collection", "examples"}, {"filter", {{"$gt", 3}}}}}};
   const std::string id = rec.begin(recipe::to_json(r), info);
   CHECK(id.size() == 24);
@@ -107,7 +111,8 @@ TEST_CASE("begin, metrics, checkpoint and finish write the run and metrics docum
   CHECK(ck["epoch"] == 0);
   CHECK(ck["path"] == std::filesystem::absolute(dir).string());
   REQUIRE(ck["files"].size() == 2);
-  CHECK(ck["files"][0] == json{{"name", "adapter_config.json"}, {"bytes", 8}, {"sha256", io::sha256_hex(R"({"r": 8})")}});
+  CHECK(ck["files"][0] ==
+        json{{"name", "adapter_config.json"}, {"bytes", 8}, {"sha256", io::sha256_hex(R"({"r": 8})")}});
   CHECK(ck["files"][1]["name"] == "adapter_model.safetensors");
   CHECK(ck["files"][1]["bytes"] == 1000);
   CHECK(ck["files"][1]["sha256"] == io::sha256_hex(std::string(1000, 'w')));
@@ -131,7 +136,8 @@ TEST_CASE("a failed run records its error, and a run never finished is marked fa
   CHECK(run["ended_at"].contains("$date"));
   track::RunRecorder rec(test_uri(), db, kTimeout);
   rec.begin(json::object(), json::object());
-  CHECK_THROWS_WITH(rec.finish("done", nullptr), Catch::Contains("status 'done' is not completed, failed or interrupted"));
+  CHECK_THROWS_WITH(rec.finish("done", nullptr),
+                    Catch::Contains("status 'done' is not completed, failed or interrupted"));
 }
 
 TEST_CASE("a metrics write that fails warns, is counted and does not stop the run", "[db]") {
@@ -220,8 +226,10 @@ TEST_CASE("load_run_recipe: unknown or malformed ids and unreachable servers are
     CHECK_THAT(m, !Catch::Contains("hunter2"));
     CHECK(m.find('\n') == std::string::npos);
   }
-  CHECK_THROWS_WITH(track::RunRecorder(down, db, milliseconds(300)), Catch::StartsWith("cannot reach MongoDB at mongodb://bob:****@"));
-  CHECK_THROWS_WITH(track::RunRecorder("mongodb://h:notaport/", db, kTimeout), Catch::StartsWith("invalid MongoDB URI"));
+  CHECK_THROWS_WITH(track::RunRecorder(down, db, milliseconds(300)),
+                    Catch::StartsWith("cannot reach MongoDB at mongodb://bob:****@"));
+  CHECK_THROWS_WITH(track::RunRecorder("mongodb://h:notaport/", db, kTimeout),
+                    Catch::StartsWith("invalid MongoDB URI"));
 }
 
 TEST_CASE("run references: DATABASE/ID, or a bare id with --runs-db") {

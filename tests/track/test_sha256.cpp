@@ -1,6 +1,6 @@
 // Our SHA-256 against FIPS 180-4's published vectors and against sha256sum.
-#include <catch2/catch.hpp>
 #include <fmt/format.h>
+#include <catch2/catch.hpp>
 #include <fstream>
 #include <random>
 

@@ -1,9 +1,9 @@
 // A rank that hangs (SIGSTOP) mid-training: the group ends soon after dist.timeout_s and the
 // launcher names the stopped rank, not the healthy one that noticed.
+#include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <csignal>
-#include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -31,7 +31,8 @@ std::string start_training(const std::string& name, int timeout_s) {
   {
     std::ofstream data(dir + "/data.jsonl");
     for (int i = 0; i < 200; ++i)
-      data << nlohmann::json{{"instruction", fmt::format("Add {} and {}", i, i + 1)}, {"output", std::to_string(2 * i + 1)}}
+      data << nlohmann::json{{"instruction", fmt::format("Add {} and {}", i, i + 1)},
+                             {"output", std::to_string(2 * i + 1)}}
                   .dump()
            << "\n";
   }
@@ -42,10 +43,12 @@ train: {{epochs: 100, lr: 1.0e-3}}
 checkpoint: {{output_dir: {}/out, epochs_to_save: none}}
 dist: {{timeout_s: {}}}
 track: {{mongodb: false}}
-)", LORARUN_MODEL_FIXTURES, dir, dir, timeout_s);
-  sh(fmt::format("( {} --nproc-per-node 2 --grace-period 15 '{d}/r.yaml' & echo $! > '{d}/pid'; wait $!; "
-                 "echo $? > '{d}/status' ) > '{d}/log' 2>&1 &",
-                 bin("lorarun"), fmt::arg("d", dir)));
+)",
+                                                LORARUN_MODEL_FIXTURES, dir, dir, timeout_s);
+  sh(
+      fmt::format("( {} --nproc-per-node 2 --grace-period 15 '{d}/r.yaml' & echo $! > '{d}/pid'; wait $!; "
+                  "echo $? > '{d}/status' ) > '{d}/log' 2>&1 &",
+                  bin("lorarun"), fmt::arg("d", dir)));
   return dir;
 }
 
@@ -68,8 +71,8 @@ TEST_CASE("a rank stopped mid-training is named as the one that timed out", "[e2
   REQUIRE(ended);
   CHECK(std::stoi(read_file(dir + "/status")) == 1);
   CHECK(seconds < timeout_s + 15);
-  CHECK_THAT(log, Catch::Contains(fmt::format("lorarun: rank 1 (local rank 1, pid {}) timed out: detected by rank 0",
-                                              stopped)));
+  CHECK_THAT(log, Catch::Contains(
+                      fmt::format("lorarun: rank 1 (local rank 1, pid {}) timed out: detected by rank 0", stopped)));
   CHECK_THAT(log, Catch::Contains("lorarun:   error: lora-train: error: rank 1 stopped responding (no heartbeat for "));
   CHECK_THAT(log, Catch::Contains("the process is stopped or hung): rank 0's all-reduce timed out after 6 s"));
   CHECK_THAT(log, !Catch::Contains("lost its connection") && !Catch::Contains("frame #"));

@@ -1,16 +1,16 @@
 // What a run must never do, tried end to end with the real binaries on the tiny llama fixture:
 // leak a password, report success for a run that did not train, differ between two identical
 // runs, share an output directory, or trust a resumable state that was cut short or edited.
+#include <fmt/format.h>
+#include <unistd.h>
 #include <catch2/catch.hpp>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
-#include <numeric>
-#include <filesystem>
-#include <fmt/format.h>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
+#include <numeric>
 
 #include "data/mongo.hpp"
 #include "io/files.hpp"
@@ -70,8 +70,8 @@ TEST_CASE("a password holding #, ?, /, @ and : reaches no output, file or record
   // Every form of the password starts with this; none may appear anywhere.
   const std::string secret = "Tr0ub";
   write_data(dir + "/data.jsonl", 24);
-  const Result imp = sh(fmt::format("{} import {}/data.jsonl --uri '{}' --db secretdb --collection ex",
-                                    bin("lora-data"), dir, encoded));
+  const Result imp = sh(
+      fmt::format("{} import {}/data.jsonl --uri '{}' --db secretdb --collection ex", bin("lora-data"), dir, encoded));
   INFO(imp.output);
   REQUIRE(imp.status == 0);
   CHECK(imp.output.find(secret) == std::string::npos);
@@ -82,7 +82,8 @@ lora: {{r: 4, alpha: 8}}
 data: {{uri: "{}", database: secretdb, collection: ex, prompt_template: "Q: {{instruction}}\nA: ", batch_size: 2}}
 train: {{epochs: 1, lr: 1.0e-3}}
 checkpoint: {{output_dir: {}/out}}
-)", LORARUN_MODEL_FIXTURES, uri, dir);
+)",
+                                       LORARUN_MODEL_FIXTURES, uri, dir);
   const Result run = sh(lorarun_cmd(2, recipe));
   INFO(run.output);
   REQUIRE(run.status == 0);
@@ -108,7 +109,8 @@ checkpoint: {{output_dir: {}/out}}
   CHECK(missing.output.find(secret) == std::string::npos);
   CHECK(all_text_under(dir + "/out2").find(secret) == std::string::npos);
   const std::string bad_at = server.uri("alice", "Tr0ub#d?r/x@y%3Az");
-  const Result unescaped = sh(lorarun_cmd(1, recipe, fmt::format("'data.uri={}' checkpoint.output_dir={}/out3", bad_at, dir)));
+  const Result unescaped =
+      sh(lorarun_cmd(1, recipe, fmt::format("'data.uri={}' checkpoint.output_dir={}/out3", bad_at, dir)));
   INFO(unescaped.output);
   CHECK(unescaped.status != 0);
   CHECK(unescaped.output.find(secret) == std::string::npos);
@@ -126,15 +128,15 @@ TEST_CASE("a diverging run stops every rank at the same step, saves no adapter, 
   const std::string dir = temp_dir("diverge");
   write_data(dir + "/data.jsonl", 40);
   const std::string db = fmt::format("diverge_{}", getpid());
-  const std::string recipe = write_recipe(dir, "out", "epochs: 2, lr: 1.0e+9", "", ", batch_size: 2",
-                                          "");
+  const std::string recipe = write_recipe(dir, "out", "epochs: 2, lr: 1.0e+9", "", ", batch_size: 2", "");
   const Result r = sh(fmt::format("LORARUN_MONGODB_URI='{}' {}", test_uri(),
                                   lorarun_cmd(2, recipe, "track.mongodb=true track.database=" + db)));
   INFO(r.output);
   CHECK(r.status != 0);
   CHECK_THAT(r.output, Catch::Contains("training diverged at step"));
   CHECK_THAT(r.output, !Catch::Contains("done:"));
-  for (const auto& e : fs::directory_iterator(dir + "/out")) CHECK(e.path().filename().string().rfind("epoch_", 0) != 0);
+  for (const auto& e : fs::directory_iterator(dir + "/out"))
+    CHECK(e.path().filename().string().rfind("epoch_", 0) != 0);
   CHECK_FALSE(fs::exists(dir + "/out/run.json"));
   // Both ranks stopped at the same step, for the same reason.
   const std::string r0 = read_file(dir + "/out/logs/rank_0.log"), r1 = read_file(dir + "/out/logs/rank_1.log");
@@ -154,21 +156,24 @@ TEST_CASE("every selected document rejected: the run fails and says why, and ski
   const std::string dir = temp_dir("rejected");
   {
     std::ofstream data(dir + "/data.jsonl");
-    for (int i = 0; i < 12; ++i) data << json{{"instruction", "a long question " + std::string(200, 'x')}, {"output", "y"}}.dump() << "\n";
+    for (int i = 0; i < 12; ++i)
+      data << json{{"instruction", "a long question " + std::string(200, 'x')}, {"output", "y"}}.dump() << "\n";
   }
   const std::string recipe =
       write_recipe(dir, "out", "epochs: 1, lr: 1.0e-3", "", ", batch_size: 2, max_length: 16, overlong: skip");
   const Result r = sh(lorarun_cmd(2, recipe));
   INFO(r.output);
   CHECK(r.status != 0);
-  CHECK_THAT(r.output, Catch::Contains("trained on no token: every document of the selection was rejected (12 skipped"));
+  CHECK_THAT(r.output,
+             Catch::Contains("trained on no token: every document of the selection was rejected (12 skipped"));
   CHECK_FALSE(fs::exists(dir + "/out/epoch_0"));
 
   // 5 of 20 documents lack the response field, on both ranks: one total, summed over the ranks.
   {
     std::ofstream data(dir + "/data.jsonl");
     for (int i = 0; i < 20; ++i)
-      data << (i % 4 == 1 ? json{{"instruction", "q"}} : json{{"instruction", fmt::format("q{}", i)}, {"output", "a"}}).dump()
+      data << (i % 4 == 1 ? json{{"instruction", "q"}} : json{{"instruction", fmt::format("q{}", i)}, {"output", "a"}})
+                  .dump()
            << "\n";
   }
   const Result some = sh(lorarun_cmd(2, recipe, "data.max_length=64 checkpoint.overwrite=true"));
@@ -215,14 +220,17 @@ TEST_CASE("with dropout, SIGTERM and the same command resume to the uninterrupte
   CHECK(steps == want);
 }
 
-TEST_CASE("one output directory, one run: a second run fails at once naming the holder, and a finished run's "
-          "adapters are replaced only with checkpoint.overwrite", "[e2e]") {
+TEST_CASE(
+    "one output directory, one run: a second run fails at once naming the holder, and a finished run's "
+    "adapters are replaced only with checkpoint.overwrite",
+    "[e2e]") {
   const std::string dir = temp_dir("one-dir");
   write_data(dir + "/data.jsonl", 200);
   const std::string recipe = write_recipe(dir, "out", "epochs: 1, lr: 1.0e-3", "", ", batch_size: 1");
-  const std::string second = fmt::format("{} > {}/second.log 2>&1; echo second=$? >> {}/second.log",
-                                         lorarun_cmd(1, recipe), dir, dir);
-  const Result first = interrupt(lorarun_cmd(1, recipe), dir + "/first.log", "epoch 0/1 step 5/200", second + "; kill -TERM $pid");
+  const std::string second =
+      fmt::format("{} > {}/second.log 2>&1; echo second=$? >> {}/second.log", lorarun_cmd(1, recipe), dir, dir);
+  const Result first =
+      interrupt(lorarun_cmd(1, recipe), dir + "/first.log", "epoch 0/1 step 5/200", second + "; kill -TERM $pid");
   const std::string log2 = read_file(dir + "/second.log");
   INFO(log2);
   INFO(read_file(dir + "/first.log"));
@@ -255,7 +263,8 @@ namespace {
 void reseal(const std::string& state) {
   json sums = json::object();
   for (const auto& e : fs::directory_iterator(state))
-    if (e.path().filename() != "manifest.json") sums[e.path().filename().string()] = lorarun::io::sha256_file(e.path().string());
+    if (e.path().filename() != "manifest.json")
+      sums[e.path().filename().string()] = lorarun::io::sha256_file(e.path().string());
   std::ofstream(state + "/manifest.json") << json{{"sha256", sums}}.dump();
 }
 
@@ -336,7 +345,8 @@ TEST_CASE("lora.init_from: keys that change the weights' function must agree, an
   const Result rslora = sh(lorarun_cmd(1, next, from + " lora.use_rslora=true"));
   INFO(rslora.output);
   CHECK(rslora.status == 1);
-  CHECK_THAT(rslora.output, Catch::Contains("was trained with use_rslora=false but the recipe says lora.use_rslora=true"));
+  CHECK_THAT(rslora.output,
+             Catch::Contains("was trained with use_rslora=false but the recipe says lora.use_rslora=true"));
   const Result ok = sh(lorarun_cmd(1, next, from));
   INFO(ok.output);
   REQUIRE(ok.status == 0);
@@ -379,13 +389,16 @@ struct OwnServer {
 
 }  // namespace
 
-TEST_CASE("the database gone mid-epoch: every rank saves the last completed step and exits 75, also on SIGTERM "
-          "during the wait to retry, and the rerun ends with the uninterrupted adapter", "[e2e][db]") {
+TEST_CASE(
+    "the database gone mid-epoch: every rank saves the last completed step and exits 75, also on SIGTERM "
+    "during the wait to retry, and the rerun ends with the uninterrupted adapter",
+    "[e2e][db]") {
   const std::string dir = temp_dir("data-lost");
   OwnServer server(dir);
   write_data(dir + "/data.jsonl", 600);
   REQUIRE(sh(fmt::format("{} import {}/data.jsonl --uri '{}' --db lost --collection ex", bin("lora-data"), dir,
-                         server.uri())).status == 0);
+                         server.uri()))
+              .status == 0);
   // 300 documents a rank, read 256 at a time and none ahead (prefetch 0): the second read comes
   // at step 257, after the server is gone.
   const auto recipe = [&](const std::string& name) {
@@ -397,7 +410,8 @@ data: {{uri: "{}", database: lost, collection: ex, prompt_template: "Q: {{instru
 train: {{epochs: 1, lr: 1.0e-3}}
 checkpoint: {{output_dir: {}/{}}}
 track: {{mongodb: false}}
-)", LORARUN_MODEL_FIXTURES, server.uri(), dir, name);
+)",
+                                       LORARUN_MODEL_FIXTURES, server.uri(), dir, name);
     return path;
   };
   const std::string full = recipe("full"), cut = recipe("cut"), term = recipe("term");
@@ -420,11 +434,12 @@ track: {{mongodb: false}}
   CHECK(same_file(dir + "/full/epoch_0/adapter_model.safetensors", dir + "/cut/epoch_0/adapter_model.safetensors"));
 
   // SIGTERM while a rank waits 30 s to retry: it stops at once, state saved.
-  const Result stopped = interrupt(lorarun_cmd(2, term, "data.retries=5 data.retry_backoff_s=30"), dir + "/term.log",
-                                   "step 200/300",
-                                   server.stop_command() + "; for i in $(seq 1 400); do grep -q 'step 256/300' \"$log\" "
-                                   "&& break; sleep 0.05; done; sleep 0.5; t0=$(date +%s); kill -TERM $pid; wait $pid; "
-                                   "echo stopped=$?; echo waited=$(( $(date +%s) - t0 ))");
+  const Result stopped =
+      interrupt(lorarun_cmd(2, term, "data.retries=5 data.retry_backoff_s=30"), dir + "/term.log", "step 200/300",
+                server.stop_command() +
+                    "; for i in $(seq 1 400); do grep -q 'step 256/300' \"$log\" "
+                    "&& break; sleep 0.05; done; sleep 0.5; t0=$(date +%s); kill -TERM $pid; wait $pid; "
+                    "echo stopped=$?; echo waited=$(( $(date +%s) - t0 ))");
   INFO(stopped.output);
   CHECK_THAT(stopped.output, Catch::Contains("stopped=143"));
   const size_t w = stopped.output.find("waited=");

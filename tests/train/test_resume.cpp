@@ -1,11 +1,11 @@
 // Training against the reference, and resumption: lora-train step by step against transformers
 // + PEFT + torch AdamW; SIGTERM and kill -9 mid-epoch, then the same command again, must end
 // with the very adapter an uninterrupted run ends with.
+#include <fmt/format.h>
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -65,8 +65,8 @@ std::vector<std::string> entries(const std::string& dir) {
 TEST_CASE("lora-train follows transformers + PEFT + AdamW step by step, on 1 and 2 ranks", "[e2e][reference]") {
   const std::string dir = temp_dir("equiv");
   write_data(dir + "/data.jsonl", 30);
-  const Result init = sh(fmt::format("'{}' '{}/reference/train_reference.py' init {}/llama {}/init 4 8 7", LORARUN_PYTHON,
-                                     LORARUN_SOURCE_DIR "/tests", LORARUN_MODEL_FIXTURES, dir));
+  const Result init = sh(fmt::format("'{}' '{}/reference/train_reference.py' init {}/llama {}/init 4 8 7",
+                                     LORARUN_PYTHON, LORARUN_SOURCE_DIR "/tests", LORARUN_MODEL_FIXTURES, dir));
   REQUIRE(init.status == 0);
   // (world, micro-batch, accumulation): the same 8 documents per step cut three ways.
   for (const auto& [world, batch, accum] : {std::tuple{1, 4, 2}, std::tuple{2, 2, 2}, std::tuple{2, 4, 1}}) {
@@ -75,14 +75,16 @@ TEST_CASE("lora-train follows transformers + PEFT + AdamW step by step, on 1 and
                                           fmt::format(", batch_size: {}", batch));
     // lora.init_from: the reference's initial adapter (A and B random), as an override.
     // dist.bucket_mb: 28 gradients in ~12 buckets of 2 KiB, all-reduced while backward goes on.
-    const Result t = sh(fmt::format("{} --nproc-per-node {} {} lora.init_from={}/init train.gradient_accumulation_steps={} "
-                                    "dist.bucket_mb=0.002", bin("lorarun"), world, good, dir, accum));
+    const Result t =
+        sh(fmt::format("{} --nproc-per-node {} {} lora.init_from={}/init train.gradient_accumulation_steps={} "
+                       "dist.bucket_mb=0.002",
+                       bin("lorarun"), world, good, dir, accum));
     INFO(t.output);
     REQUIRE(t.status == 0);
-    const Oracle ref = oracle(fmt::format("'{}' '{}/tests/reference/train_reference.py' check {}/llama {}/init "
-                                          "{}/data.jsonl {}/{} {} {} {} 5 5e-3 3",
-                                          LORARUN_PYTHON, LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir, dir, dir, name,
-                                          world, batch, accum));
+    const Oracle ref = oracle(fmt::format(
+        "'{}' '{}/tests/reference/train_reference.py' check {}/llama {}/init "
+        "{}/data.jsonl {}/{} {} {} {} 5 5e-3 3",
+        LORARUN_PYTHON, LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir, dir, dir, name, world, batch, accum));
     INFO(ref.run.output);
     CHECK(ref.run.status == 0);
     CHECK(ref.fields.value("match", false));
@@ -116,15 +118,17 @@ TEST_CASE("SIGTERM mid-epoch saves the state and the same command resumes to the
   CHECK_THAT(c.output, Catch::Contains("resuming at epoch"));
   CHECK_THAT(c.output, Catch::Contains("done: 360 steps"));
   // .lock: the run's hold on the directory; run.json: the marker of a finished run.
-  CHECK(entries(dir + "/cut") ==
-        std::vector<std::string>{".lock", "epoch_0", "epoch_1", "epoch_2", "logs", "metrics.jsonl", "recipe.yaml", "run.json"});
+  CHECK(entries(dir + "/cut") == std::vector<std::string>{".lock", "epoch_0", "epoch_1", "epoch_2", "logs",
+                                                          "metrics.jsonl", "recipe.yaml", "run.json"});
   CHECK(entries(dir + "/cut/logs") == std::vector<std::string>{"rank_0.log", "rank_1.log"});
-  CHECK(adapter_diff(dir + "/full/epoch_2/adapter_model.safetensors", dir + "/cut/epoch_2/adapter_model.safetensors") == 0.0);
+  CHECK(adapter_diff(dir + "/full/epoch_2/adapter_model.safetensors", dir + "/cut/epoch_2/adapter_model.safetensors") ==
+        0.0);
   // Every optimizer step appears once in metrics.jsonl across the two processes' lifetimes.
   int lines = 0;
   std::ifstream metrics(dir + "/cut/metrics.jsonl");
   std::set<int> steps;
-  for (std::string line; std::getline(metrics, line); ++lines) steps.insert(nlohmann::json::parse(line)["step"].get<int>());
+  for (std::string line; std::getline(metrics, line); ++lines)
+    steps.insert(nlohmann::json::parse(line)["step"].get<int>());
   CHECK(steps.size() == 360);
   CHECK(lines >= 360);
 }
@@ -137,7 +141,8 @@ TEST_CASE("kill -9 of a rank: the run fails and rerunning resumes from the last 
   const std::string cut = write_recipe(dir, "cut", train, ", batch_size: 1", "");
   const Result a = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), full));
   REQUIRE(a.status == 0);
-  const std::string cmd = fmt::format("{} --nproc-per-node 2 {} checkpoint.state_every_n_steps=25", bin("lorarun"), cut);
+  const std::string cmd =
+      fmt::format("{} --nproc-per-node 2 {} checkpoint.state_every_n_steps=25", bin("lorarun"), cut);
   const Result b = interrupt(cmd, dir + "/cut.log", "epoch 0/2 step 60/80",
                              "kill -9 $(sed -n 's/.*(pids [0-9]* \\([0-9]*\\)).*/\\1/p' \"$log\")");
   const std::string log = read_file(dir + "/cut.log");
@@ -148,7 +153,8 @@ TEST_CASE("kill -9 of a rank: the run fails and rerunning resumes from the last 
   INFO(c.output);
   REQUIRE(c.status == 0);
   CHECK_THAT(c.output, Catch::Contains("resuming at epoch"));
-  CHECK(adapter_diff(dir + "/full/epoch_1/adapter_model.safetensors", dir + "/cut/epoch_1/adapter_model.safetensors") == 0.0);
+  CHECK(adapter_diff(dir + "/full/epoch_1/adapter_model.safetensors", dir + "/cut/epoch_1/adapter_model.safetensors") ==
+        0.0);
   CHECK_FALSE(fs::exists(dir + "/cut/resume_state"));
 }
 
@@ -156,7 +162,8 @@ TEST_CASE("a resumable state is not used by a different recipe", "[e2e][resume]"
   const std::string dir = temp_dir("resume-changed");
   write_data(dir + "/data.jsonl", 24);
   const std::string recipe = write_recipe(dir, "run", "epochs: 2, lr: 1.0e-3", ", batch_size: 2");
-  const Result a = sh(fmt::format("{} --nproc-per-node 2 {} checkpoint.keep_resume_state=true", bin("lorarun"), recipe));
+  const Result a =
+      sh(fmt::format("{} --nproc-per-node 2 {} checkpoint.keep_resume_state=true", bin("lorarun"), recipe));
   INFO(a.output);
   REQUIRE(a.status == 0);
   REQUIRE(fs::exists(dir + "/run/resume_state/state.json"));
@@ -169,12 +176,14 @@ TEST_CASE("a resumable state is not used by a different recipe", "[e2e][resume]"
   CHECK(c.status == 1);
   CHECK_THAT(c.output, Catch::Contains("was written by 2 ranks and this run has 1"));
   // checkpoint.resume=never starts over; the finished run's adapters go only with checkpoint.overwrite.
-  const Result refused = sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3 checkpoint.resume=never", bin("lorarun"), recipe));
+  const Result refused =
+      sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3 checkpoint.resume=never", bin("lorarun"), recipe));
   INFO(refused.output);
   CHECK(refused.status == 1);
   CHECK_THAT(refused.output, Catch::Contains("holds the adapters of another run"));
-  const Result d = sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3 checkpoint.resume=never checkpoint.overwrite=true",
-                                  bin("lorarun"), recipe));
+  const Result d =
+      sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3 checkpoint.resume=never checkpoint.overwrite=true",
+                     bin("lorarun"), recipe));
   INFO(d.output);
   CHECK(d.status == 0);
   CHECK_THAT(d.output, !Catch::Contains("resuming"));
@@ -185,9 +194,10 @@ TEST_CASE("2 ranks: save_last_epoch_only keeps exactly the last epoch, replicas 
   write_data(dir + "/data.jsonl", 21);
   const std::string recipe = write_recipe(dir, "run", "epochs: 3, lr: 1.0e-3", ", batch_size: 2");
   fs::create_directories(dir + "/run/epoch_7");  // a leftover of an earlier run: must go
-  const Result r = sh(fmt::format("{} --nproc-per-node 2 {} checkpoint.save_last_epoch_only=true "
-                                  "'checkpoint.epochs_to_save=[0]' dist.debug_checksum_every_n_steps=1",
-                                  bin("lorarun"), recipe));
+  const Result r =
+      sh(fmt::format("{} --nproc-per-node 2 {} checkpoint.save_last_epoch_only=true "
+                     "'checkpoint.epochs_to_save=[0]' dist.debug_checksum_every_n_steps=1",
+                     bin("lorarun"), recipe));
   INFO(r.output);
   REQUIRE(r.status == 0);
   CHECK_THAT(r.output, Catch::Contains("save_last_epoch_only"));  // the warning that it wins
@@ -204,7 +214,8 @@ TEST_CASE("bf16 base weights train with fp32 adapters (the recipe default dtype)
   const Result fp32 = sh(fmt::format("{} {} checkpoint.output_dir={}/fp32", bin("lora-train"), recipe, dir));
   INFO(fp32.output);
   REQUIRE(fp32.status == 0);
-  const Result bf16 = sh(fmt::format("{} {} model.dtype=bf16 checkpoint.output_dir={}/bf16", bin("lora-train"), recipe, dir));
+  const Result bf16 =
+      sh(fmt::format("{} {} model.dtype=bf16 checkpoint.output_dir={}/bf16", bin("lora-train"), recipe, dir));
   INFO(bf16.output);
   REQUIRE(bf16.status == 0);
   // The same steps, losses within bf16's precision of the fp32 run's; adapters saved in fp32.
@@ -233,7 +244,8 @@ TEST_CASE("packing and activation checkpointing train the same and packing and l
   const std::string recipe = write_recipe(dir, "run", "epochs: 1, lr: 1.0e-3, gradient_accumulation_steps: 2",
                                           ", batch_size: 4, max_length: 256");
   auto train = [&](const std::string& name, const std::string& overrides) {
-    const Result r = sh(fmt::format("{} {} checkpoint.output_dir={}/{} {}", bin("lora-train"), recipe, dir, name, overrides));
+    const Result r =
+        sh(fmt::format("{} {} checkpoint.output_dir={}/{} {}", bin("lora-train"), recipe, dir, name, overrides));
     INFO(r.output);
     REQUIRE(r.status == 0);
     std::vector<nlohmann::json> rows;
@@ -261,7 +273,8 @@ TEST_CASE("packing and activation checkpointing train the same and packing and l
     CHECK(std::abs(recomputed[i]["loss"].get<double>() - want) <= 1e-6 * want);
     CHECK(packed[i]["tokens"] == plain[i]["tokens"]);
   }
-  CHECK(adapter_diff(dir + "/plain/epoch_0/adapter_model.safetensors", dir + "/packed/epoch_0/adapter_model.safetensors") < 1e-6);
+  CHECK(adapter_diff(dir + "/plain/epoch_0/adapter_model.safetensors",
+                     dir + "/packed/epoch_0/adapter_model.safetensors") < 1e-6);
   // Packing: the 4 documents of a micro-batch (at most ~60 tokens each) share one 256-token row.
   WARN(fmt::format("padding share: one document per row {:.3f}, packed {:.3f}, grouped by length {:.3f}",
                    mean_padding(plain), mean_padding(packed), mean_padding(grouped)));

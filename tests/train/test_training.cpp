@@ -1,8 +1,8 @@
 // lorarun + lora-train end to end on 2 CPU ranks (Gloo): JSONL data, epoch checkpoint policy.
+#include <fmt/format.h>
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -17,7 +17,10 @@ TEST_CASE("2 ranks train from JSONL and keep exactly the epochs asked for", "[e2
   {
     std::ofstream data(dir + "/data.jsonl");
     for (int i = 0; i < 37; ++i)
-      data << nlohmann::json{{"instruction", fmt::format("Add {} and {}", i, i + 1)}, {"output", std::to_string(2 * i + 1)}}.dump() << "\n";
+      data << nlohmann::json{{"instruction", fmt::format("Add {} and {}", i, i + 1)},
+                             {"output", std::to_string(2 * i + 1)}}
+                  .dump()
+           << "\n";
   }
   std::ofstream(dir + "/r.yaml") << fmt::format(R"(model: {{path: {}/llama, dtype: fp32, device: cpu}}
 lora: {{r: 4, alpha: 8, target_modules: all-linear}}
@@ -25,7 +28,8 @@ data: {{source: jsonl, path: {}/data.jsonl, format: instruction, prompt_template
 train: {{epochs: 4, lr: 1.0e-3, warmup_steps: 2}}
 checkpoint: {{output_dir: {}/out, epochs_to_save: [1, 3]}}
 track: {{mongodb: false}}
-)", LORARUN_MODEL_FIXTURES, dir, dir);
+)",
+                                                LORARUN_MODEL_FIXTURES, dir, dir);
   fs::create_directories(dir + "/out/epoch_0");  // left by an interrupted earlier run: must go
   const Result r = sh(fmt::format("{} --nproc-per-node 2 {}/r.yaml", bin("lorarun"), dir));
   INFO(r.output);

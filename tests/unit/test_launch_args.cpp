@@ -1,17 +1,17 @@
+#include <unistd.h>
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <unistd.h>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include "launch.hpp"
 #include "slurm.hpp"
 #include "util/error.hpp"
-#include <fmt/format.h>
 
 using namespace lorarun::launch;
 
@@ -77,9 +77,30 @@ TEST_CASE("lorarun --from-run is passed to every lora-train rank") {
 }
 
 TEST_CASE("every torchrun flag is read") {
-  const Config c = parsed({"--nproc_per_node", "2", "--nnodes", "3", "--node_rank", "2", "--master_addr", "10.1.2.3",
-                           "--master_port", "29400", "--run-id", "job9", "--max-restarts", "4", "--log-dir", "/tmp/l",
-                           "--redirects", "3", "--tee", "0:1,1:2", "--grace-period", "2.5", "--", "true"});
+  const Config c = parsed({"--nproc_per_node",
+                           "2",
+                           "--nnodes",
+                           "3",
+                           "--node_rank",
+                           "2",
+                           "--master_addr",
+                           "10.1.2.3",
+                           "--master_port",
+                           "29400",
+                           "--run-id",
+                           "job9",
+                           "--max-restarts",
+                           "4",
+                           "--log-dir",
+                           "/tmp/l",
+                           "--redirects",
+                           "3",
+                           "--tee",
+                           "0:1,1:2",
+                           "--grace-period",
+                           "2.5",
+                           "--",
+                           "true"});
   CHECK(c.nproc_per_node == 2);
   CHECK(c.nnodes == 3);
   CHECK(c.node_rank == 2);
@@ -132,7 +153,8 @@ TEST_CASE("lorarun --standalone is one node with a local master") {
 }
 
 TEST_CASE("bad launcher arguments are one clear error") {
-  CHECK_THROWS_WITH(parse({"--nproc-per-node", "two", "--", "true"}), Catch::Contains("'two' is not a positive integer"));
+  CHECK_THROWS_WITH(parse({"--nproc-per-node", "two", "--", "true"}),
+                    Catch::Contains("'two' is not a positive integer"));
   CHECK_THROWS_WITH(parse({"--nproc-per-node", "0", "--", "true"}), Catch::Contains("'0' is not a positive integer"));
   CHECK_THROWS_WITH(parse({"--nproc-per-node", "2"}), Catch::Contains("nothing to run"));
   CHECK_THROWS_WITH(parse({"--nproc-per-node", "2", "--"}), Catch::Contains("nothing to run"));
@@ -164,11 +186,11 @@ TEST_CASE("workers get torchrun's environment") {
   c.max_restarts = 3;
   const auto env = worker_env(c, 2, 1, "/tmp/x/error.json");
   auto has = [&](const std::string& kv) { return std::find(env.begin(), env.end(), kv) != env.end(); };
-  for (const char* kv : {"RANK=6", "LOCAL_RANK=2", "WORLD_SIZE=8", "LOCAL_WORLD_SIZE=4", "GROUP_RANK=1",
-                         "GROUP_WORLD_SIZE=2", "ROLE_RANK=6", "ROLE_WORLD_SIZE=8", "ROLE_NAME=default",
-                         "MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500", "TORCHELASTIC_RUN_ID=job7",
-                         "TORCHELASTIC_RESTART_COUNT=1", "TORCHELASTIC_MAX_RESTARTS=3",
-                         "TORCHELASTIC_USE_AGENT_STORE=False", "TORCHELASTIC_ERROR_FILE=/tmp/x/error.json"}) {
+  for (const char* kv :
+       {"RANK=6", "LOCAL_RANK=2", "WORLD_SIZE=8", "LOCAL_WORLD_SIZE=4", "GROUP_RANK=1", "GROUP_WORLD_SIZE=2",
+        "ROLE_RANK=6", "ROLE_WORLD_SIZE=8", "ROLE_NAME=default", "MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500",
+        "TORCHELASTIC_RUN_ID=job7", "TORCHELASTIC_RESTART_COUNT=1", "TORCHELASTIC_MAX_RESTARTS=3",
+        "TORCHELASTIC_USE_AGENT_STORE=False", "TORCHELASTIC_ERROR_FILE=/tmp/x/error.json"}) {
     INFO(kv);
     CHECK(has(kv));
   }
@@ -191,7 +213,9 @@ TEST_CASE("Slurm node lists expand like scontrol show hostnames") {
 
 TEST_CASE("a Slurm job gives nodes, node rank, master and run id") {
   CHECK_FALSE(slurm({{"SLURM_NNODES", "2"}}));  // no SLURM_JOB_ID: not a Slurm job
-  const auto n = slurm({{"SLURM_JOB_ID", "777"}, {"SLURM_NNODES", "4"}, {"SLURM_NODEID", "3"},
+  const auto n = slurm({{"SLURM_JOB_ID", "777"},
+                        {"SLURM_NNODES", "4"},
+                        {"SLURM_NODEID", "3"},
                         {"SLURM_JOB_NODELIST", "gpu[003-005,010]"}});
   REQUIRE(n);
   CHECK(n->job_id == "777");
@@ -208,8 +232,8 @@ TEST_CASE("a Slurm job gives nodes, node rank, master and run id") {
 }
 
 TEST_CASE("under Slurm, flags not given come from the job") {
-  SlurmEnv env({{"SLURM_JOB_ID", "4242"}, {"SLURM_NNODES", "2"}, {"SLURM_NODEID", "1"},
-                {"SLURM_JOB_NODELIST", "gpu[007-008]"}});
+  SlurmEnv env(
+      {{"SLURM_JOB_ID", "4242"}, {"SLURM_NNODES", "2"}, {"SLURM_NODEID", "1"}, {"SLURM_JOB_NODELIST", "gpu[007-008]"}});
   const Config c = parsed({"--nproc-per-node", "8", "q.yaml"});
   CHECK(c.nnodes == 2);
   CHECK(c.node_rank == 1);
@@ -245,7 +269,8 @@ TEST_CASE("lorarun --nproc-per-node is bounded by 4 per CPU unless --nproc-limit
   CHECK(parsed({"--nproc-per-node", std::to_string(4 * cpus), "--", "true"}).nproc_per_node == 4 * cpus);
   CHECK_THROWS_WITH(parse({"--nproc-per-node", "100000", "--", "true"}),
                     Catch::Contains(fmt::format("--nproc-per-node 100000 is above the limit of {} (4 per CPU, {} CPUs "
-                                                "here): pass --nproc-limit 100000", 4 * cpus, cpus)));
+                                                "here): pass --nproc-limit 100000",
+                                                4 * cpus, cpus)));
   CHECK(parsed({"--nproc-per-node", "100000", "--nproc-limit", "100000", "--", "true"}).nproc_per_node == 100000);
   CHECK_THROWS_WITH(parse({"--nproc-per-node", "3", "--nproc-limit", "2", "--", "true"}),
                     Catch::Contains("--nproc-per-node 3 is above --nproc-limit 2"));
@@ -272,14 +297,15 @@ TEST_CASE("recipe or command: the extension, else what the file is, else PATH") 
   CHECK(parsed({script, "-v"}).command == V{script, "-v"});
   CHECK(parsed({exec_text}).command == V{exec_text});
   CHECK(parsed({"missing.yaml"}).command == V{"lora-train", "missing.yaml"});  // lora-train says it is missing
-  CHECK(parsed({"true", "x"}).command == V{"true", "x"});                     // a command on PATH
+  CHECK(parsed({"true", "x"}).command == V{"true", "x"});                      // a command on PATH
   CHECK_THROWS_WITH(parse({dir + "/nope", "train.lr=1"}),
                     Catch::Contains(fmt::format("'{}/nope' is neither a file nor a command on PATH", dir)) &&
                         Catch::Contains("RECIPE.yaml") && Catch::Contains("lorarun -- CMD ARGS"));
   CHECK_THROWS_WITH(parse({"no-such-command-here"}), Catch::Contains("neither a file nor a command on PATH"));
   write("q.yaml", "model: {path: m}\n", false);
   CHECK_THROWS_WITH(parse({dir + "/q"}), Catch::Contains(fmt::format("'{0}/q' does not exist: did you mean the recipe "
-                                                                     "{0}/q.yaml?", dir)));
+                                                                     "{0}/q.yaml?",
+                                                                     dir)));
   CHECK_THROWS_WITH(parse({dir}), Catch::Contains("is a directory"));
   std::filesystem::remove_all(dir);
 }

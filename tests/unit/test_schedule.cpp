@@ -1,5 +1,5 @@
-#include <catch2/catch.hpp>
 #include <fmt/format.h>
+#include <catch2/catch.hpp>
 
 #include "support/oracle.hpp"
 #include "train/schedule.hpp"
@@ -11,8 +11,9 @@ TEST_CASE("lr schedules equal transformers' with warmup", "[reference]") {
   const int64_t warmup = 7, total = 50;
   for (const std::string name : {"constant", "linear", "cosine"}) {
     INFO(name);
-    const test::Oracle r = test::oracle(fmt::format("'{}' '{}/tests/reference/probe.py' lr-schedule {} {} {} {}",
-                                                    LORARUN_PYTHON, LORARUN_SOURCE_DIR, name, warmup, total, total + 3));
+    const test::Oracle r =
+        test::oracle(fmt::format("'{}' '{}/tests/reference/probe.py' lr-schedule {} {} {} {}", LORARUN_PYTHON,
+                                 LORARUN_SOURCE_DIR, name, warmup, total, total + 3));
     INFO(r.run.output);
     REQUIRE(r.run.status == 0);
     const std::vector<double> want = r.fields.at("factors");

@@ -64,8 +64,10 @@ TEST_CASE("step k of W ranks together holds step k of 1 rank with W times the ba
           for (int64_t k = 0; k < steps; ++k) {
             std::multiset<int64_t> together, alone;
             for (const auto& mine : ranks)
-              for (int64_t i = k * batch; i < std::min(per_rank, (k + 1) * batch); ++i) together.insert(mine[size_t(i)]);
-            for (int64_t i = k * batch * world; i < std::min(n, (k + 1) * batch * world); ++i) alone.insert(one[size_t(i)]);
+              for (int64_t i = k * batch; i < std::min(per_rank, (k + 1) * batch); ++i)
+                together.insert(mine[size_t(i)]);
+            for (int64_t i = k * batch * world; i < std::min(n, (k + 1) * batch * world); ++i)
+              alone.insert(one[size_t(i)]);
             if (k + 1 == steps)  // the last step also re-reads the padding: the order's first documents
               for (int64_t i = 0; i < padding; ++i) alone.insert(one[size_t(i)]);
             CHECK(together == alone);
