@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <ftw.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <cerrno>
@@ -82,6 +83,14 @@ void remove_tree(const std::string& path) {
   auto remove_one = [](const char* p, const struct stat*, int, FTW*) { return std::remove(p) == 0 ? 0 : -1; };
   if (nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0)
     throw Error(fmt::format("cannot remove {}: {}", path, std::strerror(errno)));
+}
+
+void drop_pages(const std::byte* data, size_t n) {
+  static const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t first = (begin + page - 1) / page * page;
+  const uintptr_t last = (begin + n) / page * page;
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
 }
 
 }  // namespace lorarun::io

@@ -34,4 +34,8 @@ void remove_tree(const std::string& path);
 // fsync a directory so a rename inside it is durable.
 void sync_dir(const std::string& dir);
 
+// Gives back the memory of the whole pages in [data, data + n) of a read-only mapping (a tensor
+// that has been copied out): they are read from the file again if touched.
+void drop_pages(const std::byte* data, size_t n);
+
 }  // namespace lorarun::io

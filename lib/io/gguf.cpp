@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "io/files.hpp"
 #include "util/error.hpp"
 
 // The layout is llama.cpp's gguf.h / docs/gguf.md: "GGUF", u32 version, u64 tensor count, u64
@@ -731,12 +732,7 @@ std::span<const std::byte> GgufFile::bytes(const GgufTensorInfo& t) const {
   return {map_ + data_offset_ + t.offset, t.nbytes};
 }
 
-void GgufFile::release(const GgufTensorInfo& t) const {
-  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<uintptr_t>(map_ + data_offset_ + t.offset);
-  const uintptr_t first = (begin + page - 1) / page * page, last = (begin + t.nbytes) / page * page;
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
-}
+void GgufFile::release(const GgufTensorInfo& t) const { drop_pages(map_ + data_offset_ + t.offset, t.nbytes); }
 
 void dequantize(GgmlType type, std::span<const std::byte> in, std::span<float> out) {
   const TypeTraits* tr = traits(static_cast<uint32_t>(type));

@@ -157,12 +157,7 @@ std::span<const std::byte> SafetensorsFile::bytes(const TensorInfo& t) const {
   return {map_ + data_start_ + t.offset, t.nbytes};
 }
 
-void SafetensorsFile::release(const TensorInfo& t) const {
-  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<uintptr_t>(map_ + data_start_ + t.offset);
-  const uintptr_t first = (begin + page - 1) / page * page, last = (begin + t.nbytes) / page * page;
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
-}
+void SafetensorsFile::release(const TensorInfo& t) const { drop_pages(map_ + data_start_ + t.offset, t.nbytes); }
 
 void write_safetensors(const std::string& path, const std::vector<TensorBytes>& tensors,
                        const std::map<std::string, std::string>& metadata) {

@@ -52,25 +52,42 @@ track: {{mongodb: false}}
   return dir;
 }
 
+// What the launcher did after one rank of a 2-rank run was stopped (SIGSTOP) mid-training.
+struct HangOutcome {
+  std::vector<pid_t> pids;  // the ranks, by local rank
+  std::string log;          // lorarun's stdout and stderr
+  int status = -1;          // lorarun's exit status; -1 when it did not end in time
+  double seconds = 0;       // from the stop to lorarun's end
+};
+
+// Starts 2 ranks with dist.timeout_s `timeout_s`, stops `rank` once training is under way (rank 0
+// has printed a few steps) and waits for lorarun to end. Ranks left behind are killed by `cleanup`.
+HangOutcome stop_rank_mid_training(const std::string& name, int rank, int timeout_s, KillOnExit& cleanup) {
+  const std::string dir = start_training(name, timeout_s);
+  HangOutcome out;
+  REQUIRE(wait_for([&] { return (cleanup.pids = launched_pids(read_file(dir + "/log"))).size() == 2; }, 20.0));
+  out.pids = cleanup.pids;
+  REQUIRE(wait_for([&] { return read_file(dir + "/log").find(" step 3/") != std::string::npos; }, 120.0));
+  REQUIRE(kill(out.pids[static_cast<size_t>(rank)], SIGSTOP) == 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool ended = wait_for([&] { return !read_file(dir + "/status").empty(); }, timeout_s + 30.0);
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  out.log = read_file(dir + "/log");
+  if (ended) out.status = std::stoi(read_file(dir + "/status"));
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("a rank stopped mid-training is named as the one that timed out", "[e2e][dist]") {
   const int timeout_s = 6;
-  const std::string dir = start_training("hang", timeout_s);
   KillOnExit cleanup;
-  REQUIRE(wait_for([&] { return (cleanup.pids = launched_pids(read_file(dir + "/log"))).size() == 2; }, 20.0));
-  // Training is under way: rank 0 has printed a few steps.
-  REQUIRE(wait_for([&] { return read_file(dir + "/log").find(" step 3/") != std::string::npos; }, 120.0));
-  const pid_t stopped = cleanup.pids[1];
-  REQUIRE(kill(stopped, SIGSTOP) == 0);
-  const auto t0 = std::chrono::steady_clock::now();
-  const bool ended = wait_for([&] { return !read_file(dir + "/status").empty(); }, timeout_s + 30.0);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const std::string log = read_file(dir + "/log");
+  const HangOutcome run = stop_rank_mid_training("hang", 1, timeout_s, cleanup);
+  const pid_t stopped = run.pids[1];
+  const std::string& log = run.log;
   INFO(log);
-  REQUIRE(ended);
-  CHECK(std::stoi(read_file(dir + "/status")) == 1);
-  CHECK(seconds < timeout_s + 15);
+  CHECK(run.status == 1);
+  CHECK(run.seconds < timeout_s + 15);
   CHECK_THAT(log, Catch::Contains(
                       fmt::format("lorarun: rank 1 (local rank 1, pid {}) timed out: detected by rank 0", stopped)));
   CHECK_THAT(log, Catch::Contains("lorarun:   error: lora-train: error: rank 1 stopped responding (no heartbeat for "));
@@ -82,21 +99,14 @@ TEST_CASE("a rank stopped mid-training is named as the one that timed out", "[e2
 
 TEST_CASE("a stopped rank 0, which hosts the store, is named by the rank that noticed", "[e2e][dist]") {
   const int timeout_s = 6;
-  const std::string dir = start_training("hang0", timeout_s);
   KillOnExit cleanup;
-  REQUIRE(wait_for([&] { return (cleanup.pids = launched_pids(read_file(dir + "/log"))).size() == 2; }, 20.0));
-  REQUIRE(wait_for([&] { return read_file(dir + "/log").find(" step 3/") != std::string::npos; }, 120.0));
-  REQUIRE(kill(cleanup.pids[0], SIGSTOP) == 0);
-  const auto t0 = std::chrono::steady_clock::now();
-  const bool ended = wait_for([&] { return !read_file(dir + "/status").empty(); }, timeout_s + 30.0);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const std::string log = read_file(dir + "/log");
+  const HangOutcome run = stop_rank_mid_training("hang0", 0, timeout_s, cleanup);
+  const std::string& log = run.log;
   INFO(log);
-  REQUIRE(ended);
-  CHECK(std::stoi(read_file(dir + "/status")) == 1);
-  CHECK(seconds < timeout_s + 15);
+  CHECK(run.status == 1);
+  CHECK(run.seconds < timeout_s + 15);
   CHECK_THAT(log, Catch::Contains(fmt::format("lorarun: rank 0 (local rank 0, pid {}) timed out: detected by rank 1",
-                                              cleanup.pids[0])));
+                                              run.pids[0])));
   CHECK_THAT(log, Catch::Contains("rank 0 stopped responding (the rendezvous store it hosts does not answer"));
   CHECK_THAT(log, !Catch::Contains("frame #"));
 }
