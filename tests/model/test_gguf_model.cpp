@@ -40,18 +40,30 @@ std::string load_error(const std::string& path) {
   return "";
 }
 
+// Writes transformers' logits for `file` to DIR/reference.safetensors (gguf_model_check.py logits)
+// and returns the largest |difference| from `m`'s on the real tokens of that padded batch.
+double max_logit_diff_to_transformers(const CausalLM& m, const std::string& file, const std::string& dir) {
+  const std::string ref_path = dir + "/reference.safetensors";
+  const test::Oracle ref = gguf_model_check(fmt::format("logits '{}' '{}'", file, ref_path));
+  INFO(ref.run.output);
+  REQUIRE(ref.run.status == 0);
+  REQUIRE(ref.fields.contains("written"));
+  const auto files = WeightFiles::open_file(ref_path);
+  const at::Tensor ids = files.load("input_ids", at::kLong, at::kCPU);
+  const at::Tensor mask = files.load("attention_mask", at::kLong, at::kCPU);
+  const at::Tensor expected = files.load("logits", at::kFloat, at::kCPU);
+  c10::NoGradGuard no_grad;
+  const at::Tensor logits = m.forward(ids, mask);
+  const at::Tensor real = mask.to(at::kBool);
+  REQUIRE(real.sum().item<int64_t>() == 32);  // 16 + 11 + 5 real tokens
+  return (logits.index({real}) - expected.index({real})).abs().max().item<double>();
+}
+
 }  // namespace
 
 TEST_CASE("gguf: SmolLM2-135M-Instruct from its .gguf gives transformers' logits on a padded batch",
           "[gguf][reference]") {
   require_smollm2();
-  const std::string dir = test::temp_dir("gguf-model-logits");
-  const std::string ref_path = dir + "/reference.safetensors";
-  const test::Oracle ref = gguf_model_check(fmt::format("logits '{}' '{}'", kSmolLM2, ref_path));
-  INFO(ref.run.output);
-  REQUIRE(ref.run.status == 0);
-  REQUIRE(ref.fields.contains("written"));
-
   const CausalLM m = CausalLM::load(kSmolLM2, at::kFloat, at::kCPU);
   const ModelConfig& c = m.config();
   CHECK(c.model_type == "llama");
@@ -67,17 +79,39 @@ TEST_CASE("gguf: SmolLM2-135M-Instruct from its .gguf gives transformers' logits
   CHECK(m.lm_head().is_same(m.state_dict().front().second));  // tied: one tensor, counted once
   CHECK(m.base_parameter_count() == 134515008);
 
-  const auto files = WeightFiles::open_file(ref_path);
-  const at::Tensor ids = files.load("input_ids", at::kLong, at::kCPU);
-  const at::Tensor mask = files.load("attention_mask", at::kLong, at::kCPU);
-  const at::Tensor expected = files.load("logits", at::kFloat, at::kCPU);
-  c10::NoGradGuard no_grad;
-  const at::Tensor logits = m.forward(ids, mask);
-  const at::Tensor real = mask.to(at::kBool);
-  const double diff = (logits.index({real}) - expected.index({real})).abs().max().item<double>();
-  fmt::print("gguf: SmolLM2-135M-Instruct.Q4_1 fp32: max |logit diff| vs transformers {:.3g} over {} tokens\n", diff,
-             real.sum().item<int64_t>());
+  const double diff = max_logit_diff_to_transformers(m, kSmolLM2, test::temp_dir("gguf-model-logits"));
+  fmt::print("gguf: SmolLM2-135M-Instruct.Q4_1 fp32: max |logit diff| vs transformers {:.3g}\n", diff);
   CHECK(diff <= 1e-4);
+}
+
+TEST_CASE("gguf: tiny llama (GQA, tied) and qwen2 (q/k/v bias, untied) files give transformers' logits",
+          "[gguf][reference]") {
+  const std::string dir = test::temp_dir("gguf-model-tiny");
+  for (const std::string arch : {"llama", "qwen2"}) {
+    INFO(arch);
+    const std::string file = fmt::format("{}/{}.gguf", dir, arch);
+    const test::Oracle made = gguf_model_check(fmt::format("make '{}' {}", file, arch));
+    INFO(made.run.output);
+    REQUIRE(made.run.status == 0);
+    const CausalLM m = CausalLM::load(file, at::kFloat, at::kCPU);
+    CHECK(m.config().model_type == arch);
+    CHECK(m.config().num_kv_heads == 2);
+    CHECK(m.config().rope_theta == 5000.0);
+    CHECK(m.config().tie_word_embeddings == (arch == "llama"));
+    const double diff = max_logit_diff_to_transformers(m, file, dir);
+    fmt::print("gguf: tiny {} fp32: max |logit diff| vs transformers {:.3g}\n", arch, diff);
+    CHECK(diff <= 1e-4);
+    // bf16 converts as it copies (Q and K rows reordered on the way): the fp32 weights, rounded.
+    const CausalLM half = CausalLM::load(file, at::kBFloat16, at::kCPU);
+    const auto full_weights = m.state_dict();
+    const auto half_weights = half.state_dict();
+    REQUIRE(half_weights.size() == full_weights.size());
+    for (size_t i = 0; i < half_weights.size(); ++i) {
+      INFO(half_weights[i].first);
+      CHECK(half_weights[i].second.scalar_type() == at::kBFloat16);
+      CHECK(at::equal(half_weights[i].second, full_weights[i].second.to(at::kBFloat16)));
+    }
+  }
 }
 
 TEST_CASE("gguf: QLoRA quantises a GGUF model's linears to NF4 as it loads", "[gguf]") {

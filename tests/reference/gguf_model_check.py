@@ -5,8 +5,11 @@
       gguf_file=name), dequantised by the `gguf` package, float32) and writes to OUT a right-padded
       batch of fixed token ids (input_ids, attention_mask) and its logits; reports the seconds taken.
   gguf_model_check.py make FILE ARCH [DROP_KEY]
-      writes a tiny GGUF with gguf-py's GGUFWriter: architecture ARCH, the llama keys (less DROP_KEY,
-      e.g. llama.block_count) and one block of F32 tensors in the llama layout.
+      writes a tiny random GGUF with gguf-py's GGUFWriter: architecture ARCH, the llama keys (less
+      DROP_KEY, e.g. llama.block_count) and two blocks of F32 tensors in the llama layout (4 query
+      heads, 2 KV heads); qwen2 adds the q/k/v biases and an untied output.weight. The tensors are
+      stored as llama.cpp's converter stores them: any row order is valid, since transformers and
+      lorarun both read Q and K rows back the same way (`logits` on the file is the reference).
 
 Results are reported on marked lines (oracle.report); transformers' warnings and progress are not read.
 """
@@ -47,28 +50,37 @@ def make(path, arch, drop):
     import gguf
 
     w = gguf.GGUFWriter(path, arch)
-    hidden, ffn, heads, kv, vocab = 8, 16, 2, 1, 10
+    hidden, ffn, heads, kv, vocab, layers = 16, 32, 4, 2, 32, 2
+    head_dim = hidden // heads
     keys = {
-        "block_count": 1, "context_length": 64, "embedding_length": hidden, "feed_forward_length": ffn,
-        "attention.head_count": heads, "attention.head_count_kv": kv,
+        "block_count": layers, "context_length": 64, "embedding_length": hidden, "feed_forward_length": ffn,
+        "attention.head_count": heads, "attention.head_count_kv": kv, "rope.dimension_count": head_dim,
+        "vocab_size": vocab,
     }
     for k, v in keys.items():
         if f"{arch}.{k}" != drop:
             w.add_uint32(f"{arch}.{k}", v)
-    if f"{arch}.attention.layer_norm_rms_epsilon" != drop:
-        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    for k, v in {"attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 5000.0}.items():
+        if f"{arch}.{k}" != drop:
+            w.add_float32(f"{arch}.{k}", v)
     rng = np.random.default_rng(0)
-    head_dim = hidden // heads
-    shapes = {
-        "token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
-        "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,),
-        "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (kv * head_dim, hidden),
-        "blk.0.attn_v.weight": (kv * head_dim, hidden), "blk.0.attn_output.weight": (hidden, hidden),
-        "blk.0.ffn_gate.weight": (ffn, hidden), "blk.0.ffn_up.weight": (ffn, hidden),
-        "blk.0.ffn_down.weight": (hidden, ffn),
-    }
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    if arch == "qwen2":
+        shapes["output.weight"] = (vocab, hidden)
+    for i in range(layers):
+        shapes.update({
+            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+            f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv * head_dim, hidden),
+            f"blk.{i}.attn_v.weight": (kv * head_dim, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+            f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, ffn),
+        })
+        if arch == "qwen2":
+            shapes.update({f"blk.{i}.attn_q.bias": (hidden,), f"blk.{i}.attn_k.bias": (kv * head_dim,),
+                           f"blk.{i}.attn_v.bias": (kv * head_dim,)})
     for name, shape in shapes.items():
-        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+        scale = 1.0 if name.endswith("norm.weight") or name == "token_embd.weight" else 0.3
+        w.add_tensor(name, (scale * rng.standard_normal(shape)).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
