@@ -37,7 +37,7 @@ std::optional<int64_t> default_eos_id(const CausalLM& model) {
       if (e.is_array() && !e.empty() && e[0].is_number_integer()) return e[0].get<int64_t>();
     }
   }
-  return std::nullopt;
+  return model.config().eos_token_id;  // a .gguf model: from its metadata
 }
 
 std::vector<int64_t> generate(const CausalLM& model, const std::vector<int64_t>& prompt, const GenerateOptions& opt) {

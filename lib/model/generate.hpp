@@ -19,7 +19,8 @@ struct GenerateOptions {
 // Continues `prompt` (token ids, batch of one); returns the new ids (eos included if produced).
 std::vector<int64_t> generate(const CausalLM& model, const std::vector<int64_t>& prompt, const GenerateOptions& opt);
 
-// The id generation stops at, as transformers picks it: generation_config.json, then config.json.
+// The id generation stops at, as transformers picks it: generation_config.json, then config.json
+// (for a .gguf model, tokenizer.ggml.eos_token_id).
 std::optional<int64_t> default_eos_id(const CausalLM& model);
 
 }  // namespace lorarun::model

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "util/error.hpp"
 
@@ -18,6 +19,151 @@ at::Tensor dequantize(const io::GgufFile& file, const std::string& name) {
   const io::GgufTensorInfo* t = file.find(name);
   if (!t) throw Error(fmt::format("{} has no tensor '{}'", file.path(), name));
   return dequantize(file, *t);
+}
+
+bool is_gguf_path(const std::string& path) { return path.size() > 5 && path.ends_with(".gguf"); }
+
+namespace {
+
+// What the metadata holds is checked as load_config checks config.json.
+void check_sizes(const io::GgufFile& f, const ModelConfig& c) {
+  if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.intermediate_size <= 0 || c.num_layers <= 0 || c.num_heads <= 0 ||
+      c.num_kv_heads <= 0 || c.num_heads % c.num_kv_heads != 0 || c.head_dim <= 0 || c.head_dim % 2 != 0)
+    throw Error(
+        fmt::format("{}: inconsistent sizes in the GGUF metadata (vocab {}, hidden {}, ffn {}, layers {}, heads {}/{} "
+                    "kv, head_dim {}); re-convert the model",
+                    f.path(), c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
+                    c.num_kv_heads, c.head_dim));
+}
+
+}  // namespace
+
+ModelConfig gguf_config(const io::GgufFile& f) {
+  const std::string arch = f.get_string("general.architecture");
+  if (arch != "llama" && arch != "qwen2")
+    throw Error(
+        fmt::format("{}: GGUF architecture '{}' is not supported; supported: llama (mistral files are llama), qwen2",
+                    f.path(), arch));
+  const auto key = [&arch](const char* k) { return arch + "." + k; };
+  ModelConfig c;
+  c.model_type = arch;
+  c.family = Family::Llama;
+  c.hidden_size = f.get_int(key("embedding_length"));
+  c.intermediate_size = f.get_int(key("feed_forward_length"));
+  c.num_layers = f.get_int(key("block_count"));
+  c.num_heads = f.get_int(key("attention.head_count"));
+  c.num_kv_heads = f.get_int(key("attention.head_count_kv"), c.num_heads);
+  c.head_dim = f.get_int(key("attention.key_length"), c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
+  c.max_positions = f.get_int(key("context_length"), 2048);
+  c.norm_eps = f.get_float(key("attention.layer_norm_rms_epsilon"));
+  c.rope_theta = f.get_float(key("rope.freq_base"), 10000.0);
+  const int64_t rope_dim = f.get_int(key("rope.dimension_count"), c.head_dim);
+  if (rope_dim != c.head_dim)
+    throw Error(
+        fmt::format("{}: rotary dimension {} differs from the head dimension {}: partial rotary embeddings "
+                    "are not supported",
+                    f.path(), rope_dim, c.head_dim));
+  const std::string scaling = f.get_string(key("rope.scaling.type"), "none");
+  if (scaling == "linear") {
+    c.rope.type = "linear";
+    c.rope.factor = f.get_float(key("rope.scaling.factor"));
+  } else if (scaling != "none") {
+    throw Error(fmt::format("{}: rope scaling '{}' is not supported (none, linear)", f.path(), scaling));
+  }
+  const io::GgufTensorInfo* embed = f.find("token_embd.weight");
+  if (!embed || embed->dims.size() != 2)
+    throw Error(fmt::format("{} has no 2-dimensional tensor 'token_embd.weight': it is not a complete {} model",
+                            f.path(), arch));
+  c.vocab_size = embed->torch_shape()[0];
+  c.tie_word_embeddings = f.find("output.weight") == nullptr;  // as llama.cpp and transformers decide
+  c.qkv_bias = arch == "qwen2";
+  check_sizes(f, c);
+  const auto token = [&f](const char* k) -> std::optional<int64_t> {
+    if (!f.has(k)) return std::nullopt;
+    return f.get_int(k);
+  };
+  c.bos_token_id = token("tokenizer.ggml.bos_token_id");
+  c.eos_token_id = token("tokenizer.ggml.eos_token_id");
+  c.pad_token_id = token("tokenizer.ggml.padding_token_id");
+  return c;
+}
+
+std::string gguf_tensor_name(const std::string& hf_name) {
+  if (hf_name == "model.embed_tokens.weight") return "token_embd.weight";
+  if (hf_name == "model.norm.weight") return "output_norm.weight";
+  if (hf_name == "lm_head.weight") return "output.weight";
+  const std::string prefix = "model.layers.";
+  if (!hf_name.starts_with(prefix)) return "";
+  const size_t dot = hf_name.find('.', prefix.size());
+  const size_t last = hf_name.rfind('.');
+  if (dot == std::string::npos || last <= dot) return "";
+  const std::string layer = hf_name.substr(prefix.size(), dot - prefix.size());
+  const std::string module = hf_name.substr(dot + 1, last - dot - 1);
+  const std::string suffix = hf_name.substr(last + 1);
+  if (layer.empty() || layer.find_first_not_of("0123456789") != std::string::npos) return "";
+  static const std::pair<const char*, const char*> kModules[] = {
+      {"self_attn.q_proj", "attn_q"},      {"self_attn.k_proj", "attn_k"},   {"self_attn.v_proj", "attn_v"},
+      {"self_attn.o_proj", "attn_output"}, {"mlp.gate_proj", "ffn_gate"},    {"mlp.up_proj", "ffn_up"},
+      {"mlp.down_proj", "ffn_down"},       {"input_layernorm", "attn_norm"}, {"post_attention_layernorm", "ffn_norm"},
+  };
+  for (const auto& [hf, gguf] : kModules)
+    if (module == hf) return fmt::format("blk.{}.{}.{}", layer, gguf, suffix);
+  return "";
+}
+
+GgufWeights::GgufWeights(std::shared_ptr<const io::GgufFile> file, const ModelConfig& config)
+    : file_(std::move(file)), config_(config) {}
+
+bool GgufWeights::contains(const std::string& name) const {
+  const std::string g = gguf_tensor_name(name);
+  return !g.empty() && file_->find(g) != nullptr;
+}
+
+namespace {
+
+// llama.cpp's converter reorders the rows of each head of Q and K ([heads * head_dim, ..]) from
+// HF's rotate-half layout (first halves, then second halves) to interleaved pairs; this is the
+// inverse, transformers' reverse_permute: per head, [dim/2, 2] -> [2, dim/2]. Returns a view
+// [heads, 2, dim/2, rest..] of `w`.
+at::Tensor unpermute_rows(const at::Tensor& w, int64_t heads) {
+  std::vector<int64_t> shape = {heads, w.size(0) / heads / 2, 2};
+  for (int64_t d = 1; d < w.dim(); ++d) shape.push_back(w.size(d));
+  return w.view(shape).transpose(1, 2);
+}
+
+}  // namespace
+
+at::Tensor GgufWeights::load(const std::string& name, at::ScalarType dtype, at::Device device,
+                             const std::vector<int64_t>& shape) const {
+  const std::string g = gguf_tensor_name(name);
+  const io::GgufTensorInfo* t = g.empty() ? nullptr : file_->find(g);
+  if (!t)
+    throw Error(fmt::format("{} has no tensor '{}' (the model's {}): it is not a complete {} model", file_->path(),
+                            g.empty() ? name : g, name, config_.model_type));
+  if (!shape.empty() && t->torch_shape() != shape)
+    throw Error(
+        fmt::format("{}: '{}' has shape [{}] but the metadata implies [{}]: the tensors do not match the "
+                    "metadata; re-convert the model",
+                    file_->path(), g, fmt::join(t->torch_shape(), ", "), fmt::join(shape, ", ")));
+  used_.insert(g);
+  at::Tensor w = dequantize(*file_, *t);  // float32, the one temporary
+  const bool q = g.ends_with(".attn_q.weight") || g.ends_with(".attn_q.bias");
+  const bool k = g.ends_with(".attn_k.weight") || g.ends_with(".attn_k.bias");
+  const bool permuted = config_.model_type == "llama" && (q || k);
+  if (!permuted && dtype == at::kFloat && device.is_cpu()) return w;
+  const at::Tensor src = permuted ? unpermute_rows(w, q ? config_.num_heads : config_.num_kv_heads) : w;
+  at::Tensor out = at::empty(src.sizes(), at::TensorOptions().dtype(dtype).device(device));
+  out.copy_(src);
+  return out.view(w.sizes());
+}
+
+void GgufWeights::check_all_used() const {
+  for (const io::GgufTensorInfo& t : file_->tensors())
+    if (!used_.count(t.name))
+      throw Error(
+          fmt::format("{}: tensor '{}' has no place in the {} model lorarun builds from this file (an "
+                      "unsupported variant of the architecture)",
+                      file_->path(), t.name, config_.model_type));
 }
 
 }  // namespace lorarun::model

@@ -5,8 +5,11 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <cmath>
+#include <filesystem>
 #include <map>
+#include <memory>
 
+#include "model/gguf_weights.hpp"
 #include "model/recompute.hpp"
 #include "model/resolve.hpp"
 #include "model/weights.hpp"
@@ -32,10 +35,10 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
 
 namespace {
 
-// Builds the model's tensors from the files, checking each shape against config.json.
+// Builds the model's tensors from the files, checking each shape against the config.
 template <class Named>
 struct Loader {
-  const WeightFiles& files;
+  const WeightSource& files;
   at::ScalarType dtype;
   at::Device device;
   LoadOptions opts;
@@ -136,21 +139,38 @@ at::Tensor activation(const std::string& name, const at::Tensor& x) {
 
 CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at::Device device,
                         const LoadOptions& opts) {
-  const std::string dir = resolve_model_path(path_or_id);
   CausalLM m;
-  m.config_ = load_config(dir);
-  m.dir_ = dir;
   m.dtype_ = dtype;
   m.device_ = device;
+  if (is_gguf_path(path_or_id)) {
+    if (!std::filesystem::is_regular_file(path_or_id))
+      throw Error(
+          fmt::format("model file '{}' does not exist: model.path names a .gguf file that is not there", path_or_id));
+    const auto file = std::make_shared<const io::GgufFile>(path_or_id);
+    m.config_ = gguf_config(*file);
+    m.dir_ = path_or_id;
+    const GgufWeights weights(file, m.config_);
+    m.build(weights, opts);
+    weights.check_all_used();
+    return m;
+  }
+  const std::string dir = resolve_model_path(path_or_id);
+  m.config_ = load_config(dir);
+  m.dir_ = dir;
+  m.build(WeightFiles::open_dir(dir), opts);
+  return m;
+}
+
+void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
+  CausalLM& m = *this;
   const ModelConfig& c = m.config_;
-  const WeightFiles files = WeightFiles::open_dir(dir);
-  const Loader<NamedWeight> L{files, dtype, device, opts, m.named_};
+  const Loader<NamedWeight> L{files, dtype_, device_, opts, m.named_};
   const int64_t H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
   const int64_t q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;
 
   if (c.family == Family::Llama) {
     m.embed_tokens_ = L.get("model.embed_tokens.weight", {V, H});
-    m.inv_freq_ = rope_inv_freq(c).to(device);
+    m.inv_freq_ = rope_inv_freq(c).to(device_);
     for (int64_t i = 0; i < c.num_layers; ++i) {
       const std::string p = fmt::format("model.layers.{}.", i);
       Block b;
@@ -217,8 +237,7 @@ CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at:
     throw Error(
         fmt::format("{}: lm_head.weight is missing and config.json does not tie it to the "
                     "embeddings (tie_word_embeddings: false)",
-                    dir));
-  return m;
+                    dir_));
 }
 
 at::Tensor CausalLM::norm(const Norm& n, const at::Tensor& x) const {

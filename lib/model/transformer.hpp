@@ -16,6 +16,8 @@ enum class Dtype;
 
 namespace lorarun::model {
 
+class WeightSource;
+
 // The recipe's model.dtype (bf16 | fp16 | fp32) as the weights' tensor dtype.
 at::ScalarType dtype_of(recipe::Dtype d);
 
@@ -66,7 +68,8 @@ struct LoadOptions {
 class CausalLM {
  public:
   // Loads a HF model directory or cached model id (config.json + model.safetensors or a sharded
-  // index; see resolve_model_path), converting weights to `dtype` on `device`; with
+  // index; see resolve_model_path), or a .gguf file (config from its metadata, tensors dequantised
+  // one at a time; see gguf_weights.hpp), converting weights to `dtype` on `device`; with
   // opts.quantize each linear of linears() is quantised from `dtype` (embeddings, norms and the
   // output projection stay, as transformers + bitsandbytes leave them). Throws lorarun::Error
   // when weights are missing or disagree with config.
@@ -74,7 +77,7 @@ class CausalLM {
                        const LoadOptions& opts = {});
 
   const ModelConfig& config() const { return config_; }
-  const std::string& dir() const { return dir_; }
+  const std::string& dir() const { return dir_; }  // the model directory, or the .gguf file
   at::ScalarType dtype() const { return dtype_; }
   at::Device device() const { return device_; }
 
@@ -105,6 +108,8 @@ class CausalLM {
   bool recompute_activations = false;
 
  private:
+  // Builds the layers of config_'s family from `files`, in dtype_ on device_.
+  void build(const WeightSource& files, const LoadOptions& opts);
   at::Tensor attention(const Block& b, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& cos,
                        const at::Tensor& sin, KVCache* cache, size_t layer) const;
   at::Tensor mlp(const Block& b, const at::Tensor& x) const;

@@ -19,14 +19,26 @@ at::ScalarType parse_dtype(const std::string& name);
 std::string hf_dtype_name(at::ScalarType t);
 io::DType to_dtype(at::ScalarType t);  // throws for types safetensors lacks
 
+// Where CausalLM::load takes the base weights from, by their HF names (model.layers.0.mlp.up_proj.weight).
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  virtual bool contains(const std::string& name) const = 0;
+  // `name` as `dtype` on `device`; `shape` (if given) must equal the stored shape.
+  virtual at::Tensor load(const std::string& name, at::ScalarType dtype, at::Device device,
+                          const std::vector<int64_t>& shape = {}) const = 0;
+  // Drops what the source still holds of `name` (its mapped pages) once it has been used.
+  virtual void release(const std::string& name) const = 0;
+};
+
 // The safetensors file(s) of a model directory (or a single file), memory-mapped.
-class WeightFiles {
+class WeightFiles : public WeightSource {
  public:
   // `dir` holds model.safetensors or model.safetensors.index.json (+ shards).
   static WeightFiles open_dir(const std::string& dir);
   static WeightFiles open_file(const std::string& path);
 
-  bool contains(const std::string& name) const { return where_.count(name) > 0; }
+  bool contains(const std::string& name) const override { return where_.count(name) > 0; }
   std::vector<std::string> names() const;
   const io::TensorInfo& info(const std::string& name) const;
 
@@ -34,9 +46,9 @@ class WeightFiles {
   // file (no copy; pages load on first touch); otherwise it is a converted copy and the mapped
   // pages are dropped after copying. `shape` (if given) must equal the stored shape.
   at::Tensor load(const std::string& name, at::ScalarType dtype, at::Device device,
-                  const std::vector<int64_t>& shape = {}) const;
+                  const std::vector<int64_t>& shape = {}) const override;
   // Drops the mapped pages of `name` once no tensor views them (a quantised weight's source).
-  void release(const std::string& name) const { files_[where_.at(name)]->release(info(name)); }
+  void release(const std::string& name) const override { files_[where_.at(name)]->release(info(name)); }
   // The names load() was asked for; the caller can report leftovers.
   const std::set<std::string>& used() const { return used_; }
 

@@ -1,0 +1,149 @@
+// A .gguf model.path: config from the metadata, weights dequantised and renamed, logits against
+// transformers' own GGUF loading of the same file (tests/reference/gguf_model_check.py).
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <string>
+
+#include "model/transformer.hpp"
+#include "model/weights.hpp"
+#include "support/oracle.hpp"
+#include "support/process.hpp"
+#include "util/error.hpp"
+
+using namespace lorarun;
+using namespace lorarun::model;
+
+namespace {
+
+const std::string kSmolLM2 =
+    std::string(LORARUN_SOURCE_DIR) + "/.fixtures/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+test::Oracle gguf_model_check(const std::string& args) {
+  return test::oracle(
+      fmt::format("'{}' '{}/tests/reference/gguf_model_check.py' {} 2>&1", LORARUN_PYTHON, LORARUN_SOURCE_DIR, args));
+}
+
+void require_smollm2() {
+  if (!std::filesystem::exists(kSmolLM2)) FAIL(kSmolLM2 << " is missing: run scripts/setup (or scripts/fetch-models)");
+}
+
+// The message CausalLM::load throws for `path`, or "" when it loads.
+std::string load_error(const std::string& path) {
+  try {
+    CausalLM::load(path, at::kFloat, at::kCPU);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Writes transformers' logits for `file` to DIR/reference.safetensors (gguf_model_check.py logits)
+// and returns the largest |difference| from `m`'s on the real tokens of that padded batch.
+double max_logit_diff_to_transformers(const CausalLM& m, const std::string& file, const std::string& dir) {
+  const std::string ref_path = dir + "/reference.safetensors";
+  const test::Oracle ref = gguf_model_check(fmt::format("logits '{}' '{}'", file, ref_path));
+  INFO(ref.run.output);
+  REQUIRE(ref.run.status == 0);
+  REQUIRE(ref.fields.contains("written"));
+  const auto files = WeightFiles::open_file(ref_path);
+  const at::Tensor ids = files.load("input_ids", at::kLong, at::kCPU);
+  const at::Tensor mask = files.load("attention_mask", at::kLong, at::kCPU);
+  const at::Tensor expected = files.load("logits", at::kFloat, at::kCPU);
+  c10::NoGradGuard no_grad;
+  const at::Tensor logits = m.forward(ids, mask);
+  const at::Tensor real = mask.to(at::kBool);
+  REQUIRE(real.sum().item<int64_t>() == 32);  // 16 + 11 + 5 real tokens
+  return (logits.index({real}) - expected.index({real})).abs().max().item<double>();
+}
+
+}  // namespace
+
+TEST_CASE("gguf: SmolLM2-135M-Instruct from its .gguf gives transformers' logits on a padded batch",
+          "[gguf][reference]") {
+  require_smollm2();
+  const CausalLM m = CausalLM::load(kSmolLM2, at::kFloat, at::kCPU);
+  const ModelConfig& c = m.config();
+  CHECK(c.model_type == "llama");
+  CHECK(c.num_layers == 30);
+  CHECK(c.hidden_size == 576);
+  CHECK(c.intermediate_size == 1536);
+  CHECK(c.num_heads == 9);
+  CHECK(c.num_kv_heads == 3);
+  CHECK(c.head_dim == 64);
+  CHECK(c.vocab_size == 49152);
+  CHECK(c.rope_theta == 100000.0);
+  CHECK(c.tie_word_embeddings);
+  CHECK(m.lm_head().is_same(m.state_dict().front().second));  // tied: one tensor, counted once
+  CHECK(m.base_parameter_count() == 134515008);
+
+  const double diff = max_logit_diff_to_transformers(m, kSmolLM2, test::temp_dir("gguf-model-logits"));
+  fmt::print("gguf: SmolLM2-135M-Instruct.Q4_1 fp32: max |logit diff| vs transformers {:.3g}\n", diff);
+  CHECK(diff <= 1e-4);
+}
+
+TEST_CASE("gguf: tiny llama (GQA, tied) and qwen2 (q/k/v bias, untied) files give transformers' logits",
+          "[gguf][reference]") {
+  const std::string dir = test::temp_dir("gguf-model-tiny");
+  for (const std::string arch : {"llama", "qwen2"}) {
+    INFO(arch);
+    const std::string file = fmt::format("{}/{}.gguf", dir, arch);
+    const test::Oracle made = gguf_model_check(fmt::format("make '{}' {}", file, arch));
+    INFO(made.run.output);
+    REQUIRE(made.run.status == 0);
+    const CausalLM m = CausalLM::load(file, at::kFloat, at::kCPU);
+    CHECK(m.config().model_type == arch);
+    CHECK(m.config().num_kv_heads == 2);
+    CHECK(m.config().rope_theta == 5000.0);
+    CHECK(m.config().tie_word_embeddings == (arch == "llama"));
+    const double diff = max_logit_diff_to_transformers(m, file, dir);
+    fmt::print("gguf: tiny {} fp32: max |logit diff| vs transformers {:.3g}\n", arch, diff);
+    CHECK(diff <= 1e-4);
+    // bf16 converts as it copies (Q and K rows reordered on the way): the fp32 weights, rounded.
+    const CausalLM half = CausalLM::load(file, at::kBFloat16, at::kCPU);
+    const auto full_weights = m.state_dict();
+    const auto half_weights = half.state_dict();
+    REQUIRE(half_weights.size() == full_weights.size());
+    for (size_t i = 0; i < half_weights.size(); ++i) {
+      INFO(half_weights[i].first);
+      CHECK(half_weights[i].second.scalar_type() == at::kBFloat16);
+      CHECK(at::equal(half_weights[i].second, full_weights[i].second.to(at::kBFloat16)));
+    }
+  }
+}
+
+TEST_CASE("gguf: QLoRA quantises a GGUF model's linears to NF4 as it loads", "[gguf]") {
+  require_smollm2();
+  const CausalLM m = CausalLM::load(kSmolLM2, at::kFloat, at::kCPU, LoadOptions{.quantize = true});
+  const auto linears = m.linears();
+  REQUIRE(linears.size() == 30 * 7);
+  for (const Linear* l : linears) {
+    INFO(l->name);
+    CHECK(l->nf4.has_value());
+    CHECK_FALSE(l->weight.defined());
+  }
+  c10::NoGradGuard no_grad;
+  const at::Tensor logits = m.forward(at::arange(1, 5, at::kLong).view({1, 4}), at::Tensor());
+  CHECK(logits.isfinite().all().item<bool>());
+}
+
+TEST_CASE("gguf: an unsupported architecture or a missing key is one line naming it", "[gguf]") {
+  const std::string dir = test::temp_dir("gguf-model-bad");
+  for (const std::string& args : {fmt::format("make '{}/gemma.gguf' gemma", dir),
+                                  fmt::format("make '{}/no-blocks.gguf' llama llama.block_count", dir),
+                                  fmt::format("make '{}/tiny.gguf' llama", dir)}) {
+    const test::Oracle made = gguf_model_check(args);
+    INFO(made.run.output);
+    REQUIRE(made.run.status == 0);
+  }
+  const std::string arch = load_error(dir + "/gemma.gguf");
+  CHECK_THAT(arch, Catch::Contains("GGUF architecture 'gemma' is not supported; supported: llama"));
+  const std::string key = load_error(dir + "/no-blocks.gguf");
+  CHECK_THAT(key, Catch::Contains("no metadata key 'llama.block_count'"));
+  const std::string missing = load_error(dir + "/absent.gguf");
+  CHECK_THAT(missing, Catch::Contains("does not exist"));
+  for (const std::string& e : {arch, key, missing}) CHECK(e.find('\n') == std::string::npos);
+  CHECK(load_error(dir + "/tiny.gguf").empty());  // the same file with every key loads
+}

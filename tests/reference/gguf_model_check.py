@@ -1,0 +1,101 @@
+"""GGUF models in transformers, the reference for tests/model/test_gguf_model.cpp.
+
+  gguf_model_check.py logits FILE.gguf OUT.safetensors
+      loads FILE with transformers' own GGUF loader (AutoModelForCausalLM.from_pretrained(dir,
+      gguf_file=name), dequantised by the `gguf` package, float32) and writes to OUT a right-padded
+      batch of fixed token ids (input_ids, attention_mask) and its logits; reports the seconds taken.
+  gguf_model_check.py make FILE ARCH [DROP_KEY]
+      writes a tiny random GGUF with gguf-py's GGUFWriter: architecture ARCH, the llama keys (less
+      DROP_KEY, e.g. llama.block_count) and two blocks of F32 tensors in the llama layout (4 query
+      heads, 2 KV heads); qwen2 adds the q/k/v biases and an untied output.weight. The tensors are
+      stored as llama.cpp's converter stores them: any row order is valid, since transformers and
+      lorarun both read Q and K rows back the same way (`logits` on the file is the reference).
+
+Results are reported on marked lines (oracle.report); transformers' warnings and progress are not read.
+"""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from oracle import report  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+def logits(path, out):
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    start = time.time()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32).eval()
+    loaded = time.time() - start
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(13)
+    ids = torch.randint(0, vocab, (3, 16), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0  # right padding, as the padded batches of the other reference tests
+    mask[2, 5:] = 0
+    ids[mask == 0] = 0
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+    save_file({"input_ids": ids, "attention_mask": mask, "logits": got.contiguous()}, out)
+    report(written=out, load_seconds=loaded, seconds=time.time() - start, vocab_size=vocab,
+           num_hidden_layers=model.config.num_hidden_layers, tie_word_embeddings=model.config.tie_word_embeddings)
+
+
+def make(path, arch, drop):
+    import gguf
+
+    w = gguf.GGUFWriter(path, arch)
+    hidden, ffn, heads, kv, vocab, layers = 16, 32, 4, 2, 32, 2
+    head_dim = hidden // heads
+    keys = {
+        "block_count": layers, "context_length": 64, "embedding_length": hidden, "feed_forward_length": ffn,
+        "attention.head_count": heads, "attention.head_count_kv": kv, "rope.dimension_count": head_dim,
+        "vocab_size": vocab,
+    }
+    for k, v in keys.items():
+        if f"{arch}.{k}" != drop:
+            w.add_uint32(f"{arch}.{k}", v)
+    for k, v in {"attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 5000.0}.items():
+        if f"{arch}.{k}" != drop:
+            w.add_float32(f"{arch}.{k}", v)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    if arch == "qwen2":
+        shapes["output.weight"] = (vocab, hidden)
+    for i in range(layers):
+        shapes.update({
+            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+            f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv * head_dim, hidden),
+            f"blk.{i}.attn_v.weight": (kv * head_dim, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+            f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, ffn),
+        })
+        if arch == "qwen2":
+            shapes.update({f"blk.{i}.attn_q.bias": (hidden,), f"blk.{i}.attn_k.bias": (kv * head_dim,),
+                           f"blk.{i}.attn_v.bias": (kv * head_dim,)})
+    for name, shape in shapes.items():
+        scale = 1.0 if name.endswith("norm.weight") or name == "token_embd.weight" else 0.3
+        w.add_tensor(name, (scale * rng.standard_normal(shape)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    report(written=path)
+
+
+def main():
+    mode = sys.argv[1]
+    if mode == "logits":
+        return logits(sys.argv[2], sys.argv[3])
+    if mode == "make":
+        return make(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")
+    sys.exit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main()
