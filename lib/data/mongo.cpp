@@ -31,8 +31,11 @@ void log_handler(mongoc_log_level_t level, const char* domain, const char* messa
 
 void init_driver() {
   static const bool done = [] {
-    mongoc_init();
+    // The driver's shared-memory counters (for mongoc-stat only) fail when a killed process of the
+    // same pid left its /dev/shm/mongoc-<pid> behind, and it then warns before any handler: off.
+    setenv("MONGOC_DISABLE_SHM", "1", 0);
     mongoc_log_set_handler(log_handler, nullptr);
+    mongoc_init();
     return true;
   }();
   (void)done;
