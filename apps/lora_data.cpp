@@ -68,7 +68,7 @@ struct DetokenizeArgs {
 };
 
 void tokenize(const TokenizeArgs& a) {
-  auto tok = tok::Tokenizer::from_dir(a.model);
+  auto tok = lorarun::model::load_tokenizer(a.model);
   std::string line;
   for (size_t n = 1; std::getline(std::cin, line); ++n) {
     std::string text;
@@ -89,7 +89,7 @@ void tokenize(const TokenizeArgs& a) {
 }
 
 void detokenize(const DetokenizeArgs& a) {
-  auto tok = tok::Tokenizer::from_dir(a.model);
+  auto tok = lorarun::model::load_tokenizer(a.model);
   std::string line;
   for (size_t n = 1; std::getline(std::cin, line); ++n) {
     json j = json::parse(line, nullptr, false);
@@ -118,7 +118,7 @@ struct RecipeArgs {
 struct Dataset {
   explicit Dataset(const RecipeArgs& a)
       : recipe(recipe::load_recipe(a.recipe, a.overrides)),
-        tokenizer(tok::Tokenizer::from_dir(lorarun::model::resolve_model_path(recipe.model.path))),
+        tokenizer(lorarun::model::load_tokenizer(recipe.model.path)),
         docs(recipe.data) {}
   Dataset(const Dataset&) = delete;
   const recipe::Recipe recipe;

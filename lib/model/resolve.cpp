@@ -6,6 +6,8 @@
 #include <filesystem>
 
 #include "io/files.hpp"
+#include "io/gguf.hpp"
+#include "model/gguf_weights.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::model {
@@ -58,6 +60,39 @@ std::string resolve_model_path(const std::string& path_or_id) {
                   "lorarun never downloads; fetch it where the hub is reachable (huggingface-cli "
                   "download {}) and copy the directory or cache here",
                   path_or_id, repo.string(), path_or_id));
+}
+
+tok::HfTokenizerFiles gguf_tokenizer_files(const std::string& gguf_path) {
+  const io::GgufFile f(gguf_path);
+  tok::GgufVocab v;
+  v.source = gguf_path;
+  v.architecture = f.get_string("general.architecture");
+  if (!f.has("tokenizer.ggml.model"))
+    throw Error(
+        fmt::format("{}: has no tokenizer (no tokenizer.ggml.model in its metadata); convert the model with "
+                    "its tokenizer",
+                    gguf_path));
+  v.model = f.get_string("tokenizer.ggml.model");
+  v.pre = f.get_string("tokenizer.ggml.pre", "");
+  v.tokens = f.get_strings("tokenizer.ggml.tokens");
+  if (f.has("tokenizer.ggml.token_type")) v.token_types = f.get_ints("tokenizer.ggml.token_type");
+  if (f.has("tokenizer.ggml.merges")) v.merges = f.get_strings("tokenizer.ggml.merges");
+  if (f.has("tokenizer.ggml.scores")) v.scores = f.get_floats("tokenizer.ggml.scores");
+  const std::pair<const char*, std::optional<int64_t>*> ids[] = {{"tokenizer.ggml.bos_token_id", &v.bos},
+                                                                 {"tokenizer.ggml.eos_token_id", &v.eos},
+                                                                 {"tokenizer.ggml.unknown_token_id", &v.unk},
+                                                                 {"tokenizer.ggml.padding_token_id", &v.pad}};
+  for (const auto& [key, id] : ids)
+    if (f.has(key)) *id = f.get_int(key);
+  if (f.has("tokenizer.ggml.add_bos_token")) v.add_bos = f.get_bool("tokenizer.ggml.add_bos_token");
+  if (f.has("tokenizer.ggml.add_eos_token")) v.add_eos = f.get_bool("tokenizer.ggml.add_eos_token");
+  v.chat_template = f.get_string("tokenizer.chat_template", "");
+  return tok::hf_tokenizer_files(v);
+}
+
+tok::Tokenizer load_tokenizer(const std::string& path_or_id) {
+  if (is_gguf_path(path_or_id)) return tok::Tokenizer::from_files(gguf_tokenizer_files(path_or_id), path_or_id);
+  return tok::Tokenizer::from_dir(resolve_model_path(path_or_id));
 }
 
 }  // namespace lorarun::model

@@ -32,6 +32,11 @@ struct Padding {
   bool left = false;
 };
 
+// The special tokens a config names, by content.
+struct SpecialNames {
+  std::optional<std::string> bos, eos, pad;
+};
+
 struct Tokenizer::Impl {
   std::optional<Truncation> truncation;
   std::optional<Padding> padding;
@@ -202,28 +207,35 @@ void load_tokenizer_json(Tokenizer::Impl& t, const json& j) {
   t.added = std::make_unique<AddedVocabulary>(parse_added_tokens(get("added_tokens"), *t.model), t.normalizer.get());
 }
 
-// bos/eos/pad and the add_*_token flags; tokenizer_config.json wins over special_tokens_map.json.
-void load_config(Tokenizer& tok, Tokenizer::Impl& t, const std::filesystem::path& dir) {
-  std::optional<std::string> bos, eos, pad;
-  for (const char* name : {"special_tokens_map.json", "tokenizer_config.json"}) {
-    auto path = dir / name;
-    if (!std::filesystem::exists(path)) continue;
-    json c = parse_json(path);
-    try {
-      if (!c.is_object()) throw Error(fmt::format("{}: the top level must be a JSON object", path.string()));
-      if (auto s = string_or_null(c, "bos_token")) bos = s;
-      if (auto s = string_or_null(c, "eos_token")) eos = s;
-      if (auto s = string_or_null(c, "pad_token")) pad = s;
-      if (c.contains("add_bos_token") && !c["add_bos_token"].is_null()) t.add_bos = c["add_bos_token"].get<bool>();
-      if (c.contains("add_eos_token") && !c["add_eos_token"].is_null()) t.add_eos = c["add_eos_token"].get<bool>();
-    } catch (const json::exception& e) {
-      throw Error(fmt::format("{}: malformed ({})", path.string(), e.what()));
-    }
+// bos/eos/pad and the add_*_token flags of one config file (`c`, read from `what`); later files win.
+void apply_config(Tokenizer::Impl& t, const json& c, const std::string& what, SpecialNames& names) {
+  try {
+    if (!c.is_object()) throw Error(fmt::format("{}: the top level must be a JSON object", what));
+    if (auto s = string_or_null(c, "bos_token")) names.bos = s;
+    if (auto s = string_or_null(c, "eos_token")) names.eos = s;
+    if (auto s = string_or_null(c, "pad_token")) names.pad = s;
+    if (c.contains("add_bos_token") && !c["add_bos_token"].is_null()) t.add_bos = c["add_bos_token"].get<bool>();
+    if (c.contains("add_eos_token") && !c["add_eos_token"].is_null()) t.add_eos = c["add_eos_token"].get<bool>();
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("{}: malformed ({})", what, e.what()));
   }
+}
+
+void resolve_specials(const Tokenizer& tok, Tokenizer::Impl& t, const SpecialNames& names) {
   auto id = [&](const std::optional<std::string>& s) { return s ? tok.token_to_id(*s) : std::nullopt; };
-  t.bos = id(bos);
-  t.eos = id(eos);
-  t.pad = id(pad);
+  t.bos = id(names.bos);
+  t.eos = id(names.eos);
+  t.pad = id(names.pad);
+}
+
+std::unique_ptr<Tokenizer::Impl> impl_from_json(const json& j, const std::string& what) {
+  auto impl = std::make_unique<Tokenizer::Impl>();
+  try {
+    load_tokenizer_json(*impl, j);
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("{}: malformed ({})", what, e.what()));
+  }
+  return impl;
 }
 
 // HF's post_process: truncate (leaving room for the special tokens), add them, then pad.
@@ -258,14 +270,7 @@ Tokenizer::~Tokenizer() = default;
 Tokenizer Tokenizer::from_file(const std::string& path) {
   if (!std::filesystem::is_regular_file(path))
     throw Error(fmt::format("{}: not found; a Hugging Face tokenizer.json is needed", path));
-  json j = parse_json(path);
-  auto impl = std::make_unique<Impl>();
-  try {
-    load_tokenizer_json(*impl, j);
-  } catch (const json::exception& e) {
-    throw Error(fmt::format("{}: malformed ({})", path, e.what()));
-  }
-  return Tokenizer(std::move(impl));
+  return Tokenizer(impl_from_json(parse_json(path), path));
 }
 
 Tokenizer Tokenizer::from_dir(const std::string& dir) {
@@ -281,7 +286,28 @@ Tokenizer Tokenizer::from_dir(const std::string& dir) {
                     "save one with transformers' save_pretrained",
                     path.string()));
   Tokenizer tok = from_file(path.string());
-  load_config(tok, *tok.impl_, dir);
+  // tokenizer_config.json wins over special_tokens_map.json.
+  SpecialNames names;
+  for (const char* name : {"special_tokens_map.json", "tokenizer_config.json"}) {
+    auto config = std::filesystem::path(dir) / name;
+    if (std::filesystem::exists(config)) apply_config(*tok.impl_, parse_json(config), config.string(), names);
+  }
+  resolve_specials(tok, *tok.impl_, names);
+  return tok;
+}
+
+Tokenizer Tokenizer::from_files(const HfTokenizerFiles& files, const std::string& source) {
+  auto parse = [&](const std::string& text) {
+    try {
+      return json::parse(text);
+    } catch (const json::exception& e) {
+      throw Error(fmt::format("{}: the tokenizer made from it is not valid JSON ({})", source, e.what()));
+    }
+  };
+  Tokenizer tok(impl_from_json(parse(files.tokenizer_json), source));
+  SpecialNames names;
+  apply_config(*tok.impl_, parse(files.tokenizer_config_json), source, names);
+  resolve_specials(tok, *tok.impl_, names);
   return tok;
 }
 

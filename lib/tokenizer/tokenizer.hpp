@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include "tokenizer/gguf_vocab.hpp"
+
 namespace lorarun::tok {
 
 // A BPE tokenizer (GPT-2, Llama 2/3, Mistral, Qwen, GPT-4o style) loaded from a model directory.
@@ -21,6 +23,9 @@ class Tokenizer {
   static Tokenizer from_dir(const std::string& dir);
   // The same from a tokenizer.json alone (no config: bos/eos/pad are unknown).
   static Tokenizer from_file(const std::string& tokenizer_json);
+  // The same from the two files' contents (hf_tokenizer_files of a GGUF vocabulary); `source`
+  // names where they came from in messages.
+  static Tokenizer from_files(const HfTokenizerFiles& files, const std::string& source);
 
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;

@@ -24,6 +24,7 @@
 #include "io/files.hpp"
 #include "model/lora.hpp"
 #include "model/loss.hpp"
+#include "model/resolve.hpp"
 #include "model/transformer.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "track/record.hpp"
@@ -191,7 +192,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       pg_(env, dist::backend_of(r.dist.backend, cuda_), std::chrono::seconds(r.dist.timeout_s)),
       lcfg_(model::lora_config_of(r.lora, r.model.path)),
       m_(setup_model()),
-      tokenizer_(tok::Tokenizer::from_dir(m_.dir())) {
+      tokenizer_(model::load_tokenizer(m_.dir())) {
   setup_data();
   setup_optimizer();
 }

@@ -7,6 +7,10 @@ NAME is a fixture fetched by scripts/fetch-tokenizers (gpt2, llama3, llama2, qwe
 a variant that this script derives from one of them to reach the components the real ones do
 not use (added-token flags, Metaspace, Split behaviours, Digits, more normalizers, NFC/NFD),
 or runs a real one on every Unicode code point.
+A gguf-* NAME is a GGUF file (the real SmolLM2 one, or one gguf_vocab.py writes from a fixture):
+lora-data reads its tokenizer from the metadata, and the oracle is the tokenizer transformers
+builds from the same file (less any added token transformers invents past the file's vocabulary,
+which the model has no embedding for).
 For every corpus string it compares the ids with and without special tokens, and decode()
 of those ids with and without skip_special_tokens; it also decodes random id sequences.
 Prints the first mismatches (string, ours, theirs) and exits 1 if there is any.
@@ -24,6 +28,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import corpus  # noqa: E402
+import gguf_vocab  # noqa: E402
 
 BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
 
@@ -135,18 +140,51 @@ VARIANTS = {
 }
 
 
+# name: (fixture, tokenizer.ggml.model, tokenizer.ggml.pre, tokenizer.ggml.add_bos_token), or None
+# for the real SmolLM2 file (gpt2 model, pre "smollm", 17 control tokens).
+GGUF_VARIANTS = {
+    "gguf-smollm2": None,
+    "gguf-gpt2": ("gpt2", "gpt2", "gpt-2", None),
+    "gguf-llama3": ("llama3", "gpt2", "llama-bpe", True),
+    "gguf-qwen3": ("qwen3", "gpt2", "qwen2", None),
+    "gguf-llama2": ("llama2", "llama", None, None),
+}
+SMOLLM2 = os.path.join("models", "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def prepare_gguf(name, fixtures, tmp):
+    """(the .gguf file, transformers' tokenizer for it)"""
+    spec = GGUF_VARIANTS[name]
+    if spec is None:
+        path = os.path.join(fixtures, "..", SMOLLM2)
+        if not os.path.isfile(path):
+            sys.exit(f"{path} is missing: run scripts/fetch-models (or scripts/setup)")
+    else:
+        path = os.path.join(tmp, name + ".gguf")
+        gguf_vocab.make(os.path.join(fixtures, spec[0]), path, *spec[1:])
+    import gguf
+    n_tokens = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+    j = json.loads(gguf_vocab.reference(path).to_str())
+    j["added_tokens"] = [t for t in j["added_tokens"] if t["id"] < n_tokens]
+    return path, Tokenizer.from_str(json.dumps(j))
+
+
 def prepare(name, fixtures, tmp):
+    """(what lora-data's --model gets, which corpus, the oracle tokenizer)"""
+    if name in GGUF_VARIANTS:
+        path, hf = prepare_gguf(name, fixtures, tmp)
+        return path, "main", hf
     base, change, which = VARIANTS.get(name, (name, None, "main"))
     src = os.path.join(fixtures, base)
     if not os.path.isfile(os.path.join(src, "tokenizer.json")):
         sys.exit(f"{src}/tokenizer.json is missing: run scripts/fetch-tokenizers (or scripts/setup)")
-    if change is None:
-        return src, which
-    with open(os.path.join(src, "tokenizer.json"), encoding="utf-8") as f:
-        j = change(json.load(f))
-    with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(j, f)
-    return tmp, which
+    if change is not None:
+        with open(os.path.join(src, "tokenizer.json"), encoding="utf-8") as f:
+            j = change(json.load(f))
+        with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as f:
+            json.dump(j, f)
+        src = tmp
+    return src, which, Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
 
 
 def run_tool(lora_data, args, lines):
@@ -196,8 +234,7 @@ def main():
     a = ap.parse_args()
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, which = prepare(a.tokenizer, a.fixtures, tmp)
-        hf = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        model_dir, which, hf = prepare(a.tokenizer, a.fixtures, tmp)
         texts = corpus.corpus() if which == "main" else corpus.all_code_points()
         lines = [json.dumps(t) for t in texts]
         report = Report()

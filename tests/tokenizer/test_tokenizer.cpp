@@ -229,3 +229,33 @@ TEST_CASE("fuzzed tokenizer files are one-line errors, not crashes or huge alloc
   CHECK_THAT(load_error(R"("normalizer": null)", R"("normalizer": )" + deep),
              Catch::Contains("normalizer Sequences are nested more than 64 deep"));
 }
+
+TEST_CASE("a GGUF vocabulary the tokenizer cannot build is a one-line error naming the file") {
+  using lorarun::tok::GgufVocab;
+  GgufVocab v;
+  v.source = "m.gguf";
+  v.model = "gpt2";
+  v.tokens = {"a", "b", "ab", "<|endoftext|>"};
+  v.merges = {"a b"};
+  v.token_types = {1, 1, 1, 3};
+  const Tokenizer ok = Tokenizer::from_files(lorarun::tok::hf_tokenizer_files(v), v.source);
+  CHECK(ok.encode("abab<|endoftext|>") == std::vector<int32_t>{2, 2, 3});
+
+  GgufVocab bert = v;
+  bert.model = "bert";
+  CHECK_THAT(error_of([&] { lorarun::tok::hf_tokenizer_files(bert); }),
+             Catch::Contains("m.gguf: tokenizer.ggml.model 'bert' is not supported; supported: gpt2"));
+  GgufVocab short_types = v;
+  short_types.token_types.pop_back();
+  CHECK_THAT(error_of([&] { lorarun::tok::hf_tokenizer_files(short_types); }),
+             Catch::Contains("token_type has 3 entries for 4 tokens"));
+  GgufVocab far_bos = v;
+  far_bos.bos = 4;
+  CHECK_THAT(error_of([&] { lorarun::tok::hf_tokenizer_files(far_bos); }),
+             Catch::Contains("tokenizer.ggml.bos_token_id is 4, outside the 4 tokens"));
+  GgufVocab spm = v;
+  spm.model = "llama";
+  spm.merges.clear();
+  CHECK_THAT(error_of([&] { lorarun::tok::hf_tokenizer_files(spm); }),
+             Catch::Contains("tokenizer.ggml.scores has 0 entries for 4 tokens"));
+}
