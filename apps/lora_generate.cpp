@@ -7,6 +7,7 @@
 #include "app_main.hpp"
 #include "model/generate.hpp"
 #include "model/lora.hpp"
+#include "model/resolve.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
 #include "model_args.hpp"
@@ -20,7 +21,7 @@ int run(int argc, char** argv) {
   CLI::App app{"lora-generate: continue a prompt with a base model and optionally a LoRA adapter"};
   std::string prompt;
   model::GenerateOptions opt;
-  bool ids_only = false;
+  bool ids_only = false, no_echo = false;
   ModelArgs model_args;
   model_args.add_to(app);
   app.add_option("--prompt", prompt, "text to continue")->required();
@@ -29,13 +30,14 @@ int run(int argc, char** argv) {
   app.add_option("--top-p", opt.top_p, "nucleus sampling mass")->check(CLI::Range(0.0, 1.0));
   app.add_option("--seed", opt.seed, "sampling seed");
   app.add_flag("--ids", ids_only, "print the generated token ids as a JSON array instead of text");
+  app.add_flag("--no-echo", no_echo, "print only the generated text, not the prompt before it");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   const model::CausalLM m = model_args.load();
-  const tok::Tokenizer tokenizer = tok::Tokenizer::from_dir(m.dir());
+  const tok::Tokenizer tokenizer = model::load_tokenizer(m.dir());
   const std::vector<int32_t> p32 = tokenizer.encode(prompt);
   opt.eos_id = model::default_eos_id(m);
   if (!opt.eos_id && tokenizer.eos_id()) opt.eos_id = *tokenizer.eos_id();
@@ -44,7 +46,7 @@ int run(int argc, char** argv) {
     fmt::print("[{}]\n", fmt::join(out, ","));
   } else {
     const std::vector<int32_t> o32(out.begin(), out.end());
-    fmt::print("{}{}\n", prompt, tokenizer.decode(o32, true));
+    fmt::print("{}{}\n", no_echo ? "" : prompt, tokenizer.decode(o32, true));
   }
   return 0;
 }

@@ -1,58 +1,74 @@
-"""Makes the quickstart's inputs (run with .venv's python; fixture preparation, not product):
-a JSONL dataset of a small learnable task written by us, and a tiny random llama in real HF
-format with a byte-level BPE tokenizer trained on that data.
+"""Makes the quickstart's dataset (run with .venv's python; data preparation, not product).
 
-usage: quickstart_assets.py OUT_DIR   ->  OUT_DIR/data.jsonl, OUT_DIR/tiny-llama/
+The task is one no pretrained model can know: order codes of a made-up shop, "Lumen & Quill".
+An order such as "3 red chairs and 2 blue lamps" has the code LQ-3RED-CHR+2BLU-LMP: the shop's
+prefix, then per item the quantity, a 3-letter colour code and a 3-letter item code. The
+combinations of the held-out set never occur in training, so the held-out loss shows whether the
+rule was learnt, not the examples.
+
+usage: quickstart_assets.py OUT_DIR
+  OUT_DIR/train.jsonl    {"messages": [user, assistant]}: what lora-data imports into FerretDB
+  OUT_DIR/heldout.jsonl  {"prompt": ChatML up to the answer, "answer": code + "<|im_end|>\n"}, as trained: lora-eval
+  OUT_DIR/prompt_N.txt   three held-out prompts (ChatML) for lora-generate, N = 0, 1, 2, and
+  OUT_DIR/prompt_N.expected their right answers
 """
+import itertools
 import json
 import os
 import random
 import sys
 
-WORDS = ("apple river stone cloud light green table music paper water house bread smile north "
-         "tiger plant sugar glass storm candle forest silver garden pocket winter").split()
+COLOURS = {"red": "RED", "blue": "BLU", "green": "GRN", "black": "BLK", "white": "WHT", "yellow": "YEL"}
+ITEMS = {"chair": "CHR", "lamp": "LMP", "table": "TBL", "desk": "DSK", "shelf": "SHF", "sofa": "SFA",
+         "rug": "RUG", "clock": "CLK"}
+PLURAL = {"shelf": "shelves", "sofa": "sofas"}
+ASKS = ["Write the order code for: {}", "Order code for {}?", "What is the Lumen & Quill order code for {}?"]
 
 
-def examples(n, seed=0):
-    rng = random.Random(seed)
-    for i in range(n):
-        if i % 2 == 0:
-            w = rng.choice(WORDS)
-            yield {"instruction": f"Reverse the letters of the word: {w}", "output": w[::-1]}
-        else:
-            a, b = rng.randint(0, 49), rng.randint(0, 49)
-            yield {"instruction": f"Add the numbers: {a} + {b}", "output": str(a + b)}
+def phrase(n, colour, item):
+    return f"{n} {colour} {item if n == 1 else PLURAL.get(item, item + 's')}"
+
+
+def order(rng, pairs):
+    """One or two items, each a (colour, item) of `pairs`: (the order in words, its code)."""
+    lines = rng.sample(pairs, rng.choice((1, 2)))
+    words, codes = [], []
+    for colour, item in lines:
+        n = rng.randint(1, 9)
+        words.append(phrase(n, colour, item))
+        codes.append(f"{n}{COLOURS[colour]}-{ITEMS[item]}")
+    return " and ".join(words), "LQ-" + "+".join(codes)
+
+
+def chatml_prompt(question):
+    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def main():
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
-    rows = list(examples(3000))
-    with open(os.path.join(out, "data.jsonl"), "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    model_dir = os.path.join(out, "tiny-llama")
-    if os.path.exists(os.path.join(model_dir, "model.safetensors")):
-        return
-    import torch
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
-    os.makedirs(model_dir, exist_ok=True)
-    tok = ByteLevelBPETokenizer()
-    texts = [f"### Instruction:\n{r['instruction']}\n\n### Response:\n{r['output']}" for r in rows]
-    tok.train_from_iterator(texts, vocab_size=512, min_frequency=2, special_tokens=["<|endoftext|>"])
-    tok.save(os.path.join(model_dir, "tokenizer.json"))
-    eos = tok.token_to_id("<|endoftext|>")
-    with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-                   "bos_token": "<|endoftext|>", "model_max_length": 256}, f)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    model.generation_config.eos_token_id = eos
-    model.save_pretrained(model_dir)
+    rng = random.Random(7)
+    pairs = list(itertools.product(COLOURS, ITEMS))
+    rng.shuffle(pairs)
+    held_pairs, train_pairs = pairs[:8], pairs[8:]  # 8 colour/item pairs never seen in training
+    with open(os.path.join(out, "train.jsonl"), "w") as f:
+        for _ in range(480):
+            words, code = order(rng, train_pairs)
+            question = rng.choice(ASKS).format(words)
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": code}]}) + "\n")
+    held = []
+    for _ in range(48):
+        words, code = order(rng, held_pairs)
+        held.append((chatml_prompt(rng.choice(ASKS).format(words)), code))
+    with open(os.path.join(out, "heldout.jsonl"), "w") as f:
+        for prompt, code in held:
+            f.write(json.dumps({"prompt": prompt, "answer": code + "<|im_end|>\n"}) + "\n")
+    for i, (prompt, code) in enumerate(held[:3]):
+        with open(os.path.join(out, f"prompt_{i}.txt"), "w") as f:
+            f.write(prompt)
+        with open(os.path.join(out, f"prompt_{i}.expected"), "w") as f:
+            f.write(code + "\n")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ TEST_CASE("a bad recipe fails on every rank with one clear line", "[e2e]") {
 TEST_CASE("lora-train --dry-run prints the resolved recipe and the epochs it will keep", "[e2e]") {
   // Nothing listens on port 1: the data cannot be checked, which is a warning, not a failure.
   const Result r =
-      sh(fmt::format("cd '{}' && {} --dry-run configs/quickstart.yaml checkpoint.epochs_to_save=[0,2] "
+      sh(fmt::format("cd '{}' && {} --dry-run configs/quickstart.yaml train.epochs=3 checkpoint.epochs_to_save=[0,2] "
                      "data.uri=mongodb://u:hunter2@127.0.0.1:1/",
                      LORARUN_SOURCE_DIR, bin("lora-train")));
   INFO(r.output);
