@@ -114,13 +114,13 @@ uint16_t half_bits(uint32_t f) {
     }
     return sign + 0x7c00u;
   }
-  if (exp <= 0x38000000u) {                // a half subnormal or zero
-    if (exp < 0x33000000u) return sign;    // below half the smallest subnormal
-    exp >>= 23;                            // 102..112
+  if (exp <= 0x38000000u) {              // a half subnormal or zero
+    if (exp < 0x33000000u) return sign;  // below half the smallest subnormal
+    exp >>= 23;                          // 102..112
     uint32_t sig = 0x00800000u + (f & 0x007fffffu);
-    sig >>= (113 - exp);                   // aligned so that bit 13 is the half's last bit
+    sig >>= (113 - exp);                                             // aligned so that bit 13 is the half's last bit
     if ((sig & 0x3fffu) != 0x1000u || (f & 0x7ffu)) sig += 0x1000u;  // not an exact tie to even
-    return static_cast<uint16_t>(sign + (sig >> 13));  // a carry makes the smallest normal
+    return static_cast<uint16_t>(sign + (sig >> 13));                // a carry makes the smallest normal
   }
   const auto hexp = static_cast<uint16_t>((exp - 0x38000000u) >> 13);
   uint32_t sig = f & 0x007fffffu;
@@ -270,8 +270,7 @@ void GgufWriter::write_tensor(std::span<const std::byte> bytes) {
 
 void GgufWriter::commit() {
   if (!header_written_) write_header();
-  if (next_ != tensors_.size())
-    throw Error(fmt::format("{}: {} of {} tensors written", path_, next_, tensors_.size()));
+  if (next_ != tensors_.size()) throw Error(fmt::format("{}: {} of {} tensors written", path_, next_, tensors_.size()));
   file_->commit();
 }
 

@@ -41,9 +41,9 @@ bool can_quantize(GgmlType t);
 void quantize(GgmlType type, std::span<const float> in, std::span<std::byte> out);
 
 // A GGUF file written as gguf-py's GGUFWriter lays it out: header, metadata in the order added,
-// tensor infos, data aligned to general.alignment (32 unless that key is added, before any tensor). Declare every key and tensor first, then
-// write each tensor's bytes in the order declared; commit() fsyncs and renames the temporary file
-// into place (an error on the way leaves nothing at `path`).
+// tensor infos, data aligned to general.alignment (32 unless that key is added, before any tensor). Declare every key
+// and tensor first, then write each tensor's bytes in the order declared; commit() fsyncs and renames the temporary
+// file into place (an error on the way leaves nothing at `path`).
 class GgufWriter {
  public:
   explicit GgufWriter(std::string path);
@@ -67,7 +67,7 @@ class GgufWriter {
   std::vector<std::pair<std::string, GgufValue>> metadata_;
   std::set<std::string> keys_, names_;
   std::vector<GgufTensorInfo> tensors_;
-  size_t next_ = 0;  // the tensor write_tensor() takes next
+  size_t next_ = 0;        // the tensor write_tensor() takes next
   size_t alignment_ = 32;  // GGUF_DEFAULT_ALIGNMENT
   size_t data_size_ = 0;
   bool header_written_ = false;

@@ -20,8 +20,10 @@ using json = nlohmann::json;
 using Metadata = std::vector<std::pair<std::string, io::GgufValue>>;
 
 io::GgmlType parse_gguf_type(const std::string& name) {
-  static const std::pair<const char*, io::GgmlType> kTypes[] = {
-      {"f32", io::GgmlType::F32}, {"f16", io::GgmlType::F16}, {"bf16", io::GgmlType::BF16}, {"q8_0", io::GgmlType::Q8_0}};
+  static const std::pair<const char*, io::GgmlType> kTypes[] = {{"f32", io::GgmlType::F32},
+                                                                {"f16", io::GgmlType::F16},
+                                                                {"bf16", io::GgmlType::BF16},
+                                                                {"q8_0", io::GgmlType::Q8_0}};
   for (const auto& [n, t] : kTypes)
     if (name == n) return t;
   throw Error(fmt::format("GGUF type '{}' is not supported: choose f32, f16, bf16 or q8_0", name));
@@ -85,7 +87,8 @@ bool has_byte_level(const json& j) {
 
 void check_byte_level_bpe(const json& tok, const fs::path& file) {
   const std::string kind = tok.contains("model") ? tok["model"].value("type", "unknown") : "unknown";
-  const bool byte_level = has_byte_level(tok.value("pre_tokenizer", json())) || has_byte_level(tok.value("decoder", json()));
+  const bool byte_level =
+      has_byte_level(tok.value("pre_tokenizer", json())) || has_byte_level(tok.value("decoder", json()));
   if (kind != "BPE" || !byte_level)
     throw Error(fmt::format(
         "{}: a {}{} tokenizer cannot be written to GGUF; supported: byte-level BPE (GPT-2, Llama 3, Qwen2 style), "
@@ -152,17 +155,20 @@ std::optional<std::string> special_text(const json& config, const std::string& t
 // TemplateProcessing post-processor's first/last token, overridden by tokenizer_config.json),
 // chat_template (tokenizer_config.json, else chat_template.jinja).
 void add_special(Metadata& md, const json& tok, const fs::path& dir, int64_t vocab_size) {
-  const json config = fs::exists(dir / "tokenizer_config.json") ? read_json(dir / "tokenizer_config.json") : json::object();
+  const json config =
+      fs::exists(dir / "tokenizer_config.json") ? read_json(dir / "tokenizer_config.json") : json::object();
   const json model_config = fs::exists(dir / "config.json") ? read_json(dir / "config.json") : json::object();
-  static const std::pair<const char*, const char*> kTypes[] = {{"bos", "bos"}, {"eos", "eos"}, {"unk", "unknown"},
-                                                               {"sep", "seperator"},  // sic, llama.cpp's key
-                                                               {"pad", "padding"},    {"mask", "mask"}};
+  static const std::pair<const char*, const char*> kTypes[] = {
+      {"bos", "bos"},     {"eos", "eos"},  {"unk", "unknown"}, {"sep", "seperator"},  // sic, llama.cpp's key
+      {"pad", "padding"}, {"mask", "mask"}};
   std::map<std::string, bool> add;
   const json post = tok.value("post_processor", json());
   for (const json& p : post.is_object() ? post.value("processors", json::array({post})) : json::array()) {
     if (p.value("type", "") != "TemplateProcessing" || p.value("single", json::array()).size() < 2) continue;
     const json& single = p["single"];
-    const auto special = [](const json& s) { return s.contains("SpecialToken") ? s["SpecialToken"].value("id", "") : ""; };
+    const auto special = [](const json& s) {
+      return s.contains("SpecialToken") ? s["SpecialToken"].value("id", "") : "";
+    };
     add["bos"] = !special(single.front()).empty() && special(single.front()) == special_text(config, "bos");
     add["eos"] = !special(single.back()).empty() && special(single.back()) == special_text(config, "eos");
   }
@@ -182,8 +188,7 @@ void add_special(Metadata& md, const json& tok, const fs::path& dir, int64_t voc
     if (add_entry.is_boolean()) add[typ] = add_entry.get<bool>();
   }
   for (const char* typ : {"bos", "eos", "sep"})  // the add_*_token keys llama.cpp has
-    if (add.count(typ))
-      md.emplace_back(fmt::format("tokenizer.ggml.add_{}_token", typ), io::gguf_bool(add[typ]));
+    if (add.count(typ)) md.emplace_back(fmt::format("tokenizer.ggml.add_{}_token", typ), io::gguf_bool(add[typ]));
   std::optional<std::string> tmpl;
   if (config.contains("chat_template") && config["chat_template"].is_string())
     tmpl = config["chat_template"].get<std::string>();
@@ -227,9 +232,10 @@ namespace {
 std::string gguf_arch(const ModelConfig& c) {
   if (c.family == Family::Llama && (c.model_type == "llama" || c.model_type == "mistral")) return "llama";
   if (c.family == Family::Llama && c.model_type == "qwen2") return "qwen2";
-  throw Error(fmt::format("a {} model cannot be written to GGUF: supported are llama, mistral and qwen2 (write a HF "
-                          "directory instead: --out without .gguf)",
-                          c.model_type));
+  throw Error(
+      fmt::format("model type '{}' cannot be written to GGUF: supported are llama, mistral and qwen2 (write a HF "
+                  "directory instead: --out without .gguf)",
+                  c.model_type));
 }
 
 // Whether the base states head_dim itself (config.json's head_dim, a GGUF's key_length): the
@@ -256,9 +262,10 @@ std::string model_name(const CausalLM& model) {
 Metadata model_metadata(const CausalLM& model, const std::string& arch, io::GgmlType type) {
   const ModelConfig& c = model.config();
   if (c.rope.type != "default" && c.rope.type != "linear")
-    throw Error(fmt::format("rope scaling '{}' cannot be written to GGUF (llama.cpp's rope_freqs); supported: none, "
-                            "linear",
-                            c.rope.type));
+    throw Error(
+        fmt::format("rope scaling '{}' cannot be written to GGUF (llama.cpp's rope_freqs); supported: none, "
+                    "linear",
+                    c.rope.type));
   const auto u32 = [](int64_t v) { return io::gguf_u32(static_cast<uint32_t>(v)); };
   const auto f32 = [](double v) { return io::gguf_f32(static_cast<float>(v)); };
   Metadata md = {{"general.architecture", io::gguf_string(arch)},

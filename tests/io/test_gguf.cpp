@@ -490,7 +490,8 @@ TEST_CASE("gguf write: gguf-py's files rewritten by GgufWriter are byte-identica
     w.add("a", io::gguf_u32(1));
     CHECK_THROWS_WITH(w.add("a", io::gguf_u32(2)), Catch::Contains("GGUF key 'a' added twice"));
     w.add_tensor("t", GgmlType::Q8_0, {2, 32});
-    CHECK_THROWS_WITH(w.write_tensor(std::vector<std::byte>(10)), Catch::Contains("takes 68 bytes as Q8_0, not 10"));
+    const std::vector<std::byte> short_data(10);
+    CHECK_THROWS_WITH(w.write_tensor(short_data), Catch::Contains("takes 68 bytes as Q8_0, not 10"));
   }
   CHECK(!std::filesystem::exists(dir + "/partial.gguf"));
 }
@@ -522,6 +523,7 @@ TEST_CASE("gguf write: F16, BF16 and Q8_0 quantisation is bit-identical to gguf-
     ++checked;
   }
   CHECK(checked == 5);
-  CHECK_THROWS_WITH(io::quantize(GgmlType::Q4_0, std::vector<float>(32), std::vector<std::byte>(18)),
-                    Catch::Contains("cannot quantise to Q4_0"));
+  const std::vector<float> zeros(32);
+  std::vector<std::byte> q4(18);
+  CHECK_THROWS_WITH(io::quantize(GgmlType::Q4_0, zeros, q4), Catch::Contains("cannot quantise to Q4_0"));
 }

@@ -16,10 +16,11 @@
       tensor as gguf-py's GGUFReader reads them; and the tokenizer keys against what
       convert_hf_to_gguf.py's get_vocab_base and gguf.SpecialVocab make of the base directory.
   gguf_export_check.py smol-make DIR GGUF
-      a random r=2 adapter on q_proj and v_proj (DIR/adapter) for transformers' model loaded from GGUF.
+      a random r=2 adapter on q_proj and v_proj (DIR/adapter) for transformers' model loaded from
+      GGUF, and PEFT's merge_and_unload() logits on a right-padded batch (DIR/reference.pt).
   gguf_export_check.py smol-check DIR GGUF OUT.gguf
-      the f32 OUT.gguf's logits (transformers) against PEFT's merged model on GGUF, and whether every
-      tokenizer.* key of OUT.gguf equals the base file's (type and value).
+      the f32 OUT.gguf's logits (transformers) against those, and whether every tokenizer.* key of
+      OUT.gguf equals the base file's (type and value).
 
 Results are reported on marked lines (oracle.report); transformers' warnings are not read.
 """
@@ -225,16 +226,20 @@ def smol_make(out, path):
                                                  dtype=torch.float32)
     lcfg = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
                       task_type="CAUSAL_LM")
-    get_peft_model(model, lcfg).save_pretrained(os.path.join(out, "adapter"))
+    peft = get_peft_model(model, lcfg)
+    peft.save_pretrained(os.path.join(out, "adapter"))
+    merged = peft.merge_and_unload().eval()  # the reference, computed now: loading the Q4_1 file twice is slow
+    ids, mask = batch(merged.config.vocab_size)
+    torch.save({"input_ids": ids, "attention_mask": mask, "logits": logits(merged, ids, mask)},
+               os.path.join(out, "reference.pt"))
     report(made=os.path.join(out, "adapter"))
 
 
 def smol_check(out, path, ours_path):
     import gguf
-    merged = merged_reference(os.path.dirname(path), os.path.join(out, "adapter"), gguf_file=os.path.basename(path))
+    ref = torch.load(os.path.join(out, "reference.pt"))
     ours = load_gguf(ours_path)
-    ids, mask = batch(merged.config.vocab_size)
-    diff = (logits(ours, ids, mask) - logits(merged, ids, mask)).abs().max().item()
+    diff = (logits(ours, ref["input_ids"], ref["attention_mask"]) - ref["logits"]).abs().max().item()
     base, written = gguf.GGUFReader(path), gguf.GGUFReader(ours_path)
     tok_keys = [k for k in base.fields if k.startswith("tokenizer.")]
     differ = [k for k in tok_keys if k not in written.fields or written.fields[k].types != base.fields[k].types
