@@ -20,8 +20,8 @@ const std::string kSmolLM2 =
     std::string(LORARUN_SOURCE_DIR) + "/.fixtures/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 Oracle export_check(const std::string& args) {
-  return oracle(fmt::format("'{}' '{}/tests/reference/gguf_export_check.py' {} 2>&1", LORARUN_PYTHON,
-                            LORARUN_SOURCE_DIR, args));
+  return oracle(
+      fmt::format("'{}' '{}/tests/reference/gguf_export_check.py' {} 2>&1", LORARUN_PYTHON, LORARUN_SOURCE_DIR, args));
 }
 
 Result merge(const std::string& args) { return sh(fmt::format("{} {}", bin("lora-merge"), args)); }
@@ -59,8 +59,9 @@ TEST_CASE("gguf export: tiny llama and qwen2 merged to f32, f16, bf16, q8_0 GGUF
     for (const auto& [type, r] : c.fields.at("results").items()) {
       INFO(type);
       const double logit = r.at("logit_diff").get<double>(), weight = r.at("weight_diff").get<double>();
-      fmt::print("gguf export: tiny {} {}: {} bytes, max |logit diff| {:.3g}, max |weight diff| {:.3g} vs PEFT merged{}\n",
-                 arch, type, r.at("size").get<int64_t>(), logit, weight, type == "f32" ? "" : " quantised alike");
+      fmt::print(
+          "gguf export: tiny {} {}: {} bytes, max |logit diff| {:.3g}, max |weight diff| {:.3g} vs PEFT merged{}\n",
+          arch, type, r.at("size").get<int64_t>(), logit, weight, type == "f32" ? "" : " quantised alike");
       CHECK(logit <= 1e-4);
       CHECK(weight <= 1e-5);
       CHECK(r.at("not_quantised").empty());   // each tensor is gguf-py's quantisation of the f32 file's
@@ -80,9 +81,8 @@ TEST_CASE("gguf export: tiny llama and qwen2 merged to f32, f16, bf16, q8_0 GGUF
       if (type == "q8_0") CHECK(r.at("tensor_types").size() == (arch == "qwen2" ? 3u : 2u));
       const auto keys = r.at("keys").get<std::vector<std::string>>();
       for (const std::string k : {"general.architecture", "general.name", "general.file_type", ".context_length",
-                                  ".embedding_length", ".feed_forward_length", ".block_count",
-                                  ".attention.head_count", ".attention.head_count_kv",
-                                  ".attention.layer_norm_rms_epsilon", ".rope.freq_base"}) {
+                                  ".embedding_length", ".feed_forward_length", ".block_count", ".attention.head_count",
+                                  ".attention.head_count_kv", ".attention.layer_norm_rms_epsilon", ".rope.freq_base"}) {
         const std::string key = k.starts_with(".") ? arch + k : k;
         INFO(key);
         CHECK(std::find(keys.begin(), keys.end(), key) != keys.end());
@@ -98,18 +98,19 @@ TEST_CASE("gguf export: SmolLM2's .gguf merged to f32 keeps every tokenizer key 
   const Oracle made = export_check(fmt::format("smol-make '{}' '{}'", dir, kSmolLM2));
   INFO(made.run.output.substr(0, 3000));
   REQUIRE(made.run.status == 0);
-  const Result r = merge(fmt::format("--model '{}' --adapter '{}/adapter' --out '{}/merged.gguf' --gguf-type f32",
-                                     kSmolLM2, dir, dir));
+  const Result r = merge(
+      fmt::format("--model '{}' --adapter '{}/adapter' --out '{}/merged.gguf' --gguf-type f32", kSmolLM2, dir, dir));
   INFO(r.output);
   REQUIRE(r.status == 0);
   const Oracle c = export_check(fmt::format("smol-check '{}' '{}' '{}/merged.gguf'", dir, kSmolLM2, dir));
   INFO(c.run.output.substr(0, 3000));
   REQUIRE(c.run.status == 0);
   const double diff = c.fields.at("logit_diff").get<double>();
-  fmt::print("gguf export: SmolLM2-135M-Instruct + r=2 adapter -> f32 GGUF ({} bytes, {} tensors): max |logit diff| "
-             "{:.3g} vs PEFT merged; {} tokenizer keys copied\n",
-             c.fields.at("size").get<int64_t>(), c.fields.at("tensors").get<int>(), diff,
-             c.fields.at("tokenizer_keys").get<int>());
+  fmt::print(
+      "gguf export: SmolLM2-135M-Instruct + r=2 adapter -> f32 GGUF ({} bytes, {} tensors): max |logit diff| "
+      "{:.3g} vs PEFT merged; {} tokenizer keys copied\n",
+      c.fields.at("size").get<int64_t>(), c.fields.at("tensors").get<int>(), diff,
+      c.fields.at("tokenizer_keys").get<int>());
   CHECK(diff <= 1e-4);
   CHECK(c.fields.at("tokenizer_differ").empty());
   CHECK(c.fields.at("tokenizer_keys").get<int>() >= 5);
@@ -128,11 +129,13 @@ TEST_CASE("gguf export: an existing output, another family, a bad type, --gguf-t
       {fmt::format("{} --out '{}/x.gguf'", args, dir), dir + "/x.gguf already exists: choose another output"},
       {fmt::format("--model '{}/opt' --adapter '{}/opt/peft_adapter' --out '{}/opt.gguf'", kFixtures, kFixtures, dir),
        "model type 'opt' cannot be written to GGUF: supported are llama, mistral and qwen2"},
-      {fmt::format("--model '{}/llama' --adapter '{}/llama/peft_adapter' --out '{}/l3.gguf'", kFixtures, kFixtures, dir),
+      {fmt::format("--model '{}/llama' --adapter '{}/llama/peft_adapter' --out '{}/l3.gguf'", kFixtures, kFixtures,
+                   dir),
        "rope scaling 'llama3' cannot be written to GGUF"},
       {fmt::format("{} --out '{}/y.gguf' --gguf-type q4_0", args, dir),
        "GGUF type 'q4_0' is not supported: choose f32, f16, bf16 or q8_0"},
-      {fmt::format("{} --out '{}/hf' --gguf-type f16", args, dir), "--gguf-type f16 needs a GGUF output: --out FILE.gguf"},
+      {fmt::format("{} --out '{}/hf' --gguf-type f16", args, dir),
+       "--gguf-type f16 needs a GGUF output: --out FILE.gguf"},
   };
   for (const auto& [a, message] : cases) {
     INFO(a);
