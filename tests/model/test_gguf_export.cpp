@@ -74,7 +74,7 @@ TEST_CASE("gguf export: tiny llama and qwen2 merged to f32, f16, bf16, q8_0 GGUF
       CHECK(has("output.weight") == !tied);
       CHECK(has("blk.1.attn_q.bias") == (arch == "qwen2"));
       CHECK(has("blk.1.ffn_down.weight"));
-      CHECK(tensors.size() == 2 * (arch == "qwen2" ? 12 : 9) + 2 + !tied);
+      CHECK(tensors.size() == size_t{2} * (arch == "qwen2" ? 12 : 9) + 2 + !tied);
       const std::map<std::string, int> file_types = {{"f32", 0}, {"f16", 1}, {"bf16", 32}, {"q8_0", 7}};
       CHECK(r.at("file_type").get<int>() == file_types.at(type));
       // qwen2's down_proj rows (80) are not whole Q8_0 blocks: F16, as the converter falls back.
