@@ -1,9 +1,11 @@
 // GGUF files (lib/io/gguf.hpp) against llama.cpp's own reader, gguf-py (tests/reference/gguf_check.py):
 // every key, tensor and dequantised value of the real SmolLM2-135M-Instruct file and of a file with
 // every value type and every tensor type we dequantise; and what a truncated or hostile file gets:
-// one line naming the file and the problem, never a crash or a huge allocation.
+// one line naming the file and the problem, never a crash or a huge allocation. The writer
+// (lib/io/gguf_write.hpp): gguf-py's files rewritten byte for byte, and quantisation as gguf-py's.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <unistd.h>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
@@ -13,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "io/gguf.hpp"
+#include "io/gguf_write.hpp"
 #include "io/sha256.hpp"
 #include "model/gguf_weights.hpp"
 #include "support/oracle.hpp"
@@ -437,4 +440,90 @@ TEST_CASE("gguf: hostile counts, lengths, offsets and types are one-line errors,
       refused += !error_of(write(dir, "flipped.gguf", bad)).empty();
     }
   CHECK(refused > 0);
+}
+
+namespace {
+
+// `src` rewritten by GgufWriter: every key in order, every tensor's bytes as they are.
+void rewrite(const GgufFile& src, const std::string& path) {
+  io::GgufWriter w(path);
+  for (const auto& [key, value] : src.metadata()) w.add(key, value);
+  for (const io::GgufTensorInfo& t : src.tensors()) w.add_tensor(t.name, t.type, t.torch_shape());
+  for (const io::GgufTensorInfo& t : src.tensors()) w.write_tensor(src.bytes(t));
+  w.commit();
+}
+
+std::string bytes_of(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+}  // namespace
+
+TEST_CASE("gguf write: gguf-py's files rewritten by GgufWriter are byte-identical, and gguf-py reads them back",
+          "[gguf][reference]") {
+  const std::string dir = test::temp_dir("gguf-write");
+  const std::string made_path = dir + "/types.gguf";
+  const test::Oracle made = gguf_check("make", made_path);
+  INFO(made.run.output.substr(0, 2000));
+  REQUIRE(made.run.status == 0);
+  std::vector<std::pair<std::string, std::string>> files = {{made_path, dir + "/types.rewritten.gguf"}};
+  if (std::filesystem::exists(kSmolLM2)) files.emplace_back(kSmolLM2, dir + "/smollm2.rewritten.gguf");
+  for (const auto& [from, to] : files) {
+    INFO(from);
+    {
+      const GgufFile src(from);
+      rewrite(src, to);
+    }
+    CHECK(bytes_of(to) == bytes_of(from));  // header, keys of every type, padding, data
+    const GgufFile ours(to);
+    const test::Oracle ref = gguf_check("dump", to);
+    REQUIRE(ref.run.status == 0);
+    print_tally("rewritten " + std::filesystem::path(from).filename().string(), check_against(ours, ref.fields));
+    CHECK(to_json(*ours.find_key("general.architecture")) == "llama");
+  }
+  CHECK(!std::filesystem::exists(dir + "/types.rewritten.gguf.tmp." + std::to_string(getpid())));
+
+  // An error on the way leaves nothing behind; a second key of the same name is refused.
+  {
+    io::GgufWriter w(dir + "/partial.gguf");
+    w.add("a", io::gguf_u32(1));
+    CHECK_THROWS_WITH(w.add("a", io::gguf_u32(2)), Catch::Contains("GGUF key 'a' added twice"));
+    w.add_tensor("t", GgmlType::Q8_0, {2, 32});
+    const std::vector<std::byte> short_data(10);
+    CHECK_THROWS_WITH(w.write_tensor(short_data), Catch::Contains("takes 68 bytes as Q8_0, not 10"));
+  }
+  CHECK(!std::filesystem::exists(dir + "/partial.gguf"));
+}
+
+TEST_CASE("gguf write: F16, BF16 and Q8_0 quantisation is bit-identical to gguf-py's gguf.quants.quantize",
+          "[gguf][reference]") {
+  const std::string dir = test::temp_dir("gguf-quant");
+  const test::Oracle made = gguf_check("quant", dir);
+  INFO(made.run.output.substr(0, 2000));
+  REQUIRE(made.run.status == 0);
+  const std::map<std::string, GgmlType> types = {
+      {"F16", GgmlType::F16}, {"BF16", GgmlType::BF16}, {"Q8_0", GgmlType::Q8_0}};
+  int checked = 0;
+  for (const auto& [file, n] : made.fields.at("written").items()) {
+    INFO(file);
+    const std::string input = bytes_of(dir + "/" + file.substr(0, file.find('.')) + ".f32");
+    const std::string theirs = bytes_of(dir + "/" + file);
+    REQUIRE(input.size() == n.get<size_t>() * 4);
+    std::vector<float> x(n.get<size_t>());
+    std::memcpy(x.data(), input.data(), input.size());
+    const GgmlType type = types.at(file.substr(file.find('.') + 1));
+    std::vector<std::byte> ours(theirs.size());
+    io::quantize(type, x, ours);
+    size_t differ = 0;
+    for (size_t i = 0; i < theirs.size(); ++i) differ += static_cast<char>(ours[i]) != theirs[i];
+    CHECK(differ == 0);
+    fmt::print("gguf write: {} ({} values): {} of {} bytes differ from gguf-py's\n", file, x.size(), differ,
+               theirs.size());
+    ++checked;
+  }
+  CHECK(checked == 5);
+  const std::vector<float> zeros(32);
+  std::vector<std::byte> q4(18);
+  CHECK_THROWS_WITH(io::quantize(GgmlType::Q4_0, zeros, q4), Catch::Contains("cannot quantise to Q4_0"));
 }

@@ -11,6 +11,12 @@
                             fp16 scale, subnormals included); F16 and BF16 tensors hold all 65,536 bit
                             patterns. Reports the nested array's value as written ("nested"): gguf-py's
                             reader does not unpack arrays of arrays.
+  gguf_check.py quant DIR   writes DIR/finite.f32 and DIR/special.f32 (raw float32) and what
+                            gguf.quants.quantize makes of them: DIR/finite.{F16,BF16,Q8_0} and
+                            DIR/special.{F16,BF16}. finite holds Q8_0 blocks of normal values at
+                            magnitudes 1e-38..1e36, all-zero and signed-zero blocks, blocks whose
+                            x / d fall exactly on .5 (d a power of two), fp16 and bf16 rounding ties,
+                            float32 subnormals; special adds infinities and quiet and signalling NaNs.
 
 Results are reported on marked lines (oracle.report); gguf-py's progress output is not read.
 """
@@ -134,6 +140,46 @@ def make(path):
     report(nested=nested)
 
 
+def quant_inputs(rng):
+    """(finite, special) float32 arrays, whole Q8_0 blocks, with the cases the rounding rules decide."""
+    blocks = []
+    for exp in range(-38, 37, 2):  # normal values, one magnitude per block
+        blocks.append(rng.standard_normal((4, 32)) * 10.0 ** exp)
+    blocks.append(np.zeros((2, 32)))
+    blocks.append(np.full((1, 32), -0.0))
+    for shift in range(-6, 7, 3):  # d = amax / 127 a power of two: x * (1 / d) = k + 0.5 exactly
+        d = 2.0 ** shift
+        ties = (rng.integers(-127, 127, size=(4, 32)) + 0.5) * d
+        ties[:, 0] = 127 * d
+        blocks.append(ties)
+    h = rng.integers(0, 0x7BFF, size=(8, 32)).astype(np.uint16)  # fp16 ties: halfway between neighbours
+    lo, hi = h.view(np.float16).astype(np.float32), (h + 1).view(np.float16).astype(np.float32)
+    blocks.append((lo.astype(np.float64) + hi) / 2 * np.where(rng.random((8, 32)) < 0.5, -1, 1))
+    b = (rng.integers(0, 0x7F7F, size=(8, 32), dtype=np.uint32) << 16) | 0x8000  # bf16 ties
+    blocks.append(b.view(np.float32))
+    blocks.append((rng.integers(1, 1 << 23, size=(2, 32), dtype=np.uint32)).view(np.float32))  # subnormals
+    finite = np.concatenate([np.asarray(x, dtype=np.float32).reshape(-1, 32) for x in blocks])
+    special = finite[:16].copy()
+    bits = np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0x7FA00000, 0x7F802000,
+                     0xFF812345, 0x7F7FFFFF, 0x477FF000, 0x477FEFFF], dtype=np.uint32)
+    special[:, :bits.size] = bits.view(np.float32)
+    return finite.reshape(-1), special.reshape(-1)
+
+
+def quant(out):
+    os.makedirs(out, exist_ok=True)
+    finite, special = quant_inputs(np.random.default_rng(77))
+    written = {}
+    for name, data, types in [("finite", finite, [Q.F16, Q.BF16, Q.Q8_0]), ("special", special, [Q.F16, Q.BF16])]:
+        data.tofile(os.path.join(out, f"{name}.f32"))
+        for qtype in types:
+            with np.errstate(all="ignore"):
+                q = gguf.quants.quantize(data.reshape(-1, 32), qtype)
+            np.ascontiguousarray(q).view(np.uint8).tofile(os.path.join(out, f"{name}.{qtype.name}"))
+            written[f"{name}.{qtype.name}"] = int(data.size)
+    report(written=written)
+
+
 if __name__ == "__main__":
     mode, path = sys.argv[1], sys.argv[2]
-    {"dump": dump, "make": make}[mode](path)
+    {"dump": dump, "make": make, "quant": quant}[mode](path)

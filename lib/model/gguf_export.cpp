@@ -1,0 +1,352 @@
+#include "model/gguf_export.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "io/files.hpp"
+#include "io/gguf_write.hpp"
+#include "model/gguf_weights.hpp"
+#include "model/transformer.hpp"
+#include "util/error.hpp"
+
+namespace lorarun::model {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Metadata = std::vector<std::pair<std::string, io::GgufValue>>;
+
+io::GgmlType parse_gguf_type(const std::string& name) {
+  static const std::pair<const char*, io::GgmlType> kTypes[] = {{"f32", io::GgmlType::F32},
+                                                                {"f16", io::GgmlType::F16},
+                                                                {"bf16", io::GgmlType::BF16},
+                                                                {"q8_0", io::GgmlType::Q8_0}};
+  for (const auto& [n, t] : kTypes)
+    if (name == n) return t;
+  throw Error(fmt::format("GGUF type '{}' is not supported: choose f32, f16, bf16 or q8_0", name));
+}
+
+uint32_t llama_file_type(io::GgmlType type) {
+  switch (type) {
+    case io::GgmlType::F32:
+      return 0;
+    case io::GgmlType::F16:
+      return 1;
+    case io::GgmlType::Q8_0:
+      return 7;
+    case io::GgmlType::BF16:
+      return 32;
+    default:
+      throw Error(fmt::format("no llama.cpp file type for {}", io::ggml_type_name(type)));
+  }
+}
+
+io::GgmlType gguf_tensor_type(const std::string& name, const std::vector<int64_t>& shape, io::GgmlType type) {
+  if (shape.size() <= 1 || name.ends_with("_norm.weight") || !name.ends_with(".weight")) return io::GgmlType::F32;
+  if (type == io::GgmlType::Q8_0 && shape.back() % 32 != 0) return io::GgmlType::F16;
+  return type;
+}
+
+namespace {
+
+// ---- tokenizer.* from a HF tokenizer.json (the converter's get_vocab_base + SpecialVocab) ----
+
+// llama.cpp's token types (gguf.TokenType).
+constexpr int64_t kNormal = 1, kControl = 3, kUserDefined = 4, kUnused = 5;
+
+// The converter's does_token_look_special: added tokens some models forget to mark special.
+bool looks_special(const std::string& t) {
+  const auto wrapped = [&t](const std::string& a, const std::string& b) {
+    return t.size() >= a.size() + b.size() && t.starts_with(a) && t.ends_with(b);
+  };
+  return t == "<pad>" || t == "<mask>" || t == "<2mass>" || t == "[@BOS@]" || wrapped("<|", "|>") ||
+         wrapped("<\xef\xbd\x9c", "\xef\xbd\x9c>") || wrapped("<unused", ">");
+}
+
+json read_json(const fs::path& p) {
+  try {
+    return json::parse(io::read_file(p.string()));
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("{} is not valid JSON ({}): re-save the tokenizer", p.string(), e.what()));
+  }
+}
+
+// Whether a (possibly Sequence) pre-tokenizer or decoder holds a ByteLevel step.
+bool has_byte_level(const json& j) {
+  if (!j.is_object()) return false;
+  if (j.value("type", "") == "ByteLevel") return true;
+  for (const char* list : {"pretokenizers", "decoders"})
+    if (j.contains(list))
+      for (const json& s : j[list])
+        if (has_byte_level(s)) return true;
+  return false;
+}
+
+void check_byte_level_bpe(const json& tok, const fs::path& file) {
+  const std::string kind = tok.contains("model") ? tok["model"].value("type", "unknown") : "unknown";
+  const bool byte_level =
+      has_byte_level(tok.value("pre_tokenizer", json())) || has_byte_level(tok.value("decoder", json()));
+  if (kind != "BPE" || !byte_level)
+    throw Error(fmt::format(
+        "{}: a {}{} tokenizer cannot be written to GGUF; supported: byte-level BPE (GPT-2, Llama 3, Qwen2 style), "
+        "or a .gguf base model whose tokenizer is copied",
+        file.string(), kind, kind == "BPE" ? " (not byte-level: SentencePiece style)" : ""));
+}
+
+// tokens and token types in id order, vocab_size of them: ids no token has are "[PAD<id>]", unused.
+void add_tokens(Metadata& md, const json& tok, int64_t vocab_size, const fs::path& file) {
+  std::vector<std::string> tokens(vocab_size);
+  std::vector<int64_t> types(vocab_size, kUnused);
+  std::vector<bool> set(vocab_size, false);
+  const auto put = [&](int64_t id, const std::string& text, int64_t type) {
+    if (id < 0 || id >= vocab_size)
+      throw Error(fmt::format("{}: token '{}' has id {}, outside the model's {} embeddings", file.string(), text, id,
+                              vocab_size));
+    tokens[id] = text;
+    types[id] = type;
+    set[id] = true;
+  };
+  for (const auto& [text, id] : tok["model"]["vocab"].items()) put(id.get<int64_t>(), text, kNormal);
+  for (const json& a : tok.value("added_tokens", json::array())) {
+    std::string text = a.at("content").get<std::string>();
+    const bool control = a.value("special", false) || looks_special(text);
+    if (!control)  // user-defined tokens are pre-normalised: "\u2581" is a space
+      for (size_t at; (at = text.find("\xe2\x96\x81")) != std::string::npos;) text.replace(at, 3, " ");
+    put(a.at("id").get<int64_t>(), text, control ? kControl : kUserDefined);
+  }
+  for (int64_t i = 0; i < vocab_size; ++i)
+    if (!set[i]) tokens[i] = fmt::format("[PAD{}]", i);
+  md.emplace_back("tokenizer.ggml.tokens", io::gguf_strings(std::move(tokens)));
+  md.emplace_back("tokenizer.ggml.token_type", io::gguf_i32s(std::move(types)));
+}
+
+// "a b" strings; pairs (tokenizers >= 0.20) are joined, a space inside a part written as U+0120.
+void add_merges(Metadata& md, const json& tok) {
+  std::vector<std::string> merges;
+  for (const json& m : tok["model"].value("merges", json::array())) {
+    if (m.is_string()) {
+      merges.push_back(m.get<std::string>());
+      continue;
+    }
+    std::string joined;
+    for (size_t i = 0; i < m.size(); ++i) {
+      std::string part = m[i].get<std::string>();
+      for (size_t at; (at = part.find(' ')) != std::string::npos;) part.replace(at, 1, "\xc4\xa0");
+      joined += (i ? " " : "") + part;
+    }
+    merges.push_back(std::move(joined));
+  }
+  if (!merges.empty()) md.emplace_back("tokenizer.ggml.merges", io::gguf_strings(std::move(merges)));
+}
+
+// The text of tokenizer_config.json's "<typ>_token" (a string or {"content": ...}), if any.
+std::optional<std::string> special_text(const json& config, const std::string& typ) {
+  const json e = config.value(typ + "_token", json());
+  if (e.is_string()) return e.get<std::string>();
+  if (e.is_object() && e.contains("content") && e["content"].is_string()) return e["content"].get<std::string>();
+  return std::nullopt;
+}
+
+// The gguf-py SpecialVocab keys: ids of bos, eos, unk, sep, pad, mask (tokenizer_config.json's
+// tokens looked up among the added tokens, then config.json's *_token_id), add_bos/add_eos (a
+// TemplateProcessing post-processor's first/last token, overridden by tokenizer_config.json),
+// chat_template (tokenizer_config.json, else chat_template.jinja).
+void add_special(Metadata& md, const json& tok, const fs::path& dir, int64_t vocab_size) {
+  const json config =
+      fs::exists(dir / "tokenizer_config.json") ? read_json(dir / "tokenizer_config.json") : json::object();
+  const json model_config = fs::exists(dir / "config.json") ? read_json(dir / "config.json") : json::object();
+  static const std::pair<const char*, const char*> kTypes[] = {
+      {"bos", "bos"},     {"eos", "eos"},  {"unk", "unknown"}, {"sep", "seperator"},  // sic, llama.cpp's key
+      {"pad", "padding"}, {"mask", "mask"}};
+  std::map<std::string, bool> add;
+  const json post = tok.value("post_processor", json());
+  for (const json& p : post.is_object() ? post.value("processors", json::array({post})) : json::array()) {
+    if (p.value("type", "") != "TemplateProcessing" || p.value("single", json::array()).size() < 2) continue;
+    const json& single = p["single"];
+    const auto special = [](const json& s) {
+      return s.contains("SpecialToken") ? s["SpecialToken"].value("id", "") : "";
+    };
+    add["bos"] = !special(single.front()).empty() && special(single.front()) == special_text(config, "bos");
+    add["eos"] = !special(single.back()).empty() && special(single.back()) == special_text(config, "eos");
+  }
+  for (const auto& [typ, key] : kTypes) {
+    std::optional<int64_t> id;
+    if (const auto text = special_text(config, typ))
+      for (const json& a : tok.value("added_tokens", json::array()))
+        if (a.value("content", "") == *text) {
+          id = a.at("id").get<int64_t>();
+          break;
+        }
+    const json from_config = model_config.value(std::string(typ) + "_token_id", json());
+    if (!id && from_config.is_number_integer()) id = from_config.get<int64_t>();
+    if (id && *id >= 0 && *id < vocab_size)
+      md.emplace_back(fmt::format("tokenizer.ggml.{}_token_id", key), io::gguf_u32(static_cast<uint32_t>(*id)));
+    const json add_entry = config.value(fmt::format("add_{}_token", typ), json());
+    if (add_entry.is_boolean()) add[typ] = add_entry.get<bool>();
+  }
+  for (const char* typ : {"bos", "eos", "sep"})  // the add_*_token keys llama.cpp has
+    if (add.count(typ)) md.emplace_back(fmt::format("tokenizer.ggml.add_{}_token", typ), io::gguf_bool(add[typ]));
+  std::optional<std::string> tmpl;
+  if (config.contains("chat_template") && config["chat_template"].is_string())
+    tmpl = config["chat_template"].get<std::string>();
+  else if (fs::exists(dir / "chat_template.jinja"))
+    tmpl = io::read_file((dir / "chat_template.jinja").string());
+  if (tmpl) md.emplace_back("tokenizer.chat_template", io::gguf_string(*tmpl));
+}
+
+Metadata hf_tokenizer_metadata(const fs::path& dir, int64_t vocab_size) {
+  const fs::path file = dir / "tokenizer.json";
+  if (!fs::exists(file))
+    throw Error(fmt::format(
+        "{} has no tokenizer.json: only a byte-level BPE tokenizer.json (GPT-2, Llama 3, Qwen2 style) can be "
+        "written to GGUF; save the tokenizer with transformers (a fast tokenizer) first",
+        dir.string()));
+  const json tok = read_json(file);
+  check_byte_level_bpe(tok, file);
+  Metadata md;
+  md.emplace_back("tokenizer.ggml.model", io::gguf_string("gpt2"));
+  md.emplace_back("tokenizer.ggml.pre", io::gguf_string("default"));
+  add_tokens(md, tok, vocab_size, file);
+  add_merges(md, tok);
+  add_special(md, tok, dir, vocab_size);
+  return md;
+}
+
+}  // namespace
+
+Metadata gguf_tokenizer_metadata(const CausalLM& model) {
+  if (!is_gguf_path(model.dir())) return hf_tokenizer_metadata(model.dir(), model.config().vocab_size);
+  const io::GgufFile base(model.dir());
+  Metadata md;
+  for (const auto& [key, value] : base.metadata())
+    if (key.starts_with("tokenizer.")) md.emplace_back(key, value);
+  return md;
+}
+
+namespace {
+
+// The GGUF architecture of `c` (mistral is llama to llama.cpp), or lorarun::Error.
+std::string gguf_arch(const ModelConfig& c) {
+  if (c.family == Family::Llama && (c.model_type == "llama" || c.model_type == "mistral")) return "llama";
+  if (c.family == Family::Llama && c.model_type == "qwen2") return "qwen2";
+  throw Error(
+      fmt::format("model type '{}' cannot be written to GGUF: supported are llama, mistral and qwen2 (write a HF "
+                  "directory instead: --out without .gguf)",
+                  c.model_type));
+}
+
+// Whether the base states head_dim itself (config.json's head_dim, a GGUF's key_length): the
+// converter then writes attention.key_length and value_length.
+bool explicit_head_dim(const CausalLM& model, const std::string& arch) {
+  if (is_gguf_path(model.dir())) return io::GgufFile(model.dir()).has(arch + ".attention.key_length");
+  const fs::path config = fs::path(model.dir()) / "config.json";
+  return fs::exists(config) && read_json(config).contains("head_dim");
+}
+
+// general.name: the base GGUF's, else the model directory's (or file's) name.
+std::string model_name(const CausalLM& model) {
+  if (is_gguf_path(model.dir())) {
+    const io::GgufFile base(model.dir());
+    if (base.has("general.name")) return base.get_string("general.name");
+    return fs::path(model.dir()).stem().string();
+  }
+  fs::path dir = fs::path(model.dir()).lexically_normal();
+  if (dir.filename().empty()) dir = dir.parent_path();  // "models/base/"
+  return dir.filename().string();
+}
+
+// The converter's keys in its order: general.*, TextModel.set_gguf_parameters, then llama's own.
+Metadata model_metadata(const CausalLM& model, const std::string& arch, io::GgmlType type) {
+  const ModelConfig& c = model.config();
+  if (c.rope.type != "default" && c.rope.type != "linear")
+    throw Error(
+        fmt::format("rope scaling '{}' cannot be written to GGUF (llama.cpp's rope_freqs); supported: none, "
+                    "linear",
+                    c.rope.type));
+  const auto u32 = [](int64_t v) { return io::gguf_u32(static_cast<uint32_t>(v)); };
+  const auto f32 = [](double v) { return io::gguf_f32(static_cast<float>(v)); };
+  Metadata md = {{"general.architecture", io::gguf_string(arch)},
+                 {"general.type", io::gguf_string("model")},
+                 {"general.name", io::gguf_string(model_name(model))},
+                 {arch + ".block_count", u32(c.num_layers)},
+                 {arch + ".context_length", u32(c.max_positions)},
+                 {arch + ".embedding_length", u32(c.hidden_size)},
+                 {arch + ".feed_forward_length", u32(c.intermediate_size)},
+                 {arch + ".attention.head_count", u32(c.num_heads)},
+                 {arch + ".attention.head_count_kv", u32(c.num_kv_heads)},
+                 {arch + ".rope.freq_base", f32(c.rope_theta)},
+                 {arch + ".attention.layer_norm_rms_epsilon", f32(c.norm_eps)}};
+  if (explicit_head_dim(model, arch)) {
+    md.emplace_back(arch + ".attention.key_length", u32(c.head_dim));
+    md.emplace_back(arch + ".attention.value_length", u32(c.head_dim));
+  }
+  md.emplace_back("general.file_type", io::gguf_u32(llama_file_type(type)));
+  if (arch == "llama") {  // LlamaModel.set_gguf_parameters; qwen2 adds neither
+    md.emplace_back(arch + ".vocab_size", u32(c.vocab_size));
+    md.emplace_back(arch + ".rope.dimension_count", u32(c.head_dim));
+  }
+  if (c.rope.type == "linear") {
+    md.emplace_back(arch + ".rope.scaling.type", io::gguf_string("linear"));
+    md.emplace_back(arch + ".rope.scaling.factor", f32(c.rope.factor));
+  }
+  return md;
+}
+
+// llama.cpp's converter (LlamaModel.permute) reorders each head's rows of Q and K [heads *
+// head_dim, ..] from HF's rotate-half layout (first halves, then second halves) to interleaved
+// pairs: per head [2, dim/2] -> [dim/2, 2]. gguf_weights.cpp undoes it on load.
+at::Tensor permute_rows(const at::Tensor& w, int64_t heads) {
+  std::vector<int64_t> shape = {heads, 2, w.size(0) / heads / 2};
+  for (int64_t d = 1; d < w.dim(); ++d) shape.push_back(w.size(d));
+  return w.reshape(shape).transpose(1, 2).reshape(w.sizes());
+}
+
+struct OutTensor {
+  std::string name;  // GGUF's
+  at::Tensor value;  // float32, PyTorch layout, rows in llama.cpp's order
+  io::GgmlType type;
+};
+
+std::vector<OutTensor> out_tensors(const CausalLM& model, const std::string& arch, io::GgmlType type) {
+  const ModelConfig& c = model.config();
+  std::vector<OutTensor> out;
+  for (const auto& [hf, t] : model.state_dict()) {
+    if (hf == "lm_head.weight" && c.tie_word_embeddings) continue;  // llama.cpp reuses token_embd
+    const std::string name = gguf_tensor_name(hf);
+    if (name.empty()) throw Error(fmt::format("weight '{}' has no GGUF name in the {} layout", hf, arch));
+    at::Tensor w = t.to(at::kFloat);
+    const bool q = name.ends_with(".attn_q.weight") || name.ends_with(".attn_q.bias");
+    const bool k = name.ends_with(".attn_k.weight") || name.ends_with(".attn_k.bias");
+    if (arch == "llama" && (q || k)) w = permute_rows(w, q ? c.num_heads : c.num_kv_heads);
+    out.push_back({name, w.contiguous(), gguf_tensor_type(name, w.sizes().vec(), type)});
+  }
+  return out;
+}
+
+}  // namespace
+
+void export_gguf(const CausalLM& model, const std::string& out_file, io::GgmlType type) {
+  const std::string arch = gguf_arch(model.config());
+  if (fs::exists(out_file))
+    throw Error(fmt::format("{} already exists: choose another output file or remove it", out_file));
+  Metadata md = model_metadata(model, arch, type);
+  for (auto& kv : gguf_tokenizer_metadata(model)) md.push_back(std::move(kv));
+  md.emplace_back("general.quantization_version", io::gguf_u32(2));  // GGML_QNT_VERSION
+  const std::vector<OutTensor> tensors = out_tensors(model, arch, type);
+  io::GgufWriter w(out_file);
+  for (auto& [key, value] : md) w.add(key, std::move(value));
+  for (const OutTensor& t : tensors) w.add_tensor(t.name, t.type, t.value.sizes().vec());
+  std::vector<std::byte> bytes;
+  for (const OutTensor& t : tensors) {
+    const size_t n = static_cast<size_t>(t.value.numel());
+    bytes.resize(n / io::ggml_block_size(t.type) * io::ggml_block_bytes(t.type));
+    io::quantize(t.type, {t.value.data_ptr<float>(), n}, bytes);
+    w.write_tensor(bytes);
+  }
+  w.commit();
+}
+
+}  // namespace lorarun::model
