@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include "app_main.hpp"
+#include "io/files.hpp"
 #include "model/generate.hpp"
 #include "model/lora.hpp"
 #include "model/resolve.hpp"
@@ -24,7 +25,10 @@ int run(int argc, char** argv) {
   bool ids_only = false, no_echo = false;
   ModelArgs model_args;
   model_args.add_to(app);
-  app.add_option("--prompt", prompt, "text to continue")->required();
+  std::string prompt_file;
+  CLI::Option* text = app.add_option("--prompt", prompt, "text to continue");
+  app.add_option("--prompt-file", prompt_file, "read the text to continue from this file (kept byte for byte)")
+      ->excludes(text);
   app.add_option("--max-new-tokens", opt.max_new_tokens, "most tokens to generate")->check(CLI::Range(1, 1 << 20));
   app.add_option("--temperature", opt.temperature, "0 (default): greedy; > 0: sample")->check(CLI::NonNegativeNumber);
   app.add_option("--top-p", opt.top_p, "nucleus sampling mass")->check(CLI::Range(0.0, 1.0));
@@ -35,6 +39,11 @@ int run(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  if (!prompt_file.empty()) {
+    prompt = io::read_file(prompt_file);
+  } else if (!app.count("--prompt")) {
+    throw Error("give the text to continue: --prompt TEXT or --prompt-file FILE");
   }
   const model::CausalLM m = model_args.load();
   const tok::Tokenizer tokenizer = model::load_tokenizer(m.dir());

@@ -4,6 +4,10 @@
       loads FILE with transformers' own GGUF loader (AutoModelForCausalLM.from_pretrained(dir,
       gguf_file=name), dequantised by the `gguf` package, float32) and writes to OUT a right-padded
       batch of fixed token ids (input_ids, attention_mask) and its logits; reports the seconds taken.
+  gguf_model_check.py generate FILE PROMPT_FILE N [ADAPTER_DIR]
+      transformers' greedy continuation of the text in PROMPT_FILE (its GGUF tokenizer, special
+      tokens added as it adds them) by at most N tokens, with the PEFT adapter ADAPTER_DIR loaded
+      onto the model when given; reports the new ids.
   gguf_model_check.py make FILE ARCH [DROP_KEY]
       writes a tiny random GGUF with gguf-py's GGUFWriter: architecture ARCH, the llama keys (less
       DROP_KEY, e.g. llama.block_count) and two blocks of F32 tensors in the llama layout (4 query
@@ -44,6 +48,23 @@ def logits(path, out):
     save_file({"input_ids": ids, "attention_mask": mask, "logits": got.contiguous()}, out)
     report(written=out, load_seconds=loaded, seconds=time.time() - start, vocab_size=vocab,
            num_hidden_layers=model.config.num_hidden_layers, tie_word_embeddings=model.config.tie_word_embeddings)
+
+
+def generate(path, prompt_file, n, adapter):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32).eval()
+    if adapter:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    with open(prompt_file, encoding="utf-8") as f:
+        ids = tok(f.read(), return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    report(ids=out[0, ids.size(1):].tolist(), prompt_ids=ids[0].tolist())
 
 
 def make(path, arch, drop):
@@ -92,6 +113,8 @@ def main():
     mode = sys.argv[1]
     if mode == "logits":
         return logits(sys.argv[2], sys.argv[3])
+    if mode == "generate":
+        return generate(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "")
     if mode == "make":
         return make(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")
     sys.exit(f"unknown mode {mode!r}")
