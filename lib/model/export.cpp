@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include "io/files.hpp"
+#include "model/gguf_weights.hpp"
+#include "model/resolve.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
 #include "util/error.hpp"
@@ -33,6 +35,62 @@ int64_t parse_size(const std::string& text) {
     if (pos > 0 && unit == name && value > 0) return static_cast<int64_t>(value * mult);
   throw Error(fmt::format("size '{}' is not a positive size like 5GB, 500MB or 2GiB", text));
 }
+
+namespace {
+
+// config.json of a model read from a GGUF file, as transformers' GGUF loading configures it
+// (transformers 5's rope_parameters; llama and qwen2, the architectures CausalLM reads from GGUF).
+nlohmann::ordered_json hf_config(const ModelConfig& c) {
+  const bool qwen2 = c.model_type == "qwen2";
+  nlohmann::ordered_json rope = {{"rope_type", c.rope.type}, {"rope_theta", c.rope_theta}};
+  if (c.rope.type == "linear") rope["factor"] = c.rope.factor;
+  nlohmann::ordered_json j = {{"architectures", {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+                              {"model_type", c.model_type},
+                              {"vocab_size", c.vocab_size},
+                              {"hidden_size", c.hidden_size},
+                              {"intermediate_size", c.intermediate_size},
+                              {"num_hidden_layers", c.num_layers},
+                              {"num_attention_heads", c.num_heads},
+                              {"num_key_value_heads", c.num_kv_heads},
+                              {"head_dim", c.head_dim},
+                              {"max_position_embeddings", c.max_positions},
+                              {"rms_norm_eps", c.norm_eps},
+                              {"rope_parameters", rope},
+                              {"hidden_act", c.activation},
+                              {"tie_word_embeddings", c.tie_word_embeddings}};
+  if (!qwen2) {
+    j["attention_bias"] = c.attention_bias;
+    j["mlp_bias"] = c.mlp_bias;
+  }
+  const std::pair<const char*, const std::optional<int64_t>*> ids[] = {
+      {"bos_token_id", &c.bos_token_id}, {"eos_token_id", &c.eos_token_id}, {"pad_token_id", &c.pad_token_id}};
+  for (const auto& [key, id] : ids)
+    if (*id) j[key] = **id;
+  return j;
+}
+
+// The base's config.json, and its tokenizer and generation files, into `tmp` (config dtype `dtype`).
+// A .gguf base has neither: they are made from its metadata.
+void write_model_files(const CausalLM& model, const fs::path& tmp, at::ScalarType dtype) {
+  const bool gguf = is_gguf_path(model.dir());
+  nlohmann::ordered_json config =
+      gguf ? hf_config(model.config())
+           : nlohmann::ordered_json::parse(io::read_file((fs::path(model.dir()) / "config.json").string()));
+  config["dtype"] = hf_dtype_name(dtype);
+  if (config.contains("torch_dtype")) config["torch_dtype"] = hf_dtype_name(dtype);
+  io::write_file_atomic((tmp / "config.json").string(), config.dump(2) + "\n");
+  if (gguf) {
+    const tok::HfTokenizerFiles files = gguf_tokenizer_files(model.dir());
+    io::write_file_atomic((tmp / "tokenizer.json").string(), files.tokenizer_json);
+    io::write_file_atomic((tmp / "tokenizer_config.json").string(), files.tokenizer_config_json);
+    return;
+  }
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                        "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja"})
+    if (fs::exists(fs::path(model.dir()) / f)) fs::copy_file(fs::path(model.dir()) / f, tmp / f);
+}
+
+}  // namespace
 
 void export_hf_model(const CausalLM& model, const std::string& out_dir, at::ScalarType dtype, int64_t max_shard_bytes) {
   if (fs::exists(out_dir))
@@ -65,15 +123,7 @@ void export_hf_model(const CausalLM& model, const std::string& out_dir, at::Scal
       }
       io::write_file_atomic((tmp / "model.safetensors.index.json").string(), index.dump(2) + "\n");
     }
-    nlohmann::ordered_json config =
-        nlohmann::ordered_json::parse(io::read_file((fs::path(model.dir()) / "config.json").string()));
-    config["dtype"] = hf_dtype_name(dtype);
-    if (config.contains("torch_dtype")) config["torch_dtype"] = hf_dtype_name(dtype);
-    io::write_file_atomic((tmp / "config.json").string(), config.dump(2) + "\n");
-    for (const char* f :
-         {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-          "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja"})
-      if (fs::exists(fs::path(model.dir()) / f)) fs::copy_file(fs::path(model.dir()) / f, tmp / f);
+    write_model_files(model, tmp, dtype);
     io::sync_dir(tmp.string());
     fs::rename(tmp, out_dir);
     io::sync_dir(fs::path(out_dir).parent_path().string());

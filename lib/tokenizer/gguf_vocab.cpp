@@ -37,12 +37,18 @@ const char* split_pattern(std::string_view pre) {
   static constexpr const char* kGpt4o =
       R"([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
   static const std::map<std::string_view, const char*> patterns = {
-      {"llama3", kLlama3},    {"llama-v3", kLlama3},  {"llama-bpe", kLlama3},       {"falcon3", kLlama3},
-      {"falcon-h1", kLlama3}, {"pixtral", kLlama3},   {"midm-2.0", kLlama3},        {"lfm2", kLlama3},
-      {"jina-v5-nano", kLlama3}, {"dbrx", kLlama3},   {"smaug-bpe", kLlama3},       {"tekken", kTekken},
-      {"qwen2", kQwen2},      {"deepseek-r1-qwen", kQwen2}, {"kormo", kQwen2},      {"f2llmv2", kQwen2},
-      {"megrez", kQwen2},     {"qwen35", kQwen35},    {"gpt-4o", kGpt4o},           {"llama4", kGpt4o},
-      {"kanana2", kGpt4o},    {"talkie", kGpt4o},     {"minimax-m2", kGpt4o}};
+      {"llama3", kLlama3},       {"llama-v3", kLlama3},
+      {"llama-bpe", kLlama3},    {"falcon3", kLlama3},
+      {"falcon-h1", kLlama3},    {"pixtral", kLlama3},
+      {"midm-2.0", kLlama3},     {"lfm2", kLlama3},
+      {"jina-v5-nano", kLlama3}, {"dbrx", kLlama3},
+      {"smaug-bpe", kLlama3},    {"tekken", kTekken},
+      {"qwen2", kQwen2},         {"deepseek-r1-qwen", kQwen2},
+      {"kormo", kQwen2},         {"f2llmv2", kQwen2},
+      {"megrez", kQwen2},        {"qwen35", kQwen35},
+      {"gpt-4o", kGpt4o},        {"llama4", kGpt4o},
+      {"kanana2", kGpt4o},       {"talkie", kGpt4o},
+      {"minimax-m2", kGpt4o}};
   auto it = patterns.find(pre);
   return it == patterns.end() ? nullptr : it->second;
 }
@@ -106,7 +112,8 @@ std::vector<Merge> merges_from_scores(const std::vector<std::string>& tokens, co
     std::vector<Merge> local;
     for (size_t k = 1; k < n; ++k) {
       std::string l = token.substr(0, cuts[k]), r = token.substr(cuts[k]);
-      if (vocab.contains(l) && vocab.contains(r)) local.push_back({std::move(l), std::move(r), score_of[token], k, n - k});
+      if (vocab.contains(l) && vocab.contains(r))
+        local.push_back({std::move(l), std::move(r), score_of[token], k, n - k});
     }
     std::stable_sort(local.begin(), local.end(), [&](const Merge& a, const Merge& b) {
       return std::pair(vocab.at(a.left), vocab.at(a.right)) < std::pair(vocab.at(b.left), vocab.at(b.right));
@@ -120,8 +127,8 @@ std::vector<Merge> merges_from_scores(const std::vector<std::string>& tokens, co
 }
 
 ordered_json added_token(const std::string& content, int64_t id, bool special) {
-  return {{"id", id},          {"content", content}, {"single_word", false}, {"lstrip", false},
-          {"rstrip", false},   {"normalized", false}, {"special", special}};
+  return {{"id", id},        {"content", content},  {"single_word", false}, {"lstrip", false},
+          {"rstrip", false}, {"normalized", false}, {"special", special}};
 }
 
 struct Built {
@@ -224,7 +231,8 @@ Built build(const GgufVocab& v) {
                                : byte_level_step(true);
     j["decoder"] = byte_level_step(true);
   } else {
-    j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "first"}, {"split", false}};
+    j["pre_tokenizer"] = {
+        {"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "first"}, {"split", false}};
     j["decoder"] = {{"type", "Sequence"},
                     {"decoders",
                      {{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
@@ -242,8 +250,8 @@ Built build(const GgufVocab& v) {
   if (b.add_bos) special(b.bos);
   single.push_back({{"Sequence", {{"id", "A"}, {"type_id", 0}}}});
   if (b.add_eos) special(b.eos);
-  j["post_processor"] = {{"type", "TemplateProcessing"}, {"single", single}, {"pair", single},
-                         {"special_tokens", specials}};
+  j["post_processor"] = {
+      {"type", "TemplateProcessing"}, {"single", single}, {"pair", single}, {"special_tokens", specials}};
   j["model"] = {{"type", "BPE"},
                 {"dropout", nullptr},
                 {"unk_token", nullptr},

@@ -91,7 +91,7 @@ TEST_CASE("gguf export: tiny llama and qwen2 merged to f32, f16, bf16, q8_0 GGUF
   }
 }
 
-TEST_CASE("gguf export: SmolLM2's .gguf merged to f32 keeps every tokenizer key and gives PEFT's logits",
+TEST_CASE("gguf export: SmolLM2's .gguf merged to an f32 GGUF and to a HF directory gives PEFT's logits, its tokenizer",
           "[gguf][reference][e2e]") {
   if (!std::filesystem::exists(kSmolLM2)) FAIL(kSmolLM2 << " is missing: run scripts/setup (or scripts/fetch-models)");
   const std::string dir = temp_dir("gguf-export-smollm2");
@@ -114,6 +114,22 @@ TEST_CASE("gguf export: SmolLM2's .gguf merged to f32 keeps every tokenizer key 
   CHECK(diff <= 1e-4);
   CHECK(c.fields.at("tokenizer_differ").empty());
   CHECK(c.fields.at("tokenizer_keys").get<int>() >= 5);
+
+  // The same merge as a HF directory: config.json and the tokenizer files made from the metadata.
+  const Result hf = merge(fmt::format("--model '{}' --adapter '{}/adapter' --out '{}/merged'", kSmolLM2, dir, dir));
+  INFO(hf.output);
+  REQUIRE(hf.status == 0);
+  const Oracle d = export_check(fmt::format("smol-check-dir '{}' '{}' '{}/merged'", dir, kSmolLM2, dir));
+  INFO(d.run.output.substr(0, 3000));
+  REQUIRE(d.run.status == 0);
+  fmt::print("gguf export: SmolLM2 -> HF directory: max |logit diff| {:.3g}; ids differ on {} of {} strings\n",
+             d.fields.at("logit_diff").get<double>(), d.fields.at("ids_differ").get<int>(),
+             d.fields.at("strings").get<int>());
+  CHECK(d.fields.at("logit_diff").get<double>() <= 1e-4);
+  CHECK(d.fields.at("ids_differ").get<int>() == 0);
+  CHECK(d.fields.at("strings").get<int>() >= 2000);
+  CHECK(d.fields.value("chat_template_equal", false));
+  CHECK(d.fields.value("eos_equal", false));
 }
 
 TEST_CASE("gguf export: an existing output, another family, a bad type, --gguf-type without .gguf are one line",

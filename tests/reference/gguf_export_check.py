@@ -22,6 +22,11 @@
       the f32 OUT.gguf's logits (transformers) against those, and whether every tokenizer.* key of
       OUT.gguf equals the base file's (type and value).
 
+  gguf_export_check.py smol-check-dir DIR GGUF OUT_DIR
+      the HF directory lora-merge wrote from the GGUF base: transformers' logits of OUT_DIR against
+      those; whether AutoTokenizer of OUT_DIR gives the ids transformers' GGUF tokenizer gives on
+      the tokenizer corpus (tests/tokenizer/corpus.py), and keeps the chat template and eos.
+
 Results are reported on marked lines (oracle.report); transformers' warnings are not read.
 """
 import json
@@ -249,6 +254,21 @@ def smol_check(out, path, ours_path):
            size=os.path.getsize(ours_path), tensors=len(written.tensors))
 
 
+def smol_check_dir(out, path, ours_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tokenizer"))
+    import corpus
+    ref = torch.load(os.path.join(out, "reference.pt"))
+    ours = AutoModelForCausalLM.from_pretrained(ours_dir, dtype=torch.float32).eval()
+    diff = (logits(ours, ref["input_ids"], ref["attention_mask"]) - ref["logits"]).abs().max().item()
+    theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    mine = AutoTokenizer.from_pretrained(ours_dir)
+    texts = corpus.corpus()
+    differ = sum(mine(t)["input_ids"] != theirs(t)["input_ids"] for t in texts)
+    report(logit_diff=diff, strings=len(texts), ids_differ=differ,
+           chat_template_equal=mine.chat_template == theirs.chat_template, eos_equal=mine.eos_token == theirs.eos_token)
+
+
 def main():
     torch.set_num_threads(2)
     mode = sys.argv[1]
@@ -260,6 +280,8 @@ def main():
         return smol_make(sys.argv[2], sys.argv[3])
     if mode == "smol-check":
         return smol_check(sys.argv[2], sys.argv[3], sys.argv[4])
+    if mode == "smol-check-dir":
+        return smol_check_dir(sys.argv[2], sys.argv[3], sys.argv[4])
     sys.exit(f"unknown mode {mode!r}")
 
 

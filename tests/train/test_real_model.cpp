@@ -30,8 +30,8 @@ std::vector<double> losses(const std::string& metrics_jsonl) {
 // lorarun on 2 ranks: 20 documents, 2 a rank a step, so 5 steps; lora.init_from the reference's
 // random adapter; `overrides` appended.
 Result train(const std::string& dir, const std::string& name, const std::string& overrides = "") {
-  const std::string recipe = write_recipe(dir, name, "epochs: 1, lr: 1.0e-3, warmup_steps: 2, lr_scheduler: cosine",
-                                          "", ", shuffle: none, batch_size: 2");
+  const std::string recipe = write_recipe(dir, name, "epochs: 1, lr: 1.0e-3, warmup_steps: 2, lr_scheduler: cosine", "",
+                                          ", shuffle: none, batch_size: 2");
   return sh(fmt::format("{} --nproc-per-node 2 {} model.path={} lora.init_from={}/init {}", bin("lorarun"), recipe,
                         kSmolLM2, dir, overrides));
 }
@@ -66,14 +66,16 @@ TEST_CASE("SmolLM2 from its GGUF trains as transformers + PEFT do, and PEFT gene
   {
     std::ofstream(dir + "/prompt.txt") << "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n"
                                           "<|im_start|>assistant\n";
-    const Result ours = sh(fmt::format("{} --model {} --adapter {}/fp32/epoch_0 --prompt-file {}/prompt.txt "
-                                       "--max-new-tokens 24 --ids 2>{}/generate.err",
-                                       bin("lora-generate"), kSmolLM2, dir, dir, dir));
+    const Result ours =
+        sh(fmt::format("{} --model {} --adapter {}/fp32/epoch_0 --prompt-file {}/prompt.txt "
+                       "--max-new-tokens 24 --ids 2>{}/generate.err",
+                       bin("lora-generate"), kSmolLM2, dir, dir, dir));
     INFO(ours.output);
     REQUIRE(ours.status == 0);
-    const Oracle theirs = oracle(fmt::format("'{}' '{}/tests/reference/gguf_model_check.py' generate {} {}/prompt.txt "
-                                             "24 {}/fp32/epoch_0",
-                                             LORARUN_PYTHON, LORARUN_SOURCE_DIR, kSmolLM2, dir, dir));
+    const Oracle theirs =
+        oracle(fmt::format("'{}' '{}/tests/reference/gguf_model_check.py' generate {} {}/prompt.txt "
+                           "24 {}/fp32/epoch_0",
+                           LORARUN_PYTHON, LORARUN_SOURCE_DIR, kSmolLM2, dir, dir));
     INFO(theirs.run.output);
     REQUIRE(theirs.fields.contains("ids"));
     const auto ids = nlohmann::json::parse(ours.output).get<std::vector<int64_t>>();
