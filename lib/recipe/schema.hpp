@@ -53,8 +53,8 @@ void for_each_key(R& r, V&& v) {
   v(Key{.name = "model.path",
         .example = "/models/opt-125m",
         .required = "to a HF model directory, a model id in the local HF cache or a .gguf file",
-        .meaning = "the base model: a Hugging Face model directory, a model id already in the local HF cache "
-                   "(nothing is downloaded), or a .gguf file (llama, mistral, qwen2; dequantised into model.dtype)"},
+        .meaning = "the base model: a HF model directory, a model id already in the local HF cache (nothing is "
+                   "downloaded), or a .gguf file"},
     r.model.path);
   v(Key{.name = "model.dtype",
         .meaning = "the dtype the base weights are held and computed in; QLoRA quantises from it"},

@@ -350,7 +350,7 @@ TEST_CASE("the shape of the file is checked before its values") {
         "recipe.yaml: section 'model' appears twice; merge its keys under one 'model:'");
   CHECK(error_of("model:\n  path: a\n  path: b\n") == "recipe.yaml: model.path appears twice; keep one");
   CHECK(error_of("") ==
-        "recipe.yaml: model.path must be set to a HF model directory or a model id in the local HF cache "
+        "recipe.yaml: model.path must be set to a HF model directory, a model id in the local HF cache or a .gguf file "
         "(e.g. model.path: /models/opt-125m)");
   // An empty section is allowed: every key keeps its default.
   CHECK(load(kBase + "lora:\ntrain:\n").lora.r == 8);
@@ -548,8 +548,8 @@ TEST_CASE("requirements that depend on the source and the format") {
   // Text and chat recipes need no template.
   CHECK(load(model + "data: {database: d, collection: c, format: text}\n").data.format == Format::Text);
   CHECK(error_of(kBase, {"model.path="}) ==
-        "recipe.yaml (override 'model.path='): model.path must be set to a HF model directory or a model id in the "
-        "local HF cache (e.g. model.path: /models/opt-125m)");
+        "recipe.yaml (override 'model.path='): model.path must be set to a HF model directory, a model id in the "
+        "local HF cache or a .gguf file (e.g. model.path: /models/opt-125m)");
   CHECK(override_error({"model.device=cpu", "dist.backend=nccl"}) ==
         "recipe.yaml (override 'dist.backend=nccl'): dist.backend is nccl, which needs CUDA, but model.device is "
         "cpu; use dist.backend: gloo (or auto)");
