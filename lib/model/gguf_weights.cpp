@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <span>
+
 #include "util/error.hpp"
 
 namespace lorarun::model {
@@ -36,14 +38,7 @@ void check_sizes(const io::GgufFile& f, const ModelConfig& c) {
                     c.num_kv_heads, c.head_dim));
 }
 
-}  // namespace
-
-ModelConfig gguf_config(const io::GgufFile& f) {
-  const std::string arch = f.get_string("general.architecture");
-  if (arch != "llama" && arch != "qwen2")
-    throw Error(
-        fmt::format("{}: GGUF architecture '{}' is not supported; supported: llama (mistral files are llama), qwen2",
-                    f.path(), arch));
+ModelConfig llama_config(const io::GgufFile& f, const std::string& arch) {
   const auto key = [&arch](const char* k) { return arch + "." + k; };
   ModelConfig c;
   c.model_type = arch;
@@ -70,13 +65,43 @@ ModelConfig gguf_config(const io::GgufFile& f) {
   } else if (scaling != "none") {
     throw Error(fmt::format("{}: rope scaling '{}' is not supported (none, linear)", f.path(), scaling));
   }
+  c.qkv_bias = arch == "qwen2";
+  return c;
+}
+
+// GPT-2: learned positions, LayerNorm with biases, fused QKV; llama.cpp's converter writes the
+// tied output projection out as output.weight.
+ModelConfig gpt2_config(const io::GgufFile& f) {
+  ModelConfig c;
+  c.model_type = "gpt2";
+  c.family = Family::Gpt2;
+  c.activation = "gelu_new";
+  c.hidden_size = f.get_int("gpt2.embedding_length");
+  c.intermediate_size = f.get_int("gpt2.feed_forward_length", 4 * c.hidden_size);
+  c.num_layers = f.get_int("gpt2.block_count");
+  c.num_heads = f.get_int("gpt2.attention.head_count");
+  c.num_kv_heads = c.num_heads;
+  c.head_dim = c.num_heads > 0 ? c.hidden_size / c.num_heads : 0;
+  c.max_positions = f.get_int("gpt2.context_length");
+  c.norm_eps = f.get_float("gpt2.attention.layer_norm_epsilon");
+  return c;
+}
+
+}  // namespace
+
+ModelConfig gguf_config(const io::GgufFile& f) {
+  const std::string arch = f.get_string("general.architecture");
+  if (arch != "llama" && arch != "qwen2" && arch != "gpt2")
+    throw Error(fmt::format(
+        "{}: GGUF architecture '{}' is not supported; supported: llama (mistral files are llama), qwen2, gpt2",
+        f.path(), arch));
+  ModelConfig c = arch == "gpt2" ? gpt2_config(f) : llama_config(f, arch);
   const io::GgufTensorInfo* embed = f.find("token_embd.weight");
   if (!embed || embed->dims.size() != 2)
     throw Error(fmt::format("{} has no 2-dimensional tensor 'token_embd.weight': it is not a complete {} model",
                             f.path(), arch));
   c.vocab_size = embed->torch_shape()[0];
   c.tie_word_embeddings = f.find("output.weight") == nullptr;  // as llama.cpp and transformers decide
-  c.qkv_bias = arch == "qwen2";
   check_sizes(f, c);
   const auto token = [&f](const char* k) -> std::optional<int64_t> {
     if (!f.has(k)) return std::nullopt;
@@ -89,10 +114,29 @@ ModelConfig gguf_config(const io::GgufFile& f) {
 }
 
 std::string gguf_tensor_name(const std::string& hf_name) {
-  if (hf_name == "model.embed_tokens.weight") return "token_embd.weight";
-  if (hf_name == "model.norm.weight") return "output_norm.weight";
-  if (hf_name == "lm_head.weight") return "output.weight";
-  const std::string prefix = "model.layers.";
+  static const std::pair<const char*, const char*> kTop[] = {
+      {"model.embed_tokens.weight", "token_embd.weight"},
+      {"model.norm.weight", "output_norm.weight"},
+      {"lm_head.weight", "output.weight"},
+      {"transformer.wte.weight", "token_embd.weight"},
+      {"transformer.wpe.weight", "position_embd.weight"},
+      {"transformer.ln_f.weight", "output_norm.weight"},
+      {"transformer.ln_f.bias", "output_norm.bias"},
+  };
+  for (const auto& [hf, gguf] : kTop)
+    if (hf_name == hf) return gguf;
+  // "<prefix><layer>.<module>.<weight|bias>", llama's and gpt2's layer modules.
+  static const std::pair<const char*, const char*> kLlama[] = {
+      {"self_attn.q_proj", "attn_q"},      {"self_attn.k_proj", "attn_k"},   {"self_attn.v_proj", "attn_v"},
+      {"self_attn.o_proj", "attn_output"}, {"mlp.gate_proj", "ffn_gate"},    {"mlp.up_proj", "ffn_up"},
+      {"mlp.down_proj", "ffn_down"},       {"input_layernorm", "attn_norm"}, {"post_attention_layernorm", "ffn_norm"},
+  };
+  static const std::pair<const char*, const char*> kGpt2[] = {
+      {"ln_1", "attn_norm"}, {"attn.c_attn", "attn_qkv"}, {"attn.c_proj", "attn_output"},
+      {"ln_2", "ffn_norm"},  {"mlp.c_fc", "ffn_up"},      {"mlp.c_proj", "ffn_down"},
+  };
+  const bool gpt2 = hf_name.starts_with("transformer.h.");
+  const std::string prefix = gpt2 ? "transformer.h." : "model.layers.";
   if (!hf_name.starts_with(prefix)) return "";
   const size_t dot = hf_name.find('.', prefix.size());
   const size_t last = hf_name.rfind('.');
@@ -101,13 +145,10 @@ std::string gguf_tensor_name(const std::string& hf_name) {
   const std::string module = hf_name.substr(dot + 1, last - dot - 1);
   const std::string suffix = hf_name.substr(last + 1);
   if (layer.empty() || layer.find_first_not_of("0123456789") != std::string::npos) return "";
-  static const std::pair<const char*, const char*> kModules[] = {
-      {"self_attn.q_proj", "attn_q"},      {"self_attn.k_proj", "attn_k"},   {"self_attn.v_proj", "attn_v"},
-      {"self_attn.o_proj", "attn_output"}, {"mlp.gate_proj", "ffn_gate"},    {"mlp.up_proj", "ffn_up"},
-      {"mlp.down_proj", "ffn_down"},       {"input_layernorm", "attn_norm"}, {"post_attention_layernorm", "ffn_norm"},
-  };
-  for (const auto& [hf, gguf] : kModules)
-    if (module == hf) return fmt::format("blk.{}.{}.{}", layer, gguf, suffix);
+  using Modules = std::span<const std::pair<const char*, const char*>>;
+  const Modules modules = gpt2 ? Modules(kGpt2) : Modules(kLlama);
+  for (const auto& [hf, g] : modules)
+    if (module == hf) return fmt::format("blk.{}.{}.{}", layer, g, suffix);
   return "";
 }
 
@@ -140,21 +181,28 @@ at::Tensor GgufWeights::load(const std::string& name, at::ScalarType dtype, at::
   if (!t)
     throw Error(fmt::format("{} has no tensor '{}' (the model's {}): it is not a complete {} model", file_->path(),
                             g.empty() ? name : g, name, config_.model_type));
-  if (!shape.empty() && t->torch_shape() != shape)
+  // GPT-2's Conv1D weights are [in, out] in HF files; llama.cpp's converter stores them [out, in].
+  const bool conv1d = config_.family == Family::Gpt2 && t->dims.size() == 2 && g.ends_with(".weight") &&
+                      g.starts_with("blk.") && !g.ends_with("_norm.weight");
+  std::vector<int64_t> hf_shape = t->torch_shape();
+  if (conv1d) std::swap(hf_shape[0], hf_shape[1]);
+  if (!shape.empty() && hf_shape != shape)
     throw Error(
         fmt::format("{}: '{}' has shape [{}] but the metadata implies [{}]: the tensors do not match the "
                     "metadata; re-convert the model",
-                    file_->path(), g, fmt::join(t->torch_shape(), ", "), fmt::join(shape, ", ")));
+                    file_->path(), g, fmt::join(hf_shape, ", "), fmt::join(shape, ", ")));
   used_.insert(g);
   at::Tensor w = dequantize(*file_, *t);  // float32, the one temporary
   const bool q = g.ends_with(".attn_q.weight") || g.ends_with(".attn_q.bias");
   const bool k = g.ends_with(".attn_k.weight") || g.ends_with(".attn_k.bias");
   const bool permuted = config_.model_type == "llama" && (q || k);
-  if (!permuted && dtype == at::kFloat && device.is_cpu()) return w;
-  const at::Tensor src = permuted ? unpermute_rows(w, q ? config_.num_heads : config_.num_kv_heads) : w;
+  if (!permuted && !conv1d && dtype == at::kFloat && device.is_cpu()) return w;
+  at::Tensor src = w;
+  if (permuted) src = unpermute_rows(w, q ? config_.num_heads : config_.num_kv_heads);
+  if (conv1d) src = w.t();
   at::Tensor out = at::empty(src.sizes(), at::TensorOptions().dtype(dtype).device(device));
   out.copy_(src);
-  return out.view(w.sizes());
+  return out.view(hf_shape);
 }
 
 void GgufWeights::check_all_used() const {

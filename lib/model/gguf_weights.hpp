@@ -25,8 +25,8 @@ at::Tensor dequantize(const io::GgufFile& file, const std::string& name);
 bool is_gguf_path(const std::string& path);
 
 // The config of a GGUF model from its metadata (<arch>.block_count, .embedding_length, ...), as
-// transformers' GGUF loader reads it: architectures llama (mistral is llama in GGUF) and qwen2;
-// the vocabulary is token_embd's rows, the embeddings are tied when there is no output.weight.
+// transformers' GGUF loader reads it: architectures llama (mistral is llama in GGUF), qwen2 and
+// gpt2; the vocabulary is token_embd's rows, the embeddings are tied when there is no output.weight.
 // lorarun::Error naming the architecture and the supported ones, or the missing key.
 ModelConfig gguf_config(const io::GgufFile& file);
 
@@ -34,7 +34,8 @@ ModelConfig gguf_config(const io::GgufFile& file);
 // model.embed_tokens.weight, blk.N.attn_q.weight model.layers.N.self_attn.q_proj.weight, ...).
 // Each load() dequantises one tensor and converts it to the dtype and device asked for, so no
 // more than one float32 copy exists beyond the model's own tensors. Llama's Q and K rows are put
-// back in Hugging Face's order: llama.cpp's converter interleaves the rotary halves of each head.
+// back in Hugging Face's order: llama.cpp's converter interleaves the rotary halves of each head;
+// GPT-2's Conv1D weights, which the converter stores [out, in], come back [in, out].
 class GgufWeights : public WeightSource {
  public:
   GgufWeights(std::shared_ptr<const io::GgufFile> file, const ModelConfig& config);

@@ -11,7 +11,9 @@
   gguf_model_check.py make FILE ARCH [DROP_KEY]
       writes a tiny random GGUF with gguf-py's GGUFWriter: architecture ARCH, the llama keys (less
       DROP_KEY, e.g. llama.block_count) and two blocks of F32 tensors in the llama layout (4 query
-      heads, 2 KV heads); qwen2 adds the q/k/v biases and an untied output.weight. The tensors are
+      heads, 2 KV heads); qwen2 adds the q/k/v biases and an untied output.weight; gpt2 has
+      llama.cpp's GPT-2 keys and tensors (fused QKV, LayerNorm biases, learned positions, the
+      output projection written out as output.weight). The tensors are
       stored as llama.cpp's converter stores them: any row order is valid, since transformers and
       lorarun both read Q and K rows back the same way (`logits` on the file is the reference).
 
@@ -72,41 +74,79 @@ def make(path, arch, drop):
 
     w = gguf.GGUFWriter(path, arch)
     hidden, ffn, heads, kv, vocab, layers = 16, 32, 4, 2, 32, 2
+    if arch == "gpt2":
+        ffn, kv = 4 * hidden, heads  # transformers' GPT-2 from GGUF takes the 4x default
     head_dim = hidden // heads
     keys = {
         "block_count": layers, "context_length": 64, "embedding_length": hidden, "feed_forward_length": ffn,
         "attention.head_count": heads, "attention.head_count_kv": kv, "rope.dimension_count": head_dim,
         "vocab_size": vocab,
     }
+    floats = {"attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 5000.0}
+    if arch == "gpt2":
+        # transformers' GPT-2 from GGUF sizes its positions by n_positions (1024, the default, not
+        # context_length) and its vocabulary by the tokenizer's tokens.
+        keys = {k: v for k, v in keys.items() if not k.startswith(("rope", "vocab", "attention.head_count_kv"))}
+        keys["context_length"] = 1024
+        floats = {"attention.layer_norm_epsilon": 1e-5}
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([chr(c) for c in range(ord("A"), ord("A") + vocab)])
+        w.add_token_types([1] * vocab)
+        w.add_token_merges([])
     for k, v in keys.items():
         if f"{arch}.{k}" != drop:
             w.add_uint32(f"{arch}.{k}", v)
-    for k, v in {"attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 5000.0}.items():
+    for k, v in floats.items():
         if f"{arch}.{k}" != drop:
             w.add_float32(f"{arch}.{k}", v)
     rng = np.random.default_rng(0)
+    shapes = gpt2_shapes(hidden, ffn, vocab, layers) if arch == "gpt2" else llama_shapes(
+        arch, hidden, ffn, kv * head_dim, vocab, layers)
+    tensors = {}
+    for name, shape in shapes.items():
+        scale = 1.0 if name.endswith("norm.weight") or name == "token_embd.weight" else 0.3
+        tensors[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    if arch == "gpt2":  # llama.cpp's converter writes GPT-2's tied output projection out
+        tensors["output.weight"] = tensors["token_embd.weight"].copy()
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    report(written=path)
+
+
+def llama_shapes(arch, hidden, ffn, kv_out, vocab, layers):
+    """llama.cpp's llama / qwen2 tensors (qwen2: q/k/v biases, an untied output)."""
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     if arch == "qwen2":
         shapes["output.weight"] = (vocab, hidden)
     for i in range(layers):
         shapes.update({
             f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
-            f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv * head_dim, hidden),
-            f"blk.{i}.attn_v.weight": (kv * head_dim, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+            f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv_out, hidden),
+            f"blk.{i}.attn_v.weight": (kv_out, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
             f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
             f"blk.{i}.ffn_down.weight": (hidden, ffn),
         })
         if arch == "qwen2":
-            shapes.update({f"blk.{i}.attn_q.bias": (hidden,), f"blk.{i}.attn_k.bias": (kv * head_dim,),
-                           f"blk.{i}.attn_v.bias": (kv * head_dim,)})
-    for name, shape in shapes.items():
-        scale = 1.0 if name.endswith("norm.weight") or name == "token_embd.weight" else 0.3
-        w.add_tensor(name, (scale * rng.standard_normal(shape)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    report(written=path)
+            shapes.update({f"blk.{i}.attn_q.bias": (hidden,), f"blk.{i}.attn_k.bias": (kv_out,),
+                           f"blk.{i}.attn_v.bias": (kv_out,)})
+    return shapes
+
+
+def gpt2_shapes(hidden, ffn, vocab, layers):
+    """llama.cpp's gpt2 tensors: learned positions, LayerNorm biases, fused QKV, stored [out, in]."""
+    shapes = {"token_embd.weight": (vocab, hidden), "position_embd.weight": (1024, hidden),
+              "output_norm.weight": (hidden,), "output_norm.bias": (hidden,)}
+    for i in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            shapes.update({f"blk.{i}.{norm}.weight": (hidden,), f"blk.{i}.{norm}.bias": (hidden,)})
+        for name, (out, inp) in {"attn_qkv": (3 * hidden, hidden), "attn_output": (hidden, hidden),
+                                 "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}.items():
+            shapes.update({f"blk.{i}.{name}.weight": (out, inp), f"blk.{i}.{name}.bias": (out,)})
+    return shapes
 
 
 def main():
