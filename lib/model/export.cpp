@@ -38,9 +38,29 @@ int64_t parse_size(const std::string& text) {
 
 namespace {
 
-// config.json of a model read from a GGUF file, as transformers' GGUF loading configures it
-// (transformers 5's rope_parameters; llama and qwen2, the architectures CausalLM reads from GGUF).
-nlohmann::ordered_json hf_config(const ModelConfig& c) {
+const std::pair<const char*, const std::optional<int64_t> ModelConfig::*> kTokenIds[] = {
+    {"bos_token_id", &ModelConfig::bos_token_id},
+    {"eos_token_id", &ModelConfig::eos_token_id},
+    {"pad_token_id", &ModelConfig::pad_token_id}};
+
+// config.json of a GPT-2 read from a GGUF file.
+nlohmann::ordered_json gpt2_config(const ModelConfig& c) {
+  return {{"architectures", {"GPT2LMHeadModel"}},
+          {"model_type", "gpt2"},
+          {"vocab_size", c.vocab_size},
+          {"n_embd", c.hidden_size},
+          {"n_inner", c.intermediate_size},
+          {"n_layer", c.num_layers},
+          {"n_head", c.num_heads},
+          {"n_positions", c.max_positions},
+          {"n_ctx", c.max_positions},
+          {"layer_norm_epsilon", c.norm_eps},
+          {"activation_function", c.activation},
+          {"tie_word_embeddings", c.tie_word_embeddings}};
+}
+
+// config.json of a llama or qwen2 read from a GGUF file (transformers 5's rope_parameters).
+nlohmann::ordered_json llama_config(const ModelConfig& c) {
   const bool qwen2 = c.model_type == "qwen2";
   nlohmann::ordered_json rope = {{"rope_type", c.rope.type}, {"rope_theta", c.rope_theta}};
   if (c.rope.type == "linear") rope["factor"] = c.rope.factor;
@@ -62,15 +82,19 @@ nlohmann::ordered_json hf_config(const ModelConfig& c) {
     j["attention_bias"] = c.attention_bias;
     j["mlp_bias"] = c.mlp_bias;
   }
-  const std::pair<const char*, const std::optional<int64_t>*> ids[] = {
-      {"bos_token_id", &c.bos_token_id}, {"eos_token_id", &c.eos_token_id}, {"pad_token_id", &c.pad_token_id}};
-  for (const auto& [key, id] : ids)
-    if (*id) j[key] = **id;
+  return j;
+}
+
+// config.json of a model read from a GGUF file, as transformers' GGUF loading configures it.
+nlohmann::ordered_json hf_config(const ModelConfig& c) {
+  nlohmann::ordered_json j = c.family == Family::Gpt2 ? gpt2_config(c) : llama_config(c);
+  for (const auto& [key, id] : kTokenIds)
+    if (c.*id) j[key] = *(c.*id);
   return j;
 }
 
 // The base's config.json, and its tokenizer and generation files, into `tmp` (config dtype `dtype`).
-// A .gguf base has neither: they are made from its metadata.
+// A .gguf base has neither: they are made from its metadata (no tokenizer files when it has none).
 void write_model_files(const CausalLM& model, const fs::path& tmp, at::ScalarType dtype) {
   const bool gguf = is_gguf_path(model.dir());
   nlohmann::ordered_json config =
@@ -80,6 +104,7 @@ void write_model_files(const CausalLM& model, const fs::path& tmp, at::ScalarTyp
   if (config.contains("torch_dtype")) config["torch_dtype"] = hf_dtype_name(dtype);
   io::write_file_atomic((tmp / "config.json").string(), config.dump(2) + "\n");
   if (gguf) {
+    if (!io::GgufFile(model.dir()).has("tokenizer.ggml.model")) return;
     const tok::HfTokenizerFiles files = gguf_tokenizer_files(model.dir());
     io::write_file_atomic((tmp / "tokenizer.json").string(), files.tokenizer_json);
     io::write_file_atomic((tmp / "tokenizer_config.json").string(), files.tokenizer_config_json);

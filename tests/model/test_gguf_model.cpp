@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <string>
 
+#include "model/export.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
 #include "support/oracle.hpp"
@@ -101,6 +102,9 @@ TEST_CASE("gguf: tiny llama (GQA, tied), qwen2 (q/k/v bias, untied) and gpt2 fil
     const double diff = max_logit_diff_to_transformers(m, file, dir);
     fmt::print("gguf: tiny {} fp32: max |logit diff| vs transformers {:.3g}\n", arch, diff);
     CHECK(diff <= 1e-4);
+    // Written out as a HF directory (config.json from the metadata), transformers loads the same model.
+    export_hf_model(m, fmt::format("{}/{}-hf", dir, arch), at::kFloat, int64_t{1} << 40);
+    CHECK(max_logit_diff_to_transformers(m, fmt::format("{}/{}-hf", dir, arch), dir) <= 1e-4);
     // bf16 converts as it copies (Q and K rows reordered on the way): the fp32 weights, rounded.
     const CausalLM half = CausalLM::load(file, at::kBFloat16, at::kCPU);
     const auto full_weights = m.state_dict();

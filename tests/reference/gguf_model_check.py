@@ -2,7 +2,7 @@
 
   gguf_model_check.py logits FILE.gguf OUT.safetensors
       loads FILE with transformers' own GGUF loader (AutoModelForCausalLM.from_pretrained(dir,
-      gguf_file=name), dequantised by the `gguf` package, float32) and writes to OUT a right-padded
+      gguf_file=name), dequantised by the `gguf` package, float32), or FILE a model directory and writes to OUT a right-padded
       batch of fixed token ids (input_ids, attention_mask) and its logits; reports the seconds taken.
   gguf_model_check.py generate FILE PROMPT_FILE N [ADAPTER_DIR]
       transformers' greedy continuation of the text in PROMPT_FILE (its GGUF tokenizer, special
@@ -35,8 +35,11 @@ def logits(path, out):
     from transformers import AutoModelForCausalLM
 
     start = time.time()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32).eval()
+    if os.path.isdir(path):  # a model directory lora-merge or export wrote from a GGUF
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                     gguf_file=os.path.basename(path), dtype=torch.float32).eval()
     loaded = time.time() - start
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(13)
