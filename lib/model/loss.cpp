@@ -45,13 +45,14 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     for (int64_t s = 0; s < h.size(0); s += chunk_rows) {
       const int64_t n = std::min(chunk_rows, h.size(0) - s);
       const at::Tensor t = targets.narrow(0, s, n).unsqueeze(1);
-      at::Tensor logits = at::linear(h.narrow(0, s, n), w).to(at::kFloat);  // [n, V], as HF: logits.float()
-      const at::Tensor lse = at::logsumexp(logits, 1, true);                // [n, 1]
-      loss += (lse - logits.gather(1, t)).sum();
+      // [n, V] logits in float32 (as HF: logits.float()), then log_softmax, as cross_entropy computes
+      // it: its sum of exponentials rounds as the reference's (logsumexp's differs by ~1e-5).
+      at::Tensor logp = at::log_softmax(at::linear(h.narrow(0, s, n), w).to(at::kFloat), 1);
+      loss -= logp.gather(1, t).sum();
       if (!need_grad) continue;
-      logits.sub_(lse).exp_().scatter_add_(1, t, at::full_like(t, -1.0, at::kFloat));  // softmax - one-hot
+      logp.exp_().scatter_add_(1, t, at::full_like(t, -1.0, at::kFloat));  // softmax - one-hot
       at::Tensor rows = grad.narrow(0, s, n);
-      at::mm_out(rows, logits.to(w.scalar_type()), w);
+      at::mm_out(rows, logp.to(w.scalar_type()), w);
     }
     ctx->save_for_backward({grad});
     return loss;
@@ -68,7 +69,8 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
 LossSum lm_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,
                      const at::Tensor& targets, int64_t chunk_bytes) {
   const int64_t V = lm_head.size(0);
-  const int64_t chunk_rows = std::max<int64_t>(1, chunk_bytes / (V * 4));
+  // Two [rows, V] float32 buffers exist at once: the logits and their log_softmax.
+  const int64_t chunk_rows = std::max<int64_t>(1, chunk_bytes / (V * 4 * 2));
   const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).index_select(0, rows);  // [N, H]
   const at::Tensor sum = LinearCrossEntropy::apply(h, lm_head, targets, chunk_rows, h.requires_grad());
   return {sum, at::scalar_tensor(rows.size(0), at::kLong)};

@@ -16,8 +16,8 @@ LossSum causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 // The same loss straight from the final hidden states, without logits for the whole batch:
 // only the N positions that predict a trained token (`rows`, flat indices into hidden viewed as
 // [B*T, H], each predicting `targets`[i]) go through the output projection, in chunks whose
-// float32 logits stay under `chunk_bytes`. The gradient for those rows is computed chunk by chunk
-// during the forward (softmax - one-hot) @ W and kept [N, H]; the output projection is frozen.
+// float32 logits and their log-softmax together stay under `chunk_bytes`. The gradient for those rows is computed chunk
+// by chunk during the forward (softmax - one-hot) @ W and kept [N, H]; the output projection is frozen.
 LossSum lm_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,
                      const at::Tensor& targets, int64_t chunk_bytes = int64_t{256} << 20);
 
