@@ -54,6 +54,20 @@ void read_rope(const Reader& r, ModelConfig& c) {
   c.rope.original_max_position = s.get<int64_t>("original_max_position_embeddings", 8192);
 }
 
+// Qwen3 windows the layers layer_types marks sliding_attention (those from max_window_layers on):
+// one window for every layer is supported, not a mix.
+void read_layer_types(const Reader& r, ModelConfig& c) {
+  if (!r.j.contains("layer_types") || !r.j["layer_types"].is_array()) return;
+  size_t sliding = 0;
+  for (const json& t : r.j["layer_types"]) sliding += t == "sliding_attention";
+  if (sliding == 0) c.sliding_window.reset();
+  if (sliding != 0 && sliding != r.j["layer_types"].size())
+    throw Error(
+        fmt::format("{}: {} of {} layers use a sliding window (layer_types); a window on some layers only is "
+                    "not supported: set use_sliding_window false or max_window_layers 0",
+                    r.file, sliding, r.j["layer_types"].size()));
+}
+
 void read_llama(const Reader& r, ModelConfig& c) {
   c.family = Family::Llama;
   c.vocab_size = r.get<int64_t>("vocab_size");
@@ -69,11 +83,13 @@ void read_llama(const Reader& r, ModelConfig& c) {
   c.activation = r.get<std::string>("hidden_act", "silu");
   c.attention_bias = r.get<bool>("attention_bias", false);
   c.qkv_bias = c.model_type == "qwen2";
+  c.qk_norm = c.model_type == "qwen3";
   c.mlp_bias = r.get<bool>("mlp_bias", false);
   read_rope(r, c);
   const bool use_sliding = c.model_type == "mistral" || r.get<bool>("use_sliding_window", false);
   if (use_sliding && r.j.contains("sliding_window") && r.j["sliding_window"].is_number_integer())
     c.sliding_window = r.j["sliding_window"].get<int64_t>();
+  if (c.model_type == "qwen3") read_layer_types(r, c);
 }
 
 void read_opt(const Reader& r, ModelConfig& c) {
@@ -129,7 +145,7 @@ ModelConfig load_config(const std::string& model_dir) {
   const Reader r{j, file};
   ModelConfig c;
   c.model_type = r.get<std::string>("model_type");
-  if (c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen2")
+  if (c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen2" || c.model_type == "qwen3")
     read_llama(r, c);
   else if (c.model_type == "opt")
     read_opt(r, c);
@@ -137,7 +153,7 @@ ModelConfig load_config(const std::string& model_dir) {
     read_gpt2(r, c);
   else
     throw Error(
-        fmt::format("{}: model_type '{}' is not supported; supported: llama, mistral, qwen2, "
+        fmt::format("{}: model_type '{}' is not supported; supported: llama, mistral, qwen2, qwen3, "
                     "opt, gpt2",
                     file, c.model_type));
   if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.num_layers <= 0 || c.num_heads <= 0 || c.num_kv_heads <= 0 ||

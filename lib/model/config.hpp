@@ -6,7 +6,7 @@
 
 namespace lorarun::model {
 
-enum class Family { Llama, Opt, Gpt2 };  // llama covers mistral and qwen2
+enum class Family { Llama, Opt, Gpt2 };  // llama covers mistral, qwen2 and qwen3
 
 struct RopeScaling {
   std::string type = "default";  // default | linear | llama3
@@ -16,7 +16,7 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string model_type;               // llama, mistral, qwen2, opt, gpt2
+  std::string model_type;               // llama, mistral, qwen2, qwen3, opt, gpt2
   std::string torch_dtype = "float32";  // the dtype the weights were saved in
   Family family = Family::Llama;
   int64_t vocab_size = 0;
@@ -33,6 +33,7 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // llama attention_bias; qwen2 always has q/k/v bias
   bool qkv_bias = false;        // bias on q/k/v only (qwen2)
+  bool qk_norm = false;         // RMSNorm over each head of q and k before rope (qwen3)
   bool mlp_bias = false;
   std::string activation = "silu";
   std::optional<int64_t> sliding_window;  // mistral/qwen2, when in use

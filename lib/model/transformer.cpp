@@ -181,6 +181,10 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
       b.k = L.linear(p + "self_attn.k_proj", H, kv_out, qkv_bias);
       b.v = L.linear(p + "self_attn.v_proj", H, kv_out, qkv_bias);
       b.o = L.linear(p + "self_attn.o_proj", q_out, H, c.attention_bias);
+      if (c.qk_norm) {
+        b.q_norm = L.norm(p + "self_attn.q_norm", c.head_dim, false);
+        b.k_norm = L.norm(p + "self_attn.k_norm", c.head_dim, false);
+      }
       b.gate = L.linear(p + "mlp.gate_proj", H, F, c.mlp_bias);
       b.up = L.linear(p + "mlp.up_proj", H, F, c.mlp_bias);
       b.down = L.linear(p + "mlp.down_proj", F, H, c.mlp_bias);
@@ -272,8 +276,14 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
     k = b.k.forward(x, training);
     v = b.v.forward(x, training);
   }
-  q = q.view({B, T, c.num_heads, hd}).transpose(1, 2);     // [B, nh, T, hd]
-  k = k.view({B, T, c.num_kv_heads, hd}).transpose(1, 2);  // [B, nkv, T, hd]
+  q = q.view({B, T, c.num_heads, hd});
+  k = k.view({B, T, c.num_kv_heads, hd});
+  if (c.qk_norm) {
+    q = norm(b.q_norm, q);
+    k = norm(b.k_norm, k);
+  }
+  q = q.transpose(1, 2);  // [B, nh, T, hd]
+  k = k.transpose(1, 2);  // [B, nkv, T, hd]
   v = v.view({B, T, c.num_kv_heads, hd}).transpose(1, 2);
   if (cos.defined()) {
     q = q * cos + rotate_half(q) * sin;

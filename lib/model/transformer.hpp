@@ -49,6 +49,7 @@ struct Norm {
 // One decoder block. Linears unused by a family stay empty (name == "").
 struct Block {
   Norm norm1, norm2;
+  Norm q_norm, k_norm;     // qwen3: RMSNorm over head_dim of each query and key head
   Linear q, k, v, qkv, o;  // qkv: GPT-2's fused c_attn
   Linear gate, up, down;   // opt: up=fc1, down=fc2; gpt2: up=c_fc, down=c_proj
 };
