@@ -75,7 +75,7 @@ TEST_CASE("model directories that cannot work say why") {
   cfg.replace(cfg.find("\"llama\""), 7, "\"mamba\"");
   std::ofstream(dir + "/arch/config.json") << cfg;
   CHECK_THROWS_WITH(load(dir + "/arch"), Catch::Contains("model_type 'mamba' is not supported; supported: llama, "
-                                                         "mistral, qwen2, opt, gpt2"));
+                                                         "mistral, qwen2, qwen3, opt, gpt2"));
 
   copy_model("llama", dir + "/shape");
   cfg = test::read_file(dir + "/shape/config.json");
