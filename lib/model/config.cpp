@@ -1,6 +1,8 @@
 #include "model/config.hpp"
 
 #include <fmt/format.h>
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -34,38 +36,81 @@ struct Reader {
   }
 };
 
-// rope settings: transformers 5 writes rope_parameters (theta inside); 4.x rope_theta + rope_scaling.
+// One rope parameter set (rope_parameters, or rope_scaling in 4.x files): type, theta, scaling.
+void read_rope_set(const json& p, const std::string& file, ModelConfig& c) {
+  const Reader s{p, file + " rope parameters"};
+  c.rope_theta = s.get<double>("rope_theta", c.rope_theta);
+  c.rope.type = p.contains("rope_type") ? s.get<std::string>("rope_type") : s.get<std::string>("type", "default");
+  if (c.rope.type == "su" || c.rope.type == "yarn") c.rope.type = "longrope";  // phi3's older names for it
+  if (c.rope.type != "default" && c.rope.type != "linear" && c.rope.type != "llama3" && c.rope.type != "longrope")
+    throw Error(
+        fmt::format("{}: rope type '{}' is not supported (default, linear, llama3, longrope)", file, c.rope.type));
+  c.rope.factor = s.get<double>("factor", 1.0);
+  c.rope.low_freq_factor = s.get<double>("low_freq_factor", 1.0);
+  c.rope.high_freq_factor = s.get<double>("high_freq_factor", 4.0);
+  c.rope.original_max_position = s.get<int64_t>("original_max_position_embeddings", c.rope.original_max_position);
+  c.partial_rotary = s.get<double>("partial_rotary_factor", c.partial_rotary);
+  if (c.rope.type != "longrope") return;
+  c.rope.short_factor = s.get<std::vector<double>>("short_factor");
+  c.rope.long_factor = s.get<std::vector<double>>("long_factor");
+  const auto rotated = static_cast<size_t>(c.head_dim * c.partial_rotary) / 2;
+  if (c.rope.short_factor.size() != rotated || c.rope.long_factor.size() != rotated)
+    throw Error(fmt::format(
+        "{}: longrope short_factor and long_factor need {} values each (head_dim {} x "
+        "partial_rotary_factor {} / 2), not {} and {}",
+        file, rotated, c.head_dim, c.partial_rotary, c.rope.short_factor.size(), c.rope.long_factor.size()));
+  // As transformers: the factor is the context's growth unless given; cos and sin grow with it.
+  const double factor = p.contains("factor") && !p["factor"].is_null()
+                            ? c.rope.factor
+                            : static_cast<double>(c.max_positions) / c.rope.original_max_position;
+  c.rope.attention_factor =
+      s.get<double>("attention_factor",
+                    factor <= 1.0 ? 1.0 : std::sqrt(1 + std::log(factor) / std::log(c.rope.original_max_position)));
+}
+
+// rope settings: transformers 5 writes rope_parameters (theta inside; gemma3 one set per layer
+// type), 4.x rope_theta + rope_scaling (+ gemma3's rope_local_base_freq).
 void read_rope(const Reader& r, ModelConfig& c) {
+  c.rope_theta = r.get<double>("rope_theta", 10000.0);
+  c.partial_rotary = r.get<double>("partial_rotary_factor", 1.0);
+  c.rope.original_max_position = r.get<int64_t>("original_max_position_embeddings", 8192);
   const json* p = nullptr;
   if (r.j.contains("rope_parameters") && r.j["rope_parameters"].is_object())
     p = &r.j["rope_parameters"];
   else if (r.j.contains("rope_scaling") && r.j["rope_scaling"].is_object())
     p = &r.j["rope_scaling"];
-  c.rope_theta = r.get<double>("rope_theta", 10000.0);
-  if (!p) return;
-  const Reader s{*p, r.file + " rope parameters"};
-  c.rope_theta = s.get<double>("rope_theta", c.rope_theta);
-  c.rope.type = p->contains("rope_type") ? s.get<std::string>("rope_type") : s.get<std::string>("type", "default");
-  if (c.rope.type != "default" && c.rope.type != "linear" && c.rope.type != "llama3")
-    throw Error(fmt::format("{}: rope type '{}' is not supported (default, linear, llama3)", r.file, c.rope.type));
-  c.rope.factor = s.get<double>("factor", 1.0);
-  c.rope.low_freq_factor = s.get<double>("low_freq_factor", 1.0);
-  c.rope.high_freq_factor = s.get<double>("high_freq_factor", 4.0);
-  c.rope.original_max_position = s.get<int64_t>("original_max_position_embeddings", 8192);
+  if (c.model_type == "gemma3_text") {
+    c.rope_theta = r.get<double>("rope_theta", 1000000.0);
+    c.local_rope_theta = r.get<double>("rope_local_base_freq", 10000.0);
+    if (p && p->contains("sliding_attention")) {
+      ModelConfig local = c;
+      read_rope_set((*p)["sliding_attention"], r.file + " (sliding_attention)", local);
+      if (local.rope.type != "default")
+        throw Error(fmt::format("{}: rope type '{}' on the sliding-window layers is not supported (default)", r.file,
+                                local.rope.type));
+      c.local_rope_theta = local.rope_theta;
+    }
+    if (p && p->contains("full_attention")) p = &(*p)["full_attention"];
+  }
+  if (p) read_rope_set(*p, r.file, c);
 }
 
-// Qwen3 windows the layers layer_types marks sliding_attention (those from max_window_layers on):
-// one window for every layer is supported, not a mix.
+// Which layers the sliding window applies to: config's layer_types, or the family's pattern.
 void read_layer_types(const Reader& r, ModelConfig& c) {
-  if (!r.j.contains("layer_types") || !r.j["layer_types"].is_array()) return;
-  size_t sliding = 0;
-  for (const json& t : r.j["layer_types"]) sliding += t == "sliding_attention";
-  if (sliding == 0) c.sliding_window.reset();
-  if (sliding != 0 && sliding != r.j["layer_types"].size())
+  c.sliding_layers.clear();
+  if (r.j.contains("layer_types") && r.j["layer_types"].is_array()) {
+    for (const json& t : r.j["layer_types"]) c.sliding_layers.push_back(t == "sliding_attention");
+  } else if (c.model_type == "gemma2" || c.model_type == "gemma3_text") {
+    const int64_t every = c.model_type == "gemma2" ? 2 : r.get<int64_t>("sliding_window_pattern", 6);
+    for (int64_t i = 0; i < c.num_layers; ++i) c.sliding_layers.push_back((i + 1) % every != 0);
+  } else {
+    return;  // mistral and others: every layer when a window is set
+  }
+  if (static_cast<int64_t>(c.sliding_layers.size()) != c.num_layers)
     throw Error(
-        fmt::format("{}: {} of {} layers use a sliding window (layer_types); a window on some layers only is "
-                    "not supported: set use_sliding_window false or max_window_layers 0",
-                    r.file, sliding, r.j["layer_types"].size()));
+        fmt::format("{}: layer_types has {} entries for {} layers", r.file, c.sliding_layers.size(), c.num_layers));
+  if (std::find(c.sliding_layers.begin(), c.sliding_layers.end(), true) == c.sliding_layers.end())
+    c.sliding_window.reset();
 }
 
 void read_llama(const Reader& r, ModelConfig& c) {
@@ -79,17 +124,32 @@ void read_llama(const Reader& r, ModelConfig& c) {
   c.head_dim = r.get<int64_t>("head_dim", c.hidden_size / std::max<int64_t>(1, c.num_heads));
   c.max_positions = r.get<int64_t>("max_position_embeddings", 2048);
   c.norm_eps = r.get<double>("rms_norm_eps", 1e-6);
-  c.tie_word_embeddings = r.get<bool>("tie_word_embeddings", false);
-  c.activation = r.get<std::string>("hidden_act", "silu");
+  c.tie_word_embeddings = r.get<bool>("tie_word_embeddings", c.gemma);
+  c.activation = r.get<std::string>(c.gemma ? "hidden_activation" : "hidden_act",
+                                    std::string(c.gemma ? "gelu_pytorch_tanh" : "silu"));
   c.attention_bias = r.get<bool>("attention_bias", false);
   c.qkv_bias = c.model_type == "qwen2";
-  c.qk_norm = c.model_type == "qwen3";
+  c.qk_norm = c.model_type == "qwen3" || c.model_type == "gemma3_text";
+  c.fused = c.model_type == "phi3";
   c.mlp_bias = r.get<bool>("mlp_bias", false);
   read_rope(r, c);
-  const bool use_sliding = c.model_type == "mistral" || r.get<bool>("use_sliding_window", false);
+  const bool use_sliding =
+      c.model_type == "mistral" || c.gemma || c.model_type == "phi3" || r.get<bool>("use_sliding_window", false);
   if (use_sliding && r.j.contains("sliding_window") && r.j["sliding_window"].is_number_integer())
     c.sliding_window = r.j["sliding_window"].get<int64_t>();
-  if (c.model_type == "qwen3") read_layer_types(r, c);
+  read_layer_types(r, c);
+  if (c.gemma) {
+    c.query_pre_attn_scalar = r.get<double>("query_pre_attn_scalar", 256.0);
+    const auto cap = [&](const char* key) -> std::optional<double> {
+      if (!r.j.contains(key) || r.j[key].is_null()) return std::nullopt;
+      return r.get<double>(key);
+    };
+    c.attn_softcap = cap("attn_logit_softcapping");
+    c.logit_softcap = cap("final_logit_softcapping");
+    if (r.get<bool>("use_bidirectional_attention", false))
+      throw Error(
+          fmt::format("{}: use_bidirectional_attention is not supported (causal language models only)", r.file));
+  }
 }
 
 void read_opt(const Reader& r, ModelConfig& c) {
@@ -145,7 +205,14 @@ ModelConfig load_config(const std::string& model_dir) {
   const Reader r{j, file};
   ModelConfig c;
   c.model_type = r.get<std::string>("model_type");
-  if (c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen2" || c.model_type == "qwen3")
+  c.gemma = c.model_type == "gemma2" || c.model_type == "gemma3_text";
+  if (c.model_type == "gemma3")
+    throw Error(
+        fmt::format("{}: a multimodal Gemma 3 checkpoint (model_type gemma3) is not supported; text "
+                    "models (Gemma3ForCausalLM, model_type gemma3_text) are",
+                    file));
+  if (c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen2" || c.model_type == "qwen3" ||
+      c.gemma || c.model_type == "phi3")
     read_llama(r, c);
   else if (c.model_type == "opt")
     read_opt(r, c);
@@ -154,7 +221,7 @@ ModelConfig load_config(const std::string& model_dir) {
   else
     throw Error(
         fmt::format("{}: model_type '{}' is not supported; supported: llama, mistral, qwen2, qwen3, "
-                    "opt, gpt2",
+                    "gemma2, gemma3_text, phi3, opt, gpt2",
                     file, c.model_type));
   if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.num_layers <= 0 || c.num_heads <= 0 || c.num_kv_heads <= 0 ||
       c.num_heads % c.num_kv_heads != 0 || c.head_dim <= 0)

@@ -3,20 +3,27 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace lorarun::model {
 
-enum class Family { Llama, Opt, Gpt2 };  // llama covers mistral, qwen2 and qwen3
+// llama covers every pre-norm decoder with rotary positions and a gated MLP: mistral, qwen2,
+// qwen3, gemma2, gemma3_text and phi3, told apart by the flags below.
+enum class Family { Llama, Opt, Gpt2 };
 
 struct RopeScaling {
-  std::string type = "default";  // default | linear | llama3
+  std::string type = "default";  // default | linear | llama3 | longrope
   double factor = 1.0;
   double low_freq_factor = 1.0, high_freq_factor = 4.0;
   int64_t original_max_position = 8192;
+  // longrope (phi3): per-frequency divisors, the long set once a sequence passes
+  // original_max_position; cos and sin are scaled by attention_factor.
+  std::vector<double> short_factor, long_factor;
+  double attention_factor = 1.0;
 };
 
 struct ModelConfig {
-  std::string model_type;               // llama, mistral, qwen2, qwen3, opt, gpt2
+  std::string model_type;               // llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, opt, gpt2
   std::string torch_dtype = "float32";  // the dtype the weights were saved in
   Family family = Family::Llama;
   int64_t vocab_size = 0;
@@ -30,18 +37,29 @@ struct ModelConfig {
   double norm_eps = 1e-6;
   double rope_theta = 10000.0;
   RopeScaling rope;
+  double partial_rotary = 1.0;  // the share of head_dim that rope rotates (phi3 partial_rotary_factor)
+  double local_rope_theta = 0;  // gemma3: the windowed layers' own rope base (no scaling); 0: as the others
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // llama attention_bias; qwen2 always has q/k/v bias
   bool qkv_bias = false;        // bias on q/k/v only (qwen2)
   bool qk_norm = false;         // RMSNorm over each head of q and k before rope (qwen3)
   bool mlp_bias = false;
+  bool fused = false;  // phi3: one qkv_proj [q|k|v] and one gate_up_proj [gate|up]
+  // gemma2/3: RMSNorm scales by 1 + weight (in float32), embeddings are multiplied by
+  // sqrt(hidden_size), and attention and MLP outputs are normed before the residual add too.
+  bool gemma = false;
+  std::optional<double> query_pre_attn_scalar;  // gemma: scores scaled by its -1/2 power, not head_dim's
+  std::optional<double> attn_softcap;           // gemma2: scores -> cap * tanh(scores / cap)
+  std::optional<double> logit_softcap;          // gemma2: logits -> cap * tanh(logits / cap)
   std::string activation = "silu";
-  std::optional<int64_t> sliding_window;  // mistral/qwen2, when in use
+  std::optional<int64_t> sliding_window;  // when in use
+  std::vector<bool> sliding_layers;       // the layers the window applies to; empty: all of them
   // opt
   bool do_layer_norm_before = true;
   bool remove_final_layer_norm = false;
   int64_t word_embed_proj_dim = 0;
   bool enable_bias = true;
+  bool windowed(size_t layer) const { return sliding_window && (sliding_layers.empty() || sliding_layers.at(layer)); }
   // token ids from config.json, when present
   std::optional<int64_t> bos_token_id, eos_token_id, pad_token_id;
 };

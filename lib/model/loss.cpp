@@ -36,10 +36,11 @@ namespace lorarun::model {
 namespace {
 
 // Fused output projection + cross-entropy over rows of hidden states, chunked over rows.
-// forward: h [N, H], W [V, H], targets [N] -> sum of -log softmax(h W^T)[target] (float32).
+// forward: h [N, H], W [V, H], targets [N] -> sum of -log softmax(z)[target] (float32), where
+// z = h W^T, or cap * tanh(h W^T / cap) with a soft cap (softcap > 0).
 struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
-                            const at::Tensor& targets, int64_t chunk_rows, bool need_grad) {
+                            const at::Tensor& targets, int64_t chunk_rows, bool need_grad, double softcap) {
     at::Tensor loss = at::zeros({}, h.options().dtype(at::kFloat));
     at::Tensor grad = need_grad ? at::empty_like(h) : at::Tensor();
     for (int64_t s = 0; s < h.size(0); s += chunk_rows) {
@@ -47,10 +48,16 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
       const at::Tensor t = targets.narrow(0, s, n).unsqueeze(1);
       // [n, V] logits in float32 (as HF: logits.float()), then log_softmax, as cross_entropy computes
       // it: its sum of exponentials rounds as the reference's (logsumexp's differs by ~1e-5).
-      at::Tensor logp = at::log_softmax(at::linear(h.narrow(0, s, n), w).to(at::kFloat), 1);
+      at::Tensor z = at::linear(h.narrow(0, s, n), w), capped;
+      if (softcap > 0) {  // in the model's dtype, as HF caps its logits
+        capped = at::tanh(z / softcap);
+        z = capped * softcap;
+      }
+      at::Tensor logp = at::log_softmax(z.to(at::kFloat), 1);
       loss -= logp.gather(1, t).sum();
       if (!need_grad) continue;
       logp.exp_().scatter_add_(1, t, at::full_like(t, -1.0, at::kFloat));  // softmax - one-hot
+      if (softcap > 0) logp.mul_(1 - capped.to(at::kFloat).square());      // d(cap tanh(z/cap))/dz
       at::Tensor rows = grad.narrow(0, s, n);
       at::mm_out(rows, logp.to(w.scalar_type()), w);
     }
@@ -60,19 +67,25 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     const at::Tensor grad = ctx->get_saved_variables()[0];
-    return {grad * grad_out[0].to(grad.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad * grad_out[0].to(grad.scalar_type()),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor()};
   }
 };
 
 }  // namespace
 
 LossSum lm_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,
-                     const at::Tensor& targets, int64_t chunk_bytes) {
+                     const at::Tensor& targets, std::optional<double> softcap, int64_t chunk_bytes) {
   const int64_t V = lm_head.size(0);
-  // Two [rows, V] float32 buffers exist at once: the logits and their log_softmax.
-  const int64_t chunk_rows = std::max<int64_t>(1, chunk_bytes / (V * 4 * 2));
+  // [rows, V] float32 buffers at once: the logits and their log_softmax (and the capped logits).
+  const int64_t chunk_rows = std::max<int64_t>(1, chunk_bytes / (V * 4 * (softcap ? 3 : 2)));
   const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).index_select(0, rows);  // [N, H]
-  const at::Tensor sum = LinearCrossEntropy::apply(h, lm_head, targets, chunk_rows, h.requires_grad());
+  const at::Tensor sum =
+      LinearCrossEntropy::apply(h, lm_head, targets, chunk_rows, h.requires_grad(), softcap.value_or(0.0));
   return {sum, at::scalar_tensor(rows.size(0), at::kLong)};
 }
 

@@ -2,6 +2,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 namespace lorarun::model {
 
 struct LossSum {
@@ -18,8 +20,10 @@ LossSum causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 // [B*T, H], each predicting `targets`[i]) go through the output projection, in chunks whose
 // float32 logits and their log-softmax together stay under `chunk_bytes`. The gradient for those rows is computed chunk
 // by chunk during the forward (softmax - one-hot) @ W and kept [N, H]; the output projection is frozen.
+// softcap: the logits are cap * tanh(logits / cap) first (gemma2's final_logit_softcapping).
 LossSum lm_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,
-                     const at::Tensor& targets, int64_t chunk_bytes = int64_t{256} << 20);
+                     const at::Tensor& targets, std::optional<double> softcap = std::nullopt,
+                     int64_t chunk_bytes = int64_t{256} << 20);
 
 // Per-sequence mean loss [B] (float32), for evaluation.
 at::Tensor per_sequence_loss(const at::Tensor& logits, const at::Tensor& labels);

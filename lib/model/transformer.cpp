@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
 
@@ -70,11 +71,16 @@ struct Loader {
   }
 };
 
-// Rotary inverse frequencies [head_dim/2] in float32, with linear or llama3 scaling (as HF).
-at::Tensor rope_inv_freq(const ModelConfig& c) {
-  const int64_t dim = c.head_dim;
-  at::Tensor inv = 1.0 / at::pow(c.rope_theta, at::arange(0, dim, 2, at::kLong).to(at::kFloat) / dim);
-  const RopeScaling& r = c.rope;
+// Rotary inverse frequencies [dim/2] in float32 for base `theta`, with linear, llama3 or longrope
+// scaling (as HF; longrope divides by `longrope`'s factors, the short or the long set).
+at::Tensor rope_inv_freq(const RopeScaling& r, double theta, int64_t dim,
+                         const std::vector<double>* longrope = nullptr) {
+  const at::Tensor exponent = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / dim;
+  if (longrope) {
+    const at::Tensor ext = at::tensor(std::vector<float>(longrope->begin(), longrope->end()), at::kFloat);
+    return 1.0 / (ext * at::pow(theta, exponent));
+  }
+  at::Tensor inv = 1.0 / at::pow(theta, exponent);
   if (r.type == "linear") return inv / r.factor;
   if (r.type != "llama3") return inv;
   const double low_wavelen = r.original_max_position / r.low_freq_factor;
@@ -130,7 +136,7 @@ at::Tensor positions_in_document(const at::Tensor& segments) {
 at::Tensor activation(const std::string& name, const at::Tensor& x) {
   if (name == "silu" || name == "swish") return at::silu(x);
   if (name == "relu") return at::relu(x);
-  if (name == "gelu_new" || name == "gelu_pytorch_tanh") return at::gelu(x, "tanh");
+  if (name == "gelu_new" || name == "gelu_pytorch_tanh" || name == "gelu_fast") return at::gelu(x, "tanh");
   if (name == "gelu") return at::gelu(x);
   throw Error(fmt::format("activation '{}' is not supported (silu, relu, gelu, gelu_new)", name));
 }
@@ -170,23 +176,41 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
 
   if (c.family == Family::Llama) {
     m.embed_tokens_ = L.get("model.embed_tokens.weight", {V, H});
-    m.inv_freq_ = rope_inv_freq(c).to(device_);
+    const auto rotated = static_cast<int64_t>(c.head_dim * c.partial_rotary);
+    const bool longrope = c.rope.type == "longrope";
+    m.inv_freq_ = rope_inv_freq(c.rope, c.rope_theta, rotated, longrope ? &c.rope.short_factor : nullptr).to(device_);
+    if (longrope) m.inv_freq_long_ = rope_inv_freq(c.rope, c.rope_theta, rotated, &c.rope.long_factor).to(device_);
+    if (c.local_rope_theta > 0) m.inv_freq_local_ = rope_inv_freq({}, c.local_rope_theta, rotated).to(device_);
     for (int64_t i = 0; i < c.num_layers; ++i) {
       const std::string p = fmt::format("model.layers.{}.", i);
       Block b;
       b.norm1 = L.norm(p + "input_layernorm", H, false);
-      b.norm2 = L.norm(p + "post_attention_layernorm", H, false);
+      if (c.gemma) {
+        b.attn_out_norm = L.norm(p + "post_attention_layernorm", H, false);
+        b.norm2 = L.norm(p + "pre_feedforward_layernorm", H, false);
+        b.mlp_out_norm = L.norm(p + "post_feedforward_layernorm", H, false);
+      } else {
+        b.norm2 = L.norm(p + "post_attention_layernorm", H, false);
+      }
       const bool qkv_bias = c.attention_bias || c.qkv_bias;
-      b.q = L.linear(p + "self_attn.q_proj", H, q_out, qkv_bias);
-      b.k = L.linear(p + "self_attn.k_proj", H, kv_out, qkv_bias);
-      b.v = L.linear(p + "self_attn.v_proj", H, kv_out, qkv_bias);
+      if (c.fused) {
+        b.qkv = L.linear(p + "self_attn.qkv_proj", H, q_out + 2 * kv_out, false);
+      } else {
+        b.q = L.linear(p + "self_attn.q_proj", H, q_out, qkv_bias);
+        b.k = L.linear(p + "self_attn.k_proj", H, kv_out, qkv_bias);
+        b.v = L.linear(p + "self_attn.v_proj", H, kv_out, qkv_bias);
+      }
       b.o = L.linear(p + "self_attn.o_proj", q_out, H, c.attention_bias);
       if (c.qk_norm) {
         b.q_norm = L.norm(p + "self_attn.q_norm", c.head_dim, false);
         b.k_norm = L.norm(p + "self_attn.k_norm", c.head_dim, false);
       }
-      b.gate = L.linear(p + "mlp.gate_proj", H, F, c.mlp_bias);
-      b.up = L.linear(p + "mlp.up_proj", H, F, c.mlp_bias);
+      if (c.fused) {
+        b.gate_up = L.linear(p + "mlp.gate_up_proj", H, 2 * F, false);
+      } else {
+        b.gate = L.linear(p + "mlp.gate_proj", H, F, c.mlp_bias);
+        b.up = L.linear(p + "mlp.up_proj", H, F, c.mlp_bias);
+      }
       b.down = L.linear(p + "mlp.down_proj", F, H, c.mlp_bias);
       m.blocks_.push_back(std::move(b));
     }
@@ -247,13 +271,19 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
 at::Tensor CausalLM::norm(const Norm& n, const at::Tensor& x) const {
   if (n.bias.defined() || config_.family != Family::Llama)
     return at::layer_norm(x, {x.size(-1)}, n.weight, n.bias, config_.norm_eps);
-  // RMSNorm as HF computes it: in float32, then back to the input dtype before the weight.
+  // RMSNorm as HF computes it: in float32, then back to the input dtype before the weight (gemma:
+  // times 1 + weight in float32, then back).
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor y = xf * at::rsqrt(xf.pow(2).mean(-1, true) + config_.norm_eps);
+  if (config_.gemma) return (y * (1.0 + n.weight.to(at::kFloat))).to(x.scalar_type());
   return n.weight * y.to(x.scalar_type());
 }
 
 at::Tensor CausalLM::mlp(const Block& b, const at::Tensor& x) const {
+  if (b.gate_up.defined()) {
+    const auto gu = b.gate_up.forward(x, training).chunk(2, -1);
+    return b.down.forward(gu[1] * activation(config_.activation, gu[0]), training);
+  }
   if (config_.family == Family::Llama)
     return b.down.forward(activation(config_.activation, b.gate.forward(x, training)) * b.up.forward(x, training),
                           training);
@@ -267,7 +297,8 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
   const int64_t B = x.size(0), T = x.size(1), hd = c.head_dim;
   at::Tensor q, k, v;
   if (b.qkv.defined()) {
-    auto parts = b.qkv.forward(x, training).split(c.hidden_size, -1);
+    const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
+    auto parts = b.qkv.forward(x, training).split_with_sizes({q_out, kv_out, kv_out}, -1);
     q = parts[0];
     k = parts[1];
     v = parts[2];
@@ -286,8 +317,14 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
   k = k.transpose(1, 2);  // [B, nkv, T, hd]
   v = v.view({B, T, c.num_kv_heads, hd}).transpose(1, 2);
   if (cos.defined()) {
-    q = q * cos + rotate_half(q) * sin;
-    k = k * cos + rotate_half(k) * sin;
+    const int64_t rot = cos.size(-1);  // phi3's partial rotary turns the first dims only
+    const auto rotate = [&](const at::Tensor& t) {
+      if (rot == hd) return t * cos + rotate_half(t) * sin;
+      const at::Tensor r = t.narrow(-1, 0, rot);
+      return at::cat({r * cos + rotate_half(r) * sin, t.narrow(-1, rot, hd - rot)}, -1);
+    };
+    q = rotate(q);
+    k = rotate(k);
   }
   if (cache) {
     if (cache->k.size() <= layer) {
@@ -301,9 +338,22 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
     cache->k[layer] = k;
     cache->v[layer] = v;
   }
-  const at::Tensor out =
-      at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, 1.0 / std::sqrt(static_cast<double>(hd)),
-                                       /*enable_gqa=*/c.num_kv_heads != c.num_heads);
+  const double scale = 1.0 / std::sqrt(c.query_pre_attn_scalar.value_or(static_cast<double>(hd)));
+  at::Tensor out;
+  if (!c.attn_softcap) {
+    out = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale,
+                                           /*enable_gqa=*/c.num_kv_heads != c.num_heads);
+  } else {  // gemma2: scores capped by cap * tanh(s / cap) before the mask; softmax in float32, as HF
+    const int64_t groups = c.num_heads / c.num_kv_heads;
+    const at::Tensor kr = groups == 1 ? k : k.repeat_interleave(groups, 1);
+    const at::Tensor vr = groups == 1 ? v : v.repeat_interleave(groups, 1);
+    const double cap = *c.attn_softcap;
+    const at::Tensor scores = at::tanh(at::matmul(q, kr.transpose(2, 3)) * scale / cap) * cap;
+    // A finite fill, as HF's: a padding row whose window holds no real token stays finite.
+    const at::Tensor masked =
+        scores.to(at::kFloat).masked_fill(mask.logical_not(), std::numeric_limits<float>::lowest());
+    out = at::matmul(at::softmax(masked, -1).to(q.scalar_type()), vr);
+  }
   return b.o.forward(out.transpose(1, 2).reshape({B, T, c.num_heads * hd}), training);
 }
 
@@ -317,23 +367,31 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
       attention_mask_in.defined() ? attention_mask_in.to(device_, at::kLong) : at::ones({B, past + T}, long_opts);
   if (valid.size(1) == T && past > 0)  // a mask for the new tokens only: past ones were real
     valid = at::cat({at::ones({B, past}, long_opts), valid}, 1);
-  at::Tensor mask, positions;
+  // Two masks when only some layers are windowed (gemma, qwen3 layer_types): [0] full, [1] windowed.
+  const bool any_window = c.sliding_window.has_value();
+  const bool all_windowed = any_window && c.sliding_layers.empty();
+  const std::optional<int64_t> none;
+  at::Tensor masks[2], positions;
   if (packed) {
     if (cache) throw Error("packed sequences are for training; generation takes one document per row");
-    mask = packed_attention_mask(valid, c.sliding_window);
+    if (!all_windowed) masks[0] = packed_attention_mask(valid, none);
+    if (any_window) masks[1] = packed_attention_mask(valid, c.sliding_window);
     positions = positions_in_document(valid);
   } else {
-    mask = attention_mask(valid, T, past, c.sliding_window);
+    if (!all_windowed) masks[0] = attention_mask(valid, T, past, none);
+    if (any_window) masks[1] = attention_mask(valid, T, past, c.sliding_window);
     positions = at::arange(past, past + T, long_opts).unsqueeze(0).expand({B, T});
   }
 
   at::Tensor h = at::embedding(embed_tokens_, input_ids.to(device_));
-  at::Tensor cos, sin;
+  at::Tensor cos[2], sin[2];  // [0] every layer's, [1] gemma3's windowed layers' when they differ
   if (c.family == Family::Llama) {
-    const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq_;  // [B, T, hd/2]
-    const at::Tensor emb = at::cat({freqs, freqs}, -1);
-    cos = emb.cos().to(dtype_).unsqueeze(1);  // [B, 1, T, hd]
-    sin = emb.sin().to(dtype_).unsqueeze(1);
+    if (c.gemma)  // sqrt(hidden) rounded to the model's dtype first, as HF
+      h = h * at::scalar_tensor(std::sqrt(static_cast<double>(c.hidden_size)), at::kFloat).to(dtype_);
+    // longrope: the long factors for the whole batch once a position passes the pretraining length
+    const bool long_rope = inv_freq_long_.defined() && positions.max().item<int64_t>() >= c.rope.original_max_position;
+    std::tie(cos[0], sin[0]) = rope_tables(positions, long_rope ? inv_freq_long_ : inv_freq_);
+    if (inv_freq_local_.defined()) std::tie(cos[1], sin[1]) = rope_tables(positions, inv_freq_local_);
   } else if (c.family == Family::Opt) {
     if (project_in_.defined()) h = project_in_.forward(h, training);
     // OPT counts positions over real tokens only, offset by 2 (HF's OPTLearnedPositionalEmbedding).
@@ -345,15 +403,22 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
 
   const bool recompute = recompute_activations && training && c10::GradMode::is_enabled();
   for (size_t i = 0; i < blocks_.size(); ++i) {
+    const bool windowed = c.windowed(i);
+    const at::Tensor& mask = masks[windowed];
+    const bool local = windowed && cos[1].defined();
     // Captures by value: with recompute it runs again during backward.
-    auto block = [this, i, mask, cos, sin, cache](const at::Tensor& x) {
+    auto block = [this, i, mask, cos = cos[local], sin = sin[local], cache](const at::Tensor& x) {
       const Block& b = blocks_[i];
       if (config_.family == Family::Opt && !config_.do_layer_norm_before) {  // post-LN OPT (350m)
         const at::Tensor y = norm(b.norm1, x + attention(b, x, mask, cos, sin, cache, i));
         return norm(b.norm2, y + mlp(b, y));
       }
-      const at::Tensor y = x + attention(b, norm(b.norm1, x), mask, cos, sin, cache, i);
-      return y + mlp(b, norm(b.norm2, y));
+      at::Tensor a = attention(b, norm(b.norm1, x), mask, cos, sin, cache, i);
+      if (b.attn_out_norm.weight.defined()) a = norm(b.attn_out_norm, a);
+      const at::Tensor y = x + a;
+      at::Tensor f = mlp(b, norm(b.norm2, y));
+      if (b.mlp_out_norm.weight.defined()) f = norm(b.mlp_out_norm, f);
+      return y + f;
     };
     if (!recompute) {
       h = block(h);
@@ -367,7 +432,23 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
   return h;
 }
 
-at::Tensor CausalLM::logits(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_); }
+std::pair<at::Tensor, at::Tensor> CausalLM::rope_tables(const at::Tensor& positions, const at::Tensor& inv_freq) const {
+  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [B, T, rot/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const double f = config_.rope.attention_factor;  // longrope's; 1 otherwise
+  at::Tensor cos = emb.cos(), sin = emb.sin();
+  if (f != 1.0) {
+    cos = cos * f;
+    sin = sin * f;
+  }
+  return {cos.to(dtype_).unsqueeze(1), sin.to(dtype_).unsqueeze(1)};  // [B, 1, T, rot]
+}
+
+at::Tensor CausalLM::logits(const at::Tensor& hidden) const {
+  const at::Tensor z = at::linear(hidden, lm_head_);
+  if (!config_.logit_softcap) return z;
+  return at::tanh(z / *config_.logit_softcap) * *config_.logit_softcap;  // gemma2, in the model's dtype as HF
+}
 
 std::vector<std::pair<std::string, at::Tensor>> CausalLM::state_dict() const {
   std::map<std::string, const Linear*> by_weight;
@@ -387,7 +468,7 @@ std::vector<std::pair<std::string, at::Tensor>> CausalLM::state_dict() const {
 std::vector<Linear*> CausalLM::linears() {
   std::vector<Linear*> out;
   for (Block& b : blocks_)
-    for (Linear* l : {&b.q, &b.k, &b.v, &b.qkv, &b.o, &b.gate, &b.up, &b.down})
+    for (Linear* l : {&b.q, &b.k, &b.v, &b.qkv, &b.o, &b.gate, &b.up, &b.gate_up, &b.down})
       if (l->defined()) out.push_back(l);
   for (Linear* l : {&project_in_, &project_out_})
     if (l->defined()) out.push_back(l);

@@ -1,4 +1,4 @@
-// Causal language models of the supported families (llama/mistral/qwen2, opt, gpt2) in
+// Causal language models of the supported families (llama, mistral, qwen2/3, gemma2/3, phi3, opt, gpt2) in
 // LibTorch, loaded from a Hugging Face directory, with LoRA-capable linear layers.
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -48,10 +48,11 @@ struct Norm {
 
 // One decoder block. Linears unused by a family stay empty (name == "").
 struct Block {
-  Norm norm1, norm2;
-  Norm q_norm, k_norm;     // qwen3: RMSNorm over head_dim of each query and key head
-  Linear q, k, v, qkv, o;  // qkv: GPT-2's fused c_attn
-  Linear gate, up, down;   // opt: up=fc1, down=fc2; gpt2: up=c_fc, down=c_proj
+  Norm norm1, norm2;                 // before attention, before the MLP
+  Norm attn_out_norm, mlp_out_norm;  // gemma: on the attention and MLP outputs, before the residual add
+  Norm q_norm, k_norm;               // qwen3, gemma3: RMSNorm over head_dim of each query and key head
+  Linear q, k, v, qkv, o;            // qkv: GPT-2's c_attn, phi3's qkv_proj ([q | k | v] rows)
+  Linear gate, up, gate_up, down;    // opt: up=fc1, down=fc2; gpt2: up=c_fc, down=c_proj; gate_up: phi3's
 };
 
 // Keys and values of past positions, for generation.
@@ -113,6 +114,8 @@ class CausalLM {
   void build(const WeightSource& files, const LoadOptions& opts);
   at::Tensor attention(const Block& b, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& cos,
                        const at::Tensor& sin, KVCache* cache, size_t layer) const;
+  // cos and sin [B, 1, T, rotated dims] of rope at `positions` [B, T] with these inverse frequencies.
+  std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, const at::Tensor& inv_freq) const;
   at::Tensor mlp(const Block& b, const at::Tensor& x) const;
   at::Tensor norm(const Norm& n, const at::Tensor& x) const;
 
@@ -122,7 +125,9 @@ class CausalLM {
   at::Device device_{at::kCPU};
   at::Tensor embed_tokens_;          // [vocab, E]
   at::Tensor embed_positions_;       // opt/gpt2 learned positions
-  at::Tensor inv_freq_;              // llama rope, float32 [head_dim/2]
+  at::Tensor inv_freq_;              // llama rope, float32 [rotated dims/2]
+  at::Tensor inv_freq_long_;         // longrope: past the pretraining length
+  at::Tensor inv_freq_local_;        // gemma3: the windowed layers'
   Linear project_in_, project_out_;  // opt when word_embed_proj_dim != hidden
   std::vector<Block> blocks_;
   Norm final_norm_;

@@ -413,7 +413,7 @@ LocalSums Trainer::forward_backward(data::MicroBatches* batches) {
     sums.slots += b.slots;
     if (b.tokens == 0) continue;  // an empty micro-batch: GradBuckets::finish() still joins in
     const at::Tensor hidden = m_.hidden_states(b.ids, b.mask, nullptr, r_.data.packing);
-    const model::LossSum l = model::lm_head_loss(hidden, m_.lm_head(), b.rows, b.targets);
+    const model::LossSum l = model::lm_head_loss(hidden, m_.lm_head(), b.rows, b.targets, m_.config().logit_softcap);
     l.sum.backward();
     sums.loss += l.sum.detach();
     sums.tokens += b.tokens;

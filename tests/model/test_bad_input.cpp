@@ -74,8 +74,14 @@ TEST_CASE("model directories that cannot work say why") {
   std::string cfg = test::read_file(dir + "/arch/config.json");
   cfg.replace(cfg.find("\"llama\""), 7, "\"mamba\"");
   std::ofstream(dir + "/arch/config.json") << cfg;
-  CHECK_THROWS_WITH(load(dir + "/arch"), Catch::Contains("model_type 'mamba' is not supported; supported: llama, "
-                                                         "mistral, qwen2, qwen3, opt, gpt2"));
+  CHECK_THROWS_WITH(load(dir + "/arch"),
+                    Catch::Contains("model_type 'mamba' is not supported; supported: llama, "
+                                    "mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, opt, gpt2"));
+  cfg.replace(cfg.find("\"mamba\""), 7, "\"gemma3\"");
+  std::ofstream(dir + "/arch/config.json") << cfg;
+  CHECK_THROWS_WITH(load(dir + "/arch"), Catch::Contains("multimodal Gemma 3 checkpoint (model_type gemma3) is not "
+                                                         "supported; text models (Gemma3ForCausalLM, model_type "
+                                                         "gemma3_text) are"));
 
   copy_model("llama", dir + "/shape");
   cfg = test::read_file(dir + "/shape/config.json");
@@ -90,6 +96,14 @@ TEST_CASE("model directories that cannot work say why") {
   copy_model("llama", dir + "/truncated");
   fs::resize_file(dir + "/truncated/model.safetensors", fs::file_size(dir + "/truncated/model.safetensors") / 2);
   CHECK_THROWS_WITH(load(dir + "/truncated"), Catch::Contains("truncated or corrupt"));
+
+  copy_model("phi3", dir + "/longrope");
+  cfg = test::read_file(dir + "/longrope/config.json");
+  cfg.replace(cfg.find("\"short_factor\": ["), 17, "\"short_factor\": [3.0, ");
+  std::ofstream(dir + "/longrope/config.json") << cfg;
+  CHECK_THROWS_WITH(load(dir + "/longrope"), Catch::Contains("longrope short_factor and long_factor need 6 values each "
+                                                             "(head_dim 16 x partial_rotary_factor 0.75 / 2), not 7 "
+                                                             "and 6"));
 }
 
 TEST_CASE("adapters for another base, unknown keys, and targets that match nothing") {
@@ -109,7 +123,7 @@ TEST_CASE("adapters for another base, unknown keys, and targets that match nothi
 
 TEST_CASE("lora-merge output loads in transformers and gives PEFT's merged logits", "[e2e][reference]") {
   const std::string out = test::temp_dir("merge");
-  for (const std::string family : {"llama", "gpt2", "opt", "mistral"}) {
+  for (const std::string family : {"llama", "gpt2", "opt", "mistral", "gemma2", "gemma3", "phi3"}) {
     INFO(family);
     const std::string base = kFixtures + "/" + family;
     const test::Result r =

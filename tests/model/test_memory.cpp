@@ -65,7 +65,9 @@ Result chunked(CausalLM& m, const at::Tensor& ids, const at::Tensor& mask, const
                bool packed = false, int64_t chunk_rows = 1 << 20) {
   const auto [rows, targets] = trained_rows(labels);
   const at::Tensor h = m.hidden_states(ids, mask, nullptr, packed);
-  return backward(m, lm_head_loss(h, m.lm_head(), rows, targets, chunk_rows * m.lm_head().size(0) * 4 * 2));
+  const auto cap = m.config().logit_softcap;
+  return backward(
+      m, lm_head_loss(h, m.lm_head(), rows, targets, cap, chunk_rows * m.lm_head().size(0) * 4 * (cap ? 3 : 2)));
 }
 
 // Largest gradient difference relative to the largest gradient, over all LoRA tensors.

@@ -76,7 +76,7 @@ TEST_CASE("lora-eval --dump-logits writes transformers' logits in bf16 and fp32"
 }
 
 TEST_CASE("lora-generate greedy ids equal transformers' generate", "[e2e][reference]") {
-  for (const std::string family : {"llama", "gpt2", "opt", "qwen3"}) {
+  for (const std::string family : {"llama", "gpt2", "opt", "qwen3", "gemma2", "gemma3", "phi3"}) {
     INFO(family);
     const std::string base = kFixtures + "/" + family;
     const Result r =

@@ -15,8 +15,9 @@ import oracle  # noqa: E402,F401  (first: LORARUN_TEST_FORCE_BNB_AVX512BF16 appl
 import torch  # noqa: E402
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
+                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          OPTConfig, OPTForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
 V = 384  # 256 byte-level symbols + merges + <|endoftext|>
@@ -57,8 +58,33 @@ FAMILIES = {
     "gpt2": (GPT2LMHeadModel, GPT2Config(
         vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0), ["c_attn", "c_proj"], False),
+    # sandwich norms with 1+weight, GeGLU, embeddings scaled by sqrt(hidden), query_pre_attn_scalar, attention
+    # and final-logit soft-capping low enough to bite, windowed layers 0 and 2 (window < batch), GQA 2
+    "gemma2": (Gemma2ForCausalLM, Gemma2Config(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=18, query_pre_attn_scalar=24, max_position_embeddings=64, sliding_window=6,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, attn_implementation="eager"), "all-linear", False),
+    # q/k norms with 1+weight, local (10k, default) and global (1e6, linear x2) rope bases, windowed layers
+    # 0 and 2 (window < batch), GQA 4, untied
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=18, query_pre_attn_scalar=32, max_position_embeddings=64, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+     ["q_proj", "o_proj", "gate_proj", "down_proj"], False),
+    # fused qkv_proj and gate_up_proj, longrope with the pretraining length (8) below the batch's (12), partial
+    # rotary 0.75 (as Phi-4-mini), GQA 2, untied
+    "phi3": (Phi3ForCausalLM, Phi3Config(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=8,
+        tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.5], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+                         "original_max_position_embeddings": 8}), "all-linear", False),
 }
 LENGTHS = [12, 9, 5]
+
 
 
 def batch(seed):
@@ -105,6 +131,11 @@ def make(out, name, cls, config, targets, rslora, seed):
     config.bos_token_id = config.eos_token_id = eos
     config.pad_token_id = None
     model = cls(config).eval()
+    if name.startswith("gemma"):
+        with torch.no_grad():  # transformers starts Gemma's norms at 0 (a scale of 1): make them matter
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.5)
     model.generation_config.bos_token_id = model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
     model.save_pretrained(d)
