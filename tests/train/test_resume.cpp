@@ -91,6 +91,35 @@ TEST_CASE("lora-train follows transformers + PEFT + AdamW step by step, on 1 and
   }
 }
 
+TEST_CASE("every recent family trains 20 steps as transformers + PEFT + AdamW do", "[e2e][reference]") {
+  const std::string dir = temp_dir("families");
+  write_data(dir + "/data.jsonl", 80);  // 20 steps of 4
+  const std::string recipe = write_recipe(dir, "run", "epochs: 1, lr: 5.0e-3, warmup_steps: 3", ", batch_size: 4");
+  for (const std::string family : {"qwen3", "gemma2", "gemma3", "phi3"}) {
+    INFO(family);
+    const std::string base = fmt::format("{}/{}", LORARUN_MODEL_FIXTURES, family);
+    const Result init = sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {} {}/{}-init 4 8 7",
+                                       LORARUN_PYTHON, LORARUN_SOURCE_DIR, base, dir, family));
+    REQUIRE(init.status == 0);
+    const Result t =
+        sh(fmt::format("{} --nproc-per-node 1 {} model.path={} lora.init_from={}/{}-init "
+                       "checkpoint.output_dir={}/{}",
+                       bin("lorarun"), recipe, base, dir, family, dir, family));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    const Oracle ref = oracle(fmt::format(
+        "'{}' '{}/tests/reference/train_reference.py' check {} {}/{}-init {}/data.jsonl {}/{} 1 4 1 1 5e-3 3 1e-5 1e-4",
+        LORARUN_PYTHON, LORARUN_SOURCE_DIR, base, dir, family, dir, dir, family));
+    INFO(ref.run.output);
+    CHECK(ref.run.status == 0);
+    CHECK(ref.fields.value("match", false));
+    CHECK(ref.fields.value("steps", 0) == 20);
+    fmt::print("train: {} 20 steps vs transformers + PEFT + AdamW: worst loss rel diff {:.2g}, adapter {:.2g}\n",
+               family, ref.fields.value("worst_relative_loss_diff", -1.0),
+               ref.fields.value("worst_relative_weight_diff", -1.0));
+  }
+}
+
 TEST_CASE("SIGTERM mid-epoch saves the state and the same command resumes to the uninterrupted result",
           "[e2e][resume]") {
   const std::string dir = temp_dir("sigterm");
