@@ -3,7 +3,7 @@
 
   compare.py --tokenizer NAME --fixtures .fixtures/tokenizers --lora-data build/bin/lora-data
 
-NAME is a fixture fetched by scripts/fetch-tokenizers (gpt2, llama3, llama2, qwen3, gpt4o) or
+NAME is a fixture fetched by scripts/fetch-tokenizers (gpt2, llama3, llama2, qwen3, gpt4o, gemma, gemma3) or
 a variant that this script derives from one of them to reach the components the real ones do
 not use (added-token flags, Metaspace, Split behaviours, Digits, more normalizers, NFC/NFD),
 or runs a real one on every Unicode code point.
@@ -60,6 +60,17 @@ def llama2_metaspace(scheme, split):
         j["post_processor"]["special_tokens"]["</s>"] = {"id": "</s>", "ids": [2], "tokens": ["</s>"]}
         return j
     return f
+
+
+def phi3_added(j):
+    """Phi-3's tokenizer: Llama 2's SentencePiece BPE plus its chat tokens from id 32000 (those after
+    <|endoftext|> strip the whitespace on their right, as in Phi-3's tokenizer.json)."""
+    names = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+             "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"]
+    for i, content in enumerate(names):
+        j["added_tokens"].append(dict(id=32000 + i, content=content, single_word=False, lstrip=False, rstrip=i > 0,
+                                      normalized=False, special=True))
+    return j
 
 
 def llama2_norm(j):
@@ -128,6 +139,7 @@ VARIANTS = {
     "llama2-metaspace-first": ("llama2", llama2_metaspace("first", True), "main"),
     "llama2-metaspace-always": ("llama2", llama2_metaspace("always", False), "main"),
     "llama2-norm": ("llama2", llama2_norm, "main"),
+    "llama2-phi3": ("llama2", phi3_added, "main"),
     "gpt2-split-a": ("gpt2", gpt2_split_a, "main"),
     "gpt2-split-b": ("gpt2", gpt2_split_b, "main"),
     "gpt2-truncate-pad": ("gpt2", truncate_pad(16, "Left", 20, 8, "Right", 50256), "main"),

@@ -9,7 +9,8 @@ import random
 SPECIAL_TEXTS = ["<|begin_of_text|>", "<|end_of_text|>", "<|endoftext|>", "<s>", "</s>", "<unk>",
                  "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "<|fim_prefix|>",
                  "<|endofprompt|>", "<|eot_id|>", "<|reserved_special_token_5|>", "<0x0A>", "<mask>",
-                 "[MASK]", "<|start_header_id|>", "<|endoftext|"]
+                 "[MASK]", "<|start_header_id|>", "<|endoftext|", "<|user|>", "<|end|>", "<start_of_turn>",
+                 "<end_of_turn>", "<bos>", "<eos>"]
 
 WORDS = {
     "latin": ["hello", "World", "naïve", "café", "façade", "über", "Straße", "déjà", "vu", "jalapeño",
@@ -52,7 +53,8 @@ EDGE_CASES = [
     "I'M SURE IT'S WHAT WE'VE SAID YOU'LL DO, HE'D SAY.", "'s't're've'm'll'd", "'S'T'RE'VE'M'LL'D",
     "<|begin_of_text|>Hello<|end_of_text|>", "<s>Hello</s>", "<s> Hello </s>", " <s>", "<s> ", "<s><s></s>",
     "text<|endoftext|>text", "<|endoftext|><|endoftext|>", "<|endoftext|", "<|im_start|>user\nHi<|im_end|>\n",
-    "<think>\nreasoning\n</think>\n\nanswer", "a<unk>b", "<0x0A>", "▁", "▁▁hello", "Ġ", "Ċ",
+    "<think>\nreasoning\n</think>\n\nanswer", "<|user|>\nHi<|end|>\n<|assistant|>\n  Hello<|end|>  \n<|endoftext|>",
+    "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n Hello<end_of_turn>\n", "a<unk>b", "<0x0A>", "▁", "▁▁hello", "Ġ", "Ċ",
     "12345678901234567890123456789012345678901234567890", "3.14159265358979323846264338327950288419716939937510",
     "1 22 333 4444 55555 666666", "x" * 3000, "ab" * 1000, "supercalifragilisticexpialidocious" * 30,
     " " * 2000, "\n" * 300, "\t" * 100, " \n" * 200, "!" * 500, "😀" * 200, "你好" * 300, "é" * 400,
