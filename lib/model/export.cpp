@@ -59,12 +59,12 @@ nlohmann::ordered_json gpt2_config(const ModelConfig& c) {
           {"tie_word_embeddings", c.tie_word_embeddings}};
 }
 
-// config.json of a llama or qwen2 read from a GGUF file (transformers 5's rope_parameters).
+// config.json of a llama, qwen2 or qwen3 read from a GGUF file (transformers 5's rope_parameters).
 nlohmann::ordered_json llama_config(const ModelConfig& c) {
-  const bool qwen2 = c.model_type == "qwen2";
+  const bool qwen2 = c.model_type == "qwen2", qwen3 = c.model_type == "qwen3";
   nlohmann::ordered_json rope = {{"rope_type", c.rope.type}, {"rope_theta", c.rope_theta}};
   if (c.rope.type == "linear") rope["factor"] = c.rope.factor;
-  nlohmann::ordered_json j = {{"architectures", {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+  nlohmann::ordered_json j = {{"architectures", {qwen2 ? "Qwen2ForCausalLM" : qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
                               {"model_type", c.model_type},
                               {"vocab_size", c.vocab_size},
                               {"hidden_size", c.hidden_size},

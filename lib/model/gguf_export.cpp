@@ -231,9 +231,9 @@ namespace {
 // The GGUF architecture of `c` (mistral is llama to llama.cpp), or lorarun::Error.
 std::string gguf_arch(const ModelConfig& c) {
   if (c.family == Family::Llama && (c.model_type == "llama" || c.model_type == "mistral")) return "llama";
-  if (c.family == Family::Llama && c.model_type == "qwen2") return "qwen2";
+  if (c.family == Family::Llama && (c.model_type == "qwen2" || c.model_type == "qwen3")) return c.model_type;
   throw Error(
-      fmt::format("model type '{}' cannot be written to GGUF: supported are llama, mistral and qwen2 (write a HF "
+      fmt::format("model type '{}' cannot be written to GGUF: supported are llama, mistral, qwen2 and qwen3 (write a HF "
                   "directory instead: --out without .gguf)",
                   c.model_type));
 }

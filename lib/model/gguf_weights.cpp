@@ -66,6 +66,7 @@ ModelConfig llama_config(const io::GgufFile& f, const std::string& arch) {
     throw Error(fmt::format("{}: rope scaling '{}' is not supported (none, linear)", f.path(), scaling));
   }
   c.qkv_bias = arch == "qwen2";
+  c.qk_norm = arch == "qwen3";
   return c;
 }
 
@@ -91,9 +92,9 @@ ModelConfig gpt2_config(const io::GgufFile& f) {
 
 ModelConfig gguf_config(const io::GgufFile& f) {
   const std::string arch = f.get_string("general.architecture");
-  if (arch != "llama" && arch != "qwen2" && arch != "gpt2")
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && arch != "gpt2")
     throw Error(fmt::format(
-        "{}: GGUF architecture '{}' is not supported; supported: llama (mistral files are llama), qwen2, gpt2",
+        "{}: GGUF architecture '{}' is not supported; supported: llama (mistral files are llama), qwen2, qwen3, gpt2",
         f.path(), arch));
   ModelConfig c = arch == "gpt2" ? gpt2_config(f) : llama_config(f, arch);
   const io::GgufTensorInfo* embed = f.find("token_embd.weight");
@@ -130,6 +131,7 @@ std::string gguf_tensor_name(const std::string& hf_name) {
       {"self_attn.q_proj", "attn_q"},      {"self_attn.k_proj", "attn_k"},   {"self_attn.v_proj", "attn_v"},
       {"self_attn.o_proj", "attn_output"}, {"mlp.gate_proj", "ffn_gate"},    {"mlp.up_proj", "ffn_up"},
       {"mlp.down_proj", "ffn_down"},       {"input_layernorm", "attn_norm"}, {"post_attention_layernorm", "ffn_norm"},
+      {"self_attn.q_norm", "attn_q_norm"}, {"self_attn.k_norm", "attn_k_norm"},
   };
   static const std::pair<const char*, const char*> kGpt2[] = {
       {"ln_1", "attn_norm"}, {"attn.c_attn", "attn_qkv"}, {"attn.c_proj", "attn_output"},

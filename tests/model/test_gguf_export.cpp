@@ -36,13 +36,13 @@ std::string merge_error(const std::string& args) {
 
 }  // namespace
 
-TEST_CASE("gguf export: tiny llama and qwen2 merged to f32, f16, bf16, q8_0 GGUFs give PEFT's merged logits",
+TEST_CASE("gguf export: tiny llama, qwen2 and qwen3 merged to f32, f16, bf16, q8_0 GGUFs give PEFT's merged logits",
           "[gguf][reference][e2e]") {
   const std::string dir = temp_dir("gguf-export");
   const Oracle made = export_check(fmt::format("make '{}'", dir));
   INFO(made.run.output.substr(0, 3000));
   REQUIRE(made.run.status == 0);
-  for (const std::string arch : {"llama", "qwen2"}) {
+  for (const std::string arch : {"llama", "qwen2", "qwen3"}) {
     INFO(arch);
     const std::string d = dir + "/" + arch;
     for (const std::string type : {"f32", "f16", "bf16", "q8_0"}) {
@@ -73,8 +73,9 @@ TEST_CASE("gguf export: tiny llama and qwen2 merged to f32, f16, bf16, q8_0 GGUF
       };
       CHECK(has("output.weight") == !tied);
       CHECK(has("blk.1.attn_q.bias") == (arch == "qwen2"));
+      CHECK(has("blk.1.attn_k_norm.weight") == (arch == "qwen3"));
       CHECK(has("blk.1.ffn_down.weight"));
-      CHECK(tensors.size() == size_t{2} * (arch == "qwen2" ? 12 : 9) + 2 + !tied);
+      CHECK(tensors.size() == size_t{2} * (arch == "llama" ? 9 : arch == "qwen2" ? 12 : 11) + 2 + !tied);
       const std::map<std::string, int> file_types = {{"f32", 0}, {"f16", 1}, {"bf16", 32}, {"q8_0", 7}};
       CHECK(r.at("file_type").get<int>() == file_types.at(type));
       // qwen2's down_proj rows (80) are not whole Q8_0 blocks: F16, as the converter falls back.

@@ -85,10 +85,12 @@ TEST_CASE("gguf: SmolLM2-135M-Instruct from its .gguf gives transformers' logits
   CHECK(diff <= 1e-4);
 }
 
-TEST_CASE("gguf: tiny llama (GQA, tied), qwen2 (q/k/v bias, untied) and gpt2 files give transformers' logits",
-          "[gguf][reference]") {
+TEST_CASE(
+    "gguf: tiny llama (GQA, tied), qwen2 (q/k/v bias, untied), qwen3 (q/k norms, head_dim 128) and gpt2 files give "
+    "transformers' logits",
+    "[gguf][reference]") {
   const std::string dir = test::temp_dir("gguf-model-tiny");
-  for (const std::string arch : {"llama", "qwen2", "gpt2"}) {
+  for (const std::string arch : {"llama", "qwen2", "qwen3", "gpt2"}) {
     INFO(arch);
     const std::string file = fmt::format("{}/{}.gguf", dir, arch);
     const test::Oracle made = gguf_model_check(fmt::format("make '{}' {}", file, arch));
@@ -99,6 +101,7 @@ TEST_CASE("gguf: tiny llama (GQA, tied), qwen2 (q/k/v bias, untied) and gpt2 fil
     CHECK(m.config().num_kv_heads == (arch == "gpt2" ? 4 : 2));
     if (arch != "gpt2") CHECK(m.config().rope_theta == 5000.0);
     CHECK(m.config().tie_word_embeddings == (arch == "llama"));
+    CHECK(m.config().head_dim == (arch == "qwen3" ? 128 : 4));
     const double diff = max_logit_diff_to_transformers(m, file, dir);
     fmt::print("gguf: tiny {} fp32: max |logit diff| vs transformers {:.3g}\n", arch, diff);
     CHECK(diff <= 1e-4);

@@ -1,7 +1,7 @@
 """lora-merge --out FILE.gguf against transformers, PEFT and gguf-py (tests/model/test_gguf_export.cpp).
 
   gguf_export_check.py make DIR
-      writes tiny random llama and qwen2 models (DIR/<arch>/base: transformers' save_pretrained with
+      writes tiny random llama, qwen2 and qwen3 models (DIR/<arch>/base: transformers' save_pretrained with
       make_models.py's byte-level BPE tokenizer, a chat template and one non-special added token;
       vocabulary 400 with ids no token has; qwen2's intermediate size 80 is not whole Q8_0 blocks) and a random PEFT adapter for each
       (DIR/<arch>/adapter: LoraConfig(init_lora_weights=False), B != 0).
@@ -61,7 +61,7 @@ def logits(model, ids, mask):
 def make(out):
     from make_models import make_tokenizer
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(3)
     configs = {
@@ -72,6 +72,11 @@ def make(out):
         "qwen2": (Qwen2ForCausalLM, Qwen2Config(vocab_size=400, hidden_size=64, intermediate_size=80,
                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                                 max_position_embeddings=64, tie_word_embeddings=False)),
+        # head_dim 128: transformers' GGUF loading of qwen3 takes Qwen3Config's default, not key_length
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(vocab_size=400, hidden_size=64, intermediate_size=96,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=128, max_position_embeddings=64,
+                                                tie_word_embeddings=False)),
     }
     for arch, (cls, config) in configs.items():
         base = os.path.join(out, arch, "base")

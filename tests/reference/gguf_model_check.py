@@ -11,7 +11,8 @@
   gguf_model_check.py make FILE ARCH [DROP_KEY]
       writes a tiny random GGUF with gguf-py's GGUFWriter: architecture ARCH, the llama keys (less
       DROP_KEY, e.g. llama.block_count) and two blocks of F32 tensors in the llama layout (4 query
-      heads, 2 KV heads); qwen2 adds the q/k/v biases and an untied output.weight; gpt2 has
+      heads, 2 KV heads); qwen2 adds the q/k/v biases and an untied output.weight; qwen3 q/k norms,
+      head_dim 128 (attention.key_length) and an untied output.weight; gpt2 has
       llama.cpp's GPT-2 keys and tensors (fused QKV, LayerNorm biases, learned positions, the
       output projection written out as output.weight). The tensors are
       stored as llama.cpp's converter stores them: any row order is valid, since transformers and
@@ -79,7 +80,9 @@ def make(path, arch, drop):
     hidden, ffn, heads, kv, vocab, layers = 16, 32, 4, 2, 32, 2
     if arch == "gpt2":
         ffn, kv = 4 * hidden, heads  # transformers' GPT-2 from GGUF takes the 4x default
-    head_dim = hidden // heads
+    # qwen3: an explicit head_dim (attention.key_length), and transformers' Qwen3 default (128): its GGUF
+    # loading does not read key_length for qwen3
+    head_dim = 128 if arch == "qwen3" else hidden // heads
     keys = {
         "block_count": layers, "context_length": 64, "embedding_length": hidden, "feed_forward_length": ffn,
         "attention.head_count": heads, "attention.head_count_kv": kv, "rope.dimension_count": head_dim,
@@ -96,6 +99,9 @@ def make(path, arch, drop):
         w.add_token_list([chr(c) for c in range(ord("A"), ord("A") + vocab)])
         w.add_token_types([1] * vocab)
         w.add_token_merges([])
+    if arch == "qwen3":
+        keys.update({"attention.key_length": head_dim, "attention.value_length": head_dim})
+        del keys["rope.dimension_count"]
     for k, v in keys.items():
         if f"{arch}.{k}" != drop:
             w.add_uint32(f"{arch}.{k}", v)
@@ -104,7 +110,7 @@ def make(path, arch, drop):
             w.add_float32(f"{arch}.{k}", v)
     rng = np.random.default_rng(0)
     shapes = gpt2_shapes(hidden, ffn, vocab, layers) if arch == "gpt2" else llama_shapes(
-        arch, hidden, ffn, kv * head_dim, vocab, layers)
+        arch, hidden, ffn, heads, kv, head_dim, vocab, layers)
     tensors = {}
     for name, shape in shapes.items():
         scale = 1.0 if name.endswith("norm.weight") or name == "token_embd.weight" else 0.3
@@ -120,22 +126,26 @@ def make(path, arch, drop):
     report(written=path)
 
 
-def llama_shapes(arch, hidden, ffn, kv_out, vocab, layers):
-    """llama.cpp's llama / qwen2 tensors (qwen2: q/k/v biases, an untied output)."""
+def llama_shapes(arch, hidden, ffn, heads, kv, head_dim, vocab, layers):
+    """llama.cpp's llama / qwen2 / qwen3 tensors (qwen2: q/k/v biases; qwen3: q/k norms; both an
+    untied output)."""
+    q_out, kv_out = heads * head_dim, kv * head_dim
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         shapes["output.weight"] = (vocab, hidden)
     for i in range(layers):
         shapes.update({
             f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
-            f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv_out, hidden),
-            f"blk.{i}.attn_v.weight": (kv_out, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+            f"blk.{i}.attn_q.weight": (q_out, hidden), f"blk.{i}.attn_k.weight": (kv_out, hidden),
+            f"blk.{i}.attn_v.weight": (kv_out, hidden), f"blk.{i}.attn_output.weight": (hidden, q_out),
             f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
             f"blk.{i}.ffn_down.weight": (hidden, ffn),
         })
         if arch == "qwen2":
             shapes.update({f"blk.{i}.attn_q.bias": (hidden,), f"blk.{i}.attn_k.bias": (kv_out,),
                            f"blk.{i}.attn_v.bias": (kv_out,)})
+        if arch == "qwen3":
+            shapes.update({f"blk.{i}.attn_q_norm.weight": (head_dim,), f"blk.{i}.attn_k_norm.weight": (head_dim,)})
     return shapes
 
 
