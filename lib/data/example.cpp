@@ -323,7 +323,12 @@ std::variant<Example, Rejection> ExampleBuilder::chat_template(const nlohmann::j
   const chat::Rendered& conversation = std::get<chat::Rendered>(whole);
   const std::string& text = conversation.text;
   if (!valid_utf8(text)) return bad(invalid_utf8_reason(cfg_.messages_field));
-  const tok::Tokenizer::Encoding enc = tok_.encode_with_offsets(text);
+  tok::Tokenizer::Encoding enc;
+  try {
+    enc = tok_.encode_with_offsets(text);
+  } catch (const Error& err) {
+    return bad(err.what());
+  }
   Example e;
   e.ids = enc.ids;
   e.labels.assign(enc.ids.size(), kIgnoreIndex);

@@ -113,7 +113,7 @@ fn json_string(s: &str, ensure_ascii: bool, out: &mut String) {
             c if (c as u32) < 0x20 => {
                 let _ = write!(out, "\\u{:04x}", c as u32);
             }
-            c if ensure_ascii && (c as u32) > 0x7e => {
+            c if ensure_ascii && (c as u32) > 0x7f => {
                 let mut units = [0u16; 2];
                 for u in c.encode_utf16(&mut units) {
                     let _ = write!(out, "\\u{:04x}", u);
