@@ -2,6 +2,13 @@
 
 #include <fmt/format.h>
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include "chat/chat_template.hpp"
+#include "util/error.hpp"
 
 namespace lorarun::data {
 namespace {
@@ -31,6 +38,8 @@ Turn chat_turn(recipe::ChatFormat f, const std::string& role) {
       return {"<|start_header_id|>" + role + "<|end_header_id|>\n\n", "<|eot_id|>"};
     case recipe::ChatFormat::Mistral:
       return role == "assistant" ? Turn{"", "</s>"} : Turn{"[INST] ", " [/INST]"};
+    case recipe::ChatFormat::Template:  // rendered by chat_template()
+      break;
   }
   return {};
 }
@@ -70,6 +79,7 @@ ExampleBuilder::ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokeni
                                std::optional<int32_t> eos)
     : cfg_(cfg), tok_(tokenizer), eos_(eos ? eos : tokenizer.eos_id()) {
   if (cfg.format == recipe::Format::Instruction) template_ = recipe::parse_template(cfg.prompt_template);
+  if (cfg.format == recipe::Format::Chat && cfg.chat_format == recipe::ChatFormat::Template) setup_chat_template();
 }
 
 void ExampleBuilder::append(Example& e, const std::string& text, bool trained, bool add_special) const {
@@ -104,7 +114,7 @@ std::variant<Example, Rejection> ExampleBuilder::build(const nlohmann::json& doc
     case recipe::Format::Text:
       return text(doc);
     case recipe::Format::Chat:
-      return chat(doc);
+      return cfg_.chat_format == recipe::ChatFormat::Template ? chat_template(doc) : chat(doc);
   }
   return bad("unknown format");
 }
@@ -119,6 +129,7 @@ std::vector<std::string> ExampleBuilder::fields_of(const recipe::DataSection& cf
     case recipe::Format::Text:
       return {cfg.text_field};
     case recipe::Format::Chat:
+      if (cfg.chat_format == recipe::ChatFormat::Template) return {cfg.messages_field, "tools"};
       return {cfg.messages_field};
   }
   return {};
@@ -174,6 +185,234 @@ std::variant<Example, Rejection> ExampleBuilder::chat(const nlohmann::json& doc)
   }
   if (!any_assistant) return bad("no assistant message to train on");
   return finish(std::move(e), /*add_eos=*/false);  // each format's turn end is already trained
+}
+
+namespace {
+
+// What transformers does to the messages before rendering: keys whose value is null dropped, and
+// a message's reasoning (reasoning_content, thinking or reasoning) put under both
+// "reasoning_content" and "thinking" (_normalize_chat_messages, _alias_reasoning_fields).
+nlohmann::ordered_json template_message(const nlohmann::json& m) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::object();
+  const nlohmann::json* reasoning = nullptr;
+  for (const char* key : {"reasoning_content", "thinking", "reasoning"})
+    if (auto it = m.find(key); it != m.end() && !it->is_null()) {
+      reasoning = &*it;
+      break;
+    }
+  if (reasoning) out["thinking"] = *reasoning;
+  for (const auto& [key, value] : m.items())
+    if (!value.is_null()) out[key] = value;
+  if (reasoning) out["reasoning_content"] = *reasoning;
+  return out;
+}
+
+std::string read_template(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in || std::filesystem::is_directory(path))
+    throw Error(fmt::format("data.chat_template: cannot read '{}' (a Jinja chat template file)", path));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// transformers' assistant mask: a token is marked when its range overlaps a span (spans and
+// ranges in order; a span cut by truncation keeps its remaining tokens).
+void mark_spans(const tok::Tokenizer::Encoding& enc, const std::vector<std::pair<size_t, size_t>>& spans,
+                std::vector<int32_t>& labels) {
+  size_t s = 0;
+  for (size_t k = 0; k < enc.ids.size(); ++k) {
+    const auto [begin, end] = enc.offsets[k];
+    while (s < spans.size() && begin >= spans[s].second) ++s;
+    if (s == spans.size()) break;
+    if (end > spans[s].first) labels[k] = enc.ids[k];
+  }
+}
+
+}  // namespace
+
+void ExampleBuilder::setup_chat_template() {
+  if (!cfg_.chat_template.empty()) {
+    chat_template_ = read_template(cfg_.chat_template);
+    chat_template_source_ = cfg_.chat_template;
+  } else {
+    chat_template_ = tok_.chat_template();
+    chat_template_source_ = "the model's chat template";
+  }
+  if (chat_template_.empty())
+    throw Error(
+        "data.chat_format: template, but the model has no chat template (no chat_template in "
+        "tokenizer_config.json, no chat_template.jinja, no tokenizer.chat_template in the GGUF); set "
+        "data.chat_template to a .jinja file, or choose data.chat_format chatml, llama3 or mistral");
+  // What transformers passes besides the messages: the special tokens, then the extra kwargs.
+  chat_context_ = nlohmann::ordered_json::object();
+  const auto token = [&](const char* name, std::optional<int32_t> id) {
+    if (id)
+      if (auto t = tok_.id_to_token(*id)) chat_context_[name] = *t;
+  };
+  token("bos_token", tok_.bos_id());
+  token("eos_token", tok_.eos_id());
+  token("pad_token", tok_.pad_id());
+  chat_context_["tools"] = nullptr;
+  chat_context_["documents"] = nullptr;
+  for (const auto& [key, value] : cfg_.chat_template_kwargs.items()) chat_context_[key] = value;
+  generation_tags_ = chat::has_generation_tags(chat_template_);
+  if (generation_tags_ || cfg_.train_on_input) return;
+  // The end-of-turn token: the first added token the template writes after an assistant
+  // message's content, in a probe conversation (with a system message if it needs one).
+  const std::string reply = "lorarun probe reply";
+  std::string failure;
+  for (const bool system : {false, true}) {
+    nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+    if (system) messages.push_back({{"role", "system"}, {"content", "lorarun probe system"}});
+    messages.push_back({{"role", "user"}, {"content", "lorarun probe question"}});
+    messages.push_back({{"role", "assistant"}, {"content", reply}});
+    nlohmann::ordered_json context = chat_context_;
+    context["messages"] = messages;
+    context["add_generation_prompt"] = false;
+    const auto r = chat::render(chat_template_, context);
+    if (const auto* e = std::get_if<std::string>(&r)) {
+      failure = *e;
+      continue;
+    }
+    const std::string& text = std::get<chat::Rendered>(r).text;
+    const size_t at = text.rfind(reply);
+    if (at == std::string::npos) {
+      failure = "the assistant message's content does not appear in the rendered probe conversation";
+      continue;
+    }
+    const tok::Tokenizer::Encoding enc = tok_.encode_with_offsets(text);
+    for (size_t k = 0; k < enc.ids.size(); ++k)
+      if (enc.offsets[k].first >= at + reply.size() && tok_.is_added(enc.ids[k])) {
+        eot_ = *tok_.id_to_token(enc.ids[k]);
+        return;
+      }
+    failure = "it writes no special token after an assistant message's content";
+  }
+  throw Error(fmt::format(
+      "data.chat_format: template: {} has no {{% generation %}} tags and no end-of-turn token could be found "
+      "({}); use a template that ends assistant turns with a special token, or data.train_on_input: true",
+      chat_template_source_, failure));
+}
+
+std::variant<Example, Rejection> ExampleBuilder::chat_template(const nlohmann::json& doc) const {
+  if (!doc.is_object() || !doc.contains(cfg_.messages_field) || !doc[cfg_.messages_field].is_array() ||
+      doc[cfg_.messages_field].empty())
+    return bad(fmt::format("field '{}' is missing or not a list of messages", cfg_.messages_field));
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  std::vector<size_t> assistants;
+  for (const auto& m : doc[cfg_.messages_field]) {
+    auto role = string_field(m, "role");
+    if (auto* r = std::get_if<Rejection>(&role)) return bad("a message: " + r->reason);
+    if (std::get<std::string>(role) == "assistant") assistants.push_back(messages.size());
+    messages.push_back(template_message(m));
+  }
+  if (assistants.empty()) return bad("no assistant message to train on");
+  nlohmann::ordered_json context = chat_context_;
+  if (auto it = doc.find("tools"); it != doc.end() && !it->is_null()) context["tools"] = *it;
+  const auto render = [&](const nlohmann::ordered_json& msgs, bool generation_prompt) {
+    context["messages"] = msgs;
+    context["add_generation_prompt"] = generation_prompt;
+    return chat::render(chat_template_, context);
+  };
+  const auto failed = [&](const std::string& why) {
+    return bad(fmt::format("the chat template ({}) failed: {}", chat_template_source_, why));
+  };
+  const auto whole = render(messages, false);
+  if (const auto* e = std::get_if<std::string>(&whole)) return failed(*e);
+  const chat::Rendered& conversation = std::get<chat::Rendered>(whole);
+  const std::string& text = conversation.text;
+  if (!valid_utf8(text)) return bad(invalid_utf8_reason(cfg_.messages_field));
+  tok::Tokenizer::Encoding enc;
+  try {
+    enc = tok_.encode_with_offsets(text);
+  } catch (const Error& err) {
+    return bad(err.what());
+  }
+  Example e;
+  e.ids = enc.ids;
+  e.labels.assign(enc.ids.size(), kIgnoreIndex);
+  if (cfg_.train_on_input) {
+    e.labels = e.ids;
+  } else if (generation_tags_) {
+    mark_spans(enc, conversation.generation, e.labels);
+  } else {
+    // Where assistant message i's turn starts: the end of render(messages[:i]) with the generation
+    // prompt when that is a prefix of the conversation; else, when render(messages[:i]) without it
+    // is, where the prompt and the conversation part (Qwen3's empty <think></think> with
+    // enable_thinking false).
+    const auto by_prefix = [&](size_t i) -> std::optional<size_t> {
+      const nlohmann::ordered_json before(messages.begin(), messages.begin() + static_cast<long>(i));
+      const auto prompt = render(before, true);
+      const auto* p = std::get_if<chat::Rendered>(&prompt);
+      if (!p) return std::nullopt;
+      if (text.starts_with(p->text)) return p->text.size();
+      std::string history;
+      if (i > 0) {
+        const auto h = render(before, false);
+        if (!std::holds_alternative<chat::Rendered>(h)) return std::nullopt;
+        history = std::get<chat::Rendered>(h).text;
+      }
+      if (!text.starts_with(history)) return std::nullopt;
+      const auto part = std::mismatch(p->text.begin(), p->text.end(), text.begin(), text.end()).first;
+      return std::max(static_cast<size_t>(part - p->text.begin()), history.size());
+    };
+    // Otherwise (a template that renders earlier turns differently once more follow, like a system
+    // message put in the last user turn): the conversation rendered with each assistant content
+    // between two noncharacters, which must give the same text once they are taken out; the turn
+    // then starts at its content. nullopt when the template alters the content (trims it, say).
+    std::optional<std::optional<std::vector<std::pair<size_t, size_t>>>> marked;
+    const auto by_marks = [&]() -> const std::optional<std::vector<std::pair<size_t, size_t>>>& {
+      if (marked) return *marked;
+      marked.emplace();
+      static constexpr std::string_view kOpen = "\xEF\xB7\x92", kClose = "\xEF\xB7\x93";  // U+FDD2, U+FDD3
+      nlohmann::ordered_json wrapped = messages;
+      for (const size_t i : assistants) {
+        auto& c = wrapped[i]["content"];
+        if (!c.is_string()) return *marked;
+        c = std::string(kOpen) + c.get<std::string>() + std::string(kClose);
+      }
+      const auto r = render(wrapped, false);
+      if (!std::holds_alternative<chat::Rendered>(r)) return *marked;
+      const std::string& w = std::get<chat::Rendered>(r).text;
+      std::string plain;
+      std::vector<std::pair<size_t, size_t>> turns;
+      for (size_t k = 0; k < w.size();) {
+        if (w.compare(k, kOpen.size(), kOpen) == 0) {
+          turns.emplace_back(plain.size(), std::string::npos);
+          k += kOpen.size();
+        } else if (w.compare(k, kClose.size(), kClose) == 0) {
+          if (turns.empty() || turns.back().second != std::string::npos) return *marked;
+          turns.back().second = plain.size();
+          k += kClose.size();
+        } else {
+          plain += w[k++];
+        }
+      }
+      if (plain == text && turns.size() == assistants.size()) marked->emplace(std::move(turns));
+      return *marked;
+    };
+    std::vector<std::pair<size_t, size_t>> spans;
+    for (size_t k = 0; k < assistants.size(); ++k) {
+      const size_t i = assistants[k];
+      std::optional<size_t> start = by_prefix(i), from = start;
+      if (!start && by_marks()) {
+        start = (*by_marks())[k].first;
+        from = (*by_marks())[k].second;
+      }
+      if (!start)
+        return bad(fmt::format(
+            "the chat template renders the messages before assistant message {} differently from the start of the "
+            "whole conversation, and alters the assistant contents, so the turn cannot be located",
+            i));
+      const size_t end = text.find(eot_, *from);
+      if (end == std::string::npos)
+        return bad(fmt::format("the chat template wrote no end-of-turn token {} after assistant message {}", eot_, i));
+      spans.emplace_back(*start, end + eot_.size());
+    }
+    mark_spans(enc, spans, e.labels);
+  }
+  return finish(std::move(e), /*add_eos=*/false);
 }
 
 }  // namespace lorarun::data

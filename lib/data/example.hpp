@@ -31,7 +31,10 @@ struct Rejection {
 
 class ExampleBuilder {
  public:
-  // `eos` ends every response; the tokenizer's EOS when not given.
+  // `eos` ends every response; the tokenizer's EOS when not given. With chat_format: template,
+  // throws lorarun::Error (one line) when there is no chat template (or data.chat_template
+  // cannot be read), or when the template has no {% generation %} tags and no end-of-turn token
+  // can be found after an assistant message.
   ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer, std::optional<int32_t> eos = {});
 
   std::variant<Example, Rejection> build(const nlohmann::json& doc) const;
@@ -44,6 +47,13 @@ class ExampleBuilder {
   std::variant<Example, Rejection> instruction(const nlohmann::json& doc) const;
   std::variant<Example, Rejection> text(const nlohmann::json& doc) const;
   std::variant<Example, Rejection> chat(const nlohmann::json& doc) const;
+  // chat_format: template: the model's Jinja chat template, as apply_chat_template renders and
+  // tokenizes it. Trained: the {% generation %} spans when the template marks them; otherwise,
+  // per assistant message i, from the end of render(messages[:i], add_generation_prompt) through
+  // the first end-of-turn token (eot_) after it. When that rendering is not a prefix of the
+  // conversation's but render(messages[:i]) is, the turn starts where the two texts part.
+  std::variant<Example, Rejection> chat_template(const nlohmann::json& doc) const;
+  void setup_chat_template();
   // Appends `text` tokens, trained or not.
   void append(Example& e, const std::string& text, bool trained, bool add_special) const;
   std::variant<Example, Rejection> finish(Example e, bool add_eos = true) const;
@@ -52,6 +62,11 @@ class ExampleBuilder {
   const tok::Tokenizer& tok_;
   std::optional<int32_t> eos_;
   std::vector<recipe::TemplatePart> template_;
+  std::string chat_template_;            // chat_format: template: the Jinja text
+  std::string chat_template_source_;     // where it came from, for messages
+  nlohmann::ordered_json chat_context_;  // bos_token, eos_token, ..., data.chat_template_kwargs
+  bool generation_tags_ = false;         // the template marks assistant text with {% generation %}
+  std::string eot_;                      // the end-of-turn token's text (without generation tags)
 };
 
 // True when `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past

@@ -25,7 +25,7 @@ enum class Dtype { BF16, FP16, FP32 };
 enum class Device { Auto, Cuda, Cpu };
 enum class Source { MongoDB, Jsonl };
 enum class Format { Instruction, Text, Chat };
-enum class ChatFormat { ChatML, Llama3, Mistral };
+enum class ChatFormat { ChatML, Llama3, Mistral, Template };
 enum class Overlong { Truncate, Skip };
 enum class BadDocuments { Skip, Fail };
 enum class Shuffle { Global, Stream, None };
@@ -58,8 +58,10 @@ struct EnumNames<Format> {
 };
 template <>
 struct EnumNames<ChatFormat> {
-  static constexpr std::array<std::pair<std::string_view, ChatFormat>, 3> values{
-      {{"chatml", ChatFormat::ChatML}, {"llama3", ChatFormat::Llama3}, {"mistral", ChatFormat::Mistral}}};
+  static constexpr std::array<std::pair<std::string_view, ChatFormat>, 4> values{{{"chatml", ChatFormat::ChatML},
+                                                                                  {"llama3", ChatFormat::Llama3},
+                                                                                  {"mistral", ChatFormat::Mistral},
+                                                                                  {"template", ChatFormat::Template}}};
 };
 template <>
 struct EnumNames<Overlong> {
@@ -140,6 +142,8 @@ struct DataSection {
   std::string text_field = "text";
   std::string messages_field = "messages";
   ChatFormat chat_format = ChatFormat::ChatML;
+  std::string chat_template;  // a .jinja file; empty: the model's own template
+  nlohmann::json chat_template_kwargs = nlohmann::json::object();
   bool train_on_input = false;
   int max_length = 1024;
   Overlong overlong = Overlong::Truncate;

@@ -135,8 +135,19 @@ void for_each_key(R& r, V&& v) {
         .example = "messages",
         .meaning = "format: chat: the document field holding the list of `{role, content}` messages"},
     r.data.messages_field);
-  v(Key{.name = "data.chat_format", .meaning = "format: chat: the template the messages are rendered in"},
+  v(Key{.name = "data.chat_format",
+        .meaning =
+            "format: chat: the template the messages are rendered in; `template`: the model's own chat template"},
     r.data.chat_format);
+  v(Key{.name = "data.chat_template",
+        .example = "templates/chat.jinja",
+        .meaning = "chat_format: template: a Jinja file used instead of the model's chat template; empty: the model's"},
+    r.data.chat_template);
+  v(Key{.name = "data.chat_template_kwargs",
+        .example = "{enable_thinking: false}",
+        .meaning =
+            "chat_format: template: more variables for the template, as apply_chat_template's extra keyword arguments"},
+    r.data.chat_template_kwargs);
   v(Key{.name = "data.train_on_input",
         .meaning = "train on the prompt (instruction) or on every turn (chat) too, not only the response"},
     r.data.train_on_input);

@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include "tokenizer/added_tokens.hpp"
 #include "tokenizer/bpe.hpp"
@@ -48,6 +50,8 @@ struct Tokenizer::Impl {
   std::unique_ptr<AddedVocabulary> added;
   std::optional<int32_t> bos, eos, pad;
   bool add_bos = false, add_eos = false;
+  bool byte_level = false;  // tokens are GPT-2 byte characters (a ByteLevel pre-tokenizer or decoder)
+  std::string chat_template;
 };
 
 namespace {
@@ -190,6 +194,20 @@ std::optional<Padding> parse_padding(const json& j) {
   return p;
 }
 
+// True when `j` (a component, or a Sequence of them at any depth) has a part of type `type`.
+bool has_type(const json& j, std::string_view type) {
+  if (j.is_object()) {
+    if (auto it = j.find("type"); it != j.end() && it->is_string() && *it == type) return true;
+    for (const auto& [key, value] : j.items())
+      if (value.is_array() || value.is_object())
+        if (has_type(value, type)) return true;
+  } else if (j.is_array()) {
+    for (const json& v : j)
+      if (has_type(v, type)) return true;
+  }
+  return false;
+}
+
 void load_tokenizer_json(Tokenizer::Impl& t, const json& j) {
   if (!j.is_object()) throw Error("tokenizer.json: the top level must be a JSON object");
   auto get = [&](const char* key) -> const json& {
@@ -205,6 +223,19 @@ void load_tokenizer_json(Tokenizer::Impl& t, const json& j) {
   t.truncation = parse_truncation(get("truncation"));
   t.padding = parse_padding(get("padding"));
   t.added = std::make_unique<AddedVocabulary>(parse_added_tokens(get("added_tokens"), *t.model), t.normalizer.get());
+  t.byte_level = has_type(get("pre_tokenizer"), "ByteLevel") || has_type(get("decoder"), "ByteLevel");
+}
+
+// tokenizer_config.json's chat_template: a string, or a list of {name, template} ("default").
+std::string config_chat_template(const json& c, const std::string& what) {
+  auto it = c.find("chat_template");
+  if (it == c.end() || it->is_null()) return "";
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_array())
+    for (const json& t : *it)
+      if (t.is_object() && t.value("name", "") == "default" && t.contains("template") && t["template"].is_string())
+        return t["template"].get<std::string>();
+  throw Error(fmt::format("{}: chat_template is neither a string nor a list holding a \"default\" template", what));
 }
 
 // bos/eos/pad and the add_*_token flags of one config file (`c`, read from `what`); later files win.
@@ -293,6 +324,12 @@ Tokenizer Tokenizer::from_dir(const std::string& dir) {
     if (std::filesystem::exists(config)) apply_config(*tok.impl_, parse_json(config), config.string(), names);
   }
   resolve_specials(tok, *tok.impl_, names);
+  // transformers reads chat_template.jinja over the config's chat_template.
+  const auto config = std::filesystem::path(dir) / "tokenizer_config.json";
+  if (const auto jinja = std::filesystem::path(dir) / "chat_template.jinja"; std::filesystem::exists(jinja))
+    tok.impl_->chat_template = read_file(jinja);
+  else if (std::filesystem::exists(config))
+    tok.impl_->chat_template = config_chat_template(parse_json(config), config.string());
   return tok;
 }
 
@@ -306,8 +343,10 @@ Tokenizer Tokenizer::from_files(const HfTokenizerFiles& files, const std::string
   };
   Tokenizer tok(impl_from_json(parse(files.tokenizer_json), source));
   SpecialNames names;
-  apply_config(*tok.impl_, parse(files.tokenizer_config_json), source, names);
+  const json config = parse(files.tokenizer_config_json);
+  apply_config(*tok.impl_, config, source, names);
   resolve_specials(tok, *tok.impl_, names);
+  if (config.is_object()) tok.impl_->chat_template = config_chat_template(config, source);
   return tok;
 }
 
@@ -341,6 +380,68 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
   }
   finish(t, ids, add_special_tokens);
   return ids;
+}
+
+Tokenizer::Encoding Tokenizer::encode_with_offsets(std::string_view text) const {
+  const Impl& t = *impl_;
+  Encoding e;
+  e.ids = encode(text, false);
+  // The bytes each token stands for: an added token's content; a byte-level token's bytes; a
+  // SentencePiece piece with "▁" as a space and <0xXX> as that byte.
+  static const auto byte_of = [] {
+    std::unordered_map<std::string, char> m;
+    for (int b = 0; b < 256; ++b) m[byte_char(static_cast<unsigned char>(b))] = static_cast<char>(b);
+    return m;
+  }();
+  const auto bytes_of = [&](int32_t id) {
+    if (const AddedToken* a = t.added->by_id(id)) return a->content;
+    const std::string* s = t.model->id_to_token(id);
+    if (!s) return std::string();
+    std::string out;
+    if (t.byte_level) {
+      for (size_t i = 0; i < s->size();) {
+        const size_t n = std::max<size_t>(1, unicode::utf8_len(static_cast<unsigned char>((*s)[i])));
+        const std::string ch = s->substr(i, n);
+        auto it = byte_of.find(ch);
+        out += it == byte_of.end() ? ch : std::string(1, it->second);
+        i += n;
+      }
+      return out;
+    }
+    if (s->size() == 6 && s->starts_with("<0x") && s->back() == '>')
+      return std::string(1, static_cast<char>(std::stoi(s->substr(3, 2), nullptr, 16)));
+    for (size_t i = 0; i < s->size();) {
+      if (s->compare(i, 3, "\xE2\x96\x81") == 0) {
+        out += ' ';
+        i += 3;
+      } else {
+        out += (*s)[i++];
+      }
+    }
+    return out;
+  };
+  // Align the tokens' bytes with the text: a space the tokenizer added (a prepended "▁") or
+  // whitespace it dropped (an added token's lstrip/rstrip) stands for nothing.
+  size_t at = 0;
+  for (int32_t id : e.ids) {
+    const std::string b = bytes_of(id);
+    std::optional<size_t> first;
+    size_t end = at;
+    for (char c : b) {
+      if (c != ' ' || at >= text.size() || text[at] != c)
+        while (c != ' ' && at < text.size() && text[at] != c && std::isspace(static_cast<unsigned char>(text[at])))
+          ++at;
+      if (at < text.size() && text[at] == c) {
+        if (!first) first = at;
+        end = ++at;
+      } else if (c != ' ') {
+        throw Error(
+            fmt::format("tokenizer: the tokens do not spell the text at byte {} (a normalizer rewrote it?)", at));
+      }
+    }
+    e.offsets.emplace_back(first.value_or(end), end);
+  }
+  return e;
 }
 
 std::vector<std::vector<int32_t>> Tokenizer::encode_batch(std::span<const std::string> texts, bool add_special_tokens,
@@ -391,6 +492,10 @@ std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
   if (const AddedToken* a = impl_->added->by_content(token)) return a->id;
   return impl_->model->token_to_id(token);
 }
+
+bool Tokenizer::is_added(int32_t id) const { return impl_->added->by_id(id) != nullptr; }
+
+const std::string& Tokenizer::chat_template() const { return impl_->chat_template; }
 
 std::optional<std::string> Tokenizer::id_to_token(int32_t id) const {
   if (const AddedToken* a = impl_->added->by_id(id)) return a->content;

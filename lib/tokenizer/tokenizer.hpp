@@ -7,6 +7,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "tokenizer/gguf_vocab.hpp"
@@ -37,10 +38,21 @@ class Tokenizer {
   // Many texts on `threads` threads (0: hardware concurrency); same results as encode.
   std::vector<std::vector<int32_t>> encode_batch(std::span<const std::string> texts, bool add_special_tokens = true,
                                                  unsigned threads = 0) const;
+  // encode(text, false) with where each token came from: the byte range [first, second) of
+  // `text` (empty where a token stands for no byte of it, like a prepended "▁"), as HF's
+  // Encoding.offsets are the character ranges. Throws lorarun::Error when the tokens do not
+  // spell the text (a normalizer that rewrites it, such as NFC on non-NFC input).
+  struct Encoding {
+    std::vector<int32_t> ids;
+    std::vector<std::pair<size_t, size_t>> offsets;
+  };
+  Encoding encode_with_offsets(std::string_view text) const;
   // Ids to text, as HF's Tokenizer.decode; unknown ids are skipped like HF does.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
 
   std::optional<int32_t> token_to_id(std::string_view token) const;
+  // True for the tokens of tokenizer.json's "added_tokens" (special or not).
+  bool is_added(int32_t id) const;
   std::optional<std::string> id_to_token(int32_t id) const;
   // Distinct tokens of the model vocabulary and the added tokens (HF's get_vocab_size(True)).
   size_t vocab_size() const;
@@ -53,6 +65,10 @@ class Tokenizer {
   // post_processor of tokenizer.json, which is what HF tokenizers does.
   bool add_bos_token() const;
   bool add_eos_token() const;
+  // The chat template (Jinja) transformers would use: DIR/chat_template.jinja, else
+  // tokenizer_config.json's chat_template (a string, or the "default" of a list of
+  // {name, template}); a GGUF's tokenizer.chat_template. Empty when there is none.
+  const std::string& chat_template() const;
 
   struct Impl;
 

@@ -471,9 +471,9 @@ std::vector<data::Example> Trainer::examples(data::MicroBatches* batches) {
     const auto& why = std::get<data::Rejection>(built);
     if (r_.data.bad_documents == recipe::BadDocuments::Fail && why.kind == data::Rejection::BadDocument)
       throw Error(
-          fmt::format("rank {}: bad document ({}) and data.bad_documents is fail: fix the document or set "
+          fmt::format("rank {}: bad document {}({}) and data.bad_documents is fail: fix the document or set "
                       "data.bad_documents=skip",
-                      env_.rank, why.reason));
+                      env_.rank, why.document.empty() ? "" : why.document + " ", why.reason));
     ++rejected_here_;
     if (warned_++ < 3) warn(fmt::format("rank {}: skipping a document: {}", env_.rank, why.reason));
   }

@@ -10,11 +10,12 @@ ALLOWED = {
     "io": {"io", "util"},
     "tokenizer": {"tokenizer", "util"},
     "recipe": {"recipe", "util"},
-    "data": {"data", "io", "tokenizer", "recipe", "util"},
-    "track": {"track", "data", "io", "tokenizer", "recipe", "util"},
-    "model": {"model", "data", "io", "tokenizer", "recipe", "util"},
+    "chat": {"chat", "util"},
+    "data": {"data", "chat", "io", "tokenizer", "recipe", "util"},
+    "track": {"track", "data", "chat", "io", "tokenizer", "recipe", "util"},
+    "model": {"model", "data", "chat", "io", "tokenizer", "recipe", "util"},
     "dist": {"dist", "recipe", "util"},
-    "train": {"train", "model", "dist", "track", "data", "io", "tokenizer", "recipe", "util"},
+    "train": {"train", "model", "dist", "track", "data", "chat", "io", "tokenizer", "recipe", "util"},
 }
 
 lib = pathlib.Path(sys.argv[1])

@@ -1,0 +1,56 @@
+#include "chat/chat_template.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <regex>
+
+extern "C" {
+int lorarun_chat_render(const char* tmpl, size_t tmpl_len, const char* context, size_t context_len, char** out,
+                        size_t* out_len);
+void lorarun_chat_free(char* p, size_t len);
+}
+
+namespace lorarun::chat {
+namespace {
+
+// U+FDD0 and U+FDD1 in UTF-8: where the crate opens and closes a generation span.
+constexpr std::string_view kOpen = "\xEF\xB7\x90", kClose = "\xEF\xB7\x91";
+
+}  // namespace
+
+std::variant<Rendered, std::string> render(std::string_view tmpl, const nlohmann::ordered_json& context) {
+  // Invalid UTF-8 in a string is written as U+FFFD rather than thrown (the crate refuses none).
+  const std::string ctx = context.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+  char* out = nullptr;
+  size_t len = 0;
+  const int status = lorarun_chat_render(tmpl.data(), tmpl.size(), ctx.data(), ctx.size(), &out, &len);
+  std::string text(out, len);
+  lorarun_chat_free(out, len);
+  if (status != 0) return text;
+  Rendered r;
+  r.text.reserve(text.size());
+  std::vector<size_t> open;
+  for (size_t i = 0; i < text.size();) {
+    const std::string_view rest = std::string_view(text).substr(i);
+    if (rest.starts_with(kOpen)) {
+      open.push_back(r.text.size());
+      i += kOpen.size();
+    } else if (rest.starts_with(kClose)) {
+      // Nested blocks: the outer span covers the inner one, as in transformers (both are kept).
+      r.generation.emplace_back(open.back(), r.text.size());
+      open.pop_back();
+      i += kClose.size();
+    } else {
+      r.text += text[i++];
+    }
+  }
+  std::sort(r.generation.begin(), r.generation.end());
+  return r;
+}
+
+bool has_generation_tags(std::string_view tmpl) {
+  static const std::regex re(R"(\{%-?\s*generation\s*-?%\})");
+  return std::regex_search(tmpl.begin(), tmpl.end(), re);
+}
+
+}  // namespace lorarun::chat

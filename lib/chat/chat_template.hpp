@@ -1,0 +1,38 @@
+// Chat templates: the Jinja templates of Hugging Face tokenizers (tokenizer_config.json's
+// chat_template, chat_template.jinja, a GGUF's tokenizer.chat_template), rendered as
+// transformers' apply_chat_template renders them.
+//
+// The engine is minijinja (Rust, through our crate lib/chat/rust): a maintained, complete
+// implementation of Jinja2's syntax that renders chat templates in production; a Jinja subset
+// written here would differ from transformers on the templates that use the rest. Around it,
+// what transformers' sandbox adds: trim_blocks and lstrip_blocks, loop controls, namespace(),
+// raise_exception(message), strftime_now(format), a tojson filter writing what Python's
+// json.dumps writes (ensure_ascii=False, keys unsorted, indent=), Python's string and dict
+// methods, and the {% generation %} ... {% endgeneration %} tag, whose spans are returned.
+#pragma once
+#include <cstddef>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace lorarun::chat {
+
+struct Rendered {
+  std::string text;
+  // The byte ranges [begin, end) of text that {% generation %} blocks wrote, in order.
+  std::vector<std::pair<size_t, size_t>> generation;
+};
+
+// Renders `tmpl` with the variables of `context` (a JSON object: messages,
+// add_generation_prompt, bos_token, ...). On failure, a one-line message that starts
+// "line N: " when the template line is known (raise_exception's message as given).
+std::variant<Rendered, std::string> render(std::string_view tmpl, const nlohmann::ordered_json& context);
+
+// True when `tmpl` has a {% generation %} tag (with any whitespace control), as transformers
+// checks before it returns assistant masks.
+bool has_generation_tags(std::string_view tmpl);
+
+}  // namespace lorarun::chat

@@ -1,0 +1,68 @@
+// The chat template engine (lib/chat): what transformers' Jinja environment provides, on small
+// templates. Parity with transformers on whole conversations is chat_template_check.py's.
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "chat/chat_template.hpp"
+
+using lorarun::chat::render;
+using lorarun::chat::Rendered;
+using nlohmann::ordered_json;
+
+namespace {
+
+std::string text(const std::string& tmpl, const ordered_json& ctx = ordered_json::object()) {
+  const auto r = render(tmpl, ctx);
+  if (const auto* e = std::get_if<std::string>(&r)) FAIL("render failed: " << *e);
+  return std::get<Rendered>(r).text;
+}
+
+std::string error(const std::string& tmpl, const ordered_json& ctx = ordered_json::object()) {
+  const auto r = render(tmpl, ctx);
+  if (std::holds_alternative<Rendered>(r)) FAIL("rendered: " << std::get<Rendered>(r).text);
+  return std::get<std::string>(r);
+}
+
+}  // namespace
+
+TEST_CASE("chat templates: trim_blocks, lstrip_blocks and no trailing newline, as transformers sets them") {
+  CHECK(text("{% if true %}\n  x\n  {% endif %}\ny\n") == "  x\ny");
+  CHECK(text("a\n{%+ if true %}b{% endif %}") == "a\nb");
+}
+
+TEST_CASE("chat templates: raise_exception and syntax errors give one line with the template line") {
+  CHECK(error("a\nb\n{{ raise_exception('roles must alternate') }}") == "line 3: roles must alternate");
+  const std::string e = error("ok\n{% if %}");
+  CHECK_THAT(e, Catch::StartsWith("line 2: "));
+  CHECK(e.find('\n') == std::string::npos);
+}
+
+TEST_CASE("chat templates: generation tags with each whitespace control become spans") {
+  const auto r = render("A{%- generation -%} B {%- endgeneration -%} C{% generation %}D{% endgeneration %}",
+                        ordered_json::object());
+  REQUIRE(std::holds_alternative<Rendered>(r));
+  const Rendered& g = std::get<Rendered>(r);
+  CHECK(g.text == "ABCD");
+  CHECK(g.generation == std::vector<std::pair<size_t, size_t>>{{1, 2}, {3, 4}});
+  CHECK(lorarun::chat::has_generation_tags("x{%- generation %}y{% endgeneration %}"));
+  CHECK_FALSE(lorarun::chat::has_generation_tags("{{ generation }}"));
+}
+
+TEST_CASE("chat templates: tojson writes what Python's json.dumps writes (keys in order, no ASCII escapes)") {
+  const ordered_json ctx = {{"d", {{"b", 1}, {"a", {1, 2.5, "é\n\"<>"}}, {"c", nullptr}, {"e", true}}}};
+  CHECK(text("{{ d | tojson }}", ctx) == R"({"b": 1, "a": [1, 2.5, "é\n\"<>"], "c": null, "e": true})");
+  CHECK(text("{{ d.a | tojson(indent=2) }}", ctx) == "[\n  1,\n  2.5,\n  \"é\\n\\\"<>\"\n]");
+  CHECK(text("{{ {} | tojson }}{{ [] | tojson(indent=4) }}") == "{}[]");
+}
+
+TEST_CASE("chat templates: Python string and dict methods, namespace, loop controls, strftime_now") {
+  const ordered_json ctx = {{"d", {{"k", "v"}, {"j", "w"}}}};
+  // Jinja2 prints Python's True.
+  CHECK(text("{{ ' x '.strip() }}|{{ 'a</think>b'.split('</think>')[-1] }}|{{ 'abc'.startswith('ab') }}", ctx) ==
+        "x|b|True");
+  CHECK(text("{% for k, v in d.items() %}{{ k }}={{ v }};{% endfor %}{{ d.get('z', 'none') }}", ctx) == "k=v;j=w;none");
+  CHECK(text("{% set ns = namespace(n=0) %}{% for i in range(10) %}{% if i == 2 %}{% continue %}{% endif %}"
+             "{% if i > 4 %}{% break %}{% endif %}{% set ns.n = ns.n + i %}{% endfor %}{{ ns.n }}") == "8");
+  CHECK(text("{{ strftime_now('%Y') | length }}") == "4");
+}
