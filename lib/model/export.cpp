@@ -64,7 +64,10 @@ nlohmann::ordered_json llama_config(const ModelConfig& c) {
   const bool qwen2 = c.model_type == "qwen2", qwen3 = c.model_type == "qwen3";
   nlohmann::ordered_json rope = {{"rope_type", c.rope.type}, {"rope_theta", c.rope_theta}};
   if (c.rope.type == "linear") rope["factor"] = c.rope.factor;
-  nlohmann::ordered_json j = {{"architectures", {qwen2 ? "Qwen2ForCausalLM" : qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
+  nlohmann::ordered_json j = {{"architectures",
+                               {qwen2   ? "Qwen2ForCausalLM"
+                                : qwen3 ? "Qwen3ForCausalLM"
+                                        : "LlamaForCausalLM"}},
                               {"model_type", c.model_type},
                               {"vocab_size", c.vocab_size},
                               {"hidden_size", c.hidden_size},

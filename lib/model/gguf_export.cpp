@@ -232,10 +232,10 @@ namespace {
 std::string gguf_arch(const ModelConfig& c) {
   if (c.family == Family::Llama && (c.model_type == "llama" || c.model_type == "mistral")) return "llama";
   if (c.family == Family::Llama && (c.model_type == "qwen2" || c.model_type == "qwen3")) return c.model_type;
-  throw Error(
-      fmt::format("model type '{}' cannot be written to GGUF: supported are llama, mistral, qwen2 and qwen3 (write a HF "
-                  "directory instead: --out without .gguf)",
-                  c.model_type));
+  throw Error(fmt::format(
+      "model type '{}' cannot be written to GGUF: supported are llama, mistral, qwen2 and qwen3 (write a HF "
+      "directory instead: --out without .gguf)",
+      c.model_type));
 }
 
 // Whether the base states head_dim itself (config.json's head_dim, a GGUF's key_length): the

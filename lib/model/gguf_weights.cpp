@@ -128,10 +128,17 @@ std::string gguf_tensor_name(const std::string& hf_name) {
     if (hf_name == hf) return gguf;
   // "<prefix><layer>.<module>.<weight|bias>", llama's and gpt2's layer modules.
   static const std::pair<const char*, const char*> kLlama[] = {
-      {"self_attn.q_proj", "attn_q"},      {"self_attn.k_proj", "attn_k"},   {"self_attn.v_proj", "attn_v"},
-      {"self_attn.o_proj", "attn_output"}, {"mlp.gate_proj", "ffn_gate"},    {"mlp.up_proj", "ffn_up"},
-      {"mlp.down_proj", "ffn_down"},       {"input_layernorm", "attn_norm"}, {"post_attention_layernorm", "ffn_norm"},
-      {"self_attn.q_norm", "attn_q_norm"}, {"self_attn.k_norm", "attn_k_norm"},
+      {"self_attn.q_proj", "attn_q"},
+      {"self_attn.k_proj", "attn_k"},
+      {"self_attn.v_proj", "attn_v"},
+      {"self_attn.o_proj", "attn_output"},
+      {"mlp.gate_proj", "ffn_gate"},
+      {"mlp.up_proj", "ffn_up"},
+      {"mlp.down_proj", "ffn_down"},
+      {"input_layernorm", "attn_norm"},
+      {"post_attention_layernorm", "ffn_norm"},
+      {"self_attn.q_norm", "attn_q_norm"},
+      {"self_attn.k_norm", "attn_k_norm"},
   };
   static const std::pair<const char*, const char*> kGpt2[] = {
       {"ln_1", "attn_norm"}, {"attn.c_attn", "attn_qkv"}, {"attn.c_proj", "attn_output"},
