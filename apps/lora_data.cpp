@@ -128,7 +128,7 @@ struct Dataset {
 
 // What the trainer's builder makes of `doc`; a line that is not a JSON object says so.
 data::Built build(const data::ExampleBuilder& b, const data::Found& found, recipe::Source source) {
-  const json& doc = found.doc;
+  const data::Document& doc = found.doc;
   if (!found.invalid_utf8.empty())
     return data::Rejection{data::Rejection::BadDocument, data::invalid_utf8_reason(found.invalid_utf8)};
   if (doc.is_object()) return b.build(doc);
@@ -154,7 +154,7 @@ void for_each_document(const Dataset& d, int64_t n, F f) {
 
 // "#12", or "#12 (_id 65f0…)" when the document has an _id.
 std::string where(int64_t position, const data::Found& found) {
-  const json& doc = found.doc;
+  const data::Document& doc = found.doc;
   if (!doc.is_object() || !doc.contains("_id")) {
     if (found.id.empty() || found.id[0] == '#') return fmt::format("#{}", position);
     return fmt::format("#{} (_id {})", position, data::relaxed_id(found.id));  // not JSON itself (not UTF-8)

@@ -16,7 +16,7 @@ namespace {
 Rejection bad(std::string reason) { return {Rejection::BadDocument, std::move(reason)}; }
 
 // The string value of `field`, or why there is none.
-std::variant<std::string, Rejection> string_field(const nlohmann::json& doc, const std::string& field) {
+std::variant<std::string, Rejection> string_field(const Document& doc, const std::string& field) {
   if (!doc.is_object() || !doc.contains(field)) return bad(fmt::format("field '{}' is missing", field));
   if (!doc[field].is_string()) return bad(fmt::format("field '{}' is not a string", field));
   std::string s = doc[field].get<std::string>();
@@ -107,7 +107,7 @@ std::variant<Example, Rejection> ExampleBuilder::finish(Example e, bool add_eos)
   return e;
 }
 
-std::variant<Example, Rejection> ExampleBuilder::build(const nlohmann::json& doc) const {
+std::variant<Example, Rejection> ExampleBuilder::build(const Document& doc) const {
   switch (cfg_.format) {
     case recipe::Format::Instruction:
       return instruction(doc);
@@ -135,7 +135,7 @@ std::vector<std::string> ExampleBuilder::fields_of(const recipe::DataSection& cf
   return {};
 }
 
-std::variant<Example, Rejection> ExampleBuilder::instruction(const nlohmann::json& doc) const {
+std::variant<Example, Rejection> ExampleBuilder::instruction(const Document& doc) const {
   std::string prompt;
   for (const recipe::TemplatePart& part : template_) {
     if (!part.is_field) {
@@ -155,7 +155,7 @@ std::variant<Example, Rejection> ExampleBuilder::instruction(const nlohmann::jso
   return finish(std::move(e));
 }
 
-std::variant<Example, Rejection> ExampleBuilder::text(const nlohmann::json& doc) const {
+std::variant<Example, Rejection> ExampleBuilder::text(const Document& doc) const {
   auto value = string_field(doc, cfg_.text_field);
   if (auto* r = std::get_if<Rejection>(&value)) return *r;
   if (std::get<std::string>(value).empty()) return bad(fmt::format("field '{}' is empty", cfg_.text_field));
@@ -164,7 +164,7 @@ std::variant<Example, Rejection> ExampleBuilder::text(const nlohmann::json& doc)
   return finish(std::move(e));
 }
 
-std::variant<Example, Rejection> ExampleBuilder::chat(const nlohmann::json& doc) const {
+std::variant<Example, Rejection> ExampleBuilder::chat(const Document& doc) const {
   if (!doc.is_object() || !doc.contains(cfg_.messages_field) || !doc[cfg_.messages_field].is_array())
     return bad(fmt::format("field '{}' is missing or not a list of messages", cfg_.messages_field));
   Example e;
@@ -192,9 +192,9 @@ namespace {
 // What transformers does to the messages before rendering: keys whose value is null dropped, and
 // a message's reasoning (reasoning_content, thinking or reasoning) put under both
 // "reasoning_content" and "thinking" (_normalize_chat_messages, _alias_reasoning_fields).
-nlohmann::ordered_json template_message(const nlohmann::json& m) {
+nlohmann::ordered_json template_message(const Document& m) {
   nlohmann::ordered_json out = nlohmann::ordered_json::object();
-  const nlohmann::json* reasoning = nullptr;
+  const Document* reasoning = nullptr;
   for (const char* key : {"reasoning_content", "thinking", "reasoning"})
     if (auto it = m.find(key); it != m.end() && !it->is_null()) {
       reasoning = &*it;
@@ -295,7 +295,7 @@ void ExampleBuilder::setup_chat_template() {
       chat_template_source_, failure));
 }
 
-std::variant<Example, Rejection> ExampleBuilder::chat_template(const nlohmann::json& doc) const {
+std::variant<Example, Rejection> ExampleBuilder::chat_template(const Document& doc) const {
   if (!doc.is_object() || !doc.contains(cfg_.messages_field) || !doc[cfg_.messages_field].is_array() ||
       doc[cfg_.messages_field].empty())
     return bad(fmt::format("field '{}' is missing or not a list of messages", cfg_.messages_field));

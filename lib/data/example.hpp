@@ -8,6 +8,7 @@
 #include <variant>
 #include <vector>
 
+#include "data/document.hpp"
 #include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
 
@@ -37,22 +38,22 @@ class ExampleBuilder {
   // can be found after an assistant message.
   ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer, std::optional<int32_t> eos = {});
 
-  std::variant<Example, Rejection> build(const nlohmann::json& doc) const;
+  std::variant<Example, Rejection> build(const Document& doc) const;
   // The top-level fields build() reads (template fields + response, text or messages): the
   // projection a source fetches.
   std::vector<std::string> fields() const { return fields_of(cfg_); }
   static std::vector<std::string> fields_of(const recipe::DataSection& cfg);
 
  private:
-  std::variant<Example, Rejection> instruction(const nlohmann::json& doc) const;
-  std::variant<Example, Rejection> text(const nlohmann::json& doc) const;
-  std::variant<Example, Rejection> chat(const nlohmann::json& doc) const;
+  std::variant<Example, Rejection> instruction(const Document& doc) const;
+  std::variant<Example, Rejection> text(const Document& doc) const;
+  std::variant<Example, Rejection> chat(const Document& doc) const;
   // chat_format: template: the model's Jinja chat template, as apply_chat_template renders and
   // tokenizes it. Trained: the {% generation %} spans when the template marks them; otherwise,
   // per assistant message i, from the end of render(messages[:i], add_generation_prompt) through
   // the first end-of-turn token (eot_) after it. When that rendering is not a prefix of the
   // conversation's but render(messages[:i]) is, the turn starts where the two texts part.
-  std::variant<Example, Rejection> chat_template(const nlohmann::json& doc) const;
+  std::variant<Example, Rejection> chat_template(const Document& doc) const;
   void setup_chat_template();
   // Appends `text` tokens, trained or not.
   void append(Example& e, const std::string& text, bool trained, bool add_special) const;

@@ -237,10 +237,10 @@ std::string canonical_id(const bson_t* doc) {
 Found decode(const bson_t* doc) {
   Found f;
   f.id = canonical_id(doc);
-  f.doc = nlohmann::json(nlohmann::json::value_t::discarded);
+  f.doc = Document(Document::value_t::discarded);
   bson_iter_t it;
   if (bson_iter_init(&it, doc)) f.invalid_utf8 = first_invalid_utf8(&it, "");
-  if (f.invalid_utf8.empty()) f.doc = nlohmann::json::parse(to_json_text(doc, false), nullptr, false);
+  if (f.invalid_utf8.empty()) f.doc = Document::parse(to_json_text(doc, false), nullptr, false);
   return f;
 }
 

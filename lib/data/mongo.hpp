@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "data/document.hpp"
 #include "util/error.hpp"
 
 struct _mongoc_client_t;
@@ -48,7 +49,7 @@ Failure classify(uint32_t domain, uint32_t code);
 // discards doc and names its field in invalid_utf8 (dotted: "messages.1.content").
 struct Found {
   std::string id;
-  nlohmann::json doc;
+  Document doc;
   std::string invalid_utf8 = {};
 };
 

@@ -115,8 +115,8 @@ std::string Documents::describe() const {
 
 std::string Documents::server() const { return client_ ? "MongoDB at " + client_->redacted_uri() : d_.path; }
 
-std::vector<nlohmann::json> Documents::fetch(const std::vector<int64_t>& positions) const {
-  std::vector<nlohmann::json> out;
+std::vector<Document> Documents::fetch(const std::vector<int64_t>& positions) const {
+  std::vector<Document> out;
   for (Found& f : fetch_found(positions, {})) out.push_back(std::move(f.doc));
   return out;
 }
@@ -128,7 +128,7 @@ std::vector<Found> Documents::fetch_found(const std::vector<int64_t>& positions,
     for (int64_t p : positions) {
       Found& f = out.emplace_back();
       f.id = fmt::format("#{}", p);
-      f.doc = nlohmann::json::parse(lines_[static_cast<size_t>(p)], nullptr, false);
+      f.doc = Document::parse(lines_[static_cast<size_t>(p)], nullptr, false);
     }
     return out;
   }

@@ -52,7 +52,7 @@ class Documents {
   std::string server() const;
   // The documents at these positions, in order (null where one vanished, discarded where one is
   // not JSON or not UTF-8).
-  std::vector<nlohmann::json> fetch(const std::vector<int64_t>& positions) const;
+  std::vector<Document> fetch(const std::vector<int64_t>& positions) const;
   // The same with ids (and the field that is not UTF-8), fetching only `fields` (all when empty).
   std::vector<Found> fetch_found(const std::vector<int64_t>& positions, const std::vector<std::string>& fields) const;
   // Up to `n` documents from sorted position `pos` on, where `after` is the id of the one

@@ -57,11 +57,13 @@ def m(role, content, **extra):
     return dict(role=role, content=content, **extra)
 
 
-TOOLS = [{"function": {"description": "The weather at a place, now.", "name": "weather",
-                       "parameters": {"properties": {"city": {"description": "A city, e.g. Zürich", "type": "string"},
-                                                     "unit": {"enum": ["c", "f"], "type": "string"}},
-                                      "required": ["city"], "type": "object"}},
-          "type": "function"}]
+# Keys in the order tool schemas are usually written (not sorted).
+TOOLS = [{"type": "function",
+          "function": {"name": "weather", "description": "The weather at a place, now.",
+                       "parameters": {"type": "object",
+                                      "properties": {"unit": {"type": "string", "enum": ["c", "f"]},
+                                                     "city": {"type": "string", "description": "A city, e.g. Zürich"}},
+                                      "required": ["city"]}}}]
 
 
 def basic():
@@ -103,7 +105,7 @@ def tools():
     for n in range(6):
         conv = [m("system", "Use tools when needed.")] if n % 2 else []
         conv.append(m("user", "Weather in Zürich and Paris?"))
-        calls = [{"function": {"arguments": {"city": c, "unit": "c"}, "name": "weather"}, "type": "function"}
+        calls = [{"type": "function", "function": {"name": "weather", "arguments": {"unit": "c", "city": c}}}
                  for c in (["Zürich", "Paris"] if n % 3 else ["Zürich"])]
         conv.append(m("assistant", "" if n % 2 else "Let me check.", tool_calls=calls))
         for c in calls:
@@ -125,11 +127,12 @@ def bad():
 docs = []
 for name in a.conversations.split(","):
     docs += {"basic": basic, "reasoning": reasoning, "tools": tools, "bad": bad}[name]()
-# lorarun reads documents into objects whose keys are in name order: write them so.
+# Keys in the order written here, not sorted (tools' "type" before "function", arguments as given):
+# lorarun keeps a document's key order, as transformers does.
 data = os.path.join(a.work, "data.jsonl")
 with open(data, "w", encoding="utf-8") as f:
     for d in docs:
-        f.write(json.dumps(d, ensure_ascii=False, sort_keys=True) + "\n")
+        f.write(json.dumps(d, ensure_ascii=False) + "\n")
 with open(data, encoding="utf-8") as f:
     docs = [json.loads(line) for line in f]
 
