@@ -393,8 +393,22 @@ Tokenizer::Encoding Tokenizer::encode_with_offsets(std::string_view text) const 
     for (int b = 0; b < 256; ++b) m[byte_char(static_cast<unsigned char>(b))] = static_cast<char>(b);
     return m;
   }();
+  // SentencePiece spelling: "▁" is a space (the normalizer made it of one).
+  const auto spaces = [](const std::string& s) {
+    std::string out;
+    for (size_t i = 0; i < s.size();) {
+      if (s.compare(i, 3, "\xE2\x96\x81") == 0) {
+        out += ' ';
+        i += 3;
+      } else {
+        out += s[i++];
+      }
+    }
+    return out;
+  };
   const auto bytes_of = [&](int32_t id) {
-    if (const AddedToken* a = t.added->by_id(id)) return a->content;
+    // An added token may also be a model piece the model produced (Gemma's "▁▁"): spelled as one.
+    if (const AddedToken* a = t.added->by_id(id)) return t.byte_level ? a->content : spaces(a->content);
     const std::string* s = t.model->id_to_token(id);
     if (!s) return std::string();
     std::string out;
@@ -410,15 +424,7 @@ Tokenizer::Encoding Tokenizer::encode_with_offsets(std::string_view text) const 
     }
     if (s->size() == 6 && s->starts_with("<0x") && s->back() == '>')
       return std::string(1, static_cast<char>(std::stoi(s->substr(3, 2), nullptr, 16)));
-    for (size_t i = 0; i < s->size();) {
-      if (s->compare(i, 3, "\xE2\x96\x81") == 0) {
-        out += ' ';
-        i += 3;
-      } else {
-        out += (*s)[i++];
-      }
-    }
-    return out;
+    return spaces(*s);
   };
   // Align the tokens' bytes with the text: a space the tokenizer added (a prepended "▁") or
   // whitespace it dropped (an added token's lstrip/rstrip) stands for nothing.
