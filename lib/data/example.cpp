@@ -295,6 +295,107 @@ void ExampleBuilder::setup_chat_template() {
       chat_template_source_, failure));
 }
 
+namespace {
+
+using Span = std::pair<size_t, size_t>;  // [begin, end) bytes of the rendered text
+
+// One document's renderings: its messages (or a prefix of them) with the template and context.
+struct Renderer {
+  const std::string& tmpl;
+  nlohmann::ordered_json context;
+  std::variant<chat::Rendered, std::string> operator()(const nlohmann::ordered_json& messages, bool prompt) {
+    context["messages"] = messages;
+    context["add_generation_prompt"] = prompt;
+    return chat::render(tmpl, context);
+  }
+};
+
+// Where assistant message i's turn starts in `text`: the end of render(messages[:i]) with the
+// generation prompt when that is a prefix of the conversation; else, when render(messages[:i])
+// without it is, where the prompt and the conversation part (Qwen3's empty <think></think> with
+// enable_thinking false). nullopt when neither is a prefix.
+std::optional<size_t> turn_start_by_prefix(Renderer& render, const nlohmann::ordered_json& messages, size_t i,
+                                           const std::string& text) {
+  const nlohmann::ordered_json before(messages.begin(), messages.begin() + static_cast<long>(i));
+  const auto prompt = render(before, true);
+  const auto* p = std::get_if<chat::Rendered>(&prompt);
+  if (!p) return std::nullopt;
+  if (text.starts_with(p->text)) return p->text.size();
+  std::string history;
+  if (i > 0) {
+    const auto h = render(before, false);
+    if (!std::holds_alternative<chat::Rendered>(h)) return std::nullopt;
+    history = std::get<chat::Rendered>(h).text;
+  }
+  if (!text.starts_with(history)) return std::nullopt;
+  const auto part = std::mismatch(p->text.begin(), p->text.end(), text.begin(), text.end()).first;
+  return std::max(static_cast<size_t>(part - p->text.begin()), history.size());
+}
+
+// For templates that render earlier turns differently once more follow (a system message put in
+// the last user turn): the conversation rendered with each assistant content between two
+// noncharacters must give `text` once they are taken out; the contents' spans in `text`, or
+// nullopt when the template alters the contents (trims them, say).
+std::optional<std::vector<Span>> contents_by_marks(Renderer& render, nlohmann::ordered_json messages,
+                                                   const std::vector<size_t>& assistants, const std::string& text) {
+  static constexpr std::string_view kOpen = "\xEF\xB7\x92", kClose = "\xEF\xB7\x93";  // U+FDD2, U+FDD3
+  for (const size_t i : assistants) {
+    auto& c = messages[i]["content"];
+    if (!c.is_string()) return std::nullopt;
+    c = std::string(kOpen) + c.get<std::string>() + std::string(kClose);
+  }
+  const auto r = render(messages, false);
+  if (!std::holds_alternative<chat::Rendered>(r)) return std::nullopt;
+  const std::string& w = std::get<chat::Rendered>(r).text;
+  std::string plain;
+  std::vector<Span> turns;
+  for (size_t k = 0; k < w.size();) {
+    if (w.compare(k, kOpen.size(), kOpen) == 0) {
+      turns.emplace_back(plain.size(), std::string::npos);
+      k += kOpen.size();
+    } else if (w.compare(k, kClose.size(), kClose) == 0) {
+      if (turns.empty() || turns.back().second != std::string::npos) return std::nullopt;
+      turns.back().second = plain.size();
+      k += kClose.size();
+    } else {
+      plain += w[k++];
+    }
+  }
+  if (plain != text || turns.size() != assistants.size()) return std::nullopt;
+  return turns;
+}
+
+}  // namespace
+
+std::variant<std::vector<std::pair<size_t, size_t>>, std::string> ExampleBuilder::assistant_turns(
+    const nlohmann::ordered_json& messages, const std::vector<size_t>& assistants, const std::string& text,
+    const nlohmann::ordered_json& context) const {
+  Renderer render{chat_template_, context};
+  std::optional<std::optional<std::vector<Span>>> marked;  // computed once, when first needed
+  std::vector<Span> spans;
+  for (size_t k = 0; k < assistants.size(); ++k) {
+    const size_t i = assistants[k];
+    std::optional<size_t> start = turn_start_by_prefix(render, messages, i, text), from = start;
+    if (!start) {
+      if (!marked) marked = contents_by_marks(render, messages, assistants, text);
+      if (*marked) {
+        start = (**marked)[k].first;
+        from = (**marked)[k].second;
+      }
+    }
+    if (!start)
+      return fmt::format(
+          "the chat template renders the messages before assistant message {} differently from the start of the "
+          "whole conversation, and alters the assistant contents, so the turn cannot be located",
+          i);
+    const size_t end = text.find(eot_, *from);
+    if (end == std::string::npos)
+      return fmt::format("the chat template wrote no end-of-turn token {} after assistant message {}", eot_, i);
+    spans.emplace_back(*start, end + eot_.size());
+  }
+  return spans;
+}
+
 std::variant<Example, Rejection> ExampleBuilder::chat_template(const Document& doc) const {
   if (!doc.is_object() || !doc.contains(cfg_.messages_field) || !doc[cfg_.messages_field].is_array() ||
       doc[cfg_.messages_field].empty())
@@ -310,16 +411,9 @@ std::variant<Example, Rejection> ExampleBuilder::chat_template(const Document& d
   if (assistants.empty()) return bad("no assistant message to train on");
   nlohmann::ordered_json context = chat_context_;
   if (auto it = doc.find("tools"); it != doc.end() && !it->is_null()) context["tools"] = *it;
-  const auto render = [&](const nlohmann::ordered_json& msgs, bool generation_prompt) {
-    context["messages"] = msgs;
-    context["add_generation_prompt"] = generation_prompt;
-    return chat::render(chat_template_, context);
-  };
-  const auto failed = [&](const std::string& why) {
-    return bad(fmt::format("the chat template ({}) failed: {}", chat_template_source_, why));
-  };
-  const auto whole = render(messages, false);
-  if (const auto* e = std::get_if<std::string>(&whole)) return failed(*e);
+  const auto whole = Renderer{chat_template_, context}(messages, false);
+  if (const auto* e = std::get_if<std::string>(&whole))
+    return bad(fmt::format("the chat template ({}) failed: {}", chat_template_source_, *e));
   const chat::Rendered& conversation = std::get<chat::Rendered>(whole);
   const std::string& text = conversation.text;
   if (!valid_utf8(text)) return bad(invalid_utf8_reason(cfg_.messages_field));
@@ -337,80 +431,9 @@ std::variant<Example, Rejection> ExampleBuilder::chat_template(const Document& d
   } else if (generation_tags_) {
     mark_spans(enc, conversation.generation, e.labels);
   } else {
-    // Where assistant message i's turn starts: the end of render(messages[:i]) with the generation
-    // prompt when that is a prefix of the conversation; else, when render(messages[:i]) without it
-    // is, where the prompt and the conversation part (Qwen3's empty <think></think> with
-    // enable_thinking false).
-    const auto by_prefix = [&](size_t i) -> std::optional<size_t> {
-      const nlohmann::ordered_json before(messages.begin(), messages.begin() + static_cast<long>(i));
-      const auto prompt = render(before, true);
-      const auto* p = std::get_if<chat::Rendered>(&prompt);
-      if (!p) return std::nullopt;
-      if (text.starts_with(p->text)) return p->text.size();
-      std::string history;
-      if (i > 0) {
-        const auto h = render(before, false);
-        if (!std::holds_alternative<chat::Rendered>(h)) return std::nullopt;
-        history = std::get<chat::Rendered>(h).text;
-      }
-      if (!text.starts_with(history)) return std::nullopt;
-      const auto part = std::mismatch(p->text.begin(), p->text.end(), text.begin(), text.end()).first;
-      return std::max(static_cast<size_t>(part - p->text.begin()), history.size());
-    };
-    // Otherwise (a template that renders earlier turns differently once more follow, like a system
-    // message put in the last user turn): the conversation rendered with each assistant content
-    // between two noncharacters, which must give the same text once they are taken out; the turn
-    // then starts at its content. nullopt when the template alters the content (trims it, say).
-    std::optional<std::optional<std::vector<std::pair<size_t, size_t>>>> marked;
-    const auto by_marks = [&]() -> const std::optional<std::vector<std::pair<size_t, size_t>>>& {
-      if (marked) return *marked;
-      marked.emplace();
-      static constexpr std::string_view kOpen = "\xEF\xB7\x92", kClose = "\xEF\xB7\x93";  // U+FDD2, U+FDD3
-      nlohmann::ordered_json wrapped = messages;
-      for (const size_t i : assistants) {
-        auto& c = wrapped[i]["content"];
-        if (!c.is_string()) return *marked;
-        c = std::string(kOpen) + c.get<std::string>() + std::string(kClose);
-      }
-      const auto r = render(wrapped, false);
-      if (!std::holds_alternative<chat::Rendered>(r)) return *marked;
-      const std::string& w = std::get<chat::Rendered>(r).text;
-      std::string plain;
-      std::vector<std::pair<size_t, size_t>> turns;
-      for (size_t k = 0; k < w.size();) {
-        if (w.compare(k, kOpen.size(), kOpen) == 0) {
-          turns.emplace_back(plain.size(), std::string::npos);
-          k += kOpen.size();
-        } else if (w.compare(k, kClose.size(), kClose) == 0) {
-          if (turns.empty() || turns.back().second != std::string::npos) return *marked;
-          turns.back().second = plain.size();
-          k += kClose.size();
-        } else {
-          plain += w[k++];
-        }
-      }
-      if (plain == text && turns.size() == assistants.size()) marked->emplace(std::move(turns));
-      return *marked;
-    };
-    std::vector<std::pair<size_t, size_t>> spans;
-    for (size_t k = 0; k < assistants.size(); ++k) {
-      const size_t i = assistants[k];
-      std::optional<size_t> start = by_prefix(i), from = start;
-      if (!start && by_marks()) {
-        start = (*by_marks())[k].first;
-        from = (*by_marks())[k].second;
-      }
-      if (!start)
-        return bad(fmt::format(
-            "the chat template renders the messages before assistant message {} differently from the start of the "
-            "whole conversation, and alters the assistant contents, so the turn cannot be located",
-            i));
-      const size_t end = text.find(eot_, *from);
-      if (end == std::string::npos)
-        return bad(fmt::format("the chat template wrote no end-of-turn token {} after assistant message {}", eot_, i));
-      spans.emplace_back(*start, end + eot_.size());
-    }
-    mark_spans(enc, spans, e.labels);
+    const auto turns = assistant_turns(messages, assistants, text, context);
+    if (const auto* why = std::get_if<std::string>(&turns)) return bad(*why);
+    mark_spans(enc, std::get<std::vector<Span>>(turns), e.labels);
   }
   return finish(std::move(e), /*add_eos=*/false);
 }

@@ -54,6 +54,11 @@ class ExampleBuilder {
   // the first end-of-turn token (eot_) after it. When that rendering is not a prefix of the
   // conversation's but render(messages[:i]) is, the turn starts where the two texts part.
   std::variant<Example, Rejection> chat_template(const Document& doc) const;
+  // The trained [begin, end) bytes of each assistant turn of `text` (the conversation rendered
+  // with `context`), or why they cannot be found.
+  std::variant<std::vector<std::pair<size_t, size_t>>, std::string> assistant_turns(
+      const nlohmann::ordered_json& messages, const std::vector<size_t>& assistants, const std::string& text,
+      const nlohmann::ordered_json& context) const;
   void setup_chat_template();
   // Appends `text` tokens, trained or not.
   void append(Example& e, const std::string& text, bool trained, bool add_special) const;
