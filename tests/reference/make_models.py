@@ -40,12 +40,12 @@ FAMILIES = {
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(
         vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True), "all-linear", False),
-    # q/k RMSNorm per head, explicit head_dim != hidden/heads, every layer windowed shorter than the
-    # batch (max_window_layers 0), untied
+    # q/k RMSNorm per head, explicit head_dim != hidden/heads, layer 1 windowed shorter than the batch
+    # and layer 0 not (max_window_layers 1: layer_types mixes them), untied
     "qwen3": (Qwen3ForCausalLM, Qwen3Config(
         vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=20, max_position_embeddings=64, tie_word_embeddings=False,
-        use_sliding_window=True, sliding_window=6, max_window_layers=0), "all-linear", False),
+        use_sliding_window=True, sliding_window=6, max_window_layers=1), "all-linear", False),
     # word_embed_proj_dim != hidden_size (project_in/out), pre-LN
     "opt": (OPTForCausalLM, OPTConfig(
         vocab_size=V, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
