@@ -742,6 +742,8 @@ TEST_CASE("every recipe in configs/ loads and round-trips") {
   CHECK(config("llama3-8b-qlora-1gpu.yaml").lora.quantize_base);
   CHECK(config("qwen2.5-chat.yaml").data.format == Format::Chat);
   CHECK(config("qwen2.5-chat.yaml").data.chat_format == ChatFormat::ChatML);
+  CHECK(config("qwen3-chat-template.yaml").data.chat_format == ChatFormat::Template);
+  CHECK(config("qwen3-chat-template.yaml").data.chat_template_kwargs.value("enable_thinking", true) == false);
   CHECK(config("quickstart.yaml").checkpoint.output_dir == "runs/quickstart");
   // The annotated reference recipe spells out every key.
   const YAML::Node all = YAML::LoadFile(std::string(LORARUN_CONFIGS_DIR) + "/opt-125m-alpaca.yaml");
