@@ -123,7 +123,7 @@ TEST_CASE("adapters for another base, unknown keys, and targets that match nothi
 
 TEST_CASE("lora-merge output loads in transformers and gives PEFT's merged logits", "[e2e][reference]") {
   const std::string out = test::temp_dir("merge");
-  for (const std::string family : {"llama", "gpt2", "opt", "mistral", "gemma2", "gemma3", "phi3"}) {
+  for (const std::string family : {"llama", "gpt2", "opt", "mistral", "qwen3", "gemma2", "gemma3", "phi3"}) {
     INFO(family);
     const std::string base = kFixtures + "/" + family;
     const test::Result r =
