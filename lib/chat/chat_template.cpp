@@ -5,7 +5,11 @@
 #include <regex>
 
 extern "C" {
-int lorarun_chat_render(const char* tmpl, size_t tmpl_len, const char* context, size_t context_len, char** out,
+struct LorarunChatCompiled;
+int lorarun_chat_compile(const char* tmpl, size_t tmpl_len, LorarunChatCompiled** handle, char** error,
+                         size_t* error_len);
+void lorarun_chat_release(LorarunChatCompiled* handle);
+int lorarun_chat_render(const LorarunChatCompiled* handle, const char* context, size_t context_len, char** out,
                         size_t* out_len);
 void lorarun_chat_free(char* p, size_t len);
 }
@@ -16,16 +20,43 @@ namespace {
 // U+FDD0 and U+FDD1 in UTF-8: where the crate opens and closes a generation span.
 constexpr std::string_view kOpen = "\xEF\xB7\x90", kClose = "\xEF\xB7\x91";
 
+// Takes ownership of a string the crate returned.
+std::string take(char* p, size_t len) {
+  std::string s(p, len);
+  lorarun_chat_free(p, len);
+  return s;
+}
+
 }  // namespace
 
+struct Template::Handle {
+  LorarunChatCompiled* compiled;
+  ~Handle() { lorarun_chat_release(compiled); }
+};
+
+std::variant<Template, std::string> Template::compile(std::string_view source) {
+  LorarunChatCompiled* compiled = nullptr;
+  char* error = nullptr;
+  size_t len = 0;
+  if (lorarun_chat_compile(source.data(), source.size(), &compiled, &error, &len) != 0) return take(error, len);
+  Template t;
+  t.handle_ = std::make_shared<Handle>(compiled);
+  return t;
+}
+
 std::variant<Rendered, std::string> render(std::string_view tmpl, const nlohmann::ordered_json& context) {
+  auto t = Template::compile(tmpl);
+  if (auto* e = std::get_if<std::string>(&t)) return *e;
+  return std::get<Template>(t).render(context);
+}
+
+std::variant<Rendered, std::string> Template::render(const nlohmann::ordered_json& context) const {
   // Invalid UTF-8 in a string is written as U+FFFD rather than thrown (the crate refuses none).
   const std::string ctx = context.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
   char* out = nullptr;
   size_t len = 0;
-  const int status = lorarun_chat_render(tmpl.data(), tmpl.size(), ctx.data(), ctx.size(), &out, &len);
-  std::string text(out, len);
-  lorarun_chat_free(out, len);
+  const int status = lorarun_chat_render(handle_->compiled, ctx.data(), ctx.size(), &out, &len);
+  std::string text = take(out, len);
   if (status != 0) return text;
   Rendered r;
   r.text.reserve(text.size());

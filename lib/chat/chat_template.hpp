@@ -11,6 +11,7 @@
 // methods, and the {% generation %} ... {% endgeneration %} tag, whose spans are returned.
 #pragma once
 #include <cstddef>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -26,9 +27,23 @@ struct Rendered {
   std::vector<std::pair<size_t, size_t>> generation;
 };
 
-// Renders `tmpl` with the variables of `context` (a JSON object: messages,
-// add_generation_prompt, bos_token, ...). On failure, a one-line message that starts
-// "line N: " when the template line is known (raise_exception's message as given).
+// A template compiled once, rendered many times (from several threads at once if need be).
+class Template {
+ public:
+  // The compiled template, or a one-line message ("line N: ...") for a syntax error.
+  static std::variant<Template, std::string> compile(std::string_view source);
+
+  // Renders with the variables of `context` (a JSON object: messages, add_generation_prompt,
+  // bos_token, ...). On failure, a one-line message that starts "line N: " when the template
+  // line is known (raise_exception's message as given).
+  std::variant<Rendered, std::string> render(const nlohmann::ordered_json& context) const;
+
+ private:
+  struct Handle;
+  std::shared_ptr<Handle> handle_;
+};
+
+// Compiles `tmpl` and renders it once (Template::compile, then render).
 std::variant<Rendered, std::string> render(std::string_view tmpl, const nlohmann::ordered_json& context);
 
 // True when `tmpl` has a {% generation %} tag (with any whitespace control), as transformers

@@ -244,6 +244,11 @@ void ExampleBuilder::setup_chat_template() {
         "data.chat_format: template, but the model has no chat template (no chat_template in "
         "tokenizer_config.json, no chat_template.jinja, no tokenizer.chat_template in the GGUF); set "
         "data.chat_template to a .jinja file, or choose data.chat_format chatml, llama3 or mistral");
+  auto compiled = chat::Template::compile(chat_template_);
+  if (const auto* e = std::get_if<std::string>(&compiled))
+    throw Error(
+        fmt::format("data.chat_format: template: {} is not a valid Jinja template: {}", chat_template_source_, *e));
+  compiled_template_ = std::get<chat::Template>(std::move(compiled));
   // What transformers passes besides the messages: the special tokens, then the extra kwargs.
   chat_context_ = nlohmann::ordered_json::object();
   const auto token = [&](const char* name, std::optional<int32_t> id) {
@@ -270,7 +275,7 @@ void ExampleBuilder::setup_chat_template() {
     nlohmann::ordered_json context = chat_context_;
     context["messages"] = messages;
     context["add_generation_prompt"] = false;
-    const auto r = chat::render(chat_template_, context);
+    const auto r = compiled_template_->render(context);
     if (const auto* e = std::get_if<std::string>(&r)) {
       failure = *e;
       continue;
@@ -301,12 +306,12 @@ using Span = std::pair<size_t, size_t>;  // [begin, end) bytes of the rendered t
 
 // One document's renderings: its messages (or a prefix of them) with the template and context.
 struct Renderer {
-  const std::string& tmpl;
+  const chat::Template& tmpl;
   nlohmann::ordered_json context;
   std::variant<chat::Rendered, std::string> operator()(const nlohmann::ordered_json& messages, bool prompt) {
     context["messages"] = messages;
     context["add_generation_prompt"] = prompt;
-    return chat::render(tmpl, context);
+    return tmpl.render(context);
   }
 };
 
@@ -370,7 +375,7 @@ std::optional<std::vector<Span>> contents_by_marks(Renderer& render, nlohmann::o
 std::variant<std::vector<std::pair<size_t, size_t>>, std::string> ExampleBuilder::assistant_turns(
     const nlohmann::ordered_json& messages, const std::vector<size_t>& assistants, const std::string& text,
     const nlohmann::ordered_json& context) const {
-  Renderer render{chat_template_, context};
+  Renderer render{*compiled_template_, context};
   std::optional<std::optional<std::vector<Span>>> marked;  // computed once, when first needed
   std::vector<Span> spans;
   for (size_t k = 0; k < assistants.size(); ++k) {
@@ -411,7 +416,7 @@ std::variant<Example, Rejection> ExampleBuilder::chat_template(const Document& d
   if (assistants.empty()) return bad("no assistant message to train on");
   nlohmann::ordered_json context = chat_context_;
   if (auto it = doc.find("tools"); it != doc.end() && !it->is_null()) context["tools"] = *it;
-  const auto whole = Renderer{chat_template_, context}(messages, false);
+  const auto whole = Renderer{*compiled_template_, context}(messages, false);
   if (const auto* e = std::get_if<std::string>(&whole))
     return bad(fmt::format("the chat template ({}) failed: {}", chat_template_source_, *e));
   const chat::Rendered& conversation = std::get<chat::Rendered>(whole);

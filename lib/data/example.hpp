@@ -8,6 +8,7 @@
 #include <variant>
 #include <vector>
 
+#include "chat/chat_template.hpp"
 #include "data/document.hpp"
 #include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
@@ -68,11 +69,12 @@ class ExampleBuilder {
   const tok::Tokenizer& tok_;
   std::optional<int32_t> eos_;
   std::vector<recipe::TemplatePart> template_;
-  std::string chat_template_;            // chat_format: template: the Jinja text
-  std::string chat_template_source_;     // where it came from, for messages
-  nlohmann::ordered_json chat_context_;  // bos_token, eos_token, ..., data.chat_template_kwargs
-  bool generation_tags_ = false;         // the template marks assistant text with {% generation %}
-  std::string eot_;                      // the end-of-turn token's text (without generation tags)
+  std::string chat_template_;                        // chat_format: template: the Jinja text
+  std::optional<chat::Template> compiled_template_;  // ... compiled once
+  std::string chat_template_source_;                 // where it came from, for messages
+  nlohmann::ordered_json chat_context_;              // bos_token, eos_token, ..., data.chat_template_kwargs
+  bool generation_tags_ = false;                     // the template marks assistant text with {% generation %}
+  std::string eot_;                                  // the end-of-turn token's text (without generation tags)
 };
 
 // True when `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past

@@ -93,3 +93,16 @@ TEST_CASE("chat_format template: a template that raises names the document and t
   REQUIRE(errors.size() == 1);
   CHECK_THAT(errors[0], Catch::Contains("bad document #5") && Catch::Contains("line 3: message 1 is out of turn"));
 }
+
+TEST_CASE("chat_format template: a template that does not compile is one line at start-up, naming the line", "[e2e]") {
+  const std::string dir = temp_dir("chat_template_syntax");
+  write_chats(dir + "/data.jsonl", 8);
+  std::ofstream(dir + "/chat.jinja") << "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}\n";
+  const Result r = sh(fmt::format("{} {}", bin("lora-train"), recipe(dir, ", chat_template: " + dir + "/chat.jinja")));
+  INFO(r.output);
+  CHECK(r.status != 0);
+  const auto errors = lines_with(r.output, "error");
+  REQUIRE(errors.size() == 1);
+  CHECK_THAT(errors[0], Catch::Contains("is not a valid Jinja template: line 2:"));
+  CHECK_FALSE(fs::exists(dir + "/out/epoch_0"));
+}

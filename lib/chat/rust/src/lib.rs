@@ -260,16 +260,25 @@ fn describe(e: &Error) -> String {
     s.replace('\n', " ")
 }
 
-fn render(template: &str, context_json: &str) -> Result<String, String> {
-    if template.contains(OPEN)
-        || template.contains(CLOSE)
-        || context_json.contains(OPEN)
-        || context_json.contains(CLOSE)
-    {
-        return Err("the template or the messages hold U+FDD0 or U+FDD1, which mark generation spans".into());
+/// A template compiled once: the environment with transformers' additions, and the rewritten
+/// source it borrows (owned here, freed after the environment).
+pub struct Compiled {
+    env: Environment<'static>,
+    source: *mut str,
+}
+
+impl Drop for Compiled {
+    fn drop(&mut self) {
+        self.env = Environment::empty();
+        // SAFETY: `source` came from Box::into_raw in compile(), and nothing borrows it any more.
+        unsafe { drop(Box::from_raw(self.source)) };
     }
-    let context: serde_json::Value =
-        serde_json::from_str(context_json).map_err(|e| format!("the context is not JSON: {}", e))?;
+}
+
+fn compile(template: &str) -> Result<Compiled, String> {
+    if template.contains(OPEN) || template.contains(CLOSE) {
+        return Err("the template holds U+FDD0 or U+FDD1, which mark generation spans".into());
+    }
     let mut env = Environment::new();
     env.set_syntax(
         minijinja::syntax::SyntaxConfig::builder()
@@ -283,45 +292,105 @@ fn render(template: &str, context_json: &str) -> Result<String, String> {
     env.add_function("strftime_now", strftime_now);
     env.add_function("__lorarun_generation", generation);
     env.add_filter("tojson", tojson);
-    let source = rewrite_generation_tags(template);
-    let t = env.template_from_str(&source).map_err(|e| describe(&e))?;
+    let source: *mut str = Box::into_raw(rewrite_generation_tags(template).into_boxed_str());
+    let mut compiled = Compiled { env, source };
+    // SAFETY: `source` lives until Compiled is dropped, after the environment that borrows it.
+    let text: &'static str = unsafe { &*compiled.source };
+    compiled.env.add_template("chat", text).map_err(|e| describe(&e))?;
+    Ok(compiled)
+}
+
+fn render(compiled: &Compiled, context_json: &str) -> Result<String, String> {
+    if context_json.contains(OPEN) || context_json.contains(CLOSE) {
+        return Err("the messages hold U+FDD0 or U+FDD1, which mark generation spans".into());
+    }
+    let context: serde_json::Value =
+        serde_json::from_str(context_json).map_err(|e| format!("the context is not JSON: {}", e))?;
+    let t = compiled.env.get_template("chat").map_err(|e| describe(&e))?;
     t.render(Value::from(minijinja::value::Serde(&context)))
         .map_err(|e| describe(&e))
 }
 
-/// Renders `template` (UTF-8, `template_len` bytes) with the variables of the JSON object
-/// `context`. Returns 0 and the text in *out (generation spans between U+FDD0 and U+FDD1), or 1
-/// and a one-line message ("line N: ...") in *out. *out is freed with lorarun_chat_free.
+/// Hands `text` to the caller as *out / *out_len (freed with lorarun_chat_free).
+unsafe fn give(text: String, out: *mut *mut u8, out_len: *mut usize) {
+    let mut bytes = text.into_bytes().into_boxed_slice();
+    *out_len = bytes.len();
+    *out = bytes.as_mut_ptr();
+    std::mem::forget(bytes);
+}
+
+/// Compiles `template` (UTF-8, `template_len` bytes). Returns 0 and a handle in *handle (released
+/// with lorarun_chat_release), or 1 and a one-line message ("line N: ...") in *error (freed with
+/// lorarun_chat_free).
 ///
 /// # Safety
-/// The pointers must be valid for the lengths given; `out` and `out_len` must be writable.
+/// The pointers must be valid for the lengths given; the out-pointers must be writable.
 #[no_mangle]
-pub unsafe extern "C" fn lorarun_chat_render(
+pub unsafe extern "C" fn lorarun_chat_compile(
     template: *const u8,
     template_len: usize,
+    handle: *mut *mut Compiled,
+    error: *mut *mut u8,
+    error_len: *mut usize,
+) -> i32 {
+    let t = std::slice::from_raw_parts(template, template_len);
+    let result = match std::str::from_utf8(t) {
+        Ok(t) => compile(t),
+        Err(_) => Err("the template is not UTF-8".to_string()),
+    };
+    match result {
+        Ok(c) => {
+            *handle = Box::into_raw(Box::new(c));
+            0
+        }
+        Err(e) => {
+            give(e, error, error_len);
+            1
+        }
+    }
+}
+
+/// Releases what lorarun_chat_compile made.
+///
+/// # Safety
+/// `handle` must come from lorarun_chat_compile, released once.
+#[no_mangle]
+pub unsafe extern "C" fn lorarun_chat_release(handle: *mut Compiled) {
+    if !handle.is_null() {
+        drop(Box::from_raw(handle));
+    }
+}
+
+/// Renders the compiled template with the variables of the JSON object `context`. Returns 0 and
+/// the text in *out (generation spans between U+FDD0 and U+FDD1), or 1 and a one-line message
+/// ("line N: ...") in *out. *out is freed with lorarun_chat_free. Several threads may render one
+/// handle at once.
+///
+/// # Safety
+/// `handle` must be live; the pointers must be valid for the lengths given; `out` and `out_len`
+/// must be writable.
+#[no_mangle]
+pub unsafe extern "C" fn lorarun_chat_render(
+    handle: *const Compiled,
     context: *const u8,
     context_len: usize,
     out: *mut *mut u8,
     out_len: *mut usize,
 ) -> i32 {
-    let t = std::slice::from_raw_parts(template, template_len);
     let c = std::slice::from_raw_parts(context, context_len);
-    let result = match (std::str::from_utf8(t), std::str::from_utf8(c)) {
-        (Ok(t), Ok(c)) => render(t, c),
-        _ => Err("the template or the context is not UTF-8".to_string()),
+    let result = match std::str::from_utf8(c) {
+        Ok(c) => render(&*handle, c),
+        Err(_) => Err("the context is not UTF-8".to_string()),
     };
     let (status, text) = match result {
         Ok(s) => (0, s),
         Err(e) => (1, e),
     };
-    let mut bytes = text.into_bytes().into_boxed_slice();
-    *out_len = bytes.len();
-    *out = bytes.as_mut_ptr();
-    std::mem::forget(bytes);
+    give(text, out, out_len);
     status
 }
 
-/// Frees what lorarun_chat_render returned.
+/// Frees what lorarun_chat_render or lorarun_chat_compile returned.
 ///
 /// # Safety
 /// `p` and `len` must be what one call of lorarun_chat_render wrote, freed once.
