@@ -129,7 +129,10 @@ TEST_CASE(
   CHECK(worst_ref <= 1e-5);
 }
 
-TEST_CASE("eval: an evaluation selection that overlaps the training documents is refused at start-up", "[e2e]") {
+TEST_CASE(
+    "eval: an evaluation selection that overlaps the training documents is refused at start-up, a separate "
+    "file is evaluated",
+    "[e2e]") {
   const std::string dir = temp_dir("eval-overlap");
   write_data(dir + "/data.jsonl", 8);
   const std::string recipe = write_recipe(dir, "r", "epochs: 1");
@@ -146,6 +149,23 @@ TEST_CASE("eval: an evaluation selection that overlaps the training documents is
   CHECK_THAT(refused("'eval.filter={split: eval}'"), Catch::Contains("eval.filter needs data.source: mongodb"));
   CHECK_THAT(refused("eval.fraction=1e-9"), Catch::Contains("holds out no document of data.path"));
   CHECK(!std::filesystem::exists(dir + "/r/epoch_0"));
+
+  // A separate file (eval.path), capped by eval.max_documents, evaluated eval.batch_size at a time.
+  write_data(dir + "/eval.jsonl", 6, 100);
+  const std::string extra = fmt::format("eval: {{path: {}/eval.jsonl, max_documents: 4, batch_size: 3}}\n", dir);
+  const std::string other = write_recipe(dir, "p", "epochs: 2", "", "", extra);
+  const Result plan = sh(fmt::format("{} --dry-run {}", bin("lora-train"), other));
+  CHECK_THAT(plan.output, Catch::Contains(fmt::format("# evaluation: eval.path {}/eval.jsonl (at most 4 documents), "
+                                                      "at each epoch end",
+                                                      dir)));
+  const Result r = sh(fmt::format("{} {}", bin("lora-train"), other));
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  const Metrics m = metrics(dir + "/p");
+  REQUIRE(m.eval.size() == 2);
+  for (const auto& row : m.eval) CHECK(row.at("eval_documents") == 4);
+  CHECK(m.eval[0].at("epoch") == 0);
+  CHECK(m.eval[1].at("epoch") == 1);
 }
 
 TEST_CASE("eval: MongoDB, by eval.filter and by eval.fraction of the _ids, evaluations in the run record",
