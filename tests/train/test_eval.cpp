@@ -77,6 +77,9 @@ TEST_CASE(
   // (d) the held-out documents are not in the training selection, and are all evaluated.
   CHECK_THAT(run.output, Catch::Contains(fmt::format("{} documents from", trained)));
   CHECK_THAT(run.output, Catch::Contains(fmt::format("evaluating on {} documents", held)));
+  // lora-data stats counts what training reads.
+  const Result stats = sh(fmt::format("{} stats {}", bin("lora-data"), a));
+  CHECK_THAT(stats.output, Catch::Contains(fmt::format(" {} selected", trained)));
 
   // (a) an evaluation at each epoch end and every 2 steps, each once.
   const Metrics m = metrics(dir + "/a");
