@@ -113,13 +113,13 @@ struct RecipeArgs {
   bool as_json = false;
 };
 
-// A recipe, its model's tokenizer and its selected documents. Not movable: docs refers to
-// recipe.data.
+// A recipe, its model's tokenizer and the selected documents training reads (eval.fraction's
+// held-out ones left out). Not movable: docs refers to recipe.data.
 struct Dataset {
   explicit Dataset(const RecipeArgs& a)
       : recipe(recipe::load_recipe(a.recipe, a.overrides)),
         tokenizer(lorarun::model::load_tokenizer(recipe.model.path)),
-        docs(recipe.data) {}
+        docs(recipe.data, data::Holdout{recipe.eval.fraction, false}) {}
   Dataset(const Dataset&) = delete;
   const recipe::Recipe recipe;
   const tok::Tokenizer tokenizer;

@@ -52,14 +52,32 @@ std::unique_ptr<Client> connect(const recipe::DataSection& d) {
 
 }  // namespace
 
-Documents::Documents(const recipe::DataSection& d) : d_(d) {
+bool held_out(std::string_view key, double fraction) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (const char c : key) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 0x100000001b3ULL;
+  }
+  return static_cast<double>(h >> 11) * 0x1.0p-53 < fraction;
+}
+
+Documents::Documents(const recipe::DataSection& d, const Holdout& holdout) : d_(d), holdout_(holdout) {
   if (d.source == recipe::Source::Jsonl) {
     std::ifstream in(d.path);
     if (!in) throw Error(fmt::format("data.path {} cannot be read", d.path));
     for (std::string line; std::getline(in, line);)
       if (line.find_first_not_of(" \t\r") != std::string::npos) lines_.push_back(line);
     if (d.limit && static_cast<int64_t>(lines_.size()) > *d.limit) lines_.resize(static_cast<size_t>(*d.limit));
-    if (lines_.empty()) throw Error(fmt::format("data.path {} holds no documents", d.path));
+    std::erase_if(lines_, [&](const std::string& line) { return !keep(line); });
+    if (holdout_.max && static_cast<int64_t>(lines_.size()) > *holdout_.max)
+      lines_.resize(static_cast<size_t>(*holdout_.max));
+    if (lines_.empty())
+      throw Error(holdout_.fraction <= 0 ? fmt::format("data.path {} holds no documents", d.path)
+                  : holdout_.eval
+                      ? fmt::format("eval.fraction {} holds out no document of data.path {}: raise eval.fraction",
+                                    holdout_.fraction, d.path)
+                      : fmt::format("eval.fraction {} holds out every document of data.path {}: lower eval.fraction",
+                                    holdout_.fraction, d.path));
     size_ = static_cast<int64_t>(lines_.size());
     return;
   }
@@ -71,6 +89,10 @@ Documents::Documents(const recipe::DataSection& d) : d_(d) {
     selecting(d, *client_, [&] { list_ids(); });
     size_ = static_cast<int64_t>(ids_.size());
   }
+  if (size_ == 0 && holdout_.fraction > 0)
+    throw Error(fmt::format("eval.fraction {} {} of data.filter {}'s documents: {} eval.fraction", holdout_.fraction,
+                            holdout_.eval ? "holds out none" : "holds out every one", d.filter.dump(),
+                            holdout_.eval ? "raise" : "lower"));
   check_not_empty(d, *client_, size_);
 }
 
@@ -102,6 +124,11 @@ Documents::~Documents() = default;
 void Documents::list_ids() const {
   if (listed_) return;
   ids_ = client_->sorted_ids(d_.database, d_.collection, d_.filter, d_.limit);
+  if (holdout_.fraction > 0) {
+    std::erase_if(ids_, [&](const std::string& id) { return !keep(id); });
+    if (holdout_.max && static_cast<int64_t>(ids_.size()) > *holdout_.max)
+      ids_.resize(static_cast<size_t>(*holdout_.max));
+  }
   listed_ = true;
   if (size_ && static_cast<int64_t>(ids_.size()) != size_)
     throw Error(fmt::format("{}.{} changed while training ({} documents, then {}): keep the selection fixed",

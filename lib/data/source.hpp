@@ -10,7 +10,9 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <variant>
 #include <vector>
@@ -40,9 +42,20 @@ struct DataUnavailable : Error {
 // the server rejects an Error naming data.filter. With data.shuffle: stream a MongoDB selection
 // is only counted, never listed: memory does not grow with the collection (fetch() by position
 // lists the ids on first use). Thread-safe.
+// Which side of eval.fraction's split a Documents holds: a document is held out when
+// held_out(key, fraction), its key being its canonical {"_id": …} (MongoDB) or its line (JSONL).
+struct Holdout {
+  double fraction = 0;         // 0: no split, every selected document
+  bool eval = false;           // the held-out documents (else the others)
+  std::optional<int64_t> max;  // at most this many of them (the first, in order)
+};
+// FNV-1a 64 of `key`, its top 53 bits as a number in [0, 1), below `fraction`: stable across runs,
+// ranks and machines (tests/reference/train_reference.py computes the same).
+bool held_out(std::string_view key, double fraction);
+
 class Documents {
  public:
-  explicit Documents(const recipe::DataSection& d);
+  explicit Documents(const recipe::DataSection& d, const Holdout& holdout = {});
   ~Documents();
   int64_t size() const { return size_; }
   const recipe::DataSection& config() const { return d_; }
@@ -62,7 +75,11 @@ class Documents {
 
  private:
   void list_ids() const;
+  bool keep(std::string_view key) const {
+    return holdout_.fraction <= 0 || held_out(key, holdout_.fraction) == holdout_.eval;
+  }
   const recipe::DataSection& d_;
+  const Holdout holdout_;
   std::unique_ptr<Client> client_;
   int64_t size_ = 0;
   mutable std::mutex mu_;                 // one request at a time on client_

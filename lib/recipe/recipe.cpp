@@ -220,7 +220,9 @@ void read(const YAML::Node& n, T& out, Field f) {
       return;
     }
     if (!n.IsMap())
-      f.expected(f.key == "data.filter" ? "a mapping (a MongoDB query such as {split: train})" : "a mapping", n, false);
+      f.expected(f.key == "data.filter" || f.key == "eval.filter" ? "a mapping (a MongoDB query such as {split: train})"
+                                                                  : "a mapping",
+                 n, false);
     out = yaml_to_json(n, f);
   } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {  // lora.target_modules
     read_modules(n, out, f);
@@ -316,7 +318,8 @@ void set_path(YAML::Node& root, const std::vector<std::string>& parts, const YAM
   node[parts.back()] = value;
 }
 
-// Applies "section.key=value" overrides to the tree; data.filter.a.b=… reaches into the filter.
+// Applies "section.key=value" overrides to the tree; data.filter.a.b=… (and eval.filter.…) reaches
+// into the filter.
 void apply_overrides(YAML::Node& tree, const std::vector<std::string>& overrides, RecipeOrigin& origin) {
   for (const std::string& o : overrides) {
     const size_t eq = o.find('=');
@@ -332,7 +335,7 @@ void apply_overrides(YAML::Node& tree, const std::vector<std::string>& overrides
     if (!is_section(parts[0])) throw Error(fmt::format("{}: {}", where, unknown_top_message(parts[0])));
     const std::string dotted = parts[0] + "." + parts[1];
     if (!is_key(dotted)) throw Error(fmt::format("{}: {}", where, unknown_key_message(parts[0], parts[1])));
-    if (parts.size() > 2 && dotted != "data.filter" && dotted != "data.chat_template_kwargs")
+    if (parts.size() > 2 && dotted != "data.filter" && dotted != "eval.filter" && dotted != "data.chat_template_kwargs")
       throw Error(fmt::format("{}: {} has no sub-keys; write {}=VALUE", where, dotted, dotted));
     const YAML::Node value = override_value(o.substr(eq + 1), parts.size() == 2 && is_string_key(dotted), where);
     set_path(tree, parts, value);

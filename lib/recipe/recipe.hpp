@@ -212,6 +212,22 @@ struct TrackSection {
   bool operator==(const TrackSection&) const = default;
 };
 
+// Evaluation while training: a held-out set, its loss logged at each epoch end (and every N steps).
+struct EvalSection {
+  nlohmann::json filter = nlohmann::json::object();  // empty: none
+  std::string path;
+  double fraction = 0.0;
+  std::optional<int> every_n_steps;
+  std::optional<int64_t> max_documents;
+  std::optional<int> batch_size;
+  // Whether the run evaluates: a filter (mongodb), a path (jsonl) or a fraction is given; the
+  // other source's key is ignored, as data's are.
+  bool enabled(Source source) const {
+    return fraction > 0 || (source == Source::MongoDB ? !filter.empty() : !path.empty());
+  }
+  bool operator==(const EvalSection&) const = default;
+};
+
 struct Recipe {
   ModelSection model;
   LoraSection lora;
@@ -220,12 +236,13 @@ struct Recipe {
   CheckpointSection checkpoint;
   DistSection dist;
   TrackSection track;
+  EvalSection eval;
   std::vector<std::string> warnings;  // one line each, for the caller to print
 
   // Same settings (warnings, which name where a recipe came from, are not compared).
   bool operator==(const Recipe& o) const {
     return model == o.model && lora == o.lora && data == o.data && train == o.train && checkpoint == o.checkpoint &&
-           dist == o.dist && track == o.track;
+           dist == o.dist && track == o.track && eval == o.eval;
   }
 };
 

@@ -13,8 +13,8 @@
 
 namespace lorarun::recipe::detail {
 
-inline constexpr std::array<std::string_view, 7> kSections{"model",      "lora", "data", "train",
-                                                           "checkpoint", "dist", "track"};
+inline constexpr std::array<std::string_view, 8> kSections{"model",      "lora", "data",  "train",
+                                                           "checkpoint", "dist", "track", "eval"};
 
 // How far a number may go. Messages and docs/recipe.md word it the same way (bound_text):
 // whole numbers "at least 1", other numbers ">= 0", "> 0", "in [0, 1)", "in [0, 3600] seconds".
@@ -289,6 +289,39 @@ void for_each_key(R& r, V&& v) {
     r.track.database);
   v(Key{.name = "track.log_every_n_steps", .bound = at_least(1), .meaning = "a metrics line every N optimizer steps"},
     r.track.log_every_n_steps);
+
+  v(Key{.name = "eval.filter",
+        .example = "{split: eval}",
+        .meaning = "source: mongodb: a query on data's collection selecting the evaluation documents; empty: none"},
+    r.eval.filter);
+  v(Key{.name = "eval.path",
+        .example = "data/eval.jsonl",
+        .meaning = "source: jsonl: a separate file of evaluation documents, one JSON document per line"},
+    r.eval.path);
+  v(Key{.name = "eval.fraction",
+        .bound = within(0, 1, true),
+        .example = "0.05",
+        .meaning =
+            "hold out this share of data's selection (a stable hash of each `_id` or JSONL line), never trained"},
+    r.eval.fraction);
+  v(Key{.name = "eval.every_n_steps",
+        .bound = at_least(1),
+        .example = "500",
+        .null_means = "at the end of each epoch only",
+        .meaning = "also evaluate every N optimizer steps (always at each epoch end when eval is set)"},
+    r.eval.every_n_steps);
+  v(Key{.name = "eval.max_documents",
+        .bound = at_least(1),
+        .example = "1000",
+        .null_means = "all",
+        .meaning = "evaluate on at most this many of the evaluation documents (the first, in `_id` or file order)"},
+    r.eval.max_documents);
+  v(Key{.name = "eval.batch_size",
+        .bound = at_least(1),
+        .example = "8",
+        .null_means = "data.batch_size",
+        .meaning = "evaluation documents per forward pass, per rank"},
+    r.eval.batch_size);
 }
 
 // The key names: "model.path" → section "model", leaf "path".

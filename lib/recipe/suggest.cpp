@@ -170,11 +170,17 @@ constexpr Alias kAliases[] = {
     {"", "save_steps", "checkpoint.state_every_n_steps"},
     {"dist", "timeout", "dist.timeout_s"},
     {"", "logging_steps", "track.log_every_n_steps"},
+    {"", "eval_steps", "eval.every_n_steps"},
+    {"", "per_device_eval_batch_size", "eval.batch_size"},
+    {"", "eval_batch_size", "eval.batch_size"},
+    {"", "val_set_size", "eval.fraction"},
+    {"", "validation_split", "eval.fraction"},
 };
 constexpr std::pair<std::string_view, std::string_view> kSectionAliases[] = {
-    {"trainer", "train"}, {"optim", "train"},     {"optimizer", "train"}, {"peft", "lora"},
-    {"adapter", "lora"},  {"ckpt", "checkpoint"}, {"save", "checkpoint"}, {"logging", "track"},
-    {"wandb", "track"},   {"tracking", "track"},  {"dataset", "data"},    {"distributed", "dist"},
+    {"trainer", "train"},   {"optim", "train"},     {"optimizer", "train"}, {"peft", "lora"},
+    {"adapter", "lora"},    {"ckpt", "checkpoint"}, {"save", "checkpoint"}, {"logging", "track"},
+    {"wandb", "track"},     {"tracking", "track"},  {"dataset", "data"},    {"distributed", "dist"},
+    {"evaluation", "eval"}, {"validation", "eval"},
 };
 
 std::optional<std::string> alias(std::string_view section, std::string_view name) {

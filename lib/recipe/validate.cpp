@@ -1,6 +1,7 @@
 // validate(): the rules that span several keys (what one key alone allows is declared in
 // schema.hpp), the checkpoint policy and prompt templates.
 #include <algorithm>
+#include <filesystem>
 #include <set>
 
 #include <fmt/format.h>
@@ -174,6 +175,44 @@ constexpr Rule kRules[] = {
              "checkpoint.epochs_to_save: {}; only epoch_{}/ is kept (remove one of the "
              "two keys)",
              o.at("checkpoint.save_last_epoch_only"), detail::yaml_text(c.epochs_to_save), r.train.epochs - 1));
+     }},
+    // Evaluation documents are never trained on: a selection that would overlap data's is refused.
+    {"eval.filter",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (r.eval.filter.empty()) return;
+       if (r.data.source == Source::Jsonl)
+         fail(o, "eval.filter",
+              "needs data.source: mongodb (JSONL documents are not filtered); use eval.path or eval.fraction");
+       if (r.eval.filter == r.data.filter)
+         fail(o, "eval.filter",
+              fmt::format("is data.filter ({}), so the evaluation documents would be trained on: give data.filter "
+                          "and eval.filter disjoint queries (e.g. {{split: train}} and {{split: eval}}) or use "
+                          "eval.fraction",
+                          r.data.filter.dump()));
+     }},
+    {"eval.path",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (r.eval.path.empty() || r.data.source != Source::Jsonl) return;  // mongodb: ignored, as data.path
+       std::error_code ec;
+       const auto a = std::filesystem::weakly_canonical(r.eval.path, ec);
+       const auto b = std::filesystem::weakly_canonical(r.data.path, ec);
+       if (r.eval.path == r.data.path || (!ec && a == b))
+         fail(o, "eval.path",
+              "is data.path, so the evaluation documents would be trained on: give a separate file or use "
+              "eval.fraction");
+     }},
+    {"eval.fraction",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (r.eval.fraction <= 0) return;
+       if (!r.eval.filter.empty() || (r.data.source == Source::Jsonl && !r.eval.path.empty()))
+         fail(o, "eval.fraction",
+              fmt::format("holds out part of data's selection, and eval.{} is set too, which would overlap it or "
+                          "train on it: set only one of eval.fraction, eval.filter, eval.path",
+                          r.eval.filter.empty() ? "path" : "filter"));
+       if (r.data.source == Source::MongoDB && r.data.shuffle == Shuffle::Stream)
+         fail(o, "eval.fraction",
+              "needs the selection's ids, which data.shuffle: stream never lists: use data.shuffle: global or none, "
+              "or eval.filter");
      }},
     {"dist.backend",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {

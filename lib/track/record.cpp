@@ -53,10 +53,14 @@ json storable(const json& j) {
   return out;
 }
 
-// data.filter is a MongoDB query ({"$gt": …}, "meta.lang"): always stored as its JSON text.
+// data.filter and eval.filter are MongoDB queries ({"$gt": …}, "meta.lang"): always stored as their
+// JSON text.
+constexpr const char* kFilterSections[] = {"data", "eval"};
+
 json stored_recipe(json r) {
-  if (r.contains("data") && r["data"].contains("filter") && !r["data"]["filter"].is_string())
-    r["data"]["filter"] = r["data"]["filter"].dump();
+  for (const char* section : kFilterSections)
+    if (r.contains(section) && r[section].contains("filter") && !r[section]["filter"].is_string())
+      r[section]["filter"] = r[section]["filter"].dump();
   return storable(r);
 }
 
@@ -223,11 +227,14 @@ json load_run_recipe(const std::string& uri, const std::string& database, const 
   json recipe = find_run(client, database, id).value("recipe", json());
   if (!recipe.is_object())
     throw Error(fmt::format("run {}/{} has no stored recipe: it was not recorded by lora-train", database, id));
-  if (recipe.contains("data") && recipe["data"].contains("filter") && recipe["data"]["filter"].is_string())
-    recipe["data"]["filter"] = json::parse(recipe["data"]["filter"].get<std::string>(), nullptr, false);
-  if (recipe.contains("data") && recipe["data"].contains("filter") && recipe["data"]["filter"].is_discarded())
-    throw Error(
-        fmt::format("run {}/{}: its stored data.filter is not JSON; the record was edited by hand", database, id));
+  for (const char* section : kFilterSections) {
+    if (!recipe.contains(section) || !recipe[section].contains("filter")) continue;
+    json& filter = recipe[section]["filter"];
+    if (filter.is_string()) filter = json::parse(filter.get<std::string>(), nullptr, false);
+    if (filter.is_discarded())
+      throw Error(fmt::format("run {}/{}: its stored {}.filter is not JSON; the record was edited by hand", database,
+                              id, section));
+  }
   return recipe;
 }
 

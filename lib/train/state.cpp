@@ -25,11 +25,12 @@ namespace fs = std::filesystem;
 bool may_change(const std::string& key) {
   for (const char* p : {"checkpoint.", "track.", "dist.", "data.uri", "data.prefetch", "data.retr"})
     if (key.rfind(p, 0) == 0) return true;
-  return false;
+  // What is evaluated may change; eval.fraction decides which documents are trained on.
+  return key.rfind("eval.", 0) == 0 && key != "eval.fraction";
 }
 
 void flatten(const nlohmann::json& j, const std::string& prefix, std::map<std::string, nlohmann::json>& out) {
-  if (!j.is_object() || (prefix == "data.filter")) {
+  if (!j.is_object() || prefix == "data.filter" || prefix == "eval.filter") {
     out[prefix] = j;
     return;
   }
@@ -42,6 +43,7 @@ void check_same_recipe(const nlohmann::json& saved, const nlohmann::json& now, c
   for (const auto& [key, value] : b) {
     if (may_change(key)) continue;
     const auto it = a.find(key);
+    if (it == a.end() && key == "eval.fraction" && value == 0.0) continue;  // a state from before eval:
     const std::string was = it == a.end() ? "(absent)" : it->second.dump();
     if (was != value.dump())
       throw Error(

@@ -18,6 +18,7 @@
 
 #include "data/batches.hpp"
 #include "data/collate.hpp"
+#include "data/mongo.hpp"
 #include "data/source.hpp"
 #include "dist/grad_buckets.hpp"
 #include "dist/process_group.hpp"
@@ -118,6 +119,7 @@ class Trainer {
   std::vector<data::Example> examples(data::MicroBatches* batches);
   void lose_data(const std::string& why);
   void log_step(const StepResult& s, int epoch, int64_t s_in_epoch);
+  void evaluate(int epoch);
   void save_checkpoint(int epoch);
   void save_state(const Progress& p);
   void check_finite_adapter(const std::string& what);
@@ -143,6 +145,9 @@ class Trainer {
   tok::Tokenizer tokenizer_;
   std::unique_ptr<data::ExampleBuilder> builder_;
   std::unique_ptr<data::Documents> docs_;
+  recipe::DataSection eval_data_;               // the evaluation documents' selection (eval:)
+  std::unique_ptr<data::Documents> eval_docs_;  // none when eval is not set
+  std::optional<double> last_eval_loss_;
   std::vector<at::Tensor> params_;
   std::unique_ptr<torch::optim::AdamW> opt_;
   std::unique_ptr<dist::GradBuckets> sync_;
@@ -215,7 +220,30 @@ model::CausalLM Trainer::setup_model() {
 // This rank's documents (connecting within data.timeout_s) and the steps they make.
 void Trainer::setup_data() {
   builder_ = std::make_unique<data::ExampleBuilder>(r_.data, tokenizer_);
-  docs_ = std::make_unique<data::Documents>(r_.data);
+  const recipe::EvalSection& e = r_.eval;
+  docs_ = std::make_unique<data::Documents>(r_.data, data::Holdout{e.fraction, false});
+  if (e.enabled(r_.data.source)) {
+    // Read and built as training data is (the same builder); in position order, every id listed.
+    eval_data_ = r_.data;
+    eval_data_.shuffle = recipe::Shuffle::None;
+    if (e.fraction <= 0) {
+      if (r_.data.source == recipe::Source::MongoDB)
+        eval_data_.filter = e.filter;
+      else
+        eval_data_.path = e.path;
+      eval_data_.limit = e.max_documents;
+    }
+    try {
+      eval_docs_ = std::make_unique<data::Documents>(eval_data_, data::Holdout{e.fraction, true, e.max_documents});
+    } catch (const Error& err) {
+      if (std::string_view(err.what()).starts_with("eval.")) throw;
+      throw Error(fmt::format("the evaluation documents (eval.{}): {}",
+                              e.fraction > 0                            ? "fraction"
+                              : r_.data.source == recipe::Source::Jsonl ? "path"
+                                                                        : "filter",
+                              err.what()));
+    }
+  }
   const int64_t per_rank = data::examples_per_rank(docs_->size(), env_.world_size);
   steps_per_epoch_ = (per_rank + examples_per_step_ - 1) / examples_per_step_;
   if (r_.train.max_steps_per_epoch)
@@ -296,6 +324,11 @@ void Trainer::begin(Progress& p, bool resumed) {
                   model::trainable_summary(m_), docs_->size(), docs_->describe(), env_.world_size, steps_per_epoch_,
                   std::max<size_t>(1, sync_->buckets())));
   if (r_.lora.quantize_base) info(nf4_summary(m_));
+  if (eval_docs_)
+    info(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", eval_docs_->size(),
+                     eval_docs_->describe(),
+                     r_.eval.fraction > 0 ? fmt::format(" (eval.fraction {})", r_.eval.fraction) : "",
+                     r_.eval.every_n_steps ? fmt::format(" and every {} steps", *r_.eval.every_n_steps) : ""));
   if (resumed)
     info(fmt::format("resuming at epoch {} step {} (step {} of {})", p.epoch, p.step_in_epoch, p.step, total_steps_));
   start_record(p, resumed);
@@ -329,6 +362,7 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
     log_step(res, epoch, s);
     if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) check_replicas();
     const bool last = s + 1 == steps_per_epoch_;
+    if (eval_docs_ && !last && r_.eval.every_n_steps && step_ % *r_.eval.every_n_steps == 0) evaluate(epoch);
     const auto every = r_.checkpoint.state_every_n_steps;
     if (!last && (res.stop || (every && step_ % *every == 0))) save_state({epoch, s + 1, step_, run_id});
     if (!last && stop) return stopped();
@@ -340,6 +374,7 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
                     "bad, longer than data.max_length with data.overlong=skip, or with no trained token); fix "
                     "the data or the data.* keys (see the warnings above)",
                     epoch, rejected_total_));
+  if (eval_docs_) evaluate(epoch);
   save_checkpoint(epoch);
   if (epoch + 1 < r_.train.epochs) save_state({epoch + 1, 0, step_, run_id});
   if (stop && epoch + 1 < r_.train.epochs) return stopped();
@@ -490,12 +525,13 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
       "eta {}",
       epoch, r_.train.epochs, s_in_epoch + 1, steps_per_epoch_, s.loss, s.lr, s.grad_norm, s.tokens / s.seconds,
       100 * s.data_wait, clock_text(eta));
+  const std::string shown = last_eval_loss_ ? fmt::format("{} eval_loss {:.4f}", line, *last_eval_loss_) : line;
   if (tty_) {
-    std::fputs(("\r\033[K" + line).c_str(), stdout);
+    std::fputs(("\r\033[K" + shown).c_str(), stdout);
     std::fflush(stdout);
   }
   if (step_ % r_.track.log_every_n_steps != 0) return;
-  info(line, lead_ && !tty_);
+  info(shown, lead_ && !tty_);
   if (!lead_) return;
   const nlohmann::json row = {{"epoch", epoch},
                               {"step", step_},
@@ -514,18 +550,82 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
   last_row_ = row;
 }
 
+// The loss over the evaluation documents, the model as it is now: rank r takes the documents
+// r, r+W, r+2W, … (no padding, so each counts once), in eval mode (no dropout) without gradients,
+// and the ranks sum (loss, tokens) in float64: the token-weighted mean over the whole set, the same
+// on any number of ranks. Rank 0 logs it (metrics.jsonl, the run record); every rank learns it.
+void Trainer::evaluate(int epoch) {
+  const auto t0 = Clock::now();
+  const int64_t n = eval_docs_->size(), per_batch = r_.eval.batch_size.value_or(r_.data.batch_size);
+  const std::vector<std::string> fields = builder_->fields();
+  double loss = 0;
+  int64_t tokens = 0, documents = 0, rejected = 0;
+  {
+    c10::NoGradGuard no_grad;
+    m_.training = false;
+    for (int64_t first = env_.rank; first < n; first += per_batch * env_.world_size) {
+      std::vector<int64_t> positions;
+      for (int64_t p = first; p < n && static_cast<int64_t>(positions.size()) < per_batch; p += env_.world_size)
+        positions.push_back(p);
+      std::vector<data::Example> batch;
+      for (const data::Found& f : eval_docs_->fetch_found(positions, fields)) {
+        data::Built built = data::build_found(*builder_, f);
+        if (auto* ex = std::get_if<data::Example>(&built))
+          batch.push_back(std::move(*ex));
+        else
+          ++rejected;
+      }
+      documents += static_cast<int64_t>(batch.size());
+      const data::Batch b = data::collate(batch, r_.data.packing, static_cast<size_t>(r_.data.max_length), device_);
+      if (b.tokens == 0) continue;
+      const at::Tensor hidden = m_.hidden_states(b.ids, b.mask, nullptr, r_.data.packing);
+      const model::LossSum l = model::lm_head_loss(hidden, m_.lm_head(), b.rows, b.targets, m_.config().logit_softcap);
+      loss += l.sum.to(at::kDouble).item<double>();
+      tokens += b.tokens;
+    }
+    m_.training = true;
+  }
+  at::Tensor sums = at::tensor({loss, double(tokens), double(documents), double(rejected)}, at::kDouble).to(device_);
+  if (env_.world_size > 1) pg_.all_reduce_sum(sums);
+  sums = sums.cpu();
+  const double* t = sums.data_ptr<double>();
+  const auto total_tokens = static_cast<int64_t>(t[1]);
+  if (total_tokens == 0)
+    throw Error(
+        fmt::format("the evaluation documents ({}) hold no trained token: {} of {} were rejected (bad, or longer "
+                    "than data.max_length with data.overlong=skip); fix the eval: selection",
+                    eval_docs_->describe(), static_cast<int64_t>(t[3]), n));
+  const double mean = t[0] / t[1];
+  last_eval_loss_ = mean;
+  if (!lead_) return;
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  const nlohmann::json row = {{"epoch", epoch},
+                              {"step", step_},
+                              {"eval_loss", mean},
+                              {"eval_ppl", std::exp(mean)},
+                              {"eval_tokens", total_tokens},
+                              {"eval_documents", static_cast<int64_t>(t[2])},
+                              {"eval_rejected", static_cast<int64_t>(t[3])},
+                              {"eval_seconds", seconds}};
+  if (tty_) std::fputs("\n", stdout);
+  info(fmt::format(
+      "eval at epoch {} step {}: eval_loss {:.6f} eval_ppl {:.4f} over {} tokens of {} documents ({:.1f} s)", epoch,
+      step_, mean, std::exp(mean), total_tokens, static_cast<int64_t>(t[2]), seconds));
+  metrics_ << row.dump() << "\n" << std::flush;
+  if (record_) record_->metrics(row);
+  for (const char* k : {"eval_loss", "eval_ppl", "eval_tokens"}) last_row_[k] = row[k];
+}
+
 // track.mongodb: the run document in <track.database>.runs (continued when resuming).
 void Trainer::start_record(Progress& p, bool resumed) {
   if (!r_.track.mongodb || r_.data.uri.empty() || r_.track.database.empty()) return;
   record_ =
       std::make_unique<track::RunRecorder>(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
-  const nlohmann::json run_info = {{"torch_version", TORCH_VERSION},
-                                   {"world_size", env_.world_size},
-                                   {"device", cuda_ ? "cuda" : "cpu"},
-                                   {"data", docs_->describe()},
-                                   {"documents", docs_->size()},
-                                   {"steps_per_epoch", steps_per_epoch_},
-                                   {"output_dir", fs::absolute(out_).string()}};
+  const nlohmann::json run_info = {
+      {"torch_version", TORCH_VERSION},      {"world_size", env_.world_size},
+      {"device", cuda_ ? "cuda" : "cpu"},    {"data", docs_->describe()},
+      {"documents", docs_->size()},          {"eval_documents", eval_docs_ ? eval_docs_->size() : 0},
+      {"steps_per_epoch", steps_per_epoch_}, {"output_dir", fs::absolute(out_).string()}};
   const std::optional<std::string> again = resumed && !p.run_id.empty() ? std::optional(p.run_id) : std::nullopt;
   p.run_id = record_->begin(recipe::to_json(r_), run_info, again);
   info(fmt::format("run recorded as {} (lora-train --from-run {} repeats it)", record_->ref(), record_->ref()));

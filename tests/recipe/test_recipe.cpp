@@ -193,7 +193,63 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "dist.bucket_mb",
                                 "track.mongodb",
                                 "track.database",
-                                "track.log_every_n_steps"});
+                                "track.log_every_n_steps",
+                                "eval.filter",
+                                "eval.path",
+                                "eval.fraction",
+                                "eval.every_n_steps",
+                                "eval.max_documents",
+                                "eval.batch_size"});
+}
+
+TEST_CASE("eval: off by default, and an evaluation selection that would overlap the training documents is refused") {
+  const Recipe r = load(kBase);
+  CHECK_FALSE(r.eval.enabled(r.data.source));
+  CHECK(r.eval.filter == nlohmann::json::object());
+  CHECK(r.eval.fraction == 0.0);
+  CHECK_FALSE(r.eval.every_n_steps);
+  CHECK_FALSE(r.eval.max_documents);
+  CHECK_FALSE(r.eval.batch_size);
+  CHECK(load(kBase, {"eval.filter={split: eval}"}).eval.enabled(Source::MongoDB));
+  CHECK(load(kBase, {"eval.filter.split=eval"}).eval.filter == nlohmann::json{{"split", "eval"}});
+  CHECK(load(kBase, {"eval.fraction=0.1", "eval.every_n_steps=50"}).eval.enabled(Source::MongoDB));
+  // eval.path is for JSONL sources; with mongodb it is ignored, as data.path is.
+  CHECK_FALSE(load(kBase, {"eval.path=e.jsonl"}).eval.enabled(Source::MongoDB));
+  const std::string jsonl = "model: {path: /models/m}\ndata: {source: jsonl, path: d.jsonl, prompt_template: x}\n";
+  CHECK(recipe_from_yaml(YAML::Load(jsonl), {"eval.path=e.jsonl"}).eval.enabled(Source::Jsonl));
+
+  CHECK(override_error({"data.filter={split: a}", "eval.filter={split: a}"}) ==
+        "recipe.yaml (override 'eval.filter={split: a}'): eval.filter is data.filter ({\"split\":\"a\"}), so the "
+        "evaluation documents would be trained on: give data.filter and eval.filter disjoint queries (e.g. {split: "
+        "train} and {split: eval}) or use eval.fraction");
+  CHECK(override_error({"eval.fraction=0.1", "eval.filter={split: eval}"}) ==
+        "recipe.yaml (override 'eval.fraction=0.1'): eval.fraction holds out part of data's selection, and "
+        "eval.filter is set too, which would overlap it or train on it: set only one of eval.fraction, eval.filter, "
+        "eval.path");
+  CHECK(override_error({"eval.fraction=0.1", "data.shuffle=stream"}) ==
+        "recipe.yaml (override 'eval.fraction=0.1'): eval.fraction needs the selection's ids, which data.shuffle: "
+        "stream never lists: use data.shuffle: global or none, or eval.filter");
+  const auto jsonl_error = [&](const Strings& o) {
+    try {
+      recipe_from_yaml(YAML::Load(jsonl), o);
+    } catch (const lorarun::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  CHECK(jsonl_error({"eval.path=d.jsonl"}) ==
+        "recipe.yaml (override 'eval.path=d.jsonl'): eval.path is data.path, so the evaluation documents would be "
+        "trained on: give a separate file or use eval.fraction");
+  CHECK(jsonl_error({"eval.fraction=0.1", "eval.path=e.jsonl"}) ==
+        "recipe.yaml (override 'eval.fraction=0.1'): eval.fraction holds out part of data's selection, and "
+        "eval.path is set too, which would overlap it or train on it: set only one of eval.fraction, eval.filter, "
+        "eval.path");
+  CHECK(jsonl_error({"eval.filter={split: eval}"}) ==
+        "recipe.yaml (override 'eval.filter={split: eval}'): eval.filter needs data.source: mongodb (JSONL "
+        "documents are not filtered); use eval.path or eval.fraction");
+  CHECK(override_error({"eval.fraction=1"}) ==
+        "recipe.yaml (override 'eval.fraction=1'): eval.fraction must be in [0, 1), got 1.0 (e.g. eval.fraction: "
+        "0.05)");
 }
 
 TEST_CASE("every enum value is accepted") {
@@ -338,7 +394,8 @@ TEST_CASE("unknown sections name the closest section, or the key they hold") {
   CHECK(error_of(kBase + "learning_rate: 1e-4\n") ==
         "recipe.yaml: unknown key 'learning_rate'; did you mean 'train.lr'?");
   CHECK(error_of(kBase + "zzz: 1\n") ==
-        "recipe.yaml: unknown section 'zzz'; the sections are model, lora, data, train, checkpoint, dist, track");
+        "recipe.yaml: unknown section 'zzz'; the sections are model, lora, data, train, checkpoint, dist, track, "
+        "eval");
 }
 
 TEST_CASE("the shape of the file is checked before its values") {
@@ -439,6 +496,9 @@ TEST_CASE("out-of-range values name the bound and an example") {
        "(e.g. dist.debug_checksum_every_n_steps: 100)"},
       {"track.log_every_n_steps=0",
        "track.log_every_n_steps must be at least 1, got 0 (e.g. track.log_every_n_steps: 1)"},
+      {"eval.every_n_steps=0", "eval.every_n_steps must be at least 1 or null, got 0 (e.g. eval.every_n_steps: 500)"},
+      {"eval.max_documents=0", "eval.max_documents must be at least 1 or null, got 0 (e.g. eval.max_documents: 1000)"},
+      {"eval.batch_size=0", "eval.batch_size must be at least 1 or null, got 0 (e.g. eval.batch_size: 8)"},
   };
   for (const auto& [o, message] : cases) {
     INFO(o);

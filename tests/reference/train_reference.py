@@ -11,6 +11,11 @@ usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
            (OURS_DIR/epoch_<EPOCHS-1>); reports match (tests/support/oracle.py) and the measured
            differences, and exits 1 when they differ beyond the tolerances (relative; default 1e-4
            for the losses, 1e-3 for the weights).
+       train_reference.py eval MODEL_DIR ADAPTER_DIR DATA.jsonl FRACTION
+           lora-train's evaluation with eval.fraction FRACTION (> 0; else the whole file, as eval.path):
+           the held-out lines (held_out below), rendered as the training documents, through the
+           adapter in eval mode; reports eval_loss (summed over every trained token of every
+           held-out document, divided by their count), eval_tokens, eval_documents, train_documents
 MODEL_DIR may be a .gguf file: transformers loads it (and its tokenizer) with its own GGUF loading.
 
 Batches follow lora-train's rules: world W ranks, shuffle none, DistributedSampler padding (the
@@ -65,10 +70,28 @@ def init(model_dir, out_dir, r, alpha, seed):
     model.save_pretrained(out_dir)
 
 
+def held_out(line, fraction):
+    """lorarun's eval.fraction split (lib/data/source.cpp): FNV-1a 64 of the line's bytes, its top
+    53 bits as a number in [0, 1), below the fraction."""
+    h = 0xcbf29ce484222325
+    for b in line.encode():
+        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return (h >> 11) * 2.0 ** -53 < fraction
+
+
+def lines_of(data):
+    """The file's documents as lora-train reads them: lines without their newline, blank ones dropped."""
+    return [line[:-1] if line.endswith("\n") else line for line in open(data) if line.strip()]
+
+
 def examples(model_dir, data):
+    return examples_of(model_dir, open(data))
+
+
+def examples_of(model_dir, lines):
     tok, eos = load_tokenizer(model_dir)
     out = []
-    for line in open(data):
+    for line in lines:
         if not line.strip():
             continue
         doc = json.loads(line)
@@ -148,6 +171,26 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
     return 0 if ok else 1
 
 
+def evaluate(model_dir, adapter_dir, data, fraction):
+    lines = lines_of(data)
+    held = [line for line in lines if held_out(line, fraction)] if fraction > 0 else lines
+    model = PeftModel.from_pretrained(load_base(model_dir), adapter_dir)
+    model.eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for ex in examples_of(model_dir, held):
+            ids, labels, mask = collate([ex])
+            logits = model(input_ids=ids, attention_mask=mask).logits.double()
+            total += torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
+                                                       labels[:, 1:].reshape(-1), ignore_index=-100,
+                                                       reduction="sum").item()
+            tokens += int((labels[:, 1:] != -100).sum())
+    print(f"held out {len(held)} of {len(lines)} documents; eval loss {total / tokens:.8f} over {tokens} tokens")
+    oracle.report(eval_loss=total / tokens, eval_tokens=tokens, eval_documents=len(held),
+                  train_documents=len(lines) - len(held) if fraction > 0 else None)
+    return 0
+
+
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "init":
@@ -155,5 +198,7 @@ if __name__ == "__main__":
     elif cmd == "check":
         sys.exit(check(args[0], args[1], args[2], args[3], int(args[4]), int(args[5]), int(args[6]), int(args[7]),
                        float(args[8]), int(args[9]), *map(float, args[10:12])))
+    elif cmd == "eval":
+        sys.exit(evaluate(args[0], args[1], args[2], float(args[3])))
     else:
         sys.exit(__doc__)
