@@ -119,7 +119,7 @@ struct Dataset {
   explicit Dataset(const RecipeArgs& a)
       : recipe(recipe::load_recipe(a.recipe, a.overrides)),
         tokenizer(lorarun::model::load_tokenizer(recipe.model.path)),
-        docs(recipe.data, data::Holdout{recipe.eval.fraction, false}) {}
+        docs(recipe.data, data::Holdout{.fraction = recipe.eval.fraction}) {}
   Dataset(const Dataset&) = delete;
   const recipe::Recipe recipe;
   const tok::Tokenizer tokenizer;

@@ -1,6 +1,8 @@
 // lora-eval: mean loss and perplexity of a base model (+ adapter) over JSONL documents,
 // optionally the loss of every document, on the CPU or a GPU; --dump-logits writes the first
 // batch's logits for reference checks (scripts/gpu-check compares them with transformers').
+// With --recipe: the recipe's eval split (or its training documents), read and built exactly as
+// lora-train reads them, on one rank or on N under lorarun (the ranks' sums are added).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
@@ -9,8 +11,13 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include <torch/cuda.h>
+
 #include "app_main.hpp"
 #include "data/example.hpp"
+#include "data/source.hpp"
+#include "dist/env.hpp"
+#include "dist/process_group.hpp"
 #include "io/files.hpp"
 #include "model/lora.hpp"
 #include "model/loss.hpp"
@@ -18,7 +25,9 @@
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
 #include "model_args.hpp"
+#include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
+#include "train/evaluate.hpp"
 
 namespace {
 
@@ -72,13 +81,100 @@ std::vector<std::pair<std::vector<int32_t>, size_t>> tokenize(const tok::Tokeniz
   return out;
 }
 
+// The result line (or, with --json, one JSON object) both modes print.
+void report(int64_t documents, int64_t tokens, double mean, int64_t skipped, bool as_json) {
+  if (as_json) {
+    fmt::print("{}\n", nlohmann::json{{"documents", documents},
+                                      {"tokens", tokens},
+                                      {"loss", mean},
+                                      {"perplexity", std::exp(mean)},
+                                      {"skipped", skipped}}
+                           .dump());
+    return;
+  }
+  fmt::print("documents {}, predicted tokens {}, mean loss {:.6f}, perplexity {:.4f}{}\n", documents, tokens, mean,
+             std::exp(mean), skipped ? fmt::format(" ({} documents with no token to score skipped)", skipped) : "");
+}
+
+// --recipe: what lora-eval needs besides the recipe.
+struct RecipeEval {
+  std::string recipe, adapter, split = "eval", per_doc;
+  std::vector<std::string> overrides;
+  bool as_json = false;
+};
+
+// The recipe's base model (model.path, dtype, device, QLoRA) with `adapter`, over its eval split
+// or training documents, this rank's share; rank 0 prints the mean of all ranks' sums.
+int eval_recipe(const RecipeEval& a) {
+  const recipe::Recipe r = recipe::load_recipe(a.recipe, a.overrides);
+  const dist::DistEnv env = dist::DistEnv::from_environment();
+  if (env.world_size > 1 && !a.per_doc.empty())
+    throw Error("--per-doc runs on one rank: drop it, or run lora-eval without lorarun");
+  const bool eval_split = a.split == "eval";
+  if (eval_split && !r.eval.enabled(r.data.source))
+    throw Error(
+        fmt::format("{} has no eval: split: set eval.fraction or {} (e.g. as an override), or give "
+                    "--split train",
+                    a.recipe, r.data.source == recipe::Source::MongoDB ? "eval.filter" : "eval.path"));
+  const bool cuda = r.model.device != recipe::Device::Cpu && torch::cuda::is_available();
+  const at::Device device = cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)) : at::kCPU;
+  model::CausalLM m = model::CausalLM::load(r.model.path, model::dtype_of(r.model.dtype), device,
+                                            {.quantize = r.lora.quantize_base, .double_quant = r.lora.double_quant});
+  if (!a.adapter.empty()) model::load_adapter(m, a.adapter, m.dtype());
+  const tok::Tokenizer tokenizer = model::load_tokenizer(m.dir());
+  const data::ExampleBuilder builder(r.data, tokenizer);
+  const data::Documents train(r.data, data::Holdout{.fraction = r.eval.fraction});
+  std::optional<data::EvalSplit> split;
+  if (eval_split) split.emplace(r, &train);
+  const data::Documents& docs = split ? split->docs() : train;
+
+  std::string lines;
+  const auto per_doc = [&](const std::string& id, int64_t tokens, double loss) {
+    lines += nlohmann::json{{"id", id}, {"tokens", tokens}, {"loss", loss / static_cast<double>(tokens)}}.dump() + "\n";
+  };
+  const train::EvalSums mine = train::eval_shard(m, docs, builder, r, env.rank, env.world_size, device,
+                                                 a.per_doc.empty() ? train::PerDocument{} : per_doc);
+  at::Tensor sums =
+      at::tensor({mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)}, at::kDouble)
+          .to(device);
+  if (env.world_size > 1) {
+    dist::ProcessGroup pg(env, dist::backend_of(r.dist.backend, cuda), std::chrono::seconds(r.dist.timeout_s));
+    pg.all_reduce_sum(sums);
+    pg.barrier();
+  }
+  sums = sums.cpu();
+  const double* t = sums.data_ptr<double>();
+  if (t[1] == 0)
+    throw Error(
+        fmt::format("{} holds no token to score ({} of {} documents rejected: see data.max_length, "
+                    "data.overlong and the documents' fields)",
+                    split ? split->describe() : train.describe(), static_cast<int64_t>(t[3]), docs.size()));
+  if (!a.per_doc.empty()) io::write_file_atomic(a.per_doc, lines);
+  if (env.rank == 0)
+    report(static_cast<int64_t>(t[2]), static_cast<int64_t>(t[1]), t[0] / t[1], static_cast<int64_t>(t[3]), a.as_json);
+  return 0;
+}
+
 int run(int argc, char** argv) {
-  CLI::App app{"lora-eval: loss and perplexity over JSONL documents"};
+  CLI::App app{"lora-eval: loss and perplexity over JSONL documents, or over a recipe's eval split"};
   std::string data, field = "text", prompt_field, per_doc, dump_logits;
   int64_t max_length = 1024, batch_size = 8;
+  bool as_json = false;
   ModelArgs model_args;
-  model_args.add_to(app);
-  app.add_option("--data", data, "JSONL file, one document per line")->required();
+  RecipeEval recipe_eval;
+  CLI::Option* model_opt = model_args.add_to(app);
+  model_opt->required(false);
+  CLI::Option* data_opt = app.add_option("--data", data, "JSONL file, one document per line");
+  CLI::Option* recipe_opt =
+      app.add_option("--recipe", recipe_eval.recipe,
+                     "evaluate this recipe's eval split (or --split train) as lora-train builds it, with its model");
+  app.add_option("--split", recipe_eval.split, "with --recipe: eval (the eval: section) or train (data's documents)")
+      ->check(CLI::IsMember({"eval", "train"}))
+      ->needs(recipe_opt);
+  app.add_option("overrides", recipe_eval.overrides, "with --recipe: key=value overrides of recipe keys")
+      ->needs(recipe_opt);
+  app.add_flag("--json", as_json, "print the result as one JSON object (documents, tokens, loss, perplexity)");
+  recipe_opt->excludes(model_opt)->excludes(data_opt);
   app.add_option("--text-field", field, "the field holding each document's text");
   app.add_option("--prompt-field", prompt_field,
                  "a field holding text that comes before --text-field's and is not scored (a prompt: the loss is "
@@ -96,6 +192,14 @@ int run(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  if (!recipe_eval.recipe.empty()) {
+    recipe_eval.adapter = model_args.adapter;
+    recipe_eval.per_doc = per_doc;
+    recipe_eval.as_json = as_json;
+    return eval_recipe(recipe_eval);
+  }
+  if (model_args.base.empty() || data.empty())
+    throw Error("give --model and --data (JSONL documents), or --recipe R.yaml (its eval split)");
   const model::CausalLM m = model_args.load();
   const tok::Tokenizer tokenizer = model::load_tokenizer(m.dir());
   std::vector<std::pair<std::vector<int32_t>, size_t>> docs =
@@ -147,9 +251,7 @@ int run(int argc, char** argv) {
     throw Error("no document has a token to score (two or more tokens, or one after its prompt): nothing to evaluate");
   const double mean = loss_sum / static_cast<double>(predicted);
   if (!per_doc.empty()) io::write_file_atomic(per_doc, per_doc_lines);
-  fmt::print("documents {}, predicted tokens {}, mean loss {:.6f}, perplexity {:.4f}{}\n", docs.size() - skipped,
-             predicted, mean, std::exp(mean),
-             skipped ? fmt::format(" ({} documents with no token to score skipped)", skipped) : "");
+  report(static_cast<int64_t>(docs.size()) - skipped, predicted, mean, skipped, as_json);
   return 0;
 }
 

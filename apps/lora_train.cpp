@@ -143,8 +143,10 @@ int run(int argc, char** argv) {
     if (const recipe::EvalSection& e = r.eval; e.enabled(r.data.source))
       fmt::print("# evaluation: {}{}, at each epoch end{}\n",
                  e.fraction > 0 ? fmt::format("eval.fraction {} held out of data's selection", e.fraction)
-                 : r.data.source == recipe::Source::MongoDB ? fmt::format("eval.filter {}", e.filter.dump())
-                                                            : fmt::format("eval.path {}", e.path),
+                 : r.data.source == recipe::Source::MongoDB
+                     ? fmt::format("{}.{} {}", r.data.database, e.collection.empty() ? r.data.collection : e.collection,
+                                   e.filter.dump())
+                     : fmt::format("eval.path {}", e.path),
                  e.max_documents ? fmt::format(" (at most {} documents)", *e.max_documents) : "",
                  e.every_n_steps ? fmt::format(" and every {} steps", *e.every_n_steps) : "");
     return 0;

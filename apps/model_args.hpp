@@ -16,8 +16,9 @@ struct ModelArgs {
   std::string device = "cpu";  // "cpu", "cuda" or "cuda:N"
   bool quantize = false, no_double_quant = false;
 
-  void add_to(CLI::App& app) {
-    app.add_option("--model", base, "base model directory or cached model id")->required();
+  // Returns --model's option (required; a tool with another way to name the model relaxes it).
+  CLI::Option* add_to(CLI::App& app) {
+    CLI::Option* model = app.add_option("--model", base, "base model directory or cached model id")->required();
     app.add_option("--adapter", adapter, "PEFT LoRA adapter directory");
     app.add_option("--dtype", dtype, "fp32, bf16 or fp16");
     CLI::Option* q =
@@ -25,6 +26,7 @@ struct ModelArgs {
                      "base linears in NF4, as QLoRA training holds them (lora.quantize_base); use --dtype of the "
                      "training run (model.dtype)");
     app.add_flag("--no-double-quant", no_double_quant, "with --quantize-base: as lora.double_quant: false")->needs(q);
+    return model;
   }
   model::CausalLM load() const {
     model::CausalLM m = model::CausalLM::load(base, model::parse_dtype(dtype), at::Device(device),

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <fstream>
 #include <functional>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "data/mongo.hpp"
 #include "data/shard.hpp"
@@ -175,6 +177,76 @@ std::vector<Found> Documents::run(int64_t pos, const std::string& after, int64_t
   }
   std::lock_guard lock(mu_);
   return client_->find_sorted(d_.database, d_.collection, d_.filter, after, pos, n, fields);
+}
+
+std::optional<std::string> Documents::shared_with(const Documents& other) const {
+  if (!client_ && !other.client_) {
+    std::unordered_map<std::string_view, size_t> mine;
+    for (size_t i = 0; i < lines_.size(); ++i) mine.emplace(lines_[i], i);
+    for (size_t i = 0; i < other.lines_.size(); ++i)
+      if (const auto it = mine.find(other.lines_[i]); it != mine.end())
+        return fmt::format("document #{} (document #{} of {})", i, it->second, d_.path);
+    return std::nullopt;
+  }
+  if (!client_ || !other.client_ || d_.database != other.d_.database || d_.collection != other.d_.collection)
+    return std::nullopt;
+  if (d_.shuffle == recipe::Shuffle::Stream) {  // never listed: ask the server for one in both
+    const nlohmann::json both = {{"$and", {d_.filter, other.d_.filter}}};
+    std::lock_guard lock(mu_);
+    const std::vector<Found> one = client_->find_sorted(d_.database, d_.collection, both, "", 0, 1, {"_id"});
+    if (one.empty()) return std::nullopt;
+    return "_id " + relaxed_id(one[0].id);
+  }
+  std::scoped_lock lock(mu_, other.mu_);
+  list_ids();
+  other.list_ids();
+  const std::unordered_set<std::string_view> mine(ids_.begin(), ids_.end());
+  for (const std::string& id : other.ids_)
+    if (mine.count(id)) return "_id " + relaxed_id(id);
+  return std::nullopt;
+}
+
+namespace {
+
+// The eval key a recipe selects its evaluation documents with.
+std::string eval_key(const recipe::Recipe& r) {
+  if (r.eval.fraction > 0) return "eval.fraction";
+  if (r.data.source == recipe::Source::Jsonl) return "eval.path";
+  return r.eval.filter.empty() ? "eval.collection" : "eval.filter";
+}
+
+}  // namespace
+
+EvalSplit::EvalSplit(const recipe::Recipe& r, const Documents* train)
+    : key_(eval_key(r)), data_(r.data), fraction_(r.eval.fraction) {
+  const recipe::EvalSection& e = r.eval;
+  data_.shuffle = recipe::Shuffle::None;  // every id listed, in position order
+  if (fraction_ <= 0) {
+    if (data_.source == recipe::Source::MongoDB) {
+      data_.filter = e.filter;
+      if (!e.collection.empty()) data_.collection = e.collection;
+    } else {
+      data_.path = e.path;
+    }
+    data_.limit = e.max_documents;
+  }
+  try {
+    docs_ = std::make_unique<Documents>(data_, Holdout{.fraction = fraction_, .eval = true, .max = e.max_documents});
+  } catch (const Error& err) {
+    if (std::string_view(err.what()).starts_with("eval.")) throw;
+    throw Error(fmt::format("the evaluation documents ({}): {}", key_, err.what()));
+  }
+  if (!train) return;
+  if (const std::optional<std::string> both = train->shared_with(*docs_))
+    throw Error(fmt::format(
+        "{} selects {}, which training reads too ({}): evaluation documents are never trained on; make the "
+        "selections disjoint (e.g. data.filter {{split: train}}, eval.filter {{split: eval}}) or use eval.fraction",
+        describe(), *both, train->describe()));
+}
+
+std::string EvalSplit::describe() const {
+  if (fraction_ > 0) return fmt::format("eval.fraction {} of {}", fraction_, docs_->describe());
+  return fmt::format("{} {}", key_, docs_->describe());
 }
 
 int64_t examples_per_rank(int64_t documents, int world) { return (documents + world - 1) / world; }

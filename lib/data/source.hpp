@@ -72,6 +72,11 @@ class Documents {
   // before `pos` (empty: seek to `pos`, a server-side skip). Stream mode's cursor step.
   std::vector<Found> run(int64_t pos, const std::string& after, int64_t n,
                          const std::vector<std::string>& fields) const;
+  // A document `other` selects that this selection selects too, described ("_id 7", "line 3
+  // (line 12 of data.path)"), or nullopt when they share none: JSONL lines compared as text,
+  // MongoDB ids when both select from one collection (a count of both filters together when
+  // this selection is streamed, so data.limit is not applied there). Other pairs share none.
+  std::optional<std::string> shared_with(const Documents& other) const;
 
  private:
   void list_ids() const;
@@ -86,6 +91,25 @@ class Documents {
   mutable std::vector<std::string> ids_;  // mongodb: canonical {"_id": …} per position
   mutable bool listed_ = false;
   std::vector<std::string> lines_;  // jsonl: one document per position
+};
+
+// A recipe's evaluation documents (its eval: section), read in position order: data:'s source
+// with eval.filter / eval.collection (MongoDB) or eval.path (JSONL), at most eval.max_documents
+// of them, or the share eval.fraction holds out of data's selection. When `train` (the training
+// selection) is given, a document both select is refused with one line naming it: evaluation
+// documents are never trained on. Errors name the eval key they come from.
+class EvalSplit {
+ public:
+  EvalSplit(const recipe::Recipe& r, const Documents* train);
+  const Documents& docs() const { return *docs_; }
+  // "eval.filter {…} on db.coll", "eval.path x.jsonl", "eval.fraction 0.05 of …": for logs.
+  std::string describe() const;
+
+ private:
+  std::string key_;  // the eval key that selects: "eval.filter", "eval.path", "eval.fraction"
+  recipe::DataSection data_;
+  double fraction_ = 0;
+  std::unique_ptr<Documents> docs_;
 };
 
 // What lora-train --dry-run learns of a MongoDB selection: the server runs it as training

@@ -175,6 +175,8 @@ struct TrainSection {
   std::optional<int> max_steps_per_epoch;
   int64_t seed = 42;
   bool activation_checkpointing = false;
+  std::optional<int> early_stopping_patience;  // evaluations without improvement; null: never
+  double early_stopping_min_delta = 0.0;       // an improvement lowers the best eval loss by more
   bool operator==(const TrainSection&) const = default;
 };
 
@@ -194,6 +196,7 @@ struct CheckpointSection {
   Resume resume = Resume::Auto;
   bool keep_resume_state = false;
   bool overwrite = false;
+  bool keep_best = false;  // best/: the adapter of the lowest eval loss so far
   bool operator==(const CheckpointSection&) const = default;
 };
 
@@ -215,15 +218,16 @@ struct TrackSection {
 // Evaluation while training: a held-out set, its loss logged at each epoch end (and every N steps).
 struct EvalSection {
   nlohmann::json filter = nlohmann::json::object();  // empty: none
+  std::string collection;                            // empty: data.collection
   std::string path;
   double fraction = 0.0;
   std::optional<int> every_n_steps;
   std::optional<int64_t> max_documents;
   std::optional<int> batch_size;
-  // Whether the run evaluates: a filter (mongodb), a path (jsonl) or a fraction is given; the
-  // other source's key is ignored, as data's are.
+  // Whether the run evaluates: a filter or a collection (mongodb), a path (jsonl) or a fraction
+  // is given; the other source's keys are ignored, as data's are.
   bool enabled(Source source) const {
-    return fraction > 0 || (source == Source::MongoDB ? !filter.empty() : !path.empty());
+    return fraction > 0 || (source == Source::MongoDB ? !filter.empty() || !collection.empty() : !path.empty());
   }
   bool operator==(const EvalSection&) const = default;
 };

@@ -231,6 +231,17 @@ void for_each_key(R& r, V&& v) {
   v(Key{.name = "train.activation_checkpointing",
         .meaning = "keep only each decoder block's input and run the block again in backward (same gradients)"},
     r.train.activation_checkpointing);
+  v(Key{.name = "train.early_stopping_patience",
+        .bound = at_least(1),
+        .example = "3",
+        .null_means = "never stop early",
+        .meaning = "stop after this many evaluations in a row without improvement (needs an eval: split); the "
+                   "running epoch is the last"},
+    r.train.early_stopping_patience);
+  v(Key{.name = "train.early_stopping_min_delta",
+        .bound = at_least(0),
+        .meaning = "an evaluation improves when it lowers the best eval loss so far by more than this"},
+    r.train.early_stopping_min_delta);
 
   v(Key{.name = "checkpoint.output_dir",
         .example = "runs/my-run",
@@ -261,6 +272,10 @@ void for_each_key(R& r, V&& v) {
         .meaning = "a new run may replace another run's finished adapters in output_dir (otherwise it refuses the "
                    "directory)"},
     r.checkpoint.overwrite);
+  v(Key{.name = "checkpoint.keep_best",
+        .meaning = "keep `best/`, the adapter of the lowest eval loss so far (needs an eval: split), with its step "
+                   "and loss in `best/best.json`"},
+    r.checkpoint.keep_best);
 
   v(Key{.name = "dist.backend", .meaning = "the collectives' backend; auto: nccl on CUDA, gloo on CPU"},
     r.dist.backend);
@@ -294,6 +309,11 @@ void for_each_key(R& r, V&& v) {
         .example = "{split: eval}",
         .meaning = "source: mongodb: a query on data's collection selecting the evaluation documents; empty: none"},
     r.eval.filter);
+  v(Key{.name = "eval.collection",
+        .example = "alpaca_eval",
+        .meaning = "source: mongodb: evaluate on this collection of data.database (with eval.filter if set); empty: "
+                   "data.collection"},
+    r.eval.collection);
   v(Key{.name = "eval.path",
         .example = "data/eval.jsonl",
         .meaning = "source: jsonl: a separate file of evaluation documents, one JSON document per line"},

@@ -105,6 +105,12 @@ using Warnings = std::vector<std::string>;
 // A rule that spans several keys, checked when validate() comes to `key` (the key its message
 // names), before that key's own declaration. Everything about one key alone is declared in
 // schema.hpp.
+// Why a key that steers by the eval loss cannot: the recipe has no eval split.
+std::string no_eval_split(const Recipe& r) {
+  return fmt::format("needs an eval: split to steer by: set {} or eval.fraction",
+                     r.data.source == Source::MongoDB ? "eval.filter, eval.collection" : "eval.path");
+}
+
 struct Rule {
   std::string_view key;
   void (*check)(const Recipe& r, const RecipeOrigin& o, Warnings& warnings);
@@ -183,12 +189,17 @@ constexpr Rule kRules[] = {
        if (r.data.source == Source::Jsonl)
          fail(o, "eval.filter",
               "needs data.source: mongodb (JSONL documents are not filtered); use eval.path or eval.fraction");
-       if (r.eval.filter == r.data.filter)
+       if (r.eval.filter == r.data.filter && (r.eval.collection.empty() || r.eval.collection == r.data.collection))
          fail(o, "eval.filter",
               fmt::format("is data.filter ({}), so the evaluation documents would be trained on: give data.filter "
                           "and eval.filter disjoint queries (e.g. {{split: train}} and {{split: eval}}) or use "
                           "eval.fraction",
                           r.data.filter.dump()));
+     }},
+    {"eval.collection",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (!r.eval.collection.empty() && r.data.source == Source::Jsonl)
+         fail(o, "eval.collection", "needs data.source: mongodb; for JSONL documents use eval.path or eval.fraction");
      }},
     {"eval.path",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
@@ -204,15 +215,29 @@ constexpr Rule kRules[] = {
     {"eval.fraction",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        if (r.eval.fraction <= 0) return;
-       if (!r.eval.filter.empty() || (r.data.source == Source::Jsonl && !r.eval.path.empty()))
+       const char* other = !r.eval.filter.empty()                                   ? "filter"
+                           : !r.eval.collection.empty()                             ? "collection"
+                           : r.data.source == Source::Jsonl && !r.eval.path.empty() ? "path"
+                                                                                    : nullptr;
+       if (other)
          fail(o, "eval.fraction",
               fmt::format("holds out part of data's selection, and eval.{} is set too, which would overlap it or "
-                          "train on it: set only one of eval.fraction, eval.filter, eval.path",
-                          r.eval.filter.empty() ? "path" : "filter"));
+                          "train on it: set only one of eval.fraction, eval.filter/eval.collection, eval.path",
+                          other));
        if (r.data.source == Source::MongoDB && r.data.shuffle == Shuffle::Stream)
          fail(o, "eval.fraction",
               "needs the selection's ids, which data.shuffle: stream never lists: use data.shuffle: global or none, "
               "or eval.filter");
+     }},
+    // Steering by the held-out loss needs one.
+    {"train.early_stopping_patience",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (r.train.early_stopping_patience && !r.eval.enabled(r.data.source))
+         fail(o, "train.early_stopping_patience", no_eval_split(r));
+     }},
+    {"checkpoint.keep_best",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (r.checkpoint.keep_best && !r.eval.enabled(r.data.source)) fail(o, "checkpoint.keep_best", no_eval_split(r));
      }},
     {"dist.backend",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {

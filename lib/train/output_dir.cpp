@@ -85,7 +85,8 @@ void claim_output_dir(const std::string& dir, bool overwrite, bool may_resume) {
   // Replacing: nothing of the old run may be taken for this one's.
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
-    if (name.rfind("epoch_", 0) == 0 || name.rfind("resume_state", 0) == 0) io::remove_tree(e.path().string());
+    if (name.rfind("epoch_", 0) == 0 || name.rfind("resume_state", 0) == 0 || name == "best")
+      io::remove_tree(e.path().string());
   }
   fs::remove(marker);
   io::sync_dir(dir);

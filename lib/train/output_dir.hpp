@@ -23,7 +23,7 @@ class OutputDirLock {
 std::string finished_marker(const std::string& dir);
 
 // A new run may start in `dir`: refuses (lorarun::Error) a directory holding another run's
-// finished adapters unless `overwrite`, in which case that run's marker, epoch adapters and
+// finished adapters unless `overwrite`, in which case that run's marker, epoch adapters, best/ and
 // resumable state are removed first. Directories of interrupted runs pass (they resume), and so
 // does a finished run's kept resumable state when `may_resume` (checkpoint.resume=auto).
 void claim_output_dir(const std::string& dir, bool overwrite, bool may_resume);

@@ -115,16 +115,34 @@ at::Tensor finite_tensor(const io::SafetensorsFile& f, const fs::path& dir, cons
 
 }  // namespace
 
-std::string save_epoch(const std::string& output_dir, int epoch, const model::CausalLM& m,
-                       const model::LoraConfig& cfg) {
-  const fs::path dir = fs::path(output_dir) / fmt::format("epoch_{}", epoch);
+namespace {
+
+// The adapter (and `about` as best.json, when given) in <output_dir>/<name>: written to
+// <name>.tmp.<pid>, synced, then renamed over the old one.
+std::string save_adapter_dir(const std::string& output_dir, const std::string& name, const model::CausalLM& m,
+                             const model::LoraConfig& cfg, const nlohmann::json* about) {
+  const fs::path dir = fs::path(output_dir) / name;
   const fs::path tmp = dir.string() + fmt::format(".tmp.{}", getpid());
   io::remove_tree(tmp.string());
   model::save_adapter(m, cfg, tmp.string());
+  if (about) io::write_file_atomic((tmp / "best.json").string(), about->dump(1));
+  io::sync_dir(tmp.string());
   io::remove_tree(dir.string());
   fs::rename(tmp, dir);
   io::sync_dir(output_dir);
   return dir.string();
+}
+
+}  // namespace
+
+std::string save_epoch(const std::string& output_dir, int epoch, const model::CausalLM& m,
+                       const model::LoraConfig& cfg) {
+  return save_adapter_dir(output_dir, fmt::format("epoch_{}", epoch), m, cfg, nullptr);
+}
+
+std::string save_best(const std::string& output_dir, const model::CausalLM& m, const model::LoraConfig& cfg,
+                      const nlohmann::json& about) {
+  return save_adapter_dir(output_dir, "best", m, cfg, &about);
 }
 
 void remove_unkept_epochs(const std::string& output_dir, const std::vector<int>& kept) {
@@ -191,8 +209,17 @@ void save_state(const std::string& output_dir, const model::CausalLM& m, const m
                    h.nbytes()});
   }
   io::write_safetensors((tmp / "state.safetensors").string(), out);
-  const nlohmann::json meta = {{"epoch", p.epoch},   {"step_in_epoch", p.step_in_epoch}, {"step", p.step},
-                               {"run_id", p.run_id}, {"world_size", rngs.size(0)},       {"adam_steps", steps},
+  const Steering& st = p.steering;
+  const nlohmann::json steering = {{"best_loss", st.best_loss ? nlohmann::json(*st.best_loss) : nlohmann::json()},
+                                   {"best_step", st.best_step},
+                                   {"evals_since_best", st.evals_since_best}};
+  const nlohmann::json meta = {{"epoch", p.epoch},
+                               {"step_in_epoch", p.step_in_epoch},
+                               {"step", p.step},
+                               {"run_id", p.run_id},
+                               {"world_size", rngs.size(0)},
+                               {"adam_steps", steps},
+                               {"steering", steering},
                                {"recipe", recipe}};
   io::write_file_atomic((tmp / "state.json").string(), meta.dump(1));
   write_manifest(tmp);
@@ -217,8 +244,13 @@ std::optional<Progress> load_state(const std::string& output_dir, torch::optim::
   std::vector<int64_t> steps;
   try {
     p = Progress{meta.at("epoch").get<int>(), meta.at("step_in_epoch").get<int64_t>(), meta.at("step").get<int64_t>(),
-                 meta.at("run_id").get<std::string>()};
+                 meta.at("run_id").get<std::string>(), Steering{}};
     steps = meta.at("adam_steps").get<std::vector<int64_t>>();
+    if (const auto it = meta.find("steering"); it != meta.end()) {  // absent in states from before eval:
+      if (!it->at("best_loss").is_null()) p.steering.best_loss = it->at("best_loss").get<double>();
+      p.steering.best_step = it->at("best_step").get<int64_t>();
+      p.steering.evals_since_best = it->at("evals_since_best").get<int>();
+    }
     if (meta.at("world_size").get<int>() != world)
       throw Error(
           fmt::format("the resumable state in {} was written by {} ranks and this run has {}: run with {} "

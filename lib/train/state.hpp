@@ -24,9 +24,21 @@ namespace lorarun::train {
 std::string save_epoch(const std::string& output_dir, int epoch, const model::CausalLM& m,
                        const model::LoraConfig& cfg);
 
+// Writes the adapter as <output_dir>/best, atomically as save_epoch does, with `about` (step,
+// eval loss, …) in best/best.json. Returns the directory.
+std::string save_best(const std::string& output_dir, const model::CausalLM& m, const model::LoraConfig& cfg,
+                      const nlohmann::json& about);
+
 // Removes every epoch_<i>/ whose i is not in `kept`, and the temporary directories a crashed
 // earlier run left behind.
 void remove_unkept_epochs(const std::string& output_dir, const std::vector<int>& kept);
+
+// What steering by the eval loss has seen so far (checkpoint.keep_best, early stopping).
+struct Steering {
+  std::optional<double> best_loss;  // the lowest eval loss so far (none before the first evaluation)
+  int64_t best_step = 0;            // the optimizer step it was measured after
+  int evals_since_best = 0;         // evaluations since the last improvement (by min_delta)
+};
 
 // Where a run stands between two optimizer steps.
 struct Progress {
@@ -34,6 +46,7 @@ struct Progress {
   int64_t step_in_epoch = 0;  // optimizer steps of that epoch already done
   int64_t step = 0;           // optimizer steps done in all
   std::string run_id;         // the run record to continue ("" when not tracked)
+  Steering steering;
 };
 
 // <output_dir>/resume_state: written to a temporary name and swapped in, so a reader finds

@@ -29,6 +29,7 @@
 #include "model/transformer.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "track/record.hpp"
+#include "train/evaluate.hpp"
 #include "train/output_dir.hpp"
 #include "train/schedule.hpp"
 #include "train/state.hpp"
@@ -120,6 +121,7 @@ class Trainer {
   void lose_data(const std::string& why);
   void log_step(const StepResult& s, int epoch, int64_t s_in_epoch);
   void evaluate(int epoch);
+  void steer(int epoch, const nlohmann::json& eval_row);
   void save_checkpoint(int epoch);
   void save_state(const Progress& p);
   void check_finite_adapter(const std::string& what);
@@ -145,9 +147,11 @@ class Trainer {
   tok::Tokenizer tokenizer_;
   std::unique_ptr<data::ExampleBuilder> builder_;
   std::unique_ptr<data::Documents> docs_;
-  recipe::DataSection eval_data_;               // the evaluation documents' selection (eval:)
-  std::unique_ptr<data::Documents> eval_docs_;  // none when eval is not set
+  std::unique_ptr<data::EvalSplit> eval_;  // the evaluation documents; none when eval: is not set
   std::optional<double> last_eval_loss_;
+  Steering steer_;                    // best eval loss so far, evaluations since it improved
+  int epochs_ran_ = r_.train.epochs;  // the epochs the run ends with (fewer when it stops early)
+  bool stopping_early_ = false;       // patience ran out: the current epoch is the last
   std::vector<at::Tensor> params_;
   std::unique_ptr<torch::optim::AdamW> opt_;
   std::unique_ptr<dist::GradBuckets> sync_;
@@ -220,30 +224,9 @@ model::CausalLM Trainer::setup_model() {
 // This rank's documents (connecting within data.timeout_s) and the steps they make.
 void Trainer::setup_data() {
   builder_ = std::make_unique<data::ExampleBuilder>(r_.data, tokenizer_);
-  const recipe::EvalSection& e = r_.eval;
-  docs_ = std::make_unique<data::Documents>(r_.data, data::Holdout{e.fraction, false});
-  if (e.enabled(r_.data.source)) {
-    // Read and built as training data is (the same builder); in position order, every id listed.
-    eval_data_ = r_.data;
-    eval_data_.shuffle = recipe::Shuffle::None;
-    if (e.fraction <= 0) {
-      if (r_.data.source == recipe::Source::MongoDB)
-        eval_data_.filter = e.filter;
-      else
-        eval_data_.path = e.path;
-      eval_data_.limit = e.max_documents;
-    }
-    try {
-      eval_docs_ = std::make_unique<data::Documents>(eval_data_, data::Holdout{e.fraction, true, e.max_documents});
-    } catch (const Error& err) {
-      if (std::string_view(err.what()).starts_with("eval.")) throw;
-      throw Error(fmt::format("the evaluation documents (eval.{}): {}",
-                              e.fraction > 0                            ? "fraction"
-                              : r_.data.source == recipe::Source::Jsonl ? "path"
-                                                                        : "filter",
-                              err.what()));
-    }
-  }
+  docs_ = std::make_unique<data::Documents>(r_.data, data::Holdout{.fraction = r_.eval.fraction});
+  // Read and built as training data is (the same builder); never a document training reads.
+  if (r_.eval.enabled(r_.data.source)) eval_ = std::make_unique<data::EvalSplit>(r_, docs_.get());
   const int64_t per_rank = data::examples_per_rank(docs_->size(), env_.world_size);
   steps_per_epoch_ = (per_rank + examples_per_step_ - 1) / examples_per_step_;
   if (r_.train.max_steps_per_epoch)
@@ -299,6 +282,7 @@ int Trainer::run() {
     resumed = load_state(out_.string(), *opt_, params_, env_.rank, env_.world_size, cuda_, recipe::to_json(r_),
                          {r_.train.epochs, steps_per_epoch_});
   Progress p = resumed.value_or(Progress{});
+  steer_ = p.steering;
   // Ranks must agree on where they stand (a state visible to only some ranks is an error).
   if (!ranks_agree(static_cast<double>(p.step)))
     throw Error(
@@ -308,7 +292,7 @@ int Trainer::run() {
   step_ = p.step;
   if (lead_) begin(p, resumed.has_value());
   m_.training = true;
-  for (int epoch = p.epoch; epoch < r_.train.epochs; ++epoch)
+  for (int epoch = p.epoch; epoch < epochs_ran_; ++epoch)
     if (const auto ended = run_epoch(epoch, epoch == p.epoch ? p.step_in_epoch : 0, p.run_id)) return *ended;
   return finish();
 }
@@ -324,11 +308,12 @@ void Trainer::begin(Progress& p, bool resumed) {
                   model::trainable_summary(m_), docs_->size(), docs_->describe(), env_.world_size, steps_per_epoch_,
                   std::max<size_t>(1, sync_->buckets())));
   if (r_.lora.quantize_base) info(nf4_summary(m_));
-  if (eval_docs_)
-    info(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", eval_docs_->size(),
-                     eval_docs_->describe(),
+  if (eval_)
+    info(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", eval_->docs().size(),
+                     eval_->docs().describe(),
                      r_.eval.fraction > 0 ? fmt::format(" (eval.fraction {})", r_.eval.fraction) : "",
                      r_.eval.every_n_steps ? fmt::format(" and every {} steps", *r_.eval.every_n_steps) : ""));
+  if (r_.checkpoint.keep_best && !resumed) io::remove_tree((out_ / "best").string());  // an older run's
   if (resumed)
     info(fmt::format("resuming at epoch {} step {} (step {} of {})", p.epoch, p.step_in_epoch, p.step, total_steps_));
   start_record(p, resumed);
@@ -354,7 +339,7 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
   bool stop = false;
   for (int64_t s = first; s < steps_per_epoch_; ++s) {
     const StepResult res = step(batches ? &*batches : nullptr);
-    if (res.data_failed) return data_lost({epoch, s, step_, run_id});
+    if (res.data_failed) return data_lost({epoch, s, step_, run_id, steer_});
     stop = res.stop;
     epoch_tokens += res.tokens;
     ++step_;
@@ -362,9 +347,12 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
     log_step(res, epoch, s);
     if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) check_replicas();
     const bool last = s + 1 == steps_per_epoch_;
-    if (eval_docs_ && !last && r_.eval.every_n_steps && step_ % *r_.eval.every_n_steps == 0) evaluate(epoch);
+    if (eval_ && !last && r_.eval.every_n_steps && step_ % *r_.eval.every_n_steps == 0) {
+      evaluate(epoch);
+      if (stopping_early_) break;  // this epoch, cut short, is the run's last
+    }
     const auto every = r_.checkpoint.state_every_n_steps;
-    if (!last && (res.stop || (every && step_ % *every == 0))) save_state({epoch, s + 1, step_, run_id});
+    if (!last && (res.stop || (every && step_ % *every == 0))) save_state({epoch, s + 1, step_, run_id, steer_});
     if (!last && stop) return stopped();
   }
   if (tty_) std::fputs("\n", stdout);
@@ -374,10 +362,10 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
                     "bad, longer than data.max_length with data.overlong=skip, or with no trained token); fix "
                     "the data or the data.* keys (see the warnings above)",
                     epoch, rejected_total_));
-  if (eval_docs_) evaluate(epoch);
+  if (eval_ && !stopping_early_) evaluate(epoch);  // (a step's evaluation that stopped the run is the last)
   save_checkpoint(epoch);
-  if (epoch + 1 < r_.train.epochs) save_state({epoch + 1, 0, step_, run_id});
-  if (stop && epoch + 1 < r_.train.epochs) return stopped();
+  if (epoch + 1 < epochs_ran_) save_state({epoch + 1, 0, step_, run_id, steer_});
+  if (stop && epoch + 1 < epochs_ran_) return stopped();
   return std::nullopt;
 }
 
@@ -550,70 +538,86 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
   last_row_ = row;
 }
 
-// The loss over the evaluation documents, the model as it is now: rank r takes the documents
-// r, r+W, r+2W, … (no padding, so each counts once), in eval mode (no dropout) without gradients,
-// and the ranks sum (loss, tokens) in float64: the token-weighted mean over the whole set, the same
-// on any number of ranks. Rank 0 logs it (metrics.jsonl, the run record); every rank learns it.
+// The loss over the evaluation documents, the model as it is now: each rank evaluates its share
+// (eval_shard) and the ranks sum (loss, tokens, …) in float64, so every rank holds the same
+// token-weighted mean and steers alike. Rank 0 logs it (metrics.jsonl, the run record).
 void Trainer::evaluate(int epoch) {
   const auto t0 = Clock::now();
-  const int64_t n = eval_docs_->size(), per_batch = r_.eval.batch_size.value_or(r_.data.batch_size);
-  const std::vector<std::string> fields = builder_->fields();
-  double loss = 0;
-  int64_t tokens = 0, documents = 0, rejected = 0;
-  {
-    c10::NoGradGuard no_grad;
-    m_.training = false;
-    for (int64_t first = env_.rank; first < n; first += per_batch * env_.world_size) {
-      std::vector<int64_t> positions;
-      for (int64_t p = first; p < n && static_cast<int64_t>(positions.size()) < per_batch; p += env_.world_size)
-        positions.push_back(p);
-      std::vector<data::Example> batch;
-      for (const data::Found& f : eval_docs_->fetch_found(positions, fields)) {
-        data::Built built = data::build_found(*builder_, f);
-        if (auto* ex = std::get_if<data::Example>(&built))
-          batch.push_back(std::move(*ex));
-        else
-          ++rejected;
-      }
-      documents += static_cast<int64_t>(batch.size());
-      const data::Batch b = data::collate(batch, r_.data.packing, static_cast<size_t>(r_.data.max_length), device_);
-      if (b.tokens == 0) continue;
-      const at::Tensor hidden = m_.hidden_states(b.ids, b.mask, nullptr, r_.data.packing);
-      const model::LossSum l = model::lm_head_loss(hidden, m_.lm_head(), b.rows, b.targets, m_.config().logit_softcap);
-      loss += l.sum.to(at::kDouble).item<double>();
-      tokens += b.tokens;
-    }
-    m_.training = true;
-  }
-  at::Tensor sums = at::tensor({loss, double(tokens), double(documents), double(rejected)}, at::kDouble).to(device_);
+  const EvalSums mine = eval_shard(m_, eval_->docs(), *builder_, r_, env_.rank, env_.world_size, device_);
+  at::Tensor sums =
+      at::tensor({mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)}, at::kDouble)
+          .to(device_);
   if (env_.world_size > 1) pg_.all_reduce_sum(sums);
   sums = sums.cpu();
   const double* t = sums.data_ptr<double>();
-  const auto total_tokens = static_cast<int64_t>(t[1]);
-  if (total_tokens == 0)
+  const auto tokens = static_cast<int64_t>(t[1]), documents = static_cast<int64_t>(t[2]),
+             rejected = static_cast<int64_t>(t[3]);
+  if (tokens == 0)
     throw Error(
         fmt::format("the evaluation documents ({}) hold no trained token: {} of {} were rejected (bad, or longer "
                     "than data.max_length with data.overlong=skip); fix the eval: selection",
-                    eval_docs_->describe(), static_cast<int64_t>(t[3]), n));
+                    eval_->describe(), rejected, eval_->docs().size()));
   const double mean = t[0] / t[1];
   last_eval_loss_ = mean;
-  if (!lead_) return;
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  const nlohmann::json row = {{"epoch", epoch},
-                              {"step", step_},
-                              {"eval_loss", mean},
-                              {"eval_ppl", std::exp(mean)},
-                              {"eval_tokens", total_tokens},
-                              {"eval_documents", static_cast<int64_t>(t[2])},
-                              {"eval_rejected", static_cast<int64_t>(t[3])},
-                              {"eval_seconds", seconds}};
-  if (tty_) std::fputs("\n", stdout);
-  info(fmt::format(
-      "eval at epoch {} step {}: eval_loss {:.6f} eval_ppl {:.4f} over {} tokens of {} documents ({:.1f} s)", epoch,
-      step_, mean, std::exp(mean), total_tokens, static_cast<int64_t>(t[2]), seconds));
+  nlohmann::json row = {{"epoch", epoch},
+                        {"step", step_},
+                        {"eval_loss", mean},
+                        {"eval_ppl", std::exp(mean)},
+                        {"eval_tokens", tokens},
+                        {"eval_documents", documents},
+                        {"eval_rejected", rejected},
+                        {"eval_seconds", seconds}};
+  if (lead_) {
+    if (tty_) std::fputs("\n", stdout);
+    info(fmt::format(
+        "eval at epoch {} step {}: eval_loss {:.6f} eval_ppl {:.4f} over {} tokens of {} documents ({:.1f} s)", epoch,
+        step_, mean, std::exp(mean), tokens, documents, seconds));
+  }
+  steer(epoch, row);
+  if (!lead_) return;
+  row["best_eval_loss"] = *steer_.best_loss;
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
-  for (const char* k : {"eval_loss", "eval_ppl", "eval_tokens"}) last_row_[k] = row[k];
+  for (const char* k : {"eval_loss", "eval_ppl", "eval_tokens", "best_eval_loss"}) last_row_[k] = row[k];
+}
+
+// After an evaluation (the same figures on every rank): best/ when the loss is the lowest so far
+// (checkpoint.keep_best), and the end of the run when train.early_stopping_patience evaluations
+// in a row did not lower the best loss by more than train.early_stopping_min_delta.
+void Trainer::steer(int epoch, const nlohmann::json& eval_row) {
+  const double loss = eval_row["eval_loss"].get<double>();
+  const std::optional<double> before = steer_.best_loss;
+  steer_.evals_since_best =
+      !before || loss < *before - r_.train.early_stopping_min_delta ? 0 : steer_.evals_since_best + 1;
+  if (!before || loss < *before) {
+    steer_.best_loss = loss;
+    steer_.best_step = step_;
+    if (r_.checkpoint.keep_best) {
+      check_finite_adapter("best/");
+      std::string why;
+      if (lead_) {
+        try {
+          nlohmann::json about = eval_row;
+          about["best"] = "the lowest eval_loss so far";
+          const std::string dir = train::save_best(out_.string(), m_, lcfg_, about);
+          info(fmt::format("saved {} (eval_loss {:.6f} at step {})", dir, loss, step_));
+        } catch (const std::exception& e) {
+          why = e.what();
+        }
+      }
+      all_agree(why.empty(), why, "best/");
+    }
+  }
+  const std::optional<int> patience = r_.train.early_stopping_patience;
+  if (!patience || steer_.evals_since_best < *patience || step_ >= total_steps_) return;  // (the end anyway)
+  stopping_early_ = true;
+  epochs_ran_ = epoch + 1;
+  if (lead_)
+    info(fmt::format(
+        "early stopping after step {} (epoch {}): {} evaluations without lowering the best eval_loss "
+        "{:.6f} (step {}) by more than {:g}",
+        step_, epoch, steer_.evals_since_best, *steer_.best_loss, steer_.best_step, r_.train.early_stopping_min_delta));
 }
 
 // track.mongodb: the run document in <track.database>.runs (continued when resuming).
@@ -624,7 +628,7 @@ void Trainer::start_record(Progress& p, bool resumed) {
   const nlohmann::json run_info = {
       {"torch_version", TORCH_VERSION},      {"world_size", env_.world_size},
       {"device", cuda_ ? "cuda" : "cpu"},    {"data", docs_->describe()},
-      {"documents", docs_->size()},          {"eval_documents", eval_docs_ ? eval_docs_->size() : 0},
+      {"documents", docs_->size()},          {"eval_documents", eval_ ? eval_->docs().size() : 0},
       {"steps_per_epoch", steps_per_epoch_}, {"output_dir", fs::absolute(out_).string()}};
   const std::optional<std::string> again = resumed && !p.run_id.empty() ? std::optional(p.run_id) : std::nullopt;
   p.run_id = record_->begin(recipe::to_json(r_), run_info, again);
@@ -659,7 +663,7 @@ void Trainer::check_finite_adapter(const std::string& what) {
 void Trainer::save_checkpoint(int epoch) {
   check_finite_adapter(fmt::format("epoch_{}", epoch));
   std::string why;
-  if (lead_ && recipe::save_after_epoch(r_.checkpoint, epoch, r_.train.epochs)) {
+  if (lead_ && recipe::save_after_epoch(r_.checkpoint, epoch, epochs_ran_)) {
     try {
       const std::string dir = train::save_epoch(out_.string(), epoch, m_, lcfg_);
       info(fmt::format("saved {}", dir));
@@ -751,21 +755,25 @@ void Trainer::open_metrics(const std::optional<Progress>& resumed) {
 
 int Trainer::finish() {
   if (lead_) {
-    remove_unkept_epochs(out_.string(), recipe::epochs_kept(r_.checkpoint, r_.train.epochs));
+    remove_unkept_epochs(out_.string(), recipe::epochs_kept(r_.checkpoint, epochs_ran_));
     if (!r_.checkpoint.keep_resume_state) remove_state(out_.string());
     if (rejected_total_ > 0)
       warn(fmt::format("{} documents were skipped on all ranks together (bad or overlong)", rejected_total_));
     char stamp[32];
     const std::time_t now = std::time(nullptr);
     std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-    io::write_file_atomic(finished_marker(out_.string()),
-                          nlohmann::json{{"status", "completed"},
-                                         {"run_id", record_ ? record_->ref() : ""},
-                                         {"steps", step_},
-                                         {"finished", stamp},
-                                         {"epochs_kept", recipe::epochs_kept(r_.checkpoint, r_.train.epochs)}}
-                              .dump(1));
-    info(fmt::format("done: {} steps; adapters in {}", step_, out_.string()));
+    nlohmann::json done = {{"status", "completed"},
+                           {"run_id", record_ ? record_->ref() : ""},
+                           {"steps", step_},
+                           {"finished", stamp},
+                           {"epochs_kept", recipe::epochs_kept(r_.checkpoint, epochs_ran_)}};
+    if (steer_.best_loss) done["best"] = {{"eval_loss", *steer_.best_loss}, {"step", steer_.best_step}};
+    if (stopping_early_) done["early_stopped"] = {{"step", step_}, {"epoch", epochs_ran_ - 1}};
+    io::write_file_atomic(finished_marker(out_.string()), done.dump(1));
+    info(fmt::format("done: {} steps{}; adapters in {}", step_,
+                     stopping_early_ ? fmt::format(" (stopped early in epoch {})", epochs_ran_ - 1) : "",
+                     out_.string()));
+    if (stopping_early_) last_row_["early_stopped"] = true;
     if (record_) record_->finish("completed", last_row_);
   }
   pg_.barrier();

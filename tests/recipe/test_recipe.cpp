@@ -180,6 +180,8 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "train.max_steps_per_epoch",
                                 "train.seed",
                                 "train.activation_checkpointing",
+                                "train.early_stopping_patience",
+                                "train.early_stopping_min_delta",
                                 "checkpoint.output_dir",
                                 "checkpoint.epochs_to_save",
                                 "checkpoint.save_last_epoch_only",
@@ -187,6 +189,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "checkpoint.resume",
                                 "checkpoint.keep_resume_state",
                                 "checkpoint.overwrite",
+                                "checkpoint.keep_best",
                                 "dist.backend",
                                 "dist.timeout_s",
                                 "dist.debug_checksum_every_n_steps",
@@ -195,6 +198,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "track.database",
                                 "track.log_every_n_steps",
                                 "eval.filter",
+                                "eval.collection",
                                 "eval.path",
                                 "eval.fraction",
                                 "eval.every_n_steps",
@@ -224,8 +228,8 @@ TEST_CASE("eval: off by default, and an evaluation selection that would overlap 
         "train} and {split: eval}) or use eval.fraction");
   CHECK(override_error({"eval.fraction=0.1", "eval.filter={split: eval}"}) ==
         "recipe.yaml (override 'eval.fraction=0.1'): eval.fraction holds out part of data's selection, and "
-        "eval.filter is set too, which would overlap it or train on it: set only one of eval.fraction, eval.filter, "
-        "eval.path");
+        "eval.filter is set too, which would overlap it or train on it: set only one of eval.fraction, "
+        "eval.filter/eval.collection, eval.path");
   CHECK(override_error({"eval.fraction=0.1", "data.shuffle=stream"}) ==
         "recipe.yaml (override 'eval.fraction=0.1'): eval.fraction needs the selection's ids, which data.shuffle: "
         "stream never lists: use data.shuffle: global or none, or eval.filter");
@@ -242,8 +246,8 @@ TEST_CASE("eval: off by default, and an evaluation selection that would overlap 
         "trained on: give a separate file or use eval.fraction");
   CHECK(jsonl_error({"eval.fraction=0.1", "eval.path=e.jsonl"}) ==
         "recipe.yaml (override 'eval.fraction=0.1'): eval.fraction holds out part of data's selection, and "
-        "eval.path is set too, which would overlap it or train on it: set only one of eval.fraction, eval.filter, "
-        "eval.path");
+        "eval.path is set too, which would overlap it or train on it: set only one of eval.fraction, "
+        "eval.filter/eval.collection, eval.path");
   CHECK(jsonl_error({"eval.filter={split: eval}"}) ==
         "recipe.yaml (override 'eval.filter={split: eval}'): eval.filter needs data.source: mongodb (JSONL "
         "documents are not filtered); use eval.path or eval.fraction");

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -17,6 +18,7 @@
 #include "support/servers.hpp"
 
 using namespace lorarun::test;
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -104,6 +106,28 @@ TEST_CASE(
   const double last = m.eval.back().at("eval_loss");
   CHECK(rel(last, want) < 1e-5);
 
+  // lora-eval --recipe: the recipe's eval split, built as training builds it, on 1 and 3 ranks,
+  // gives the run's last eval loss for the last adapter; --split train evaluates the others.
+  const auto lora_eval = [&](const std::string& launch, const std::string& args) {
+    const Result r = sh(fmt::format("{}{} --recipe {} --json {}", launch, bin("lora-eval"), a, args));
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    const size_t at = r.output.rfind("{\"documents\"");
+    REQUIRE(at != std::string::npos);
+    return nlohmann::json::parse(r.output.substr(at, r.output.find('\n', at) - at));
+  };
+  const nlohmann::json one = lora_eval("", fmt::format("--adapter {}/a/epoch_1", dir));
+  const nlohmann::json three =
+      lora_eval(fmt::format("{} --nproc-per-node 3 -- ", bin("lorarun")), fmt::format("--adapter {}/a/epoch_1", dir));
+  CHECK(one.at("documents") == held);
+  CHECK(three.at("tokens") == one.at("tokens"));
+  CHECK(rel(one.at("loss"), m.eval.back().at("eval_loss")) <= 1e-6);
+  CHECK(rel(three.at("loss"), m.eval.back().at("eval_loss")) <= 1e-6);
+  WARN(fmt::format("lora-eval --recipe: 1 rank {:.9f}, 3 ranks {:.9f}, the run's last eval_loss {:.9f}",
+                   one.at("loss").get<double>(), three.at("loss").get<double>(),
+                   m.eval.back().at("eval_loss").get<double>()));
+  CHECK(lora_eval("", fmt::format("--adapter {}/a/epoch_1 --split train", dir)).at("documents") == trained);
+
   // (b) the same adapter (lora.init_from, a learning rate too small to move a float32 weight)
   // evaluated on 1, 2 and 3 ranks: the same number.
   std::vector<double> losses;
@@ -148,7 +172,15 @@ TEST_CASE(
              Catch::Contains("eval.path is data.path, so the evaluation documents would be trained on: give a "
                              "separate file or use eval.fraction"));
   CHECK_THAT(refused(fmt::format("eval.fraction=0.2 eval.path={}/other.jsonl", dir)),
-             Catch::Contains("set only one of eval.fraction, eval.filter, eval.path"));
+             Catch::Contains("set only one of eval.fraction, eval.filter/eval.collection, eval.path"));
+  // A separate file that holds a training document is refused too, naming it.
+  write_data(dir + "/copy.jsonl", 3, 100);
+  const std::string first = read_file(dir + "/data.jsonl");
+  std::ofstream(dir + "/copy.jsonl", std::ios::app) << first.substr(0, first.find('\n') + 1);
+  CHECK_THAT(refused(fmt::format("eval.path={}/copy.jsonl", dir)),
+             Catch::Contains(fmt::format("eval.path {}/copy.jsonl selects document #3 (document #0 of {}/data.jsonl), "
+                                         "which training reads too",
+                                         dir, dir)));
   CHECK_THAT(refused("'eval.filter={split: eval}'"), Catch::Contains("eval.filter needs data.source: mongodb"));
   CHECK_THAT(refused("eval.fraction=1e-9"), Catch::Contains("holds out no document of data.path"));
   CHECK(!std::filesystem::exists(dir + "/r/epoch_0"));
@@ -217,6 +249,28 @@ eval: {{filter: {{split: eval}}, every_n_steps: 2}}
   CHECK(runs[0]["final_metrics"].value("eval_loss", 0.0) == Approx(m.eval.back().at("eval_loss").get<double>()));
   CHECK(runs[0]["recipe"]["eval"]["filter"] == R"({"split":"eval"})");
 
+  // An eval.filter that selects training documents too is refused at start-up, naming one.
+  const Result overlap =
+      sh(fmt::format("{} {} {} data.filter=null track.mongodb=false checkpoint.output_dir={}/overlap", env,
+                     bin("lora-train"), recipe, dir));
+  CHECK(overlap.status != 0);
+  CHECK_THAT(overlap.output,
+             Catch::Contains(fmt::format("eval.filter {}.ex {{\"split\":\"eval\"}} selects _id ", db)) &&
+                 Catch::Contains("which training reads too"));
+  CHECK(!std::filesystem::exists(dir + "/overlap/epoch_0"));
+
+  // eval.collection: the evaluation documents from another collection (with eval.filter).
+  const Result imp2 = sh(fmt::format("{} import {}/data.jsonl --uri '{}' --db {} --collection ex_eval",
+                                     bin("lora-data"), dir, test_uri(), db));
+  REQUIRE(imp2.status == 0);
+  const Result coll =
+      sh(fmt::format("{} {} {} eval.collection=ex_eval train.epochs=1 train.max_steps_per_epoch=1 "
+                     "track.mongodb=false checkpoint.output_dir={}/coll",
+                     env, bin("lora-train"), recipe, dir));
+  INFO(coll.output);
+  CHECK(coll.status == 0);
+  CHECK(count_before(coll.output, "documents from " + db + ".ex_eval {\"split\":\"eval\"}") == 10);
+
   // eval.fraction over the _ids of the whole collection: the two sides partition it.
   const Result split =
       sh(fmt::format("{} {} {} data.filter=null eval.filter=null eval.fraction=0.3 "
@@ -229,4 +283,75 @@ eval: {{filter: {{split: eval}}, every_n_steps: 2}}
   CHECK(trained > 0);
   CHECK(held > 0);
   CHECK(trained + held == 40);
+}
+
+TEST_CASE(
+    "eval: best/ keeps the lowest eval loss, early stopping ends every rank at the same step, and a resumed run "
+    "keeps both",
+    "[e2e][resume]") {
+  const std::string dir = temp_dir("eval-steer");
+  write_data(dir + "/data.jsonl", 40);
+  write_data(dir + "/eval.jsonl", 300, 100);
+  // Every step evaluated; no evaluation improves by 10, so the run stops at step 1 + patience:
+  // step 6 of epoch 0's 7 (20 documents a rank, 3 a step).
+  const std::string train = "epochs: 3, lr: 1.0e-3, early_stopping_patience: 5, early_stopping_min_delta: 10";
+  const std::string extra = fmt::format("eval: {{path: {}/eval.jsonl, every_n_steps: 1}}\n", dir);
+  const std::string keys = "checkpoint.keep_best=true checkpoint.save_last_epoch_only=true";
+  const std::string full = write_recipe(dir, "full", train, "", ", batch_size: 3", extra);
+  const Result a = sh(fmt::format("{} --nproc-per-node 2 {} {}", bin("lorarun"), full, keys));
+  INFO(a.output);
+  REQUIRE(a.status == 0);
+  CHECK_THAT(a.output, Catch::Contains("early stopping after step 6 (epoch 0): 5 evaluations without lowering"));
+  CHECK_THAT(a.output, Catch::Contains("done: 6 steps (stopped early in epoch 0)"));
+  const Metrics m = metrics(dir + "/full");
+  REQUIRE(m.train.size() == 6);
+  REQUIRE(m.eval.size() == 6);
+  // save_last_epoch_only keeps the last epoch that ran; best/ is the adapter of the lowest loss.
+  CHECK(fs::exists(dir + "/full/epoch_0/adapter_model.safetensors"));
+  CHECK_FALSE(fs::exists(dir + "/full/epoch_1"));
+  CHECK_FALSE(fs::exists(dir + "/full/resume_state"));
+  size_t lowest = 0;
+  for (size_t i = 0; i < m.eval.size(); ++i)
+    if (m.eval[i].at("eval_loss").get<double>() < m.eval[lowest].at("eval_loss").get<double>()) lowest = i;
+  const nlohmann::json best = nlohmann::json::parse(read_file(dir + "/full/best/best.json"));
+  CHECK(best.at("step") == m.eval[lowest].at("step"));
+  CHECK(best.at("eval_loss") == m.eval[lowest].at("eval_loss"));
+  CHECK(m.eval.back().at("best_eval_loss") == m.eval[lowest].at("eval_loss"));
+  const nlohmann::json done = nlohmann::json::parse(read_file(dir + "/full/run.json"));
+  CHECK(done.at("early_stopped").at("step") == 6);
+  CHECK(done.at("epochs_kept") == nlohmann::json::array({0}));
+  CHECK(done.at("best").at("step") == best.at("step"));
+
+  // lora-eval --recipe on best/ gives the loss best.json records.
+  const Result e = sh(fmt::format("{} --recipe {} --adapter {}/full/best --json", bin("lora-eval"), full, dir));
+  INFO(e.output);
+  REQUIRE(e.status == 0);
+  const nlohmann::json got = nlohmann::json::parse(e.output.substr(e.output.rfind("{\"documents\"")));
+  CHECK(rel(got.at("loss"), best.at("eval_loss")) <= 1e-6);
+
+  // Stopped by SIGTERM after the second evaluation, then resumed: the best loss and the count of
+  // evaluations without improvement come back, so it stops at the same step with the same best/.
+  const std::string cut = write_recipe(dir, "cut", train, "", ", batch_size: 3", extra);
+  const std::string cmd = fmt::format("{} --nproc-per-node 2 {} {}", bin("lorarun"), cut, keys);
+  const Result b = interrupt(cmd, dir + "/cut.log", "eval at epoch 0 step 2:", "kill -TERM $pid");
+  INFO(read_file(dir + "/cut.log"));
+  CHECK_THAT(b.output, Catch::Contains("exit=143"));
+  REQUIRE(fs::exists(dir + "/cut/resume_state/state.json"));
+  const Result c = sh(cmd);
+  INFO(c.output);
+  REQUIRE(c.status == 0);
+  CHECK_THAT(c.output, Catch::Contains("resuming at epoch 0"));
+  CHECK_THAT(c.output, Catch::Contains("done: 6 steps (stopped early in epoch 0)"));
+  CHECK(read_file(dir + "/cut/best/adapter_model.safetensors") ==
+        read_file(dir + "/full/best/adapter_model.safetensors"));
+  CHECK(nlohmann::json::parse(read_file(dir + "/cut/best/best.json")).at("step") == best.at("step"));
+  CHECK(read_file(dir + "/cut/epoch_0/adapter_model.safetensors") ==
+        read_file(dir + "/full/epoch_0/adapter_model.safetensors"));
+
+  // Steering needs an eval split.
+  const Result none =
+      sh(fmt::format("{} {} checkpoint.keep_best=true", bin("lora-train"), write_recipe(dir, "none", "epochs: 1")));
+  CHECK(none.status != 0);
+  CHECK_THAT(none.output, Catch::Contains("checkpoint.keep_best needs an eval: split to steer by: set eval.path or "
+                                          "eval.fraction"));
 }

@@ -1,0 +1,53 @@
+#include "train/evaluate.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include "data/collate.hpp"
+#include "data/mongo.hpp"
+#include "data/source.hpp"
+#include "model/loss.hpp"
+#include "model/transformer.hpp"
+
+namespace lorarun::train {
+
+EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data::ExampleBuilder& builder,
+                    const recipe::Recipe& r, int rank, int world, const c10::Device& device,
+                    const PerDocument& per_doc) {
+  const int64_t n = docs.size();
+  const int64_t per_batch = per_doc ? 1 : r.eval.batch_size.value_or(r.data.batch_size);
+  const std::vector<std::string> fields = builder.fields();
+  EvalSums sums;
+  c10::NoGradGuard no_grad;
+  const bool was_training = m.training;
+  m.training = false;
+  for (int64_t first = rank; first < n; first += per_batch * world) {
+    std::vector<int64_t> positions;
+    for (int64_t p = first; p < n && static_cast<int64_t>(positions.size()) < per_batch; p += world)
+      positions.push_back(p);
+    std::vector<data::Example> batch;
+    std::string id;
+    for (const data::Found& f : docs.fetch_found(positions, fields)) {
+      data::Built built = data::build_found(builder, f);
+      if (auto* ex = std::get_if<data::Example>(&built)) {
+        batch.push_back(std::move(*ex));
+        id = f.id;
+      } else {
+        ++sums.rejected;
+      }
+    }
+    sums.documents += static_cast<int64_t>(batch.size());
+    const data::Batch b = data::collate(batch, r.data.packing, static_cast<size_t>(r.data.max_length), device);
+    if (b.tokens == 0) continue;
+    const at::Tensor hidden = m.hidden_states(b.ids, b.mask, nullptr, r.data.packing);
+    const model::LossSum l = model::lm_head_loss(hidden, m.lm_head(), b.rows, b.targets, m.config().logit_softcap);
+    const double loss = l.sum.to(at::kDouble).item<double>();
+    sums.loss += loss;
+    sums.tokens += b.tokens;
+    if (per_doc) per_doc(id, b.tokens, loss);
+  }
+  m.training = was_training;
+  return sums;
+}
+
+}  // namespace lorarun::train
