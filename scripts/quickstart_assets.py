@@ -9,6 +9,7 @@ rule was learnt, not the examples.
 usage: quickstart_assets.py OUT_DIR
   OUT_DIR/train.jsonl    {"messages": [user, assistant]}: what lora-data imports into FerretDB
   OUT_DIR/heldout.jsonl  {"prompt": ChatML up to the answer, "answer": code + "<|im_end|>\n"}, as trained: lora-eval
+  OUT_DIR/heldout_chat.jsonl the same 48 questions as chat documents: the recipe's eval split
   OUT_DIR/prompt_N.txt   three held-out prompts (ChatML) for lora-generate, N = 0, 1, 2, and
   OUT_DIR/prompt_N.expected their right answers
 """
@@ -60,13 +61,17 @@ def main():
     held = []
     for _ in range(48):
         words, code = order(rng, held_pairs)
-        held.append((chatml_prompt(rng.choice(ASKS).format(words)), code))
+        held.append((rng.choice(ASKS).format(words), code))
     with open(os.path.join(out, "heldout.jsonl"), "w") as f:
-        for prompt, code in held:
-            f.write(json.dumps({"prompt": prompt, "answer": code + "<|im_end|>\n"}) + "\n")
-    for i, (prompt, code) in enumerate(held[:3]):
+        for question, code in held:
+            f.write(json.dumps({"prompt": chatml_prompt(question), "answer": code + "<|im_end|>\n"}) + "\n")
+    with open(os.path.join(out, "heldout_chat.jsonl"), "w") as f:
+        for question, code in held:
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": code}]}) + "\n")
+    for i, (question, code) in enumerate(held[:3]):
         with open(os.path.join(out, f"prompt_{i}.txt"), "w") as f:
-            f.write(prompt)
+            f.write(chatml_prompt(question))
         with open(os.path.join(out, f"prompt_{i}.expected"), "w") as f:
             f.write(code + "\n")
 
