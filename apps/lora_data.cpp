@@ -110,20 +110,35 @@ void detokenize(const DetokenizeArgs& a) {
 struct RecipeArgs {
   std::string recipe;
   std::vector<std::string> overrides;
+  std::string split = "train";  // or "eval": the recipe's eval: section
   bool as_json = false;
 };
 
-// A recipe, its model's tokenizer and the selected documents training reads (eval.fraction's
-// held-out ones left out). Not movable: docs refers to recipe.data.
+// The split's documents: the recipe's eval split (checked against the training selection, as
+// training checks it), or without one an error naming the keys.
+std::optional<data::EvalSplit> eval_split(const RecipeArgs& a, const recipe::Recipe& r, const data::Documents& train) {
+  if (a.split != "eval") return std::nullopt;
+  if (!r.eval.enabled(r.data.source))
+    throw Error(fmt::format("{} has no eval: split: set eval.fraction or {} (e.g. as an override)", a.recipe,
+                            r.data.source == recipe::Source::MongoDB ? "eval.filter / eval.collection" : "eval.path"));
+  return std::optional<data::EvalSplit>(std::in_place, r, &train);
+}
+
+// A recipe, its model's tokenizer and the selected documents of the split: those training reads
+// (eval.fraction's held-out ones left out) or the eval split. Not movable: docs refer to recipe.
 struct Dataset {
   explicit Dataset(const RecipeArgs& a)
       : recipe(recipe::load_recipe(a.recipe, a.overrides)),
         tokenizer(lorarun::model::load_tokenizer(recipe.model.path)),
-        docs(recipe.data, data::Holdout{.fraction = recipe.eval.fraction}) {}
+        train(recipe.data, data::Holdout::training(recipe.eval.fraction)),
+        eval(eval_split(a, recipe, train)),
+        docs(eval ? eval->docs() : train) {}
   Dataset(const Dataset&) = delete;
   const recipe::Recipe recipe;
   const tok::Tokenizer tokenizer;
-  const data::Documents docs;
+  const data::Documents train;
+  const std::optional<data::EvalSplit> eval;
+  const data::Documents& docs;
 };
 
 // What the trainer's builder makes of `doc`; a line that is not a JSON object says so.
@@ -389,6 +404,8 @@ void recipe_args(CLI::App* cmd, RecipeArgs& a, const char* json_help) {
   cmd->add_option("recipe", a.recipe, "recipe YAML")->required();
   cmd->add_option("overrides", a.overrides, "key=value overrides of recipe keys (data.max_length=512)");
   cmd->add_flag("--json", a.as_json, json_help);
+  cmd->add_option("--split", a.split, "train (the documents training reads, the default) or eval (the eval: split)")
+      ->check(CLI::IsMember({"train", "eval"}));
 }
 
 int run(int argc, char** argv) {

@@ -123,7 +123,7 @@ int eval_recipe(const RecipeEval& a) {
   if (!a.adapter.empty()) model::load_adapter(m, a.adapter, m.dtype());
   const tok::Tokenizer tokenizer = model::load_tokenizer(m.dir());
   const data::ExampleBuilder builder(r.data, tokenizer);
-  const data::Documents train(r.data, data::Holdout{.fraction = r.eval.fraction});
+  const data::Documents train(r.data, data::Holdout::training(r.eval.fraction));
   std::optional<data::EvalSplit> split;
   if (eval_split) split.emplace(r, &train);
   const data::Documents& docs = split ? split->docs() : train;

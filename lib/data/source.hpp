@@ -48,6 +48,8 @@ struct Holdout {
   double fraction = 0;         // 0: no split, every selected document
   bool eval = false;           // the held-out documents (else the others)
   std::optional<int64_t> max;  // at most this many of them (the first, in order)
+  // The documents training reads: those `fraction` does not hold out.
+  static Holdout training(double fraction) { return {fraction, false, std::nullopt}; }
 };
 // FNV-1a 64 of `key`, its top 53 bits as a number in [0, 1), below `fraction`: stable across runs,
 // ranks and machines (tests/reference/train_reference.py computes the same).
@@ -101,6 +103,8 @@ class Documents {
 class EvalSplit {
  public:
   EvalSplit(const recipe::Recipe& r, const Documents* train);
+  EvalSplit(const EvalSplit&) = delete;  // docs_ refers to data_
+  EvalSplit& operator=(const EvalSplit&) = delete;
   const Documents& docs() const { return *docs_; }
   // "eval.filter {…} on db.coll", "eval.path x.jsonl", "eval.fraction 0.05 of …": for logs.
   std::string describe() const;

@@ -224,7 +224,7 @@ model::CausalLM Trainer::setup_model() {
 // This rank's documents (connecting within data.timeout_s) and the steps they make.
 void Trainer::setup_data() {
   builder_ = std::make_unique<data::ExampleBuilder>(r_.data, tokenizer_);
-  docs_ = std::make_unique<data::Documents>(r_.data, data::Holdout{.fraction = r_.eval.fraction});
+  docs_ = std::make_unique<data::Documents>(r_.data, data::Holdout::training(r_.eval.fraction));
   // Read and built as training data is (the same builder); never a document training reads.
   if (r_.eval.enabled(r_.data.source)) eval_ = std::make_unique<data::EvalSplit>(r_, docs_.get());
   const int64_t per_rank = data::examples_per_rank(docs_->size(), env_.world_size);

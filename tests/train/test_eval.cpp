@@ -82,6 +82,8 @@ TEST_CASE(
   // lora-data stats counts what training reads.
   const Result stats = sh(fmt::format("{} stats {}", bin("lora-data"), a));
   CHECK_THAT(stats.output, Catch::Contains(fmt::format(" {} selected", trained)));
+  const Result eval_stats = sh(fmt::format("{} stats {} --split eval", bin("lora-data"), a));
+  CHECK_THAT(eval_stats.output, Catch::Contains(fmt::format(" {} selected", held)));
 
   // (a) an evaluation at each epoch end and every 2 steps, each once.
   const Metrics m = metrics(dir + "/a");
