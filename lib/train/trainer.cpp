@@ -29,6 +29,7 @@
 #include "model/transformer.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "track/record.hpp"
+#include "track/tensorboard.hpp"
 #include "train/output_dir.hpp"
 #include "train/schedule.hpp"
 #include "train/state.hpp"
@@ -120,6 +121,7 @@ class Trainer {
   void lose_data(const std::string& why);
   void log_step(const StepResult& s, int epoch, int64_t s_in_epoch);
   void evaluate(int epoch);
+  void to_tensorboard(const std::vector<track::Scalar>& values);
   void save_checkpoint(int epoch);
   void save_state(const Progress& p);
   void check_finite_adapter(const std::string& what);
@@ -164,7 +166,8 @@ class Trainer {
   std::ofstream metrics_;
   Clock::time_point started_ = Clock::now();
   int64_t steps_this_process_ = 0;
-  std::unique_ptr<track::RunRecorder> record_;  // rank 0, when the run is recorded in MongoDB
+  std::unique_ptr<track::RunRecorder> record_;             // rank 0, when the run is recorded in MongoDB
+  std::unique_ptr<track::TensorBoardWriter> tensorboard_;  // rank 0, with track.tensorboard
   nlohmann::json last_row_ = nlohmann::json::object();
 };
 
@@ -318,6 +321,11 @@ void Trainer::begin(Progress& p, bool resumed) {
   fs::create_directories(out_);
   io::write_file_atomic((out_ / "recipe.yaml").string(), recipe::to_yaml(r_));
   open_metrics(resumed ? std::optional(p) : std::nullopt);
+  if (r_.track.tensorboard) {  // earlier events files go as metrics.jsonl's rows go
+    const std::string dir = (out_ / "tensorboard").string();
+    tensorboard_ = std::make_unique<track::TensorBoardWriter>(dir, resumed ? std::optional(p.step) : std::nullopt);
+    info(fmt::format("TensorBoard events in {} (tensorboard --logdir {})", tensorboard_->path(), dir));
+  }
   info(
       fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch, gradients all-reduced in {} "
                   "bucket(s)",
@@ -547,6 +555,10 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
                               {"seconds", s.seconds}};
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
+  to_tensorboard({{"train/loss", s.loss},
+                  {"train/lr", s.lr},
+                  {"train/grad_norm", s.grad_norm},
+                  {"train/tokens_per_s", s.tokens / s.seconds}});
   last_row_ = row;
 }
 
@@ -613,7 +625,20 @@ void Trainer::evaluate(int epoch) {
       step_, mean, std::exp(mean), total_tokens, static_cast<int64_t>(t[2]), seconds));
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
+  to_tensorboard({{"eval/loss", mean}, {"eval/ppl", std::exp(mean)}});
   for (const char* k : {"eval_loss", "eval_ppl", "eval_tokens"}) last_row_[k] = row[k];
+}
+
+// track.tensorboard: `values` at the current step. A failed write warns and ends the events file,
+// never the run (as a failed record write).
+void Trainer::to_tensorboard(const std::vector<track::Scalar>& values) {
+  if (!tensorboard_) return;
+  try {
+    tensorboard_->scalars(step_, values);
+  } catch (const Error& e) {
+    warn(fmt::format("{}; TensorBoard events are no longer written for this run", e.what()));
+    tensorboard_.reset();
+  }
 }
 
 // track.mongodb: the run document in <track.database>.runs (continued when resuming).

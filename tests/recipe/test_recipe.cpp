@@ -194,6 +194,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "track.mongodb",
                                 "track.database",
                                 "track.log_every_n_steps",
+                                "track.tensorboard",
                                 "eval.filter",
                                 "eval.path",
                                 "eval.fraction",
