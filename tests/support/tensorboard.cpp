@@ -22,4 +22,6 @@ PythonRead run_script(const std::string& script, const std::string& arg) {
 
 PythonRead read_tensorboard(const std::string& dir) { return run_script("read_tensorboard.py", dir); }
 
+PythonRead check_svg(const std::string& path) { return run_script("check_svg.py", path); }
+
 }  // namespace lorarun::test

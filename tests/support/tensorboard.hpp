@@ -1,4 +1,5 @@
-// What TensorBoard's own readers see in an events directory (tests/track/read_tensorboard.py).
+// What TensorBoard's own readers see in an events directory (tests/track/read_tensorboard.py), and
+// the structure of an SVG as Python's xml.etree parses it (tests/track/check_svg.py).
 #pragma once
 #include <nlohmann/json.hpp>
 #include <string>
@@ -17,5 +18,8 @@ struct PythonRead {
 // read_tensorboard.py on `dir`: {"scalars": {tag: [[step, value], …]}, "files": [{name,
 // file_version, events, last_step}], "warnings": […]}.
 PythonRead read_tensorboard(const std::string& dir);
+
+// check_svg.py on `path`: {"root", "title", "texts", "polylines": [{class, points}], "circles"}.
+PythonRead check_svg(const std::string& path);
 
 }  // namespace lorarun::test

@@ -1,6 +1,6 @@
 // TensorBoard event files (lib/track/tensorboard) read back by TensorBoard's own readers: tags,
 // steps and float32 values exactly, the file name and version TensorBoard expects, a resumed run's
-// earlier file cut back to its state's step.
+// earlier file cut back to its state's step; and the loss plot (lib/track/plot) on metrics rows written here.
 #include <fmt/format.h>
 #include <unistd.h>
 #include <algorithm>
@@ -12,6 +12,7 @@
 
 #include "support/process.hpp"
 #include "support/tensorboard.hpp"
+#include "track/plot.hpp"
 #include "track/tensorboard.hpp"
 #include "util/error.hpp"
 
@@ -142,4 +143,47 @@ TEST_CASE("a TensorBoard directory that cannot be made is one line naming the fi
   CHECK_THROWS_WITH(track::TensorBoardWriter("/dev/null/tb"),
                     Catch::StartsWith("cannot create the TensorBoard directory /dev/null/tb: ") &&
                         Catch::EndsWith("make checkpoint.output_dir writable or set track.tensorboard: false"));
+}
+
+TEST_CASE("the loss plot: a line of every train row, a marker per evaluation, well-formed SVG", "[reference]") {
+  const std::string dir = temp_dir("plot");
+  {
+    std::ofstream m(dir + "/metrics.jsonl");
+    for (int step = 1; step <= 20; ++step) {
+      m << nlohmann::json{{"epoch", 0}, {"step", step}, {"loss", 4.0 / step}, {"lr", 1e-3}}.dump() << "\n";
+      if (step % 5 == 0) m << nlohmann::json{{"epoch", 0}, {"step", step}, {"eval_loss", 5.0 / step}}.dump() << "\n";
+    }
+    m << R"({"epoch": 0, "step": 21, "lo)";  // a row being written: left out
+  }
+  const track::LossCurves c = track::read_loss_curves(dir + "/metrics.jsonl");
+  CHECK(c.train.size() == 20);
+  CHECK(c.eval.size() == 4);
+  const std::string path = track::plot_loss(dir);
+  CHECK(path == dir + "/loss.svg");
+  const PythonRead svg = check_svg(path);
+  INFO(svg.run.output << svg.error);
+  REQUIRE(svg.data.is_object());
+  CHECK(svg.data.at("root") == "svg");
+  CHECK(svg.data.at("title") == fmt::format("{}: loss by optimizer step", fs::path(dir).filename().string()));
+  REQUIRE(svg.data.at("polylines").size() == 1);
+  CHECK(svg.data.at("polylines")[0].at("class") == "train-loss");
+  CHECK(svg.data.at("polylines")[0].at("points") == 20);
+  CHECK(svg.data.at("circles").at("eval-loss") == 4);
+  const std::vector<std::string> texts = svg.data.at("texts");
+  for (const char* label : {"train loss", "eval loss", "optimizer step", "loss", "0", "20"})
+    CHECK(std::find(texts.begin(), texts.end(), label) != texts.end());
+
+  // A bad line in the middle, no loss row, no file: one line each, naming the fix.
+  fs::create_directories(dir + "/bad");
+  std::ofstream(dir + "/bad/metrics.jsonl") << "{\"step\": 1, \"loss\": 2}\nnot json\n";
+  CHECK_THROWS_WITH(track::plot_loss(dir + "/bad"), dir +
+                                                        "/bad/metrics.jsonl:2: not a JSON object; fix or remove "
+                                                        "that line");
+  std::ofstream(dir + "/bad/metrics.jsonl") << "{\"step\": 5, \"eval_loss\": 2}\n";
+  CHECK_THROWS_WITH(track::plot_loss(dir + "/bad"), dir +
+                                                        "/bad/metrics.jsonl holds no training loss row: plot a "
+                                                        "run once it has logged a step");
+  CHECK_THROWS_WITH(track::plot_loss(dir + "/none"), dir +
+                                                         "/none/metrics.jsonl does not exist: give the "
+                                                         "checkpoint.output_dir of a run that has started");
 }

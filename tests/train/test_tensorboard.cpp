@@ -1,6 +1,6 @@
 // track.tensorboard end to end: a run on 2 ranks with an evaluation split writes one events file
 // (rank 0) that TensorBoard's own reader reads as metrics.jsonl says, step by step and float32 for
-// float32; kill -9 and resume leave every step once.
+// float32; kill -9 and resume leave every step once; lora-data plot draws the run.
 #include <fmt/format.h>
 #include <algorithm>
 #include <catch2/catch.hpp>
@@ -75,9 +75,9 @@ size_t count(const Series& s) {
 }  // namespace
 
 TEST_CASE(
-    "track.tensorboard: TensorBoard reads the train and eval scalars of metrics.jsonl, an event each, float32 "
-    "for float32",
-    "[e2e][reference]") {
+    "track.tensorboard: TensorBoard reads the train and eval scalars of metrics.jsonl, and lora-data plot "
+    "draws them",
+    "[e2e][reference][lora-data]") {
   const std::string dir = temp_dir("tensorboard-run");
   write_data(dir + "/data.jsonl", 24);
   const std::string recipe = write_recipe(dir, "run", "epochs: 2, lr: 1.0e-3", "", ", batch_size: 2",
@@ -113,6 +113,29 @@ TEST_CASE(
       "float32 of metrics.jsonl's value; largest difference to metrics.jsonl's double {:.3g} ({:.3g} relative)",
       count(got), steps, want.at("eval/loss").size(), abs, rel));
   CHECK(rel <= 6e-8);  // float32 rounding: half an ulp
+
+  // lora-data plot: the SVG of the run, a polyline point per train row and a marker per evaluation.
+  const Result plot = sh(fmt::format("{} plot {}/run", bin("lora-data"), dir));
+  INFO(plot.output);
+  REQUIRE(plot.status == 0);
+  CHECK(plot.output == dir + "/run/loss.svg\n");
+  const PythonRead svg = check_svg(dir + "/run/loss.svg");
+  INFO(svg.run.output << svg.error);
+  REQUIRE(svg.data.is_object());
+  CHECK(svg.data.at("root") == "svg");
+  CHECK(svg.data.at("title") == "run: loss by optimizer step");
+  REQUIRE(svg.data.at("polylines").size() == 1);
+  CHECK(svg.data.at("polylines")[0].at("points").get<size_t>() == steps);
+  CHECK(svg.data.at("circles").at("eval-loss").get<size_t>() == want.at("eval/loss").size());
+  const Result other = sh(fmt::format("{} plot {}/run --out {}/other.svg", bin("lora-data"), dir, dir));
+  CHECK(other.output == dir + "/other.svg\n");
+  CHECK(fs::exists(dir + "/other.svg"));
+
+  // No metrics file: one line, non-zero exit.
+  const Result missing = sh(fmt::format("{} plot {}/nothing", bin("lora-data"), dir));
+  CHECK(missing.status != 0);
+  CHECK(count_lines(missing.output) == 1);
+  CHECK_THAT(missing.output, Catch::Contains(fmt::format("{}/nothing/metrics.jsonl does not exist", dir)));
 }
 
 TEST_CASE("track.tensorboard after kill -9 and resume: TensorBoard shows every step once, as metrics.jsonl",
