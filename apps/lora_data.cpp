@@ -3,6 +3,7 @@
 //   stats RECIPE [k=v…]       what training would see: counts, bad documents, token lengths
 //   preview N RECIPE [k=v…]   the first N documents as training sees them, trained part marked
 //   import FILE.jsonl         a JSONL file into a MongoDB collection, 1,000 documents per insert
+//   plot OUTPUT_DIR           a run's train and eval loss by step (metrics.jsonl) as an SVG
 //
 // Line protocol (one record per line, so any text survives, newlines and CR included):
 //   tokenize   in: a JSON string literal per line ("Hello\nworld"), or with --raw each line
@@ -34,6 +35,7 @@
 #include "model/resolve.hpp"
 #include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
+#include "track/plot.hpp"
 #include "util/error.hpp"
 
 namespace {
@@ -398,6 +400,15 @@ void import_jsonl(const ImportArgs& a) {
              static_cast<double>(inserted) / std::max(s, 1e-9));
 }
 
+// ---- plot ---------------------------------------------------------------------------------
+
+struct PlotArgs {
+  std::string output_dir, out;
+};
+
+// A run's metrics.jsonl -> an SVG of train loss (line) and eval loss (markers) by step.
+void plot(const PlotArgs& a) { fmt::print("{}\n", lorarun::track::plot_loss(a.output_dir, a.out)); }
+
 // ---- command line -------------------------------------------------------------------------
 
 void recipe_args(CLI::App* cmd, RecipeArgs& a, const char* json_help) {
@@ -446,6 +457,12 @@ int run(int argc, char** argv) {
   imp->add_option("--collection", im.collection, "collection")->required();
   imp->add_flag("--drop", im.drop, "drop the collection first");
   imp->callback([&] { import_jsonl(im); });
+
+  PlotArgs pl;
+  auto* plt = app.add_subcommand("plot", "a run's train and eval loss by step (its metrics.jsonl) as an SVG");
+  plt->add_option("output_dir", pl.output_dir, "the run's checkpoint.output_dir")->required();
+  plt->add_option("--out", pl.out, "SVG file to write (default: OUTPUT_DIR/loss.svg)");
+  plt->callback([&] { plot(pl); });
 
   try {
     app.parse(argc, argv);

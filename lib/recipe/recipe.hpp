@@ -212,6 +212,7 @@ struct TrackSection {
   bool mongodb = true;
   std::string database;  // empty in the file: data.database at load time
   int log_every_n_steps = 1;
+  bool tensorboard = false;  // rank 0 writes TensorBoard event files under <output_dir>/tensorboard/
   bool operator==(const TrackSection&) const = default;
 };
 

@@ -304,6 +304,10 @@ void for_each_key(R& r, V&& v) {
     r.track.database);
   v(Key{.name = "track.log_every_n_steps", .bound = at_least(1), .meaning = "a metrics line every N optimizer steps"},
     r.track.log_every_n_steps);
+  v(Key{.name = "track.tensorboard",
+        .meaning = "TensorBoard event files in `<output_dir>/tensorboard/` (rank 0): train loss, lr, grad norm, "
+                   "tokens/s; eval loss and ppl"},
+    r.track.tensorboard);
 
   v(Key{.name = "eval.filter",
         .example = "{split: eval}",

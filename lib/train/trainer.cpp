@@ -29,6 +29,7 @@
 #include "model/transformer.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "track/record.hpp"
+#include "track/tensorboard.hpp"
 #include "train/evaluate.hpp"
 #include "train/output_dir.hpp"
 #include "train/schedule.hpp"
@@ -122,6 +123,7 @@ class Trainer {
   void log_step(const StepResult& s, int epoch, int64_t s_in_epoch);
   void evaluate(int epoch);
   void steer(int epoch, const nlohmann::json& eval_row);
+  void to_tensorboard(const std::vector<track::Scalar>& values);
   void save_checkpoint(int epoch);
   void save_state(const Progress& p);
   void check_finite_adapter(const std::string& what);
@@ -168,7 +170,8 @@ class Trainer {
   std::ofstream metrics_;
   Clock::time_point started_ = Clock::now();
   int64_t steps_this_process_ = 0;
-  std::unique_ptr<track::RunRecorder> record_;  // rank 0, when the run is recorded in MongoDB
+  std::unique_ptr<track::RunRecorder> record_;             // rank 0, when the run is recorded in MongoDB
+  std::unique_ptr<track::TensorBoardWriter> tensorboard_;  // rank 0, with track.tensorboard
   nlohmann::json last_row_ = nlohmann::json::object();
 };
 
@@ -302,6 +305,11 @@ void Trainer::begin(Progress& p, bool resumed) {
   fs::create_directories(out_);
   io::write_file_atomic((out_ / "recipe.yaml").string(), recipe::to_yaml(r_));
   open_metrics(resumed ? std::optional(p) : std::nullopt);
+  if (r_.track.tensorboard) {  // earlier events files go as metrics.jsonl's rows go
+    const std::string dir = (out_ / "tensorboard").string();
+    tensorboard_ = std::make_unique<track::TensorBoardWriter>(dir, resumed ? std::optional(p.step) : std::nullopt);
+    info(fmt::format("TensorBoard events in {} (tensorboard --logdir {})", tensorboard_->path(), dir));
+  }
   info(
       fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch, gradients all-reduced in {} "
                   "bucket(s)",
@@ -535,6 +543,10 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
                               {"seconds", s.seconds}};
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
+  to_tensorboard({{"train/loss", s.loss},
+                  {"train/lr", s.lr},
+                  {"train/grad_norm", s.grad_norm},
+                  {"train/tokens_per_s", s.tokens / s.seconds}});
   last_row_ = row;
 }
 
@@ -579,6 +591,7 @@ void Trainer::evaluate(int epoch) {
   row["best_eval_loss"] = *steer_.best_loss;
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
+  to_tensorboard({{"eval/loss", mean}, {"eval/ppl", std::exp(mean)}});
   for (const char* k : {"eval_loss", "eval_ppl", "eval_tokens", "best_eval_loss"}) last_row_[k] = row[k];
 }
 
@@ -618,6 +631,18 @@ void Trainer::steer(int epoch, const nlohmann::json& eval_row) {
         "early stopping after step {} (epoch {}): {} evaluations without lowering the best eval_loss "
         "{:.6f} (step {}) by more than {:g}",
         step_, epoch, steer_.evals_since_best, *steer_.best_loss, steer_.best_step, r_.train.early_stopping_min_delta));
+}
+
+// track.tensorboard: `values` at the current step. A failed write warns and ends the events file,
+// never the run (as a failed record write).
+void Trainer::to_tensorboard(const std::vector<track::Scalar>& values) {
+  if (!tensorboard_) return;
+  try {
+    tensorboard_->scalars(step_, values);
+  } catch (const Error& e) {
+    warn(fmt::format("{}; TensorBoard events are no longer written for this run", e.what()));
+    tensorboard_.reset();
+  }
 }
 
 // track.mongodb: the run document in <track.database>.runs (continued when resuming).

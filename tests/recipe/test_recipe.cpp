@@ -197,6 +197,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "track.mongodb",
                                 "track.database",
                                 "track.log_every_n_steps",
+                                "track.tensorboard",
                                 "eval.filter",
                                 "eval.collection",
                                 "eval.path",

@@ -166,6 +166,7 @@ TEST_CASE("the keys added after the first contract have their defaults") {
   CHECK_FALSE(r.checkpoint.overwrite);
   CHECK(r.dist.bucket_mb == 25.0);
   CHECK_FALSE(r.dist.debug_checksum_every_n_steps);
+  CHECK_FALSE(r.track.tensorboard);
   // data.timeout_s is checked like dist.timeout_s, and apart from it.
   CHECK_THROWS_WITH(recipe_from_yaml(YAML::Load("model: {path: /m}\ndata: {database: d, collection: c, "
                                                 "prompt_template: x, timeout_s: 0}\n")),
