@@ -356,7 +356,13 @@ void resolve(Recipe& r, const std::string& file) {
   if (r.data.uri.empty())
     if (const char* env = std::getenv("LORARUN_MONGODB_URI"); env && *env) r.data.uri = env;
   register_uri_secret(r.data.uri);
+  register_uri_secret(r.track.mlflow_uri);
   if (r.track.database.empty()) r.track.database = r.data.database;
+  // As MLflow's own client: the experiment the environment names, else the server's Default one.
+  if (!r.track.mlflow_uri.empty() && r.track.mlflow_experiment.empty()) {
+    const char* env = std::getenv("MLFLOW_EXPERIMENT_NAME");
+    r.track.mlflow_experiment = env && *env ? env : "Default";
+  }
   if (r.checkpoint.output_dir.empty()) {
     std::string name = std::filesystem::path(file).stem().string();
     for (char& c : name)
@@ -417,7 +423,10 @@ Recipe recipe_from_json(const nlohmann::json& j, const std::vector<std::string>&
 
 std::string to_yaml(const Recipe& r, bool redact_secrets) {
   Recipe shown = r;
-  if (redact_secrets) shown.data.uri = redact_uri(shown.data.uri);
+  if (redact_secrets) {
+    shown.data.uri = redact_uri(shown.data.uri);
+    shown.track.mlflow_uri = redact_uri(shown.track.mlflow_uri);
+  }
   std::string out, section;
   detail::for_each_key(std::as_const(shown), [&](std::string_view key, const auto& value) {
     if (section_of(key) != section) {
@@ -431,7 +440,10 @@ std::string to_yaml(const Recipe& r, bool redact_secrets) {
 
 nlohmann::json to_json(const Recipe& r, bool redact_secrets) {
   Recipe shown = r;
-  if (redact_secrets) shown.data.uri = redact_uri(shown.data.uri);
+  if (redact_secrets) {
+    shown.data.uri = redact_uri(shown.data.uri);
+    shown.track.mlflow_uri = redact_uri(shown.track.mlflow_uri);
+  }
   nlohmann::json j = nlohmann::json::object();
   detail::for_each_key(std::as_const(shown), [&](std::string_view key, const auto& value) {
     using T = std::decay_t<decltype(value)>;

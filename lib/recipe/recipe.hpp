@@ -212,7 +212,9 @@ struct TrackSection {
   bool mongodb = true;
   std::string database;  // empty in the file: data.database at load time
   int log_every_n_steps = 1;
-  bool tensorboard = false;  // rank 0 writes TensorBoard event files under <output_dir>/tensorboard/
+  bool tensorboard = false;       // rank 0 writes TensorBoard event files under <output_dir>/tensorboard/
+  std::string mlflow_uri;         // empty: no MLflow
+  std::string mlflow_experiment;  // empty in the file: $MLFLOW_EXPERIMENT_NAME, else "Default", when mlflow_uri is set
   bool operator==(const TrackSection&) const = default;
 };
 

@@ -308,6 +308,15 @@ void for_each_key(R& r, V&& v) {
         .meaning = "TensorBoard event files in `<output_dir>/tensorboard/` (rank 0): train loss, lr, grad norm, "
                    "tokens/s; eval loss and ppl"},
     r.track.tensorboard);
+  v(Key{.name = "track.mlflow_uri",
+        .example = "http://127.0.0.1:5000",
+        .meaning = "an MLflow tracking server (http(s)://host:port) rank 0 logs params, metrics and the adapter to; "
+                   "empty: none"},
+    r.track.mlflow_uri);
+  v(Key{.name = "track.mlflow_experiment",
+        .example = "lorarun",
+        .meaning = "the MLflow experiment of the run (made if missing); empty: $MLFLOW_EXPERIMENT_NAME, else Default"},
+    r.track.mlflow_experiment);
 
   v(Key{.name = "eval.filter",
         .example = "{split: eval}",

@@ -9,6 +9,7 @@
 #include "recipe/recipe.hpp"
 #include "recipe/schema.hpp"
 #include "util/error.hpp"
+#include "util/secrets.hpp"
 
 namespace lorarun::recipe {
 namespace detail {
@@ -238,6 +239,17 @@ constexpr Rule kRules[] = {
     {"checkpoint.keep_best",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        if (r.checkpoint.keep_best && !r.eval.enabled(r.data.source)) fail(o, "checkpoint.keep_best", no_eval_split(r));
+     }},
+    // MLflow is logged to through a tracking server's REST API: a file store or a database URI
+    // (what MLflow's Python client also accepts) cannot be written from here.
+    {"track.mlflow_uri",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       const std::string& uri = r.track.mlflow_uri;
+       if (uri.empty() || uri.starts_with("http://") || uri.starts_with("https://")) return;
+       fail(o, "track.mlflow_uri",
+            fmt::format("is '{}', not an http(s):// URI: give the address of a tracking server (`mlflow server "
+                        "--host 0.0.0.0 --port 5000` serves one at http://HOST:5000), or \"\" for no MLflow",
+                        redact_uri(uri)));
      }},
     {"dist.backend",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {

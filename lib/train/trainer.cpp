@@ -28,6 +28,7 @@
 #include "model/resolve.hpp"
 #include "model/transformer.hpp"
 #include "tokenizer/tokenizer.hpp"
+#include "track/mlflow.hpp"
 #include "track/record.hpp"
 #include "track/tensorboard.hpp"
 #include "train/evaluate.hpp"
@@ -172,8 +173,29 @@ class Trainer {
   int64_t steps_this_process_ = 0;
   std::unique_ptr<track::RunRecorder> record_;             // rank 0, when the run is recorded in MongoDB
   std::unique_ptr<track::TensorBoardWriter> tensorboard_;  // rank 0, with track.tensorboard
+  std::unique_ptr<track::MlflowRun> mlflow_;               // rank 0, with track.mlflow_uri
   nlohmann::json last_row_ = nlohmann::json::object();
 };
+
+// track.mlflow_uri: the run on the MLflow server, named after the output directory (by default the
+// recipe file's name), its recipe as params; a resumed run continues the MLflow run it began.
+std::unique_ptr<track::MlflowRun> start_mlflow(const recipe::Recipe& r, int world_size,
+                                               const track::RunRecorder* record, bool resumed) {
+  fs::path dir = fs::absolute(r.checkpoint.output_dir).lexically_normal();
+  if (dir.filename().empty()) dir = dir.parent_path();  // "runs/a/"
+  nlohmann::json tags = {{"lorarun.version", LORARUN_VERSION},
+                         {"lorarun.torch_version", TORCH_VERSION},
+                         {"lorarun.world_size", std::to_string(world_size)},
+                         {"lorarun.output_dir", dir.string()}};
+  if (record) tags["lorarun.run_record"] = record->ref();
+  return std::make_unique<track::MlflowRun>(track::MlflowOptions{.uri = r.track.mlflow_uri,
+                                                                 .experiment = r.track.mlflow_experiment,
+                                                                 .run_name = dir.filename().string(),
+                                                                 .params = recipe::to_json(r),
+                                                                 .tags = tags,
+                                                                 .id_file = (dir / "mlflow_run.json").string(),
+                                                                 .resume = resumed});
+}
 
 // cuda:LOCAL_RANK. More ranks than GPUs share them round-robin, which Gloo allows (NCCL refuses
 // two ranks on one GPU, so that is an error there).
@@ -325,6 +347,7 @@ void Trainer::begin(Progress& p, bool resumed) {
   if (resumed)
     info(fmt::format("resuming at epoch {} step {} (step {} of {})", p.epoch, p.step_in_epoch, p.step, total_steps_));
   start_record(p, resumed);
+  if (!r_.track.mlflow_uri.empty()) mlflow_ = start_mlflow(r_, env_.world_size, record_.get(), resumed);
 }
 
 // This rank's data source gave up: its steps go on empty, and at the step's end all ranks learn
@@ -547,6 +570,7 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
                   {"train/lr", s.lr},
                   {"train/grad_norm", s.grad_norm},
                   {"train/tokens_per_s", s.tokens / s.seconds}});
+  if (mlflow_) mlflow_->metrics(step_, row, {"loss", "lr", "grad_norm", "tokens_per_s"});
   last_row_ = row;
 }
 
@@ -592,6 +616,7 @@ void Trainer::evaluate(int epoch) {
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
   to_tensorboard({{"eval/loss", mean}, {"eval/ppl", std::exp(mean)}});
+  if (mlflow_) mlflow_->metrics(step_, row, {"eval_loss", "eval_ppl"});
   for (const char* k : {"eval_loss", "eval_ppl", "eval_tokens", "best_eval_loss"}) last_row_[k] = row[k];
 }
 
@@ -662,6 +687,7 @@ void Trainer::start_record(Progress& p, bool resumed) {
 
 void Trainer::record_failure(const std::string& error) {
   if (record_) record_->finish("failed", last_row_, error);
+  if (mlflow_) mlflow_->finish("FAILED");
 }
 
 // Every rank learns whether rank 0's write worked, so a failed save stops all, never hangs.
@@ -744,6 +770,7 @@ int Trainer::stopped() {
                     "resume",
                     step_, state_dir(out_.string())));
   if (record_) record_->finish("interrupted", last_row_);
+  if (mlflow_) mlflow_->finish("KILLED");
   pg_.barrier();
   return kExitStopped;
 }
@@ -758,6 +785,7 @@ int Trainer::data_lost(const Progress& p) {
     warn(fmt::format("rank {}: {}; the resumable state of step {} is in {}: run the same command to continue",
                      env_.rank, why, step_, state_dir(out_.string())));
   if (record_) record_->finish("interrupted", last_row_, why);
+  if (mlflow_) mlflow_->finish("KILLED");
   pg_.barrier();
   return kExitStopped;
 }
@@ -802,6 +830,11 @@ int Trainer::finish() {
     if (record_) record_->finish("completed", last_row_);
   }
   pg_.barrier();
+  if (mlflow_) {  // the other ranks need not wait for the upload
+    const std::vector<int> kept = recipe::epochs_kept(r_.checkpoint, r_.train.epochs);
+    if (!kept.empty()) mlflow_->artifacts((out_ / fmt::format("epoch_{}", kept.back())).string(), "adapter");
+    mlflow_->finish("FINISHED");
+  }
   return 0;
 }
 

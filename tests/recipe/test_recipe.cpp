@@ -125,6 +125,8 @@ TEST_CASE("every key has its documented default") {
   CHECK(r.track.mongodb);
   CHECK(r.track.database == "db");  // data.database
   CHECK(r.track.log_every_n_steps == 1);
+  CHECK(r.track.mlflow_uri.empty());
+  CHECK(r.track.mlflow_experiment.empty());  // resolved only for a run logged to MLflow
 
   CHECK(r.warnings.empty());
 }
@@ -198,6 +200,8 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "track.database",
                                 "track.log_every_n_steps",
                                 "track.tensorboard",
+                                "track.mlflow_uri",
+                                "track.mlflow_experiment",
                                 "eval.filter",
                                 "eval.collection",
                                 "eval.path",
@@ -733,6 +737,29 @@ TEST_CASE("secrets: the password of data.uri never appears in to_yaml, to_json o
   CHECK(override_error({"data.uri=[" + uri + "]"}).find("s3cr3t-pw") == std::string::npos);
 }
 
+TEST_CASE("track.mlflow_uri: http(s) only, its password hidden, the experiment as MLflow's client picks it") {
+  unsetenv("MLFLOW_EXPERIMENT_NAME");
+  const Recipe r = load(kBase, {"track.mlflow_uri=http://bob:hunter2@mlflow.example:5000"});
+  CHECK(r.track.mlflow_uri == "http://bob:hunter2@mlflow.example:5000");  // kept, to connect with
+  CHECK(r.track.mlflow_experiment == "Default");                          // MLflow's own default experiment
+  CHECK(to_yaml(r).find("hunter2") == std::string::npos);
+  CHECK(to_json(r)["track"]["mlflow_uri"] == "http://bob:****@mlflow.example:5000");
+  CHECK(to_json(r)["track"]["mlflow_experiment"] == "Default");
+  setenv("MLFLOW_EXPERIMENT_NAME", "from-env", 1);
+  CHECK(load(kBase, {"track.mlflow_uri=http://h:5000"}).track.mlflow_experiment == "from-env");
+  CHECK(load(kBase, {"track.mlflow_uri=http://h:5000", "track.mlflow_experiment=mine"}).track.mlflow_experiment ==
+        "mine");
+  CHECK(load(kBase).track.mlflow_experiment.empty());  // no MLflow, nothing resolved
+  unsetenv("MLFLOW_EXPERIMENT_NAME");
+  CHECK(override_error({"track.mlflow_uri=file:./mlruns"}) ==
+        "recipe.yaml (override 'track.mlflow_uri=file:./mlruns'): track.mlflow_uri is 'file:./mlruns', not an "
+        "http(s):// URI: give the address of a tracking server (`mlflow server --host 0.0.0.0 --port 5000` serves "
+        "one at http://HOST:5000), or \"\" for no MLflow");
+  const std::string message = override_error({"track.mlflow_uri=postgresql://u:pg-secret@db/mlflow"});
+  CHECK(message.find("pg-secret") == std::string::npos);
+  CHECK(message.find("postgresql://u:****@db/mlflow") != std::string::npos);
+}
+
 TEST_CASE("round trip: to_yaml and to_json load back to an equal recipe") {
   const Recipe r = load(R"(
 model: {path: "/models/with \"quotes\" and: colons", dtype: fp16, device: cuda}
@@ -760,7 +787,8 @@ train: {epochs: 5, gradient_accumulation_steps: 7, lr: 3.0e-5, weight_decay: 0.0
 checkpoint: {output_dir: out/x, epochs_to_save: [4, 0], state_every_n_steps: 17, resume: never,
              keep_resume_state: true}
 dist: {backend: gloo, timeout_s: 19, debug_checksum_every_n_steps: 23}
-track: {mongodb: false, database: runs_db, log_every_n_steps: 29}
+track: {mongodb: false, database: runs_db, log_every_n_steps: 29, mlflow_uri: "https://u:pw@mlflow.example/x",
+        mlflow_experiment: "exp \"1\""}
 )");
   CHECK(r.train.lr == 3.0e-5);
   const Recipe from_yaml = load(to_yaml(r, false));
