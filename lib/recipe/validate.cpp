@@ -239,6 +239,19 @@ constexpr Rule kRules[] = {
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        if (r.checkpoint.keep_best && !r.eval.enabled(r.data.source)) fail(o, "checkpoint.keep_best", no_eval_split(r));
      }},
+    // The artifacts go where the run record goes.
+    {"checkpoint.store",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (r.checkpoint.store != Store::MongoDB) return;
+       if (!r.track.mongodb)
+         fail(o, "checkpoint.store",
+              "is mongodb, which stores the adapters next to the run record, but track.mongodb is false: set "
+              "track.mongodb: true or checkpoint.store: none");
+       if (r.data.uri.empty() || r.track.database.empty())
+         fail(o, "checkpoint.store",
+              "is mongodb but no MongoDB URI is set: set data.uri or LORARUN_MONGODB_URI (and track.database or "
+              "data.database), or checkpoint.store: none");
+     }},
     {"dist.backend",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        if (r.dist.backend == DistBackend::Nccl && r.model.device == Device::Cpu)
