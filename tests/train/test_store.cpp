@@ -159,6 +159,18 @@ TEST_CASE(
   CHECK(missing.status != 0);
   CHECK_THAT(missing.output, Catch::Contains("no artifact 'epoch_1'"));
 
+  // --adapter mongodb-run:DB/ID/epoch_2 merges as the local epoch_2 does.
+  const std::string model = std::string(LORARUN_MODEL_FIXTURES) + "/llama";
+  const Result merged_db = sh(fmt::format("{} {} --model {} --adapter mongodb-run:{}/{}/epoch_2 --out {}/merged_db",
+                                          runs_env, bin("lora-merge"), model, db, id, dir));
+  INFO(merged_db.output);
+  CHECK(merged_db.status == 0);
+  const Result merged =
+      sh(fmt::format("{} --model {} --adapter {}/epoch_2 --out {}/merged", bin("lora-merge"), model, out, dir));
+  CHECK(merged.status == 0);
+  CHECK(hashes(dir + "/merged_db") == hashes(dir + "/merged"));
+  CHECK(merged_db.output.find("s3cr3t-pw") == std::string::npos);
+
   // (c) rm: no files or chunks document of the run, no record, no metrics left.
   const Result removed = sh(fmt::format("{} {} rm {}/{}", runs_env, bin("lora-runs"), db, id));
   INFO(removed.output);
