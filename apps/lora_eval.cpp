@@ -192,6 +192,7 @@ int run(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  model_args.pull_adapter();
   if (!recipe_eval.recipe.empty()) {
     recipe_eval.adapter = model_args.adapter;
     recipe_eval.per_doc = per_doc;

@@ -40,6 +40,7 @@ int run(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  model_args.pull_adapter();
   if (!prompt_file.empty()) {
     prompt = io::read_file(prompt_file);
   } else if (!app.count("--prompt")) {

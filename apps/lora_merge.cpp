@@ -14,6 +14,7 @@
 #include "model/nf4.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
+#include "track/pulled.hpp"
 
 namespace {
 
@@ -24,7 +25,10 @@ int run(int argc, char** argv) {
   std::string base, adapter, out, shard = "5GB", dtype = "auto", qlora_dtype = "bf16", gguf_type;
   bool qlora = false, no_double_quant = false;
   app.add_option("--model", base, "base model directory or .gguf file")->required();
-  app.add_option("--adapter", adapter, "PEFT LoRA adapter directory")->required();
+  app.add_option("--adapter", adapter,
+                 "PEFT LoRA adapter directory, or mongodb-run:DATABASE/ID[/epoch_N|/best], a run's stored adapter "
+                 "(checkpoint.store: mongodb; server from $LORARUN_MONGODB_URI)")
+      ->required();
   app.add_option("--out", out, "output directory, or FILE.gguf for one GGUF file (must not exist)")->required();
   app.add_option("--gguf-type", gguf_type,
                  "with --out FILE.gguf: type of the 2-D weights, f32, f16, bf16 or q8_0 (default f16, as llama.cpp's "
@@ -46,6 +50,8 @@ int run(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  const track::AdapterSource source(adapter);  // mongodb-run:…: pulled into a temporary directory
+  adapter = source.dir();
   const bool gguf = model::is_gguf_path(out);
   if (!gguf && !gguf_type.empty())
     throw Error(fmt::format("--gguf-type {} needs a GGUF output: --out FILE.gguf", gguf_type));

@@ -435,6 +435,18 @@ bool Client::update_one(const std::string& db, const std::string& coll, const nl
   return bson_iter_init_find(&it, &reply.b, "matchedCount") && bson_iter_as_int64(&it) > 0;
 }
 
+int64_t Client::delete_many(const std::string& db, const std::string& coll, const nlohmann::json& filter) {
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
+      mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  const BsonPtr query = to_bson(filter, "delete filter");
+  Bson reply;
+  bson_error_t error;
+  if (!mongoc_collection_delete_many(c.get(), query.get(), nullptr, &reply.b, &error))
+    fail(error, fmt::format("deleting from {}.{} at {} failed", db, coll, redacted_uri_));
+  bson_iter_t it;
+  return bson_iter_init_find(&it, &reply.b, "deletedCount") ? bson_iter_as_int64(&it) : 0;
+}
+
 std::vector<nlohmann::json> Client::find(const std::string& db, const std::string& coll, const nlohmann::json& filter,
                                          std::optional<int64_t> limit) {
   std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(

@@ -114,9 +114,13 @@ class Client {
 
   const std::string& redacted_uri() const { return redacted_uri_; }
 
- private:
   // Throws the error for a failed request (see the constructor); `what` starts the message.
   [[noreturn]] void fail(const _bson_error_t& e, const std::string& what) const;
+
+  // The driver's client, for what this class does not wrap (GridFS in lib/track/artifacts.cpp).
+  _mongoc_client_t* native() const { return client_.get(); }
+
+ private:
   // A document whose _id has no JSON form (a string that is not UTF-8) cannot be addressed.
   [[noreturn]] void bad_id(const std::string& db, const std::string& coll) const;
 
@@ -141,6 +145,9 @@ class Client {
   // whether one matched.
   bool update_one(const std::string& db, const std::string& coll, const nlohmann::json& filter,
                   const nlohmann::json& update);
+
+  // Deletes every document matching `filter`; returns how many were deleted.
+  int64_t delete_many(const std::string& db, const std::string& coll, const nlohmann::json& filter);
 
   // The documents matching `filter`, in _id order, as relaxed extended JSON.
   std::vector<nlohmann::json> find(const std::string& db, const std::string& coll, const nlohmann::json& filter,

@@ -32,6 +32,7 @@ enum class Shuffle { Global, Stream, None };
 enum class Scheduler { Cosine, Linear, Constant };
 enum class Resume { Auto, Never };
 enum class DistBackend { Auto, Nccl, Gloo };
+enum class Store { None, MongoDB };
 
 // The YAML spelling of each enum value; the first entry is the key's default.
 template <class E>
@@ -92,6 +93,11 @@ template <>
 struct EnumNames<DistBackend> {
   static constexpr std::array<std::pair<std::string_view, DistBackend>, 3> values{
       {{"auto", DistBackend::Auto}, {"nccl", DistBackend::Nccl}, {"gloo", DistBackend::Gloo}}};
+};
+template <>
+struct EnumNames<Store> {
+  static constexpr std::array<std::pair<std::string_view, Store>, 2> values{
+      {{"none", Store::None}, {"mongodb", Store::MongoDB}}};
 };
 
 // "bf16" for Dtype::BF16, and so on.
@@ -196,7 +202,8 @@ struct CheckpointSection {
   Resume resume = Resume::Auto;
   bool keep_resume_state = false;
   bool overwrite = false;
-  bool keep_best = false;  // best/: the adapter of the lowest eval loss so far
+  bool keep_best = false;     // best/: the adapter of the lowest eval loss so far
+  Store store = Store::None;  // mongodb: the kept adapters and state also go to GridFS
   bool operator==(const CheckpointSection&) const = default;
 };
 

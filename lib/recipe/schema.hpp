@@ -276,6 +276,10 @@ void for_each_key(R& r, V&& v) {
         .meaning = "keep `best/`, the adapter of the lowest eval loss so far (needs an eval: split), with its step "
                    "and loss in `best/best.json`"},
     r.checkpoint.keep_best);
+  v(Key{.name = "checkpoint.store",
+        .meaning = "mongodb: the kept `epoch_<i>/`, `best/` and resumable state also go to GridFS (bucket `lorarun`) "
+                   "of track.database"},
+    r.checkpoint.store);
 
   v(Key{.name = "dist.backend", .meaning = "the collectives' backend; auto: nccl on CUDA, gloo on CPU"},
     r.dist.backend);

@@ -197,11 +197,6 @@ constexpr Rule kRules[] = {
                           "eval.fraction",
                           r.data.filter.dump()));
      }},
-    {"eval.collection",
-     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
-       if (!r.eval.collection.empty() && r.data.source == Source::Jsonl)
-         fail(o, "eval.collection", "needs data.source: mongodb; for JSONL documents use eval.path or eval.fraction");
-     }},
     {"eval.path",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        if (r.eval.path.empty() || r.data.source != Source::Jsonl) return;  // mongodb: ignored, as data.path
@@ -250,6 +245,19 @@ constexpr Rule kRules[] = {
             fmt::format("is '{}', not an http(s):// URI: give the address of a tracking server (`mlflow server "
                         "--host 0.0.0.0 --port 5000` serves one at http://HOST:5000), or \"\" for no MLflow",
                         redact_uri(uri)));
+     }},
+    // The artifacts go where the run record goes.
+    {"checkpoint.store",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (r.checkpoint.store != Store::MongoDB) return;
+       if (!r.track.mongodb)
+         fail(o, "checkpoint.store",
+              "is mongodb, which stores the adapters next to the run record, but track.mongodb is false: set "
+              "track.mongodb: true or checkpoint.store: none");
+       if (r.data.uri.empty() || r.track.database.empty())
+         fail(o, "checkpoint.store",
+              "is mongodb but no MongoDB URI is set: set data.uri or LORARUN_MONGODB_URI (and track.database or "
+              "data.database), or checkpoint.store: none");
      }},
     {"dist.backend",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {

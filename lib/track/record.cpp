@@ -205,6 +205,29 @@ void RunRecorder::checkpoint(int epoch, const std::string& dir) {
   });
 }
 
+// The run's "artifacts" array with the entries named in `drop` left out.
+static json artifacts_without(const json& run, const std::vector<std::string>& drop) {
+  json kept = json::array();
+  for (const json& a : run.value("artifacts", json::array()))
+    if (std::find(drop.begin(), drop.end(), a.value("artifact", "")) == drop.end()) kept.push_back(a);
+  return kept;
+}
+
+void RunRecorder::artifact(const std::string& artifact, const std::vector<ArtifactFile>& files) {
+  json list = artifacts_without(find_run(*client_, database_, id_), {artifact});
+  json entry = {{"artifact", artifact}, {"saved_at", now_date()}, {"files", json::array()}};
+  for (const ArtifactFile& f : files)
+    entry["files"].push_back(
+        {{"name", clean(f.name)}, {"bytes", f.bytes}, {"sha256", f.sha256}, {"file_id", f.file_id}});
+  list.push_back(entry);
+  client_->update_one(database_, kRuns, {{"_id", oid(id_)}}, {{"$set", {{"artifacts", list}}}});
+}
+
+void RunRecorder::drop_artifacts(const std::vector<std::string>& artifacts) {
+  const json list = artifacts_without(find_run(*client_, database_, id_), artifacts);
+  client_->update_one(database_, kRuns, {{"_id", oid(id_)}}, {{"$set", {{"artifacts", list}}}});
+}
+
 void RunRecorder::finish(const std::string& status, const json& final_metrics, const std::string& error) {
   if (status != "completed" && status != "failed" && status != "interrupted")
     throw Error(fmt::format("run record: status '{}' is not completed, failed or interrupted (a lorarun bug)", status));

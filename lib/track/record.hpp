@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "track/artifacts.hpp"
+
 namespace lorarun::data {
 class Client;
 }
@@ -20,7 +22,8 @@ namespace lorarun::track {
 //                <info's keys>…, lorarun_version, hostname, status: running|completed|failed|interrupted,
 //                started_at: date, ended_at: date|null, checkpoints: [{epoch, path, saved_at, files:
 //                [{name, bytes, sha256}]}], final_metrics, error, resumes: [{resumed_at, restart,
-//                previous_status}], metrics_dropped (only when some were)}
+//                previous_status}], metrics_dropped (only when some were), artifacts (checkpoint.store:
+//                mongodb): [{artifact, saved_at, files: [{name, bytes, sha256, file_id}]}]}
 // <db>.metrics: {_id, run_id: ObjectId, time: date, <row's keys: step, loss, …>}
 // Every string stored is scrubbed of passwords; an object with a key MongoDB refuses (starting
 // with '$' or containing '.') is stored as its JSON text.
@@ -45,6 +48,11 @@ class RunRecorder {
   // Appends {epoch, path, files: [{name, bytes, sha256}]} to the run's "checkpoints" (computes the hashes of the files
   // in dir).
   void checkpoint(int epoch, const std::string& dir);
+  // Lists `files` as the run's artifact `artifact` (replacing an entry of that name). Unlike the
+  // other writes, a failure throws: the artifact is not saved until the record says so.
+  void artifact(const std::string& artifact, const std::vector<ArtifactFile>& files);
+  // Removes the entries of these artifacts from the list (throws on failure).
+  void drop_artifacts(const std::vector<std::string>& artifacts);
   // status: "completed" | "failed" | "interrupted"; final: last metrics; sets ended_at.
   void finish(const std::string& status, const nlohmann::json& final_metrics, const std::string& error = {});
   const std::string& id() const;

@@ -28,6 +28,7 @@
 #include "model/resolve.hpp"
 #include "model/transformer.hpp"
 #include "tokenizer/tokenizer.hpp"
+#include "track/artifacts.hpp"
 #include "track/mlflow.hpp"
 #include "track/record.hpp"
 #include "track/tensorboard.hpp"
@@ -134,6 +135,8 @@ class Trainer {
   void check_replicas();
   bool ranks_agree(double value);
   void start_record(Progress& p, bool resumed);
+  void store_artifact(const std::string& name, const std::string& dir);
+  void store_final();
   int stopped();
   int finish();
 
@@ -172,6 +175,8 @@ class Trainer {
   Clock::time_point started_ = Clock::now();
   int64_t steps_this_process_ = 0;
   std::unique_ptr<track::RunRecorder> record_;             // rank 0, when the run is recorded in MongoDB
+  std::unique_ptr<track::ArtifactStore> store_;            // rank 0, checkpoint.store: mongodb
+  bool store_unreachable_ = false;                         // an upload found the server gone
   std::unique_ptr<track::TensorBoardWriter> tensorboard_;  // rank 0, with track.tensorboard
   std::unique_ptr<track::MlflowRun> mlflow_;               // rank 0, with track.mlflow_uri
   nlohmann::json last_row_ = nlohmann::json::object();
@@ -640,6 +645,7 @@ void Trainer::steer(int epoch, const nlohmann::json& eval_row) {
           about["best"] = "the lowest eval_loss so far";
           const std::string dir = train::save_best(out_.string(), m_, lcfg_, about);
           info(fmt::format("saved {} (eval_loss {:.6f} at step {})", dir, loss, step_));
+          store_artifact("best", dir);
         } catch (const std::exception& e) {
           why = e.what();
         }
@@ -683,10 +689,65 @@ void Trainer::start_record(Progress& p, bool resumed) {
   const std::optional<std::string> again = resumed && !p.run_id.empty() ? std::optional(p.run_id) : std::nullopt;
   p.run_id = record_->begin(recipe::to_json(r_), run_info, again);
   info(fmt::format("run recorded as {} (lora-train --from-run {} repeats it)", record_->ref(), record_->ref()));
+  if (r_.checkpoint.store == recipe::Store::MongoDB)
+    store_ =
+        std::make_unique<track::ArtifactStore>(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
 }
 
+// checkpoint.store: mongodb (rank 0): the directory `dir`, just written, as the run's artifact
+// `name` in GridFS and in the run record; until both hold it, the save has not happened.
+void Trainer::store_artifact(const std::string& name, const std::string& dir) {
+  if (!store_) return;
+  try {
+    const std::vector<track::ArtifactFile> files = store_->upload(record_->id(), name, dir);
+    record_->artifact(name, files);
+    const track::UploadStats& s = store_->last_upload();
+    info(fmt::format("stored {} in GridFS: {} files, {:.2f} MB in {:.2f} s ({:.1f} MB/s)", name, files.size(),
+                     static_cast<double>(s.bytes) / 1e6, s.seconds,
+                     s.seconds > 0 ? static_cast<double>(s.bytes) / 1e6 / s.seconds : 0.0));
+  } catch (const data::ConnectionError& e) {
+    store_unreachable_ = true;  // the record's own last write would only wait for it again
+    throw Error(
+        fmt::format("{} (checkpoint.store: mongodb; {} and the resumable state are kept: run the same command "
+                    "to resume)",
+                    e.what(), dir));
+  } catch (const std::exception& e) {
+    throw Error(
+        fmt::format("{} (checkpoint.store: mongodb; {} and the resumable state are kept: run the same command "
+                    "to resume)",
+                    e.what(), dir));
+  }
+}
+
+// At the end (every rank): the kept resumable state to GridFS, and the epochs the policy does
+// not keep out of it, as out of output_dir.
+void Trainer::store_final() {
+  std::string why;
+  if (lead_ && store_) {
+    try {
+      const std::string state = state_dir(out_.string());
+      if (r_.checkpoint.keep_resume_state && fs::exists(state)) store_artifact("resume_state", state);
+      const std::vector<int> kept = recipe::epochs_kept(r_.checkpoint, epochs_ran_);
+      std::vector<std::string> gone;
+      for (const track::ArtifactFile& f : store_->list(record_->id())) {
+        if (f.artifact.rfind("epoch_", 0) != 0) continue;
+        const int epoch = std::atoi(f.artifact.c_str() + 6);
+        if (std::find(kept.begin(), kept.end(), epoch) == kept.end() &&
+            std::find(gone.begin(), gone.end(), f.artifact) == gone.end())
+          gone.push_back(f.artifact);
+      }
+      for (const std::string& a : gone) store_->remove(record_->id(), a);
+      if (!gone.empty()) record_->drop_artifacts(gone);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+  }
+  all_agree(why.empty(), why, "the run's artifacts in GridFS");
+}
+
+// (Not when the server already proved unreachable: rank 0 then ends at once, with its own error.)
 void Trainer::record_failure(const std::string& error) {
-  if (record_) record_->finish("failed", last_row_, error);
+  if (record_ && !store_unreachable_) record_->finish("failed", last_row_, error);
   if (mlflow_) mlflow_->finish("FAILED");
 }
 
@@ -694,9 +755,10 @@ void Trainer::record_failure(const std::string& error) {
 void Trainer::all_agree(bool ok, const std::string& why, const std::string& what) {
   at::Tensor failed = at::full({1}, ok ? 0.0 : 1.0, at::TensorOptions().dtype(at::kFloat).device(device_));
   if (env_.world_size > 1) pg_.all_reduce_sum(failed);
-  if (failed.item<double>() > 0)
-    throw Error(lead_ ? fmt::format("writing {} failed: {}", what, why)
-                      : fmt::format("rank 0 could not write {}; stopping", what));
+  if (failed.item<double>() == 0) return;
+  if (lead_) throw Error(fmt::format("writing {} failed: {}", what, why));
+  // A consequence of rank 0's error, which the launcher's summary then names (blamed rank -1: a peer).
+  throw PeerError(-1, fmt::format("rank 0 could not write {}; stopping", what));
 }
 
 // No adapter with a NaN or an infinity is ever written (every rank checks its replica).
@@ -719,6 +781,7 @@ void Trainer::save_checkpoint(int epoch) {
       const std::string dir = train::save_epoch(out_.string(), epoch, m_, lcfg_);
       info(fmt::format("saved {}", dir));
       if (record_) record_->checkpoint(epoch, dir);
+      store_artifact(fmt::format("epoch_{}", epoch), dir);
     } catch (const std::exception& e) {
       why = e.what();
     }
@@ -807,6 +870,7 @@ void Trainer::open_metrics(const std::optional<Progress>& resumed) {
 }
 
 int Trainer::finish() {
+  store_final();
   if (lead_) {
     remove_unkept_epochs(out_.string(), recipe::epochs_kept(r_.checkpoint, epochs_ran_));
     if (!r_.checkpoint.keep_resume_state) remove_state(out_.string());
@@ -831,8 +895,9 @@ int Trainer::finish() {
   }
   pg_.barrier();
   if (mlflow_) {  // the other ranks need not wait for the upload
-    const std::vector<int> kept = recipe::epochs_kept(r_.checkpoint, r_.train.epochs);
+    const std::vector<int> kept = recipe::epochs_kept(r_.checkpoint, epochs_ran_);
     if (!kept.empty()) mlflow_->artifacts((out_ / fmt::format("epoch_{}", kept.back())).string(), "adapter");
+    if (r_.checkpoint.keep_best && fs::exists(out_ / "best")) mlflow_->artifacts((out_ / "best").string(), "best");
     mlflow_->finish("FINISHED");
   }
   return 0;

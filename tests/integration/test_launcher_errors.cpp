@@ -86,7 +86,8 @@ TEST_CASE("a runtime error on every rank is printed once", "[e2e]") {
   std::ofstream(dir + "/d.jsonl") << "{\"instruction\": \"a\", \"output\": \"b\"}\n";
   const Result r =
       sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml model.path={}/no-model "
-                     "data.source=jsonl data.path={}/d.jsonl track.mongodb=false checkpoint.output_dir={}/out",
+                     "data.source=jsonl data.path={}/d.jsonl track.mongodb=false checkpoint.keep_best=false "
+                     "checkpoint.output_dir={}/out",
                      LORARUN_SOURCE_DIR, bin("lorarun"), dir, dir, dir));
   INFO(r.output);
   CHECK(r.status == 1);

@@ -192,6 +192,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "checkpoint.keep_resume_state",
                                 "checkpoint.overwrite",
                                 "checkpoint.keep_best",
+                                "checkpoint.store",
                                 "dist.backend",
                                 "dist.timeout_s",
                                 "dist.debug_checksum_every_n_steps",
@@ -871,4 +872,16 @@ TEST_CASE("validate() checks a recipe built in code, naming the given file") {
   CHECK_THROWS_WITH(recipe_from_json(to_json(r), {"train.epochs=1"}),
                     "run record: checkpoint.epochs_to_save lists epoch 1, but epochs are 0-based and train.epochs is "
                     "1, so the valid epochs are 0..0");
+}
+
+TEST_CASE("checkpoint.store: mongodb needs track.mongodb and a MongoDB URI") {
+  CHECK(load(kBase).checkpoint.store == Store::None);
+  CHECK(load(kBase, {"data.uri=mongodb://h/", "checkpoint.store=mongodb"}).checkpoint.store == Store::MongoDB);
+  CHECK(override_error({"data.uri=mongodb://h/", "checkpoint.store=mongodb", "track.mongodb=false"}) ==
+        "recipe.yaml (override 'checkpoint.store=mongodb'): checkpoint.store is mongodb, which stores the adapters "
+        "next to the run record, but track.mongodb is false: set track.mongodb: true or checkpoint.store: none");
+  CHECK(override_error({"checkpoint.store=mongodb"}) ==
+        "recipe.yaml (override 'checkpoint.store=mongodb'): checkpoint.store is mongodb but no MongoDB URI is set: set "
+        "data.uri or LORARUN_MONGODB_URI (and track.database or data.database), or checkpoint.store: none");
+  CHECK_THAT(override_error({"checkpoint.store=gridfs"}), Catch::Contains("none") && Catch::Contains("mongodb"));
 }

@@ -1,0 +1,243 @@
+// lora-runs: the runs recorded in MongoDB (track.mongodb) and the artifacts they stored in GridFS
+// (checkpoint.store: mongodb): list, show, pull an adapter, remove a run.
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "app_main.hpp"
+#include "data/mongo.hpp"
+#include "track/artifacts.hpp"
+#include "util/error.hpp"
+#include "util/secrets.hpp"
+
+namespace lorarun {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr auto kTimeout = std::chrono::seconds(20);
+constexpr const char* kOrigin = "--uri or LORARUN_MONGODB_URI";
+
+struct Common {
+  std::string uri;
+  std::string db = "lorarun";
+};
+
+// A run named on the command line: "[DB/]ID[/epoch_N|/best|/resume_state]".
+struct RunArg {
+  std::string db, id, artifact;
+};
+
+bool is_hex_id(const std::string& s) {
+  return s.size() == 24 &&
+         std::all_of(s.begin(), s.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
+}
+
+// Splits "[DB/]ID[/ARTIFACT]": the part of 24 hex digits is the id; --db when no DB is given.
+RunArg parse_run(const std::string& text, const std::string& db) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  for (size_t slash; (slash = text.find('/', start)) != std::string::npos; start = slash + 1)
+    parts.push_back(text.substr(start, slash - start));
+  parts.push_back(text.substr(start));
+  for (size_t i = 0; i < parts.size() && i < 2; ++i) {
+    if (!is_hex_id(parts[i]) || parts.size() - i > 2) continue;
+    return {i == 1 ? parts[0] : db, parts[i], parts.size() > i + 1 ? parts[i + 1] : ""};
+  }
+  throw Error(fmt::format("'{}' names no run: expected [DATABASE/]ID[/epoch_N|/best], the id as lora-train prints it",
+                          scrub(redact_uri(text))));
+}
+
+// The URI: --uri, else $LORARUN_MONGODB_URI.
+std::string uri_of(const Common& c) {
+  std::string uri = c.uri;
+  if (const char* env = std::getenv("LORARUN_MONGODB_URI"); uri.empty() && env) uri = env;
+  if (uri.empty()) throw Error("no MongoDB URI: give --uri or set LORARUN_MONGODB_URI");
+  register_uri_secret(uri);
+  return uri;
+}
+
+// The run document `run`, or one line naming it.
+json find_run(data::Client& client, const RunArg& run) {
+  const std::vector<json> found = client.find(run.db, "runs", {{"_id", {{"$oid", run.id}}}}, 1);
+  if (found.empty())
+    throw Error(fmt::format("no run {} in {}.runs at {}: `lora-runs list --db {}` shows the runs there", run.id, run.db,
+                            client.redacted_uri(), run.db));
+  return found.front();
+}
+
+// An extended-JSON date as "2026-12-01T12:00:00Z" ("" when absent).
+std::string date_text(const json& d) {
+  if (!d.is_object() || !d.contains("$date")) return "";
+  const json& v = d["$date"];
+  if (v.is_string()) return v.get<std::string>();
+  int64_t ms = 0;
+  if (v.is_number_integer()) ms = v.get<int64_t>();
+  if (v.is_object() && v.contains("$numberLong")) ms = std::stoll(v["$numberLong"].get<std::string>());
+  const std::time_t t = ms / 1000;
+  char stamp[32];
+  std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return stamp;
+}
+
+// The epochs a run kept: its stored artifacts' epoch_<i>, else its checkpoints' epochs.
+std::vector<int> epochs_kept(const json& run) {
+  std::vector<int> out;
+  for (const json& a : run.value("artifacts", json::array())) {
+    const std::string name = a.value("artifact", "");
+    if (name.rfind("epoch_", 0) == 0) out.push_back(std::atoi(name.c_str() + 6));
+  }
+  if (out.empty())
+    for (const json& c : run.value("checkpoints", json::array())) out.push_back(c.value("epoch", -1));
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// The run's best eval loss, when it evaluated.
+std::string best_loss(const json& run) {
+  const json fm = run.value("final_metrics", json());
+  if (fm.is_object() && fm.contains("best_eval_loss") && fm["best_eval_loss"].is_number())
+    return fmt::format("{:.6f}", fm["best_eval_loss"].get<double>());
+  return "-";
+}
+
+// The run's name: its recipe's output directory's last part.
+std::string run_name(const json& run) {
+  const json recipe = run.value("recipe", json::object());
+  const std::string out = recipe.value("checkpoint", json::object()).value("output_dir", "");
+  return out.empty() ? "-" : fs::path(out).filename().string();
+}
+
+// `list`: one line per run, oldest first.
+void list(const Common& c, const std::string& status) {
+  data::Client client(uri_of(c), kTimeout, {kOrigin});
+  const json filter = status.empty() ? json::object() : json{{"status", status}};
+  fmt::print("{:<24}  {:<20}  {:<20}  {:<11}  {:<12}  {}\n", "id", "name", "started", "status", "epochs kept",
+             "best eval loss");
+  for (const json& run : client.find(c.db, "runs", filter)) {
+    const std::string id = run["_id"].is_object() ? run["_id"].value("$oid", "") : run["_id"].dump();
+    const std::vector<int> kept = epochs_kept(run);
+    std::string epochs;
+    for (int e : kept) epochs += (epochs.empty() ? "" : ",") + std::to_string(e);
+    fmt::print("{:<24}  {:<20}  {:<20}  {:<11}  {:<12}  {}\n", id, scrub(run_name(run)),
+               date_text(run.value("started_at", json())), run.value("status", ""), epochs.empty() ? "-" : epochs,
+               best_loss(run));
+  }
+}
+
+// `show`: the stored (redacted) recipe, the final metrics and the artifacts, as JSON.
+void show(const Common& c, const std::string& ref) {
+  const RunArg run = parse_run(ref, c.db);
+  data::Client client(uri_of(c), kTimeout, {kOrigin});
+  const json doc = find_run(client, run);
+  const json out = {{"id", run.id},
+                    {"database", run.db},
+                    {"status", doc.value("status", "")},
+                    {"started_at", date_text(doc.value("started_at", json()))},
+                    {"ended_at", date_text(doc.value("ended_at", json()))},
+                    {"error", doc.value("error", json())},
+                    {"recipe", doc.value("recipe", json())},
+                    {"final_metrics", doc.value("final_metrics", json())},
+                    {"checkpoints", doc.value("checkpoints", json::array())},
+                    {"artifacts", doc.value("artifacts", json::array())}};
+  std::cout << scrub(out.dump(2)) << "\n";
+}
+
+// The artifact `pull` takes when none is named: the last epoch the run kept.
+std::string default_artifact(const json& doc, const RunArg& run) {
+  std::vector<int> epochs;
+  for (const json& a : doc.value("artifacts", json::array())) {
+    const std::string name = a.value("artifact", "");
+    if (name.rfind("epoch_", 0) == 0) epochs.push_back(std::atoi(name.c_str() + 6));
+  }
+  if (epochs.empty())
+    throw Error(
+        fmt::format("run {}/{} stored no epoch adapter in MongoDB: it ran without checkpoint.store: mongodb, "
+                    "or kept no epoch; name one as ID/best if it has best/",
+                    run.db, run.id));
+  return fmt::format("epoch_{}", *std::max_element(epochs.begin(), epochs.end()));
+}
+
+// `pull`: an artifact into `dir`, each file checked against its sha256.
+void pull(const Common& c, const std::string& ref, const std::string& dir) {
+  RunArg run = parse_run(ref, c.db);
+  const std::string uri = uri_of(c);
+  data::Client client(uri, kTimeout, {kOrigin});
+  const json doc = find_run(client, run);
+  if (run.artifact.empty()) run.artifact = default_artifact(doc, run);
+  track::ArtifactStore store(uri, run.db, kTimeout);
+  const auto files = store.download(run.id, run.artifact, dir);
+  int64_t bytes = 0;
+  for (const auto& f : files) bytes += f.bytes;
+  fmt::print("pulled {}/{}/{} into {}: {} files, {} bytes, sha256 verified\n", run.db, run.id, run.artifact, dir,
+             files.size(), bytes);
+}
+
+// `rm`: the run record, its metrics and its GridFS files.
+void rm(const Common& c, const std::string& ref) {
+  const RunArg run = parse_run(ref, c.db);
+  const std::string uri = uri_of(c);
+  data::Client client(uri, kTimeout, {kOrigin});
+  find_run(client, run);
+  track::ArtifactStore store(uri, run.db, kTimeout);
+  const int64_t files = store.remove(run.id);
+  const int64_t metrics = client.delete_many(run.db, "metrics", {{"run_id", {{"$oid", run.id}}}});
+  client.delete_many(run.db, "runs", {{"_id", {{"$oid", run.id}}}});
+  fmt::print("removed run {}/{}: its record, {} metrics documents and {} GridFS files\n", run.db, run.id, metrics,
+             files);
+}
+
+// --uri and --db on a subcommand.
+void common_args(CLI::App* cmd, Common& c) {
+  cmd->add_option("--uri", c.uri, "MongoDB URI (default: $LORARUN_MONGODB_URI)");
+  cmd->add_option("--db", c.db, "the run-record database (track.database; default lorarun)");
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"lora-runs: runs recorded in MongoDB and their stored adapters"};
+  app.require_subcommand(1);
+  Common c;
+  std::string status, ref, dir;
+
+  auto* ls = app.add_subcommand("list", "one line per run: id, name, started, status, epochs kept, best eval loss");
+  common_args(ls, c);
+  ls->add_option("--status", status, "only runs with this status (running, completed, failed, interrupted)");
+  ls->callback([&] { list(c, status); });
+
+  auto* sh = app.add_subcommand("show", "a run's recipe (secrets redacted), final metrics and artifacts, as JSON");
+  common_args(sh, c);
+  sh->add_option("run", ref, "[DATABASE/]ID")->required();
+  sh->callback([&] { show(c, ref); });
+
+  auto* pl = app.add_subcommand("pull", "a stored adapter into a PEFT adapter directory, sha256 verified");
+  common_args(pl, c);
+  pl->add_option("run", ref, "[DATABASE/]ID[/epoch_N|/best] (default: the last kept epoch)")->required();
+  pl->add_option("dir", dir, "the directory to write")->required();
+  pl->callback([&] { pull(c, ref, dir); });
+
+  auto* rmc = app.add_subcommand("rm", "a run's record, metrics documents and GridFS files");
+  common_args(rmc, c);
+  rmc->add_option("run", ref, "[DATABASE/]ID")->required();
+  rmc->callback([&] { rm(c, ref); });
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    throw Error(fmt::format("{} (see lora-runs --help)", e.what()));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace lorarun
+
+int main(int argc, char** argv) { return lorarun::app_main("lora-runs", argc, argv, lorarun::run); }

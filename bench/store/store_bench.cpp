@@ -1,0 +1,43 @@
+// GridFS upload and download rate of lib/track/artifacts (checkpoint.store: mongodb) for one
+// directory: `store_bench URI DB DIR` uploads DIR as an artifact of a made-up run, pulls it back
+// (sha256 checked), removes it and prints one JSON line {bytes, upload_s, upload_mb_s,
+// download_s, download_mb_s}. Make DIR with e.g. `head -c 100M /dev/urandom > DIR/blob`.
+#include <fmt/format.h>
+#include <unistd.h>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+
+#include "track/artifacts.hpp"
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: store_bench URI DB DIR\n");
+    return 2;
+  }
+  using Clock = std::chrono::steady_clock;
+  try {
+    lorarun::track::ArtifactStore store(argv[1], argv[2], std::chrono::seconds(10));
+    const std::string run = "0123456789abcdef01234567";
+    const auto t0 = Clock::now();
+    const auto up = store.upload(run, "bench", argv[3]);
+    const auto t1 = Clock::now();
+    const std::string back = std::filesystem::temp_directory_path() / fmt::format("store_bench_{}", ::getpid());
+    store.download(run, "bench", back);
+    const auto t2 = Clock::now();
+    store.remove(run);
+    std::filesystem::remove_all(back);
+    int64_t bytes = 0;
+    for (const auto& f : up) bytes += f.bytes;
+    const double us = std::chrono::duration<double>(t1 - t0).count(),
+                 ds = std::chrono::duration<double>(t2 - t1).count();
+    fmt::print(
+        "{{\"bytes\": {}, \"upload_s\": {:.3f}, \"upload_mb_s\": {:.1f}, \"download_s\": {:.3f}, "
+        "\"download_mb_s\": {:.1f}}}\n",
+        bytes, us, bytes / 1e6 / us, ds, bytes / 1e6 / ds);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "store_bench: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
