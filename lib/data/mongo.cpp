@@ -1,12 +1,12 @@
 #include "data/mongo.hpp"
 
 #include <fmt/format.h>
-#include <mongoc/mongoc.h>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 
 #include "data/example.hpp"
+#include "data/mongo_handles.hpp"
 #include "util/error.hpp"
 #include "util/secrets.hpp"
 
@@ -165,19 +165,6 @@ ServerInfo Client::server_info() {
   return info;
 }
 
-namespace {
-
-struct CollectionDeleter {
-  void operator()(mongoc_collection_t* c) const { mongoc_collection_destroy(c); }
-};
-struct CursorDeleter {
-  void operator()(mongoc_cursor_t* c) const { mongoc_cursor_destroy(c); }
-};
-struct BsonDeleter {
-  void operator()(bson_t* b) const { bson_destroy(b); }
-};
-using BsonPtr = std::unique_ptr<bson_t, BsonDeleter>;
-
 BsonPtr to_bson(const nlohmann::json& j, const char* what) {
   bson_error_t error;
   const std::string text = j.dump();
@@ -186,6 +173,8 @@ BsonPtr to_bson(const nlohmann::json& j, const char* what) {
   if (!b) throw Error(fmt::format("{} is not valid (extended) JSON for MongoDB: {}", what, error.message));
   return b;
 }
+
+namespace {
 
 std::string to_json_text(const bson_t* b, bool canonical) {
   size_t n = 0;

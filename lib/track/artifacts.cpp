@@ -1,7 +1,6 @@
 #include "track/artifacts.hpp"
 
 #include <fmt/format.h>
-#include <mongoc/mongoc.h>
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
@@ -10,6 +9,7 @@
 #include <tuple>
 
 #include "data/mongo.hpp"
+#include "data/mongo_handles.hpp"
 #include "io/sha256.hpp"
 #include "util/error.hpp"
 #include "util/secrets.hpp"
@@ -26,37 +26,15 @@ constexpr int32_t kChunkBytes = 1 << 20;   // GridFS chunk size: 1 MiB documents
 constexpr size_t kBufferBytes = 4u << 20;  // what is read from a file at a time
 constexpr int kChunksPerBatch = 8;         // chunks per reply when reading a file back
 
-// RAII for the driver's handles.
-struct DatabaseDeleter {
-  void operator()(mongoc_database_t* d) const { mongoc_database_destroy(d); }
-};
-struct BucketDeleter {
-  void operator()(mongoc_gridfs_bucket_t* b) const { mongoc_gridfs_bucket_destroy(b); }
-};
-struct StreamDeleter {
-  void operator()(mongoc_stream_t* s) const { mongoc_stream_destroy(s); }
-};
-struct CollectionDeleter {
-  void operator()(mongoc_collection_t* c) const { mongoc_collection_destroy(c); }
-};
-struct CursorDeleter {
-  void operator()(mongoc_cursor_t* c) const { mongoc_cursor_destroy(c); }
-};
-struct BsonDeleter {
-  void operator()(bson_t* b) const { bson_destroy(b); }
-};
-using StreamPtr = std::unique_ptr<mongoc_stream_t, StreamDeleter>;
-using BsonPtr = std::unique_ptr<bson_t, BsonDeleter>;
+using data::BsonPtr;
+using data::BucketDeleter;
+using data::CollectionDeleter;
+using data::CursorDeleter;
+using data::DatabaseDeleter;
+using StreamPtr = std::unique_ptr<mongoc_stream_t, data::StreamDeleter>;
 
-// A bson_t from JSON text we wrote ourselves (a parse failure is a lorarun bug).
-BsonPtr to_bson(const json& j) {
-  bson_error_t error;
-  const std::string text = j.dump();
-  BsonPtr b(
-      bson_new_from_json(reinterpret_cast<const uint8_t*>(text.data()), static_cast<ssize_t>(text.size()), &error));
-  if (!b) throw Error(fmt::format("GridFS query {} is not BSON: {} (a lorarun bug)", text, error.message));
-  return b;
-}
+// A query or option we wrote ourselves as BSON (a failure is a lorarun bug).
+BsonPtr to_bson(const json& j) { return data::to_bson(j, "a GridFS query (a lorarun bug)"); }
 
 // An ObjectId value from 24 hex digits.
 bson_value_t oid_value(const std::string& hex) {
