@@ -17,7 +17,6 @@ using CollectionDeleter = Destroyer<mongoc_collection_t, mongoc_collection_destr
 using CursorDeleter = Destroyer<mongoc_cursor_t, mongoc_cursor_destroy>;
 using DatabaseDeleter = Destroyer<mongoc_database_t, mongoc_database_destroy>;
 using BucketDeleter = Destroyer<mongoc_gridfs_bucket_t, mongoc_gridfs_bucket_destroy>;
-using StreamDeleter = Destroyer<mongoc_stream_t, mongoc_stream_destroy>;
 using BsonPtr = std::unique_ptr<bson_t, Destroyer<bson_t, bson_destroy>>;
 
 // `j` as BSON; throws lorarun::Error "<what> is not valid (extended) JSON for MongoDB: …".

@@ -277,8 +277,8 @@ void for_each_key(R& r, V&& v) {
                    "and loss in `best/best.json`"},
     r.checkpoint.keep_best);
   v(Key{.name = "checkpoint.store",
-        .meaning = "mongodb: the kept `epoch_<i>/`, `best/` and resumable state also go to GridFS (bucket `lorarun`) "
-                   "of track.database"},
+        .meaning = "mongodb: kept `epoch_<i>/`, `best/` and each resumable state also go to GridFS of track.database; "
+                   "a lost output_dir is restored"},
     r.checkpoint.store);
 
   v(Key{.name = "dist.backend", .meaning = "the collectives' backend; auto: nccl on CUDA, gloo on CPU"},

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <tuple>
 
 #include "data/mongo.hpp"
@@ -22,16 +23,19 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kBucket = "lorarun";
-constexpr int32_t kChunkBytes = 1 << 20;   // GridFS chunk size: 1 MiB documents
-constexpr size_t kBufferBytes = 4u << 20;  // what is read from a file at a time
-constexpr int kChunksPerBatch = 8;         // chunks per reply when reading a file back
+// GridFS files that are not, or no longer, part of an artifact: an upload not yet complete, or
+// files being deleted, one document each {_id, run_id, artifact, files: [file ids]}. list() never
+// shows them, a whole upload becomes visible at once (its document deleted), and what a server or
+// process lost mid-transfer leaves behind is found and removed from here.
+constexpr const char* kPending = "lorarun.pending";
+constexpr int32_t kChunkBytes = 1 << 20;  // GridFS chunk size: 1 MiB documents
+constexpr int kChunksPerBatch = 8;        // chunks per reply when reading a file back
 
 using data::BsonPtr;
 using data::BucketDeleter;
 using data::CollectionDeleter;
 using data::CursorDeleter;
 using data::DatabaseDeleter;
-using StreamPtr = std::unique_ptr<mongoc_stream_t, data::StreamDeleter>;
 
 // A query or option we wrote ourselves as BSON (a failure is a lorarun bug).
 BsonPtr to_bson(const json& j) { return data::to_bson(j, "a GridFS query (a lorarun bug)"); }
@@ -44,11 +48,12 @@ bson_value_t oid_value(const std::string& hex) {
   return v;
 }
 
-// 24 hex digits of an ObjectId value ("" for another type).
-std::string oid_hex(const bson_value_t& v) {
-  if (v.value_type != BSON_TYPE_OID) return "";
+// A new ObjectId as 24 hex digits.
+std::string new_oid() {
+  bson_oid_t oid;
+  bson_oid_init(&oid, nullptr);
   char hex[25];
-  bson_oid_to_string(&v.value.v_oid, hex);
+  bson_oid_to_string(&oid, hex);
   return hex;
 }
 
@@ -86,16 +91,22 @@ struct ArtifactStore::Impl {
   data::Client client;
   std::string database;
   std::unique_ptr<mongoc_database_t, DatabaseDeleter> db;
-  std::unique_ptr<mongoc_gridfs_bucket_t, BucketDeleter> bucket;
+  std::unique_ptr<mongoc_gridfs_bucket_t, BucketDeleter> bucket;  // finds and deletes
+  std::unique_ptr<mongoc_collection_t, CollectionDeleter> files, chunks;
+  bool indexed = false;
   UploadStats stats;
 
   Impl(const std::string& uri, const std::string& database, std::chrono::milliseconds timeout)
       : client(uri, timeout), database(database) {}
 
-  // One file's upload: its chunks streamed from disk, then its files document. Returns its id.
-  std::string put(const std::string& run_id, const std::string& artifact, const fs::path& dir, const fs::path& rel);
-  // Deletes one GridFS file (its files document and chunks).
-  void erase(const std::string& file_id);
+  // One file's upload as GridFS file `id`: its chunks streamed from disk, then its files document.
+  void put(const std::string& id, const std::string& run_id, const std::string& artifact, const fs::path& dir,
+           const fs::path& rel);
+  // Creates the bucket's indexes (once per store).
+  void index();
+  // Marks `files` of run `run_id` pending, then deletes every pending file of the run: its chunks,
+  // its files document, its entry in kPending (in that order, so a cut leaves it pending).
+  void purge(const std::string& run_id, const std::vector<ArtifactFile>& files = {});
   // Calls `take(data, size)` for each chunk of GridFS file `file_id`, in order, a few at a time
   // (the driver's download stream asks for every chunk in one reply, which FerretDB sends whole).
   template <class Take>
@@ -110,6 +121,8 @@ ArtifactStore::ArtifactStore(const std::string& uri, const std::string& database
     throw Error("checkpoint.store: mongodb needs a database: set track.database (or data.database)");
   impl_->client.server_info();  // unreachable: the one-line error now
   impl_->db.reset(mongoc_client_get_database(impl_->client.native(), database.c_str()));
+  impl_->files.reset(mongoc_database_get_collection(impl_->db.get(), fmt::format("{}.files", kBucket).c_str()));
+  impl_->chunks.reset(mongoc_database_get_collection(impl_->db.get(), fmt::format("{}.chunks", kBucket).c_str()));
   const BsonPtr opts = to_bson({{"bucketName", kBucket}, {"chunkSizeBytes", kChunkBytes}});
   bson_error_t error;
   impl_->bucket.reset(mongoc_gridfs_bucket_new(impl_->db.get(), opts.get(), nullptr, &error));
@@ -122,54 +135,97 @@ ArtifactStore::~ArtifactStore() = default;
 
 const UploadStats& ArtifactStore::last_upload() const { return impl_->stats; }
 
-std::string ArtifactStore::Impl::put(const std::string& run_id, const std::string& artifact, const fs::path& dir,
-                                     const fs::path& rel) {
+// The chunks and the files document are written here, as the GridFS spec lays them out, not
+// through the driver's upload stream: libmongoc 1.23's stream retries a chunk it failed to insert
+// for ever (a server lost mid-upload would hang the run).
+void ArtifactStore::Impl::put(const std::string& id, const std::string& run_id, const std::string& artifact,
+                              const fs::path& dir, const fs::path& rel) {
   const fs::path path = dir / rel;
   const std::string name = rel.generic_string();
   const auto bytes = static_cast<int64_t>(fs::file_size(path));
   const std::string sha = io::sha256_file(path.string());
   const std::string what = fmt::format("uploading {} of {} to GridFS {}.{} at {} failed", scrub(name), artifact,
                                        database, kBucket, client.redacted_uri());
-  const BsonPtr opts = to_bson(
-      {{"metadata", {{"run_id", run_id}, {"artifact", artifact}, {"name", name}, {"bytes", bytes}, {"sha256", sha}}}});
-  bson_value_t id{};
-  bson_error_t error;
-  StreamPtr up(mongoc_gridfs_bucket_open_upload_stream(
-      bucket.get(), fmt::format("{}/{}/{}", run_id, artifact, name).c_str(), opts.get(), &id, &error));
-  if (!up) fail(error, what);
+  bson_oid_t file_id;
+  bson_oid_init_from_string(&file_id, id.c_str());
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(fmt::format("cannot read {} for the upload to GridFS: check its permissions", path.string()));
-  std::vector<char> buf(kBufferBytes);
+  std::vector<char> buf(kChunkBytes);
+  bson_error_t error;
   int64_t sent = 0;
-  while (in) {
+  for (int32_t n = 0; in; ++n) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    const auto n = static_cast<size_t>(in.gcount());
-    if (n == 0) break;
-    if (mongoc_stream_write(up.get(), buf.data(), n, 0) != static_cast<ssize_t>(n)) {
-      mongoc_gridfs_bucket_stream_error(up.get(), &error);
-      mongoc_gridfs_bucket_abort_upload(up.get());  // best effort: deletes the chunks written so far
-      fail(error, what);
-    }
-    sent += static_cast<int64_t>(n);
+    const auto got = static_cast<uint32_t>(in.gcount());
+    if (got == 0) break;
+    bson_t chunk = BSON_INITIALIZER;
+    bson_oid_t chunk_id;
+    bson_oid_init(&chunk_id, nullptr);
+    BSON_APPEND_OID(&chunk, "_id", &chunk_id);
+    BSON_APPEND_OID(&chunk, "files_id", &file_id);
+    BSON_APPEND_INT32(&chunk, "n", n);
+    BSON_APPEND_BINARY(&chunk, "data", BSON_SUBTYPE_BINARY, reinterpret_cast<const uint8_t*>(buf.data()), got);
+    const bool ok = mongoc_collection_insert_one(chunks.get(), &chunk, nullptr, nullptr, &error);
+    bson_destroy(&chunk);
+    if (!ok) fail(error, what);
+    sent += got;
   }
-  if (sent != bytes) {
-    mongoc_gridfs_bucket_abort_upload(up.get());
+  if (sent != bytes)
     throw Error(fmt::format("{} changed size while it was uploaded ({} of {} bytes): it must not be written meanwhile",
                             path.string(), sent, bytes));
-  }
-  if (mongoc_stream_close(up.get()) != 0) {  // the last chunk and the files document
-    mongoc_gridfs_bucket_stream_error(up.get(), &error);
-    mongoc_gridfs_bucket_abort_upload(up.get());
-    fail(error, what);
-  }
+  // The files document last: until it is written, the file does not exist for a reader.
+  const BsonPtr meta =
+      to_bson({{"run_id", run_id}, {"artifact", artifact}, {"name", name}, {"bytes", bytes}, {"sha256", sha}});
+  const std::string filename = fmt::format("{}/{}/{}", run_id, artifact, name);
+  bson_t file = BSON_INITIALIZER;
+  BSON_APPEND_OID(&file, "_id", &file_id);
+  BSON_APPEND_INT64(&file, "length", bytes);
+  BSON_APPEND_INT32(&file, "chunkSize", kChunkBytes);
+  BSON_APPEND_DATE_TIME(
+      &file, "uploadDate",
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
+  BSON_APPEND_UTF8(&file, "filename", filename.c_str());
+  BSON_APPEND_DOCUMENT(&file, "metadata", meta.get());
+  const bool ok = mongoc_collection_insert_one(files.get(), &file, nullptr, nullptr, &error);
+  bson_destroy(&file);
+  if (!ok) fail(error, what);
   stats.bytes += bytes;
-  return oid_hex(id);
+}
+
+// The indexes a GridFS bucket has before its first write (those drivers create): chunks by file
+// and number (unique), files by name and date.
+void ArtifactStore::Impl::index() {
+  const BsonPtr command =
+      to_bson({{"createIndexes", fmt::format("{}.chunks", kBucket)},
+               {"indexes", {{{"key", {{"files_id", 1}, {"n", 1}}}, {"name", "files_id_1_n_1"}, {"unique", true}}}}});
+  const BsonPtr files_command =
+      to_bson({{"createIndexes", fmt::format("{}.files", kBucket)},
+               {"indexes", {{{"key", {{"filename", 1}, {"uploadDate", 1}}}, {"name", "filename_1_uploadDate_1"}}}}});
+  bson_error_t error;
+  for (const BsonPtr* c : {&command, &files_command})
+    if (!mongoc_database_write_command_with_opts(db.get(), c->get(), nullptr, nullptr, &error))
+      fail(error,
+           fmt::format("creating the indexes of GridFS {}.{} at {} failed", database, kBucket, client.redacted_uri()));
+  indexed = true;
+}
+
+void ArtifactStore::Impl::purge(const std::string& run_id, const std::vector<ArtifactFile>& files) {
+  if (!files.empty()) {
+    json ids = json::array();
+    for (const ArtifactFile& f : files) ids.push_back({{"$oid", f.file_id}});
+    client.insert_one(database, kPending, {{"run_id", run_id}, {"artifact", files.front().artifact}, {"files", ids}});
+  }
+  for (const json& pending : client.find(database, kPending, {{"run_id", run_id}})) {
+    for (const json& id : pending.value("files", json::array())) {
+      client.delete_many(database, fmt::format("{}.chunks", kBucket), {{"files_id", id}});
+      client.delete_many(database, fmt::format("{}.files", kBucket), {{"_id", id}});
+    }
+    client.delete_many(database, kPending, {{"_id", pending.at("_id")}});
+  }
 }
 
 template <class Take>
 void ArtifactStore::Impl::each_chunk(const std::string& file_id, const std::string& what, Take take) {
-  std::unique_ptr<mongoc_collection_t, CollectionDeleter> chunks(
-      mongoc_database_get_collection(db.get(), fmt::format("{}.chunks", kBucket).c_str()));
   const BsonPtr query = to_bson({{"files_id", {{"$oid", file_id}}}});
   const BsonPtr opts = to_bson({{"sort", {{"n", 1}}}, {"batchSize", kChunksPerBatch}});
   std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(
@@ -193,36 +249,39 @@ void ArtifactStore::Impl::each_chunk(const std::string& file_id, const std::stri
   if (mongoc_cursor_error(cur.get(), &error)) fail(error, what);
 }
 
-void ArtifactStore::Impl::erase(const std::string& file_id) {
-  const bson_value_t id = oid_value(file_id);
-  bson_error_t error;
-  if (!mongoc_gridfs_bucket_delete_by_id(bucket.get(), &id, &error))
-    fail(error, fmt::format("deleting GridFS file {} from {}.{} at {} failed", file_id, database, kBucket,
-                            client.redacted_uri()));
-}
-
 std::vector<ArtifactFile> ArtifactStore::upload(const std::string& run_id, const std::string& artifact,
                                                 const std::string& dir) {
   const auto t0 = Clock::now();
   impl_->stats = {};
+  if (!impl_->indexed) impl_->index();
+  impl_->purge(run_id);  // what an earlier upload or removal of this run was cut short in left
   const std::vector<ArtifactFile> old = list(run_id, artifact);
-  std::vector<ArtifactFile> done;
+  // Each file is listed in the upload's kPending document before its first chunk; the artifact's
+  // new files count only once all are complete and that one document is deleted. Until then
+  // list() does not show them, and a failure (here, or a server or process lost mid-transfer)
+  // leaves what purge() removes.
+  const std::string upload_id = new_oid();
+  const json pending = {{"_id", {{"$oid", upload_id}}}};
   try {
+    impl_->client.insert_one(
+        impl_->database, kPending,
+        {{"_id", {{"$oid", upload_id}}}, {"run_id", run_id}, {"artifact", artifact}, {"files", json::array()}});
     for (const fs::path& rel : files_under(dir)) {
-      ArtifactFile f;
-      f.artifact = artifact;
-      f.name = rel.generic_string();
-      f.file_id = impl_->put(run_id, artifact, dir, rel);
-      done.push_back(std::move(f));
+      const std::string id = new_oid();
+      impl_->client.update_one(impl_->database, kPending, pending, {{"$push", {{"files", {{"$oid", id}}}}}});
+      impl_->put(id, run_id, artifact, dir, rel);
     }
+    impl_->client.delete_many(impl_->database, kPending, pending);
   } catch (...) {
-    for (const ArtifactFile& f : done) try {
-        impl_->erase(f.file_id);  // a half-uploaded artifact never stands next to the complete one
-      } catch (const std::exception&) {
-      }
+    try {
+      impl_->purge(run_id);            // a half-uploaded artifact never stands next to the complete one
+    } catch (const std::exception&) {  // the server is gone: the next upload or `remove` purges it
+    }
     throw;
   }
-  for (const ArtifactFile& f : old) impl_->erase(f.file_id);  // the new copy is complete: the old one goes
+  // The new copy is complete: the old one goes. (Cut before it is marked, both copies stand and
+  // list() takes the newer.)
+  impl_->purge(run_id, old);
   impl_->stats.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return list(run_id, artifact);
 }
@@ -233,21 +292,35 @@ std::vector<ArtifactFile> ArtifactStore::list(const std::string& run_id, const s
   const BsonPtr query = to_bson(filter);
   std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(
       mongoc_gridfs_bucket_find(impl_->bucket.get(), query.get(), nullptr));
-  std::vector<ArtifactFile> out;
+  std::set<std::string> unfinished;
+  for (const json& pending : impl_->client.find(impl_->database, kPending, {{"run_id", run_id}}))
+    for (const json& id : pending.value("files", json::array())) unfinished.insert(id.value("$oid", ""));
+  std::vector<std::pair<int64_t, ArtifactFile>> found;  // (upload time in ms, file)
   const bson_t* doc = nullptr;
   while (mongoc_cursor_next(cur.get(), &doc)) {
     char* text = bson_as_relaxed_extended_json(doc, nullptr);
     const json j = json::parse(text, nullptr, false);
     bson_free(text);
-    if (j.is_object()) out.push_back(from_files_doc(j));
+    if (!j.is_object()) continue;
+    ArtifactFile f = from_files_doc(j);
+    if (unfinished.count(f.file_id)) continue;
+    bson_iter_t it;
+    const bool dated = bson_iter_init_find(&it, doc, "uploadDate") && BSON_ITER_HOLDS_DATE_TIME(&it);
+    found.emplace_back(dated ? bson_iter_date_time(&it) : 0, std::move(f));
   }
   bson_error_t error;
   if (mongoc_cursor_error(cur.get(), &error))
     impl_->fail(error, fmt::format("listing GridFS {}.{} at {} failed", impl_->database, kBucket,
                                    impl_->client.redacted_uri()));
-  std::sort(out.begin(), out.end(), [](const ArtifactFile& a, const ArtifactFile& b) {
-    return std::tie(a.artifact, a.name) < std::tie(b.artifact, b.name);
+  // A process lost between completing an artifact's new copy and deleting the old one leaves
+  // both: the newer copy of each name is the artifact.
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.second.artifact, a.second.name, b.first, b.second.file_id) <
+           std::tie(b.second.artifact, b.second.name, a.first, a.second.file_id);
   });
+  std::vector<ArtifactFile> out;
+  for (auto& [date, f] : found)
+    if (out.empty() || out.back().artifact != f.artifact || out.back().name != f.name) out.push_back(std::move(f));
   return out;
 }
 
@@ -297,7 +370,7 @@ std::vector<ArtifactFile> ArtifactStore::download(const std::string& run_id, con
 
 int64_t ArtifactStore::remove(const std::string& run_id, const std::string& artifact) {
   const std::vector<ArtifactFile> files = list(run_id, artifact);
-  for (const ArtifactFile& f : files) impl_->erase(f.file_id);
+  impl_->purge(run_id, files);
   return static_cast<int64_t>(files.size());
 }
 

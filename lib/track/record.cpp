@@ -261,4 +261,21 @@ json load_run_recipe(const std::string& uri, const std::string& database, const 
   return recipe;
 }
 
+std::optional<std::string> find_resumable_run(const std::string& uri, const std::string& database, const json& recipe,
+                                              std::chrono::milliseconds timeout) {
+  data::Client client(uri, timeout);
+  const json mine = stored_recipe(recipe);
+  json filter = {{"status", {{"$ne", "completed"}}}};
+  if (mine.contains("checkpoint") && mine["checkpoint"].contains("output_dir"))
+    filter["recipe.checkpoint.output_dir"] = mine["checkpoint"]["output_dir"];
+  std::optional<std::string> found;
+  for (const json& run : client.find(database, kRuns, filter)) {  // in _id order: the newest last
+    const json artifacts = run.value("artifacts", json::array());
+    const bool has_state = std::any_of(artifacts.begin(), artifacts.end(),
+                                       [](const json& a) { return a.value("artifact", "") == "resume_state"; });
+    if (has_state && run.value("recipe", json()) == mine) found = run["_id"].value("$oid", "");
+  }
+  return found;
+}
+
 }  // namespace lorarun::track

@@ -76,4 +76,10 @@ class RunRecorder {
 nlohmann::json load_run_recipe(const std::string& uri, const std::string& database, const std::string& id,
                                std::chrono::milliseconds timeout);
 
+// The newest run in <database>.runs recorded with `recipe` (the resolved recipe, as begin() takes
+// it) that did not complete and lists a stored resumable state (checkpoint.store: mongodb): the
+// run a rerun whose output_dir lost its state continues. nullopt when there is none.
+std::optional<std::string> find_resumable_run(const std::string& uri, const std::string& database,
+                                              const nlohmann::json& recipe, std::chrono::milliseconds timeout);
+
 }  // namespace lorarun::track

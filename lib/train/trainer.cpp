@@ -127,7 +127,8 @@ class Trainer {
   void steer(int epoch, const nlohmann::json& eval_row);
   void to_tensorboard(const std::vector<track::Scalar>& values);
   void save_checkpoint(int epoch);
-  void save_state(const Progress& p);
+  void save_state(const Progress& p, bool store = true);
+  void restore_from_store();
   void check_finite_adapter(const std::string& what);
   void open_metrics(const std::optional<Progress>& resumed);
   int data_lost(const Progress& p);
@@ -308,6 +309,7 @@ void Trainer::start_from_adapter(model::CausalLM& m) {
 // epoch ending with its checkpoint (per the policy) and a resumable state.
 int Trainer::run() {
   std::optional<Progress> resumed;
+  restore_from_store();
   if (r_.checkpoint.resume == recipe::Resume::Auto)
     resumed = load_state(out_.string(), *opt_, params_, env_.rank, env_.world_size, cuda_, recipe::to_json(r_),
                          {r_.train.epochs, steps_per_epoch_});
@@ -650,7 +652,7 @@ void Trainer::steer(int epoch, const nlohmann::json& eval_row) {
           why = e.what();
         }
       }
-      all_agree(why.empty(), why, "best/");
+      all_agree(why.empty(), why, "writing best/");
     }
   }
   const std::optional<int> patience = r_.train.early_stopping_patience;
@@ -694,6 +696,54 @@ void Trainer::start_record(Progress& p, bool resumed) {
         std::make_unique<track::ArtifactStore>(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
 }
 
+// checkpoint.store: mongodb with checkpoint.resume: auto: an output_dir without a resumable state
+// (a new node, a wiped disk) gets back, before any rank looks for one, the state of the newest
+// unfinished run of this very recipe that stored one, with that run's stored adapters.
+void Trainer::restore_from_store() {
+  if (r_.checkpoint.store != recipe::Store::MongoDB || r_.checkpoint.resume != recipe::Resume::Auto) return;
+  const std::string state = state_dir(out_.string());
+  std::string why;
+  if (lead_ && !fs::exists(state) && !fs::exists(state + ".old")) {
+    try {
+      const auto timeout = std::chrono::seconds(r_.data.timeout_s);
+      const std::optional<std::string> id =
+          track::find_resumable_run(r_.data.uri, r_.track.database, recipe::to_json(r_), timeout);
+      if (id) {
+        const auto t0 = Clock::now();
+        track::ArtifactStore store(r_.data.uri, r_.track.database, timeout);
+        std::vector<std::string> artifacts;
+        for (const track::ArtifactFile& f : store.list(*id))
+          if (f.artifact != "resume_state" &&
+              std::find(artifacts.begin(), artifacts.end(), f.artifact) == artifacts.end())
+            artifacts.push_back(f.artifact);
+        artifacts.push_back("resume_state");  // last: a restore cut short leaves no state, and is done again
+        std::vector<std::string> restored;
+        int64_t bytes = 0;
+        for (const std::string& a : artifacts) {
+          const fs::path dir = out_ / a;
+          if (fs::exists(dir)) continue;  // what the output directory still has is its own
+          const std::string tmp = dir.string() + fmt::format(".tmp.{}", getpid());
+          io::remove_tree(tmp);
+          for (const track::ArtifactFile& f : store.download(*id, a, tmp)) bytes += f.bytes;
+          io::sync_dir(tmp);
+          fs::rename(tmp, dir);
+          restored.push_back(a);
+        }
+        io::sync_dir(out_.string());
+        info(fmt::format("restored {} of run {}/{} from GridFS into {} ({:.2f} MB in {:.2f} s)",
+                         fmt::join(restored, ", "), r_.track.database, *id, out_.string(),
+                         static_cast<double>(bytes) / 1e6, std::chrono::duration<double>(Clock::now() - t0).count()));
+      }
+    } catch (const std::exception& e) {
+      why = fmt::format(
+          "{} (checkpoint.store: mongodb; run again once the server is reachable, or set "
+          "checkpoint.resume=never to start over)",
+          e.what());
+    }
+  }
+  all_agree(why.empty(), why, "restoring the resumable state from the database");
+}
+
 // checkpoint.store: mongodb (rank 0): the directory `dir`, just written, as the run's artifact
 // `name` in GridFS and in the run record; until both hold it, the save has not happened.
 void Trainer::store_artifact(const std::string& name, const std::string& dir) {
@@ -705,44 +755,37 @@ void Trainer::store_artifact(const std::string& name, const std::string& dir) {
     info(fmt::format("stored {} in GridFS: {} files, {:.2f} MB in {:.2f} s ({:.1f} MB/s)", name, files.size(),
                      static_cast<double>(s.bytes) / 1e6, s.seconds,
                      s.seconds > 0 ? static_cast<double>(s.bytes) / 1e6 / s.seconds : 0.0));
-  } catch (const data::ConnectionError& e) {
-    store_unreachable_ = true;  // the record's own last write would only wait for it again
-    throw Error(
-        fmt::format("{} (checkpoint.store: mongodb; {} and the resumable state are kept: run the same command "
-                    "to resume)",
-                    e.what(), dir));
   } catch (const std::exception& e) {
-    throw Error(
-        fmt::format("{} (checkpoint.store: mongodb; {} and the resumable state are kept: run the same command "
-                    "to resume)",
-                    e.what(), dir));
+    // the record's own last write would only wait for a server that is gone again
+    if (dynamic_cast<const data::ConnectionError*>(&e)) store_unreachable_ = true;
+    throw Error(fmt::format("{} (checkpoint.store: mongodb; {}{} kept: run the same command to resume)", e.what(), dir,
+                            name == "resume_state" ? " is" : " and the resumable state are"));
   }
 }
 
-// At the end (every rank): the kept resumable state to GridFS, and the epochs the policy does
-// not keep out of it, as out of output_dir.
+// At the end (every rank): out of GridFS, as out of output_dir, go the epochs the policy does not
+// keep and the resumable state unless checkpoint.keep_resume_state (each state save stored it).
 void Trainer::store_final() {
   std::string why;
   if (lead_ && store_) {
     try {
-      const std::string state = state_dir(out_.string());
-      if (r_.checkpoint.keep_resume_state && fs::exists(state)) store_artifact("resume_state", state);
       const std::vector<int> kept = recipe::epochs_kept(r_.checkpoint, epochs_ran_);
+      const auto unkept = [&](const std::string& artifact) {
+        if (artifact == "resume_state") return !r_.checkpoint.keep_resume_state;
+        if (artifact.rfind("epoch_", 0) != 0) return false;
+        return std::find(kept.begin(), kept.end(), std::atoi(artifact.c_str() + 6)) == kept.end();
+      };
       std::vector<std::string> gone;
-      for (const track::ArtifactFile& f : store_->list(record_->id())) {
-        if (f.artifact.rfind("epoch_", 0) != 0) continue;
-        const int epoch = std::atoi(f.artifact.c_str() + 6);
-        if (std::find(kept.begin(), kept.end(), epoch) == kept.end() &&
-            std::find(gone.begin(), gone.end(), f.artifact) == gone.end())
+      for (const track::ArtifactFile& f : store_->list(record_->id()))
+        if (unkept(f.artifact) && std::find(gone.begin(), gone.end(), f.artifact) == gone.end())
           gone.push_back(f.artifact);
-      }
       for (const std::string& a : gone) store_->remove(record_->id(), a);
       if (!gone.empty()) record_->drop_artifacts(gone);
     } catch (const std::exception& e) {
       why = e.what();
     }
   }
-  all_agree(why.empty(), why, "the run's artifacts in GridFS");
+  all_agree(why.empty(), why, "writing the run's artifacts in GridFS");
 }
 
 // (Not when the server already proved unreachable: rank 0 then ends at once, with its own error.)
@@ -751,14 +794,14 @@ void Trainer::record_failure(const std::string& error) {
   if (mlflow_) mlflow_->finish("FAILED");
 }
 
-// Every rank learns whether rank 0's write worked, so a failed save stops all, never hangs.
+// Every rank learns whether rank 0's write (or restore) worked, so a failure stops all, never hangs.
 void Trainer::all_agree(bool ok, const std::string& why, const std::string& what) {
   at::Tensor failed = at::full({1}, ok ? 0.0 : 1.0, at::TensorOptions().dtype(at::kFloat).device(device_));
   if (env_.world_size > 1) pg_.all_reduce_sum(failed);
   if (failed.item<double>() == 0) return;
-  if (lead_) throw Error(fmt::format("writing {} failed: {}", what, why));
+  if (lead_) throw Error(fmt::format("{} failed: {}", what, why));
   // A consequence of rank 0's error, which the launcher's summary then names (blamed rank -1: a peer).
-  throw PeerError(-1, fmt::format("rank 0 could not write {}; stopping", what));
+  throw PeerError(-1, fmt::format("{} failed on rank 0; stopping", what));
 }
 
 // No adapter with a NaN or an infinity is ever written (every rank checks its replica).
@@ -786,11 +829,11 @@ void Trainer::save_checkpoint(int epoch) {
       why = e.what();
     }
   }
-  all_agree(why.empty(), why, fmt::format("epoch_{}", epoch));
+  all_agree(why.empty(), why, fmt::format("writing epoch_{}", epoch));
 }
 
 // Every rank's RNG goes to rank 0 (each in its own row of a sum), which writes the state.
-void Trainer::save_state(const Progress& p) {
+void Trainer::save_state(const Progress& p, bool store) {
   check_finite_adapter("the resumable state");
   const at::Tensor mine = rng_state(cuda_);
   at::Tensor rngs = at::zeros({env_.world_size, mine.numel()}, at::TensorOptions().dtype(at::kFloat).device(device_));
@@ -800,11 +843,12 @@ void Trainer::save_state(const Progress& p) {
   if (lead_) {
     try {
       train::save_state(out_.string(), m_, lcfg_, *opt_, params_, p, rngs.to(at::kCPU, at::kByte), recipe::to_json(r_));
+      if (store) store_artifact("resume_state", state_dir(out_.string()));
     } catch (const std::exception& e) {
       why = e.what();
     }
   }
-  all_agree(why.empty(), why, state_dir(out_.string()));
+  all_agree(why.empty(), why, "writing " + state_dir(out_.string()));
 }
 
 // Whether every rank holds the same `value`: each puts it in its own slot of a sum.
@@ -842,7 +886,7 @@ int Trainer::stopped() {
 // saves the state of the last completed step and stops as on SIGTERM, so a rerun continues.
 int Trainer::data_lost(const Progress& p) {
   set_rng_state(rng_at_step_start_, cuda_);
-  save_state(p);
+  save_state(p, false);  // (not to GridFS: the server is likely the data source that was lost)
   const std::string why = data_error_.empty() ? "another rank lost its data source (its log says why)" : data_error_;
   if (lead_ || !data_error_.empty())
     warn(fmt::format("rank {}: {}; the resumable state of step {} is in {}: run the same command to continue",
