@@ -248,6 +248,26 @@ ProcessGroup::Pending ProcessGroup::all_reduce_sum_async(at::Tensor& t) {
 
 void ProcessGroup::all_reduce_sum(at::Tensor& t) { all_reduce_sum_async(t).wait(); }
 
+ProcessGroup::Pending ProcessGroup::all_gather_async(at::Tensor& out, const at::Tensor& in) {
+  const int64_t n = in.numel();
+  if (in.dim() != 1 || out.dim() != 1 || out.numel() != n * size() || out.scalar_type() != in.scalar_type())
+    throw Error(fmt::format("all_gather: {} elements of {} into {} of {} on {} ranks (a lorarun bug)", n,
+                            c10::toString(in.scalar_type()), out.numel(), c10::toString(out.scalar_type()), size()));
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < size(); ++r) outputs[0].push_back(out.narrow(0, r * n, n));
+  std::vector<at::Tensor> inputs{in.contiguous()};
+  auto impl = std::make_unique<Pending::Impl>();
+  impl->group = impl_.get();
+  impl->started = Clock::now();
+  if (impl_->heartbeat) impl_->heartbeat->collective_started();
+  try {
+    impl->work = impl_->pg->allgather(outputs, inputs);
+  } catch (const std::exception& e) {
+    impl_->collective_failed(e, Clock::now() - impl->started);
+  }
+  return Pending(std::move(impl));
+}
+
 void ProcessGroup::barrier() {
   at::Tensor one = at::ones({1}, at::TensorOptions().device(impl_->device));
   all_reduce_sum(one);

@@ -135,6 +135,10 @@ ArtifactStore::~ArtifactStore() = default;
 
 const UploadStats& ArtifactStore::last_upload() const { return impl_->stats; }
 
+void ArtifactStore::prepare() {
+  if (!impl_->indexed) impl_->index();
+}
+
 // The chunks and the files document are written here, as the GridFS spec lays them out, not
 // through the driver's upload stream: libmongoc 1.23's stream retries a chunk it failed to insert
 // for ever (a server lost mid-upload would hang the run).
@@ -253,7 +257,7 @@ std::vector<ArtifactFile> ArtifactStore::upload(const std::string& run_id, const
                                                 const std::string& dir) {
   const auto t0 = Clock::now();
   impl_->stats = {};
-  if (!impl_->indexed) impl_->index();
+  prepare();
   impl_->purge(run_id);  // what an earlier upload or removal of this run was cut short in left
   const std::vector<ArtifactFile> old = list(run_id, artifact);
   // Each file is listed in the upload's kPending document before its first chunk; the artifact's

@@ -36,6 +36,10 @@ class ArtifactStore {
   ArtifactStore(const ArtifactStore&) = delete;
   ArtifactStore& operator=(const ArtifactStore&) = delete;
 
+  // Creates the bucket's indexes if they are missing (upload() does it otherwise): a writer calls
+  // it before its first upload is due, so that no later failure can cut it short.
+  void prepare();
+
   // Uploads every regular file under `dir` as `artifact` of run `run_id`. The artifact's older
   // files are removed only after every new one is complete; a failure removes the new ones
   // uploaded so far (as far as the server allows) and throws one line.

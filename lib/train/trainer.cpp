@@ -690,10 +690,12 @@ void Trainer::start_record(Progress& p, bool resumed) {
       {"steps_per_epoch", steps_per_epoch_}, {"output_dir", fs::absolute(out_).string()}};
   const std::optional<std::string> again = resumed && !p.run_id.empty() ? std::optional(p.run_id) : std::nullopt;
   p.run_id = record_->begin(recipe::to_json(r_), run_info, again);
-  info(fmt::format("run recorded as {} (lora-train --from-run {} repeats it)", record_->ref(), record_->ref()));
-  if (r_.checkpoint.store == recipe::Store::MongoDB)
+  if (r_.checkpoint.store == recipe::Store::MongoDB) {
     store_ =
         std::make_unique<track::ArtifactStore>(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
+    store_->prepare();
+  }
+  info(fmt::format("run recorded as {} (lora-train --from-run {} repeats it)", record_->ref(), record_->ref()));
 }
 
 // checkpoint.store: mongodb with checkpoint.resume: auto: an output_dir without a resumable state

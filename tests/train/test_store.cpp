@@ -176,6 +176,18 @@ TEST_CASE(
   CHECK(merged.status == 0);
   CHECK(hashes(dir + "/merged_db") == hashes(dir + "/merged"));
   CHECK(merged_db.output.find("s3cr3t-pw") == std::string::npos);
+  // …and lora-generate's greedy ids and lora-eval's loss on best/ are the local best/'s.
+  const auto tool = [&](const std::string& name, const std::string& adapter, const std::string& args) {
+    const Result r = sh(fmt::format("{} {} --adapter {} {}", runs_env, bin(name), adapter, args));
+    INFO(r.output);
+    CHECK(r.status == 0);
+    return r.output.substr(r.output.rfind('\n', r.output.size() - 2) + 1);  // the last line
+  };
+  const std::string gen = fmt::format("--model {} --prompt 'Add 2 and 7' --max-new-tokens 8 --ids", model);
+  const std::string stored_best = fmt::format("mongodb-run:{}/{}/best", db, id);
+  CHECK(tool("lora-generate", stored_best, gen) == tool("lora-generate", out + "/best", gen));
+  CHECK(tool("lora-eval", stored_best, "--recipe " + recipe + " --json") ==
+        tool("lora-eval", out + "/best", "--recipe " + recipe + " --json"));
 
   // (c) rm: no files or chunks document of the run, no record, no metrics left.
   const Result removed = sh(fmt::format("{} {} rm {}/{}", runs_env, bin("lora-runs"), db, id));
