@@ -1,4 +1,4 @@
-// All-gather of sharded tensors (lib/dist/sharded.hpp) across the ranks lorarun starts, Gloo on
+// All-gather of sharded tensors (lib/model/sharded.hpp) across the ranks lorarun starts, Gloo on
 // the CPU or NCCL on GPUs:
 //   lorarun --nproc-per-node W -- build/bin/gather_bench --check
 //       every rank rebuilds tensors of awkward sizes (1, 7, a prime, multiples of W) in float32,
@@ -16,7 +16,7 @@
 
 #include "dist/env.hpp"
 #include "dist/process_group.hpp"
-#include "dist/sharded.hpp"
+#include "model/sharded.hpp"
 
 using namespace lorarun;
 using Clock = std::chrono::steady_clock;
@@ -30,7 +30,7 @@ at::Tensor pattern(int64_t n, at::ScalarType dtype, const at::Device& device) {
   return v.to(dtype).to(device);
 }
 
-at::Tensor gathered(dist::ProcessGroup& pg, const dist::ShardedTensor& s) {
+at::Tensor gathered(dist::ProcessGroup& pg, const model::ShardedTensor& s) {
   at::Tensor out = s.gather_buffer(pg.size());
   pg.all_gather_async(out, s.shard).wait();
   return s.whole(out);
@@ -43,15 +43,15 @@ int check(dist::ProcessGroup& pg, const at::Device& device) {
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kByte})
     for (const int64_t n : sizes) {
       const at::Tensor whole = pattern(n, dtype, device).view({n});
-      const dist::ShardedTensor s = dist::ShardedTensor::of(whole, r, w);
+      const model::ShardedTensor s = model::ShardedTensor::of(whole, r, w);
       ++cases;
-      if (s.per_rank() != dist::ShardedTensor::slice_length(n, w) || !at::equal(gathered(pg, s), whole)) ++wrong;
+      if (s.per_rank() != model::ShardedTensor::slice_length(n, w) || !at::equal(gathered(pg, s), whole)) ++wrong;
     }
   // Two gathers in flight (a prefetch of the next block while the current one is used): each
   // lands in its own buffer.
   const at::Tensor a = pattern(3001 * 7, at::kFloat, device).view({3001, 7});
   const at::Tensor b = pattern(999, at::kBFloat16, device);
-  const dist::ShardedTensor sa = dist::ShardedTensor::of(a, r, w), sb = dist::ShardedTensor::of(b, r, w);
+  const model::ShardedTensor sa = model::ShardedTensor::of(a, r, w), sb = model::ShardedTensor::of(b, r, w);
   at::Tensor oa = sa.gather_buffer(w), ob = sb.gather_buffer(w);
   dist::ProcessGroup::Pending pa = pg.all_gather_async(oa, sa.shard);
   dist::ProcessGroup::Pending pb = pg.all_gather_async(ob, sb.shard);
@@ -66,7 +66,7 @@ int check(dist::ProcessGroup& pg, const at::Device& device) {
 
 int bench(dist::ProcessGroup& pg, const at::Device& device, double mb, int reps) {
   const auto n = static_cast<int64_t>(mb * 1e6 / 2);
-  const dist::ShardedTensor s = dist::ShardedTensor::of(pattern(n, at::kBFloat16, device), pg.rank(), pg.size());
+  const model::ShardedTensor s = model::ShardedTensor::of(pattern(n, at::kBFloat16, device), pg.rank(), pg.size());
   at::Tensor out = s.gather_buffer(pg.size());
   pg.all_gather_async(out, s.shard).wait();  // warm-up
   double total = 0, best = 1e30;

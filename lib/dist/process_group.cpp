@@ -253,15 +253,13 @@ ProcessGroup::Pending ProcessGroup::all_gather_async(at::Tensor& out, const at::
   if (in.dim() != 1 || out.dim() != 1 || out.numel() != n * size() || out.scalar_type() != in.scalar_type())
     throw Error(fmt::format("all_gather: {} elements of {} into {} of {} on {} ranks (a lorarun bug)", n,
                             c10::toString(in.scalar_type()), out.numel(), c10::toString(out.scalar_type()), size()));
-  std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int r = 0; r < size(); ++r) outputs[0].push_back(out.narrow(0, r * n, n));
-  std::vector<at::Tensor> inputs{in.contiguous()};
+  at::Tensor input = in.contiguous();
   auto impl = std::make_unique<Pending::Impl>();
   impl->group = impl_.get();
   impl->started = Clock::now();
   if (impl_->heartbeat) impl_->heartbeat->collective_started();
   try {
-    impl->work = impl_->pg->allgather(outputs, inputs);
+    impl->work = impl_->pg->_allgather_base(out, input);  // straight into `out` (no staging copy)
   } catch (const std::exception& e) {
     impl_->collective_failed(e, Clock::now() - impl->started);
   }

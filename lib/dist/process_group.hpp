@@ -66,7 +66,7 @@ class ProcessGroup {
   Pending all_reduce_sum_async(at::Tensor& t);
   // Every rank's `in` ([n]; the same n and dtype on every rank) into `out` ([size() * n]), in rank
   // order, started and not waited for (the rules of all_reduce_sum_async). Gathers the slices of
-  // a sharded tensor (dist/sharded.hpp).
+  // a sharded tensor (model/sharded.hpp).
   Pending all_gather_async(at::Tensor& out, const at::Tensor& in);
   void barrier();
 

@@ -20,7 +20,9 @@
 namespace lorarun::model {
 
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
-  at::Tensor y = nf4 ? nf4_linear(x, *nf4, bias) : at::linear(x, weight, bias);
+  at::Tensor y = sharded ? sharded_linear(x, *sharded, bias)
+                 : nf4   ? nf4_linear(x, *nf4, bias)
+                         : at::linear(x, weight, bias);
   if (!adapted()) return y;
   // As PEFT: the adapter path runs in the adapters' dtype (fp32 master weights under a bf16 or
   // fp16 base); the sum is cast back to the base output's dtype.
@@ -60,6 +62,12 @@ struct Loader {
     l.weight = conv1d ? get(name + ".weight", {in, out}, true) : get(name + ".weight", {out, in});
     if (opts.quantize) {
       l.nf4 = quantize_nf4(l.weight, opts.double_quant);
+      l.weight = named.back().tensor = at::Tensor();
+      files.release(name + ".weight");
+    }
+    if (opts.shards) {
+      l.sharded = l.nf4 ? ShardedWeight::of(*l.nf4, opts.shards) : ShardedWeight::of(l.weight, opts.shards);
+      l.nf4.reset();
       l.weight = named.back().tensor = at::Tensor();
       files.release(name + ".weight");
     }
@@ -170,7 +178,10 @@ CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at:
 void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
   CausalLM& m = *this;
   const ModelConfig& c = m.config_;
-  const Loader<NamedWeight> L{files, dtype_, device_, opts, m.named_};
+  m.base_sharded_ = opts.shards && opts.shards->world > 1;
+  LoadOptions load = opts;
+  if (!m.base_sharded_) load.shards.reset();  // one rank: the weights as they are
+  const Loader<NamedWeight> L{files, dtype_, device_, load, m.named_};
   const int64_t H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
   const int64_t q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;
 
@@ -432,6 +443,12 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
   return h;
 }
 
+void CausalLM::idle_pass(bool backward, bool packed) const {
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(device_);
+  const at::Tensor h = hidden_states(at::zeros({1, 1}, opts), at::ones({1, 1}, opts), nullptr, packed);
+  if (backward && h.requires_grad()) (h.sum() * 0).backward();
+}
+
 std::pair<at::Tensor, at::Tensor> CausalLM::rope_tables(const at::Tensor& positions, const at::Tensor& inv_freq) const {
   const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [B, T, rot/2]
   const at::Tensor emb = at::cat({freqs, freqs}, -1);
@@ -458,6 +475,11 @@ std::vector<std::pair<std::string, at::Tensor>> CausalLM::state_dict() const {
     at::Tensor t = w.tensor;
     if (!t.defined()) {  // quantised: its Linear holds it
       const Linear& l = *by_weight.at(w.name);
+      if (l.sharded)
+        throw Error(
+            fmt::format("{} is sharded across ranks (dist.shard_base): load the model whole to read its "
+                        "weights (a lorarun bug if a training run got here)",
+                        w.name));
       t = l.nf4 ? l.nf4->dequantize() : l.weight;
     }
     out.emplace_back(w.name, w.transposed ? t.t() : t);
@@ -479,6 +501,14 @@ std::vector<const Linear*> CausalLM::linears() const {
   std::vector<const Linear*> out;
   for (Linear* l : const_cast<CausalLM*>(this)->linears()) out.push_back(l);
   return out;
+}
+
+int64_t CausalLM::base_bytes() const {
+  int64_t n = 0;
+  for (const NamedWeight& w : named_)
+    if (w.tensor.defined()) n += static_cast<int64_t>(w.tensor.nbytes());
+  for (const Linear* l : linears()) n += l->sharded ? l->sharded->bytes() : l->nf4 ? l->nf4->bytes() : 0;
+  return n;
 }
 
 int64_t CausalLM::base_parameter_count() const {

@@ -9,6 +9,7 @@
 
 #include "model/config.hpp"
 #include "model/nf4.hpp"
+#include "model/sharded.hpp"
 
 namespace lorarun::recipe {
 enum class Dtype;
@@ -26,20 +27,21 @@ at::ScalarType dtype_of(recipe::Dtype d);
 // W is either `weight` or, for QLoRA, `nf4` (dequantised on the fly).
 struct Linear {
   std::string name;   // the HF module name, e.g. "model.layers.0.self_attn.q_proj"
-  at::Tensor weight;  // [out, in], frozen; undefined when the weight is in NF4
+  at::Tensor weight;  // [out, in], frozen; undefined when the weight is in NF4 or sharded
   std::optional<Nf4Weight> nf4;
-  at::Tensor bias;      // [out] or undefined
-  bool conv1d = false;  // GPT-2 Conv1D: the file stores the weight as [in, out]
-  at::Tensor lora_a;    // [r, in]; defined when adapted
-  at::Tensor lora_b;    // [out, r]
+  std::optional<ShardedWeight> sharded;  // dist.shard_base: this rank's slices of weight (or nf4)
+  at::Tensor bias;                       // [out] or undefined
+  bool conv1d = false;                   // GPT-2 Conv1D: the file stores the weight as [in, out]
+  at::Tensor lora_a;                     // [r, in]; defined when adapted
+  at::Tensor lora_b;                     // [out, r]
   double scaling = 0.0;
   double dropout = 0.0;
 
   at::Tensor forward(const at::Tensor& x, bool training) const;
   bool adapted() const { return lora_a.defined(); }
-  bool defined() const { return weight.defined() || nf4.has_value(); }  // families leave some empty
-  int64_t out_features() const { return nf4 ? nf4->shape[0] : weight.size(0); }
-  int64_t in_features() const { return nf4 ? nf4->shape[1] : weight.size(1); }
+  bool defined() const { return weight.defined() || nf4 || sharded; }  // families leave some empty
+  int64_t out_features() const { return sharded ? sharded->shape[0] : nf4 ? nf4->shape[0] : weight.size(0); }
+  int64_t in_features() const { return sharded ? sharded->shape[1] : nf4 ? nf4->shape[1] : weight.size(1); }
 };
 
 struct Norm {
@@ -65,6 +67,9 @@ struct KVCache {
 struct LoadOptions {
   bool quantize = false;     // QLoRA: every linear LoRA may adapt in NF4, quantised as it is loaded
   bool double_quant = true;  // with quantize: the NF4 block scales in 8 bits too
+  // dist.shard_base: each linear of linears() kept as this rank's slices, cut as it is loaded
+  // (and quantised), so no rank holds the whole model; gathered whole while it is used.
+  std::shared_ptr<const BaseShards> shards;
 };
 
 class CausalLM {
@@ -101,9 +106,18 @@ class CausalLM {
   std::vector<const Linear*> linears() const;
   // Number of parameters of the base model (tied weights counted once).
   int64_t base_parameter_count() const;
+  // Bytes of base weights this process holds (NF4 and sharded linears as held; tied weights once).
+  int64_t base_bytes() const;
   // The base weights under their HF names, in the file's layout (GPT-2 Conv1D as [in, out]).
   // They share storage with the model, so a merge shows up here; NF4 weights come dequantised.
   std::vector<std::pair<std::string, at::Tensor>> state_dict() const;
+
+  // dist.shard_base: whether the linears are held as this rank's slices; then every forward (and
+  // backward) gathers them with the other ranks, which must all run the same passes.
+  bool base_sharded() const { return base_sharded_; }
+  // A pass on one token whose result is discarded (with `backward`, a backward with zero
+  // gradients too): what a sharded rank with nothing to compute runs while the others gather.
+  void idle_pass(bool backward, bool packed) const;
 
   bool training = false;
   // Recompute each decoder block's activations in backward instead of keeping them (training).
@@ -121,6 +135,7 @@ class CausalLM {
 
   ModelConfig config_;
   std::string dir_;
+  bool base_sharded_ = false;
   at::ScalarType dtype_ = at::kFloat;
   at::Device device_{at::kCPU};
   at::Tensor embed_tokens_;          // [vocab, E]

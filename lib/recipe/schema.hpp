@@ -298,6 +298,10 @@ void for_each_key(R& r, V&& v) {
         .bound = above(0),
         .meaning = "MiB per gradient all-reduce bucket; buckets are reduced while backward goes on"},
     r.dist.bucket_mb);
+  v(Key{.name = "dist.shard_base",
+        .meaning = "each rank holds 1/world of every frozen base linear (NF4 too), gathered whole for each use: "
+                   "bigger models"},
+    r.dist.shard_base);
 
   v(Key{.name = "track.mongodb",
         .meaning = "record the run and its metrics in MongoDB (`metrics.jsonl` is written either way)"},

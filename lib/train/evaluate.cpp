@@ -21,7 +21,14 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
   c10::NoGradGuard no_grad;
   const bool was_training = m.training;
   m.training = false;
-  for (int64_t first = rank; first < n; first += per_batch * world) {
+  // Sharded base: every rank runs as many passes as rank 0, which has the most batches.
+  const int64_t stride = per_batch * world;
+  const int64_t passes = m.base_sharded() ? (n + stride - 1) / stride : 0;
+  for (int64_t first = rank, pass = 0; first < n || pass < passes; first += stride, ++pass) {
+    if (first >= n) {
+      m.idle_pass(false, r.data.packing);
+      continue;
+    }
     std::vector<int64_t> positions;
     for (int64_t p = first; p < n && static_cast<int64_t>(positions.size()) < per_batch; p += world)
       positions.push_back(p);
@@ -38,7 +45,10 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
     }
     sums.documents += static_cast<int64_t>(batch.size());
     const data::Batch b = data::collate(batch, r.data.packing, static_cast<size_t>(r.data.max_length), device);
-    if (b.tokens == 0) continue;
+    if (b.tokens == 0) {
+      if (m.base_sharded()) m.idle_pass(false, r.data.packing);
+      continue;
+    }
     const at::Tensor hidden = m.hidden_states(b.ids, b.mask, nullptr, r.data.packing);
     const model::LossSum l = model::lm_head_loss(hidden, m.lm_head(), b.rows, b.targets, m.config().logit_softcap);
     const double loss = l.sum.to(at::kDouble).item<double>();

@@ -65,13 +65,14 @@ double peak_rss_mb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
-// "base linears in NF4: 6815744 parameters in 3.4 MiB (0.5159 bytes each)"
+// "base linears in NF4: 6815744 parameters in 3.4 MiB (0.5159 bytes each)" (whole, before sharding)
 std::string nf4_summary(const model::CausalLM& m) {
   int64_t params = 0, bytes = 0;
   for (const model::Linear* l : m.linears()) {
-    if (!l->nf4) continue;
-    params += l->nf4->numel();
-    bytes += l->nf4->bytes();
+    const std::optional<model::Nf4Weight>& q = l->sharded ? l->sharded->nf4 : l->nf4;
+    if (!q) continue;
+    params += q->numel();
+    bytes += l->sharded ? l->sharded->whole_bytes() : q->bytes();
   }
   return fmt::format("base linears in NF4: {} parameters in {:.1f} MiB ({:.4f} bytes each)", params,
                      static_cast<double>(bytes) / (1 << 20), static_cast<double>(bytes) / static_cast<double>(params));
@@ -239,8 +240,16 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
 
 // The base model (NF4 when lora.quantize_base) with its adapters: new, or lora.init_from's.
 model::CausalLM Trainer::setup_model() {
-  model::CausalLM m = model::CausalLM::load(r_.model.path, model::dtype_of(r_.model.dtype), device_,
-                                            {.quantize = r_.lora.quantize_base, .double_quant = r_.lora.double_quant});
+  std::shared_ptr<model::BaseShards> shards;
+  if (r_.dist.shard_base && env_.world_size > 1) {  // each linear gathered from every rank's slice per use
+    shards = std::make_shared<model::BaseShards>();
+    shards->rank = env_.rank;
+    shards->world = env_.world_size;
+    shards->all_gather = [pg = &pg_](at::Tensor& out, const at::Tensor& in) { pg->all_gather_async(out, in).wait(); };
+  }
+  model::CausalLM m = model::CausalLM::load(
+      r_.model.path, model::dtype_of(r_.model.dtype), device_,
+      {.quantize = r_.lora.quantize_base, .double_quant = r_.lora.double_quant, .shards = shards});
   // Dropout draws from the default generators: one stream per rank, derived from train.seed,
   // so the same recipe on the same world size gives the same adapter bit for bit.
   at::manual_seed(static_cast<uint64_t>(r_.train.seed) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(env_.rank) + 1);
@@ -345,6 +354,15 @@ void Trainer::begin(Progress& p, bool resumed) {
                   model::trainable_summary(m_), docs_->size(), docs_->describe(), env_.world_size, steps_per_epoch_,
                   std::max<size_t>(1, sync_->buckets())));
   if (r_.lora.quantize_base) info(nf4_summary(m_));
+  if (m_.base_sharded()) {
+    int64_t whole = m_.base_bytes();
+    for (const model::Linear* l : m_.linears())
+      if (l->sharded) whole += l->sharded->whole_bytes() - l->sharded->bytes();
+    info(fmt::format(
+        "dist.shard_base: base weights on this rank {:.1f} MiB of {:.1f} MiB (linears in {} slices, gathered per "
+        "use; embeddings, norms and the output projection whole)",
+        static_cast<double>(m_.base_bytes()) / (1 << 20), static_cast<double>(whole) / (1 << 20), env_.world_size));
+  }
   if (eval_)
     info(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", eval_->docs().size(),
                      eval_->docs().describe(),
@@ -472,7 +490,10 @@ LocalSums Trainer::forward_backward(data::MicroBatches* batches) {
         data::collate(examples(batches), r_.data.packing, static_cast<size_t>(r_.data.max_length), device_);
     sums.real += b.real;
     sums.slots += b.slots;
-    if (b.tokens == 0) continue;  // an empty micro-batch: GradBuckets::finish() still joins in
+    if (b.tokens == 0) {  // an empty micro-batch: GradBuckets::finish() still joins in
+      if (m_.base_sharded()) m_.idle_pass(true, r_.data.packing);  // and the gathers, with zero gradients
+      continue;
+    }
     const at::Tensor hidden = m_.hidden_states(b.ids, b.mask, nullptr, r_.data.packing);
     const model::LossSum l = model::lm_head_loss(hidden, m_.lm_head(), b.rows, b.targets, m_.config().logit_softcap);
     l.sum.backward();

@@ -1,8 +1,12 @@
 #include "support/runs.hpp"
 
 #include <fmt/format.h>
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+
+#include "io/safetensors.hpp"
 
 namespace lorarun::test {
 
@@ -27,6 +31,21 @@ track: {{mongodb: false}}
 {})",
                                      LORARUN_MODEL_FIXTURES, lora, dir, data, train, dir, name, extra);
   return path;
+}
+
+double adapter_diff(const std::string& a, const std::string& b) {
+  const io::SafetensorsFile fa(a), fb(b);
+  if (fa.tensors().size() != fb.tensors().size()) return INFINITY;
+  double worst = 0;
+  for (const auto& t : fa.tensors()) {
+    const auto* u = fb.find(t.name);
+    if (!u || u->nbytes != t.nbytes) return INFINITY;
+    const auto x = fa.bytes(t), y = fb.bytes(*u);
+    const auto* px = reinterpret_cast<const float*>(x.data());
+    const auto* py = reinterpret_cast<const float*>(y.data());
+    for (size_t i = 0; i < t.nbytes / 4; ++i) worst = std::max(worst, double(std::abs(px[i] - py[i])));
+  }
+  return worst;
 }
 
 Result interrupt(const std::string& cmd, const std::string& log, const std::string& marker, const std::string& act) {

@@ -17,6 +17,10 @@ void write_data(const std::string& path, int n, int from = 0);
 std::string write_recipe(const std::string& dir, const std::string& name, const std::string& train,
                          const std::string& lora = "", const std::string& data = "", const std::string& extra = "");
 
+// Largest absolute difference between two float32 adapter files, tensor by tensor (inf if their
+// keys or sizes differ).
+double adapter_diff(const std::string& a, const std::string& b);
+
 // Runs `cmd` in the background until its output shows `marker`, then `act`, a shell snippet
 // ($pid: the command, $log: its output); waits for the command and prints exit=<status>.
 Result interrupt(const std::string& cmd, const std::string& log, const std::string& marker, const std::string& act);

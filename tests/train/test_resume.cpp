@@ -17,6 +17,7 @@
 #include "support/runs.hpp"
 
 // Not `using namespace lorarun::test`: this file's write_recipe would be ambiguous with the shared one.
+using lorarun::test::adapter_diff;
 using lorarun::test::bin;
 using lorarun::test::interrupt;
 using lorarun::test::Oracle;
@@ -35,22 +36,6 @@ namespace {
 std::string write_recipe(const std::string& dir, const std::string& name, const std::string& train,
                          const std::string& data_extra, const std::string& extra = "") {
   return lorarun::test::write_recipe(dir, name, train, "", ", shuffle: none" + data_extra, extra);
-}
-
-// Largest absolute difference between two adapter files, tensor by tensor (inf if keys differ).
-double adapter_diff(const std::string& a, const std::string& b) {
-  const lorarun::io::SafetensorsFile fa(a), fb(b);
-  if (fa.tensors().size() != fb.tensors().size()) return INFINITY;
-  double worst = 0;
-  for (const auto& t : fa.tensors()) {
-    const auto* u = fb.find(t.name);
-    if (!u || u->nbytes != t.nbytes) return INFINITY;
-    const auto x = fa.bytes(t), y = fb.bytes(*u);
-    const auto* px = reinterpret_cast<const float*>(x.data());
-    const auto* py = reinterpret_cast<const float*>(y.data());
-    for (size_t i = 0; i < t.nbytes / 4; ++i) worst = std::max(worst, double(std::abs(px[i] - py[i])));
-  }
-  return worst;
 }
 
 std::vector<std::string> entries(const std::string& dir) {

@@ -1,0 +1,128 @@
+#include "model/sharded.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/custom_class.h>
+
+#include "util/error.hpp"
+
+namespace lorarun::model {
+
+ShardedTensor ShardedTensor::of(const at::Tensor& whole, int rank, int world) {
+  if (world < 1 || rank < 0 || rank >= world)
+    throw Error(fmt::format("ShardedTensor: rank {} of {} ranks (a lorarun bug)", rank, world));
+  ShardedTensor s;
+  s.shape = whole.sizes().vec();
+  s.numel = whole.numel();
+  const int64_t per = slice_length(s.numel, world);
+  const int64_t begin = std::min<int64_t>(s.numel, per * rank);
+  const int64_t end = std::min<int64_t>(s.numel, begin + per);
+  s.shard = at::zeros({per}, whole.options());
+  if (end > begin) s.shard.narrow(0, 0, end - begin).copy_(whole.reshape({-1}).narrow(0, begin, end - begin));
+  return s;
+}
+
+at::Tensor ShardedTensor::gather_buffer(int world) const { return at::empty({per_rank() * world}, shard.options()); }
+
+at::Tensor ShardedTensor::whole(const at::Tensor& gathered) const {
+  if (gathered.dim() != 1 || gathered.numel() < numel || gathered.numel() % std::max<int64_t>(1, per_rank()) != 0)
+    throw Error(
+        fmt::format("ShardedTensor: {} gathered elements for a tensor of {} (a lorarun bug)", gathered.numel(), numel));
+  return gathered.narrow(0, 0, numel).view(shape);
+}
+
+at::Tensor BaseShards::gather(const ShardedTensor& s) const {
+  at::Tensor& out = buffers_[{s.per_rank() * world, static_cast<int>(s.shard.scalar_type())}];
+  if (!out.defined() || out.device() != s.shard.device()) out = s.gather_buffer(world);
+  if (world == 1)
+    out.copy_(s.shard);
+  else
+    all_gather(out, s.shard);
+  return s.whole(out);
+}
+
+ShardedWeight ShardedWeight::of(const at::Tensor& weight, std::shared_ptr<const BaseShards> group) {
+  ShardedWeight w;
+  w.shape = weight.sizes().vec();
+  w.dense = ShardedTensor::of(weight, group->rank, group->world);
+  w.group = std::move(group);
+  return w;
+}
+
+ShardedWeight ShardedWeight::of(const Nf4Weight& q, std::shared_ptr<const BaseShards> group) {
+  ShardedWeight w;
+  w.shape = q.shape;
+  w.nf4 = q;
+  w.packed = ShardedTensor::of(q.packed, group->rank, group->world);
+  w.nf4->packed = at::Tensor();
+  if (q.double_quant()) {
+    w.scales = ShardedTensor::of(q.absmax8.codes, group->rank, group->world);
+    w.nf4->absmax8.codes = at::Tensor();
+  } else {
+    w.scales = ShardedTensor::of(q.absmax, group->rank, group->world);
+    w.nf4->absmax = at::Tensor();
+  }
+  w.group = std::move(group);
+  return w;
+}
+
+at::Tensor ShardedWeight::whole() const {
+  if (!nf4) return group->gather(dense);
+  Nf4Weight q = *nf4;
+  q.packed = group->gather(packed);
+  (q.double_quant() ? q.absmax8.codes : q.absmax) = group->gather(scales);
+  return q.dequantize();
+}
+
+int64_t ShardedWeight::bytes() const {
+  const auto held = [](const ShardedTensor& t) {
+    return t.shard.defined() ? static_cast<int64_t>(t.shard.nbytes()) : 0;
+  };
+  if (!nf4) return held(dense);
+  return nf4->bytes() + held(packed) + held(scales);  // (nf4 without its two big tensors: the tables)
+}
+
+int64_t ShardedWeight::whole_bytes() const {
+  const auto whole = [](const ShardedTensor& t) { return t.numel * static_cast<int64_t>(t.shard.element_size()); };
+  if (!nf4) return whole(dense);
+  return nf4->bytes() + whole(packed) + whole(scales);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+
+// The slices ride in saved_data as a capsule: shared, not copied.
+struct Held : torch::CustomClassHolder {
+  explicit Held(const ShardedWeight& weight) : w(weight) {}
+  ShardedWeight w;
+};
+
+struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                            const ShardedWeight& w) {
+    ctx->saved_data["w"] = at::IValue::make_capsule(c10::make_intrusive<Held>(w));
+    return at::linear(x, w.whole(), bias);
+  }
+  // dy [N, out] -> dx = dy W [N, in]; none for b (frozen) or the weight argument.
+  static torch::autograd::variable_list backward(AutogradContext* ctx, torch::autograd::variable_list dy) {
+    const auto held = c10::static_intrusive_pointer_cast<Held>(ctx->saved_data["w"].toCapsule());
+    return {at::matmul(dy[0], held->w.whole()), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor sharded_linear(const at::Tensor& x, const ShardedWeight& w, const at::Tensor& bias) {
+  // As nf4_linear: the Function sees [N, in] -> [N, out]; the reshapes stay outside it.
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  std::optional<at::Tensor> b;
+  if (bias.defined()) b = bias;
+  const at::Tensor y2 = x.requires_grad() ? ShardedLinearFn::apply(x2, b, w) : at::linear(x2, w.whole(), bias);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = w.shape[0];
+  return y2.view(sizes);
+}
+
+}  // namespace lorarun::model
