@@ -1,4 +1,4 @@
-"""dist.shard_base on CPU (Gloo): per-rank base-weight bytes, peak RSS and step time for 1, 2 and 3
+"""dist.shard_base on CPU (Gloo): per-rank base-weight bytes, resident memory and step time for 1, 2 and 3
 ranks, with and without sharding, on SmolLM2-135M-Instruct (the Q4_1 GGUF scripts/fetch-models
 keeps, dequantised to fp32: 135M parameters, 30 decoder blocks), in one run.
 
@@ -6,8 +6,9 @@ usage: .venv/bin/python bench/train/shard_base_bench.py BUILD_DIR WORK_DIR [STEP
 
 Each run: LoRA r=8 on all linear layers, batch 1 per rank, 128-token documents, STEPS optimizer
 steps (default 6); step time is the median after the first two steps. Base bytes are what rank 0
-holds (its log line); peak RSS is rank 0's (metrics.jsonl), load included. Prints one JSON line per
-run, then a table.
+holds (its log line); RSS is rank 0's resident memory while it trains (the largest after a step,
+the first step excluded) and peak RSS its high-water mark, load included (both from
+metrics.jsonl). Prints one JSON line per run, then a table.
 """
 import json
 import os
@@ -35,6 +36,7 @@ def run(build, work, world, shard, steps):
             "base_mib_rank0": float(m.group(1)) if m else None,
             "base_mib_whole": float(m.group(2)) if m else None,
             "peak_rss_mb_rank0": max(r["peak_rss_mb"] for r in rows),
+            "rss_mb_rank0": max(r["rss_mb"] for r in rows[1:]),
             "step_s": statistics.median(r["seconds"] for r in rows[2:]) if len(rows) > 2 else rows[-1]["seconds"]}
 
 
@@ -62,12 +64,12 @@ def main():
             results.append(r)
     whole = next(r for r in results if r["base_mib_whole"])["base_mib_whole"]
     print(f"\nbase weights whole: {whole:.1f} MiB")
-    print("| ranks | shard_base | base MiB on rank 0 | peak RSS MB rank 0 | step s |")
-    print("|---|---|---|---|---|")
+    print("| ranks | shard_base | base MiB on rank 0 | RSS MiB rank 0 (training) | peak RSS MiB rank 0 | step s |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         base = r["base_mib_rank0"] if r["shard_base"] else whole
-        print(f"| {r['world']} | {str(r['shard_base']).lower()} | {base:.1f} | {r['peak_rss_mb_rank0']:.0f} | "
-              f"{r['step_s']:.3f} |")
+        print(f"| {r['world']} | {str(r['shard_base']).lower()} | {base:.1f} | {r['rss_mb_rank0']:.0f} | "
+              f"{r['peak_rss_mb_rank0']:.0f} | {r['step_s']:.3f} |")
 
 
 if __name__ == "__main__":

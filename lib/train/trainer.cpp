@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <malloc.h>
 #include <sys/resource.h>
 #include <torch/cuda.h>
 #include <torch/optim/adamw.h>
@@ -63,6 +64,14 @@ double peak_rss_mb() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
+// Resident memory now (/proc/self/statm), in MiB; 0 where it cannot be read.
+double rss_mb() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  if (!(statm >> size >> resident)) return 0;
+  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1 << 20);
 }
 
 // "base linears in NF4: 6815744 parameters in 3.4 MiB (0.5159 bytes each)" (whole, before sharding)
@@ -258,6 +267,9 @@ model::CausalLM Trainer::setup_model() {
   else
     start_from_adapter(m);
   m.recompute_activations = r_.train.activation_checkpointing;
+  // The whole tensors loading went through (dequantised, quantised, sliced) are free now; give
+  // their pages back, or the heap they fragmented stays resident for the whole run.
+  malloc_trim(0);
   return m;
 }
 
@@ -360,8 +372,9 @@ void Trainer::begin(Progress& p, bool resumed) {
       if (l->sharded) whole += l->sharded->whole_bytes() - l->sharded->bytes();
     info(fmt::format(
         "dist.shard_base: base weights on this rank {:.1f} MiB of {:.1f} MiB (linears in {} slices, gathered per "
-        "use; embeddings, norms and the output projection whole)",
-        static_cast<double>(m_.base_bytes()) / (1 << 20), static_cast<double>(whole) / (1 << 20), env_.world_size));
+        "use; embeddings, norms and the output projection whole); resident {:.0f} MiB",
+        static_cast<double>(m_.base_bytes()) / (1 << 20), static_cast<double>(whole) / (1 << 20), env_.world_size,
+        rss_mb()));
   }
   if (eval_)
     info(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", eval_->docs().size(),
@@ -591,6 +604,7 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
                               {"data_wait_share", s.data_wait},
                               {"padding_share", s.padding},
                               {"peak_rss_mb", peak_rss_mb()},
+                              {"rss_mb", rss_mb()},
                               {"seconds", s.seconds}};
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
