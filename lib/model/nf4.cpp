@@ -3,11 +3,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/custom_class.h>
 #include <algorithm>
 #include <cmath>
 
+#include "model/recompute.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::model {
@@ -194,43 +193,8 @@ Nf4Weight quantize_nf4(const at::Tensor& w, bool double_quant) {
   return q;
 }
 
-namespace {
-
-using torch::autograd::AutogradContext;
-
-// The weight rides in saved_data as a capsule: its tensors are shared, not copied.
-struct Held : torch::CustomClassHolder {
-  explicit Held(const Nf4Weight& weight) : w(weight) {}
-  Nf4Weight w;
-};
-
-// Saves only the (4-bit) weight for backward, never its dequantised copy.
-struct Nf4LinearFn : torch::autograd::Function<Nf4LinearFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                            const Nf4Weight& w) {
-    ctx->saved_data["w"] = at::IValue::make_capsule(c10::make_intrusive<Held>(w));
-    return at::linear(x, w.dequantize(), bias);
-  }
-  // dy [.., out] -> dx = dy W [.., in]; none for b (frozen) or the weight argument.
-  static torch::autograd::variable_list backward(AutogradContext* ctx, torch::autograd::variable_list dy) {
-    const auto held = c10::static_intrusive_pointer_cast<Held>(ctx->saved_data["w"].toCapsule());
-    return {at::matmul(dy[0], held->w.dequantize()), at::Tensor(), at::Tensor()};
-  }
-};
-
-}  // namespace
-
 at::Tensor nf4_linear(const at::Tensor& x, const Nf4Weight& w, const at::Tensor& bias) {
-  // The Function sees [N, in] -> [N, out], as at::linear computes it, and the reshapes stay
-  // outside: a view made inside a custom Function could not be modified in place afterwards
-  // (Linear::forward adds the LoRA path into the result).
-  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
-  std::optional<at::Tensor> b;
-  if (bias.defined()) b = bias;
-  const at::Tensor y2 = x.requires_grad() ? Nf4LinearFn::apply(x2, b, w) : at::linear(x2, w.dequantize(), bias);
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = w.shape[0];
-  return y2.view(sizes);
+  return remade_weight_linear(x, bias, w.shape[0], [w] { return w.dequantize(); });
 }
 
 }  // namespace lorarun::model

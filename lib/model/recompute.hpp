@@ -13,4 +13,10 @@ namespace lorarun::model {
 // caller has returned.
 at::Tensor recomputed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x);
 
+// y = x W^T + b, x [.., in] -> [.., out], with W made by `weight()` in forward and made again in
+// backward (an NF4 weight dequantised, a sharded one gathered), so no whole W outlives the call.
+// Gradients flow to x only; `weight` holds its captures by value.
+at::Tensor remade_weight_linear(const at::Tensor& x, const at::Tensor& bias, int64_t out_features,
+                                std::function<at::Tensor()> weight);
+
 }  // namespace lorarun::model

@@ -2,9 +2,8 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/custom_class.h>
 
+#include "model/recompute.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::model {
@@ -89,40 +88,8 @@ int64_t ShardedWeight::whole_bytes() const {
   return nf4->bytes() + whole(packed) + whole(scales);
 }
 
-namespace {
-
-using torch::autograd::AutogradContext;
-
-// The slices ride in saved_data as a capsule: shared, not copied.
-struct Held : torch::CustomClassHolder {
-  explicit Held(const ShardedWeight& weight) : w(weight) {}
-  ShardedWeight w;
-};
-
-struct ShardedLinearFn : torch::autograd::Function<ShardedLinearFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                            const ShardedWeight& w) {
-    ctx->saved_data["w"] = at::IValue::make_capsule(c10::make_intrusive<Held>(w));
-    return at::linear(x, w.whole(), bias);
-  }
-  // dy [N, out] -> dx = dy W [N, in]; none for b (frozen) or the weight argument.
-  static torch::autograd::variable_list backward(AutogradContext* ctx, torch::autograd::variable_list dy) {
-    const auto held = c10::static_intrusive_pointer_cast<Held>(ctx->saved_data["w"].toCapsule());
-    return {at::matmul(dy[0], held->w.whole()), at::Tensor(), at::Tensor()};
-  }
-};
-
-}  // namespace
-
 at::Tensor sharded_linear(const at::Tensor& x, const ShardedWeight& w, const at::Tensor& bias) {
-  // As nf4_linear: the Function sees [N, in] -> [N, out]; the reshapes stay outside it.
-  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
-  std::optional<at::Tensor> b;
-  if (bias.defined()) b = bias;
-  const at::Tensor y2 = x.requires_grad() ? ShardedLinearFn::apply(x2, b, w) : at::linear(x2, w.whole(), bias);
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = w.shape[0];
-  return y2.view(sizes);
+  return remade_weight_linear(x, bias, w.shape[0], [w] { return w.whole(); });
 }
 
 }  // namespace lorarun::model
