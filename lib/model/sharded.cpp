@@ -31,8 +31,8 @@ at::Tensor ShardedTensor::whole(const at::Tensor& gathered) const {
   return gathered.narrow(0, 0, numel).view(shape);
 }
 
-at::Tensor BaseShards::gather(const ShardedTensor& s) const {
-  at::Tensor& out = buffers_[{s.per_rank() * world, static_cast<int>(s.shard.scalar_type())}];
+at::Tensor BaseShards::gather(const ShardedTensor& s, int slot) const {
+  at::Tensor& out = buffers_[{s.per_rank() * world, static_cast<int>(s.shard.scalar_type()), slot}];
   if (!out.defined() || out.device() != s.shard.device()) out = s.gather_buffer(world);
   if (world == 1)
     out.copy_(s.shard);
@@ -70,7 +70,7 @@ at::Tensor ShardedWeight::whole() const {
   if (!nf4) return group->gather(dense);
   Nf4Weight q = *nf4;
   q.packed = group->gather(packed);
-  (q.double_quant() ? q.absmax8.codes : q.absmax) = group->gather(scales);
+  (q.double_quant() ? q.absmax8.codes : q.absmax) = group->gather(scales, 1);
   return q.dequantize();
 }
 

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "model/nf4.hpp"
@@ -41,11 +42,12 @@ struct BaseShards {
   std::function<void(at::Tensor& out, const at::Tensor& in)> all_gather;
 
   // The whole tensor, from every rank's slice: a view of a buffer kept for tensors of its size and
-  // dtype, valid until the next gather of that size (one linear's weight is used at a time).
-  at::Tensor gather(const ShardedTensor& s) const;
+  // dtype in `slot`, valid until the next gather of that size into that slot (one linear's weight
+  // is used at a time; an NF4 weight's codes and scales take two slots).
+  at::Tensor gather(const ShardedTensor& s, int slot = 0) const;
 
  private:
-  mutable std::map<std::pair<int64_t, int>, at::Tensor> buffers_;  // (elements, dtype): reused, not reallocated
+  mutable std::map<std::tuple<int64_t, int, int>, at::Tensor> buffers_;  // (elements, dtype, slot): reused
 };
 
 // A frozen linear's weight held as this rank's slices: dense, or NF4 with its packed levels and
