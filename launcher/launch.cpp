@@ -275,6 +275,12 @@ class Supervisor {
     attach(w.err, w, err[0], stderr, 2, "stderr.log");
     std::vector<std::string> env =
         merged_env(worker_env(cfg_, w.local_rank, attempt_, (w.dir / "error.json").string()));
+    // The MongoDB driver's shared-memory counters: a rank killed by a signal leaves its
+    // /dev/shm/mongoc-<pid> behind, and a later process given that pid warns on stderr. The driver
+    // reads this when the library loads, before lora-train's own code runs.
+    if (std::none_of(env.begin(), env.end(),
+                     [](const std::string& e) { return e.rfind("MONGOC_DISABLE_SHM=", 0) == 0; }))
+      env.push_back("MONGOC_DISABLE_SHM=1");
     std::vector<std::string> argv = cfg_.command;
     auto envp = c_strings(env);
     auto argp = c_strings(argv);

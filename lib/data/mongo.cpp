@@ -33,6 +33,8 @@ void init_driver() {
   static const bool done = [] {
     // The driver's shared-memory counters (for mongoc-stat only) fail when a killed process of the
     // same pid left its /dev/shm/mongoc-<pid> behind, and it then warns before any handler: off.
+    // (A driver built to initialise itself when the library loads has read the environment
+    // already; lorarun sets MONGOC_DISABLE_SHM for its ranks, and scripts/test for the tests.)
     setenv("MONGOC_DISABLE_SHM", "1", 0);
     mongoc_log_set_handler(log_handler, nullptr);
     mongoc_init();
