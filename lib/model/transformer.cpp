@@ -503,11 +503,12 @@ std::vector<const Linear*> CausalLM::linears() const {
   return out;
 }
 
-int64_t CausalLM::base_bytes() const {
+int64_t CausalLM::base_bytes(bool unsharded) const {
   int64_t n = 0;
   for (const NamedWeight& w : named_)
     if (w.tensor.defined()) n += static_cast<int64_t>(w.tensor.nbytes());
-  for (const Linear* l : linears()) n += l->sharded ? l->sharded->bytes() : l->nf4 ? l->nf4->bytes() : 0;
+  for (const Linear* l : linears())
+    n += l->sharded ? (unsharded ? l->sharded->whole_bytes() : l->sharded->bytes()) : l->nf4 ? l->nf4->bytes() : 0;
   return n;
 }
 

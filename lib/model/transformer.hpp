@@ -106,8 +106,9 @@ class CausalLM {
   std::vector<const Linear*> linears() const;
   // Number of parameters of the base model (tied weights counted once).
   int64_t base_parameter_count() const;
-  // Bytes of base weights this process holds (NF4 and sharded linears as held; tied weights once).
-  int64_t base_bytes() const;
+  // Bytes of base weights this process holds (NF4 and sharded linears as held; tied weights once);
+  // with `unsharded`, what it would hold without dist.shard_base.
+  int64_t base_bytes(bool unsharded = false) const;
   // The base weights under their HF names, in the file's layout (GPT-2 Conv1D as [in, out]).
   // They share storage with the model, so a merge shows up here; NF4 weights come dequantised.
   std::vector<std::pair<std::string, at::Tensor>> state_dict() const;

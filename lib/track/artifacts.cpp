@@ -40,14 +40,6 @@ using data::DatabaseDeleter;
 // A query or option we wrote ourselves as BSON (a failure is a lorarun bug).
 BsonPtr to_bson(const json& j) { return data::to_bson(j, "a GridFS query (a lorarun bug)"); }
 
-// An ObjectId value from 24 hex digits.
-bson_value_t oid_value(const std::string& hex) {
-  bson_value_t v{};
-  v.value_type = BSON_TYPE_OID;
-  bson_oid_init_from_string(&v.value.v_oid, hex.c_str());
-  return v;
-}
-
 // A new ObjectId as 24 hex digits.
 std::string new_oid() {
   bson_oid_t oid;

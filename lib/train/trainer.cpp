@@ -367,14 +367,11 @@ void Trainer::begin(Progress& p, bool resumed) {
                   std::max<size_t>(1, sync_->buckets())));
   if (r_.lora.quantize_base) info(nf4_summary(m_));
   if (m_.base_sharded()) {
-    int64_t whole = m_.base_bytes();
-    for (const model::Linear* l : m_.linears())
-      if (l->sharded) whole += l->sharded->whole_bytes() - l->sharded->bytes();
     info(fmt::format(
         "dist.shard_base: base weights on this rank {:.1f} MiB of {:.1f} MiB (linears in {} slices, gathered per "
         "use; embeddings, norms and the output projection whole); resident {:.0f} MiB",
-        static_cast<double>(m_.base_bytes()) / (1 << 20), static_cast<double>(whole) / (1 << 20), env_.world_size,
-        rss_mb()));
+        static_cast<double>(m_.base_bytes()) / (1 << 20), static_cast<double>(m_.base_bytes(true)) / (1 << 20),
+        env_.world_size, rss_mb()));
   }
   if (eval_)
     info(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", eval_->docs().size(),
