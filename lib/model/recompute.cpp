@@ -12,6 +12,16 @@
 namespace lorarun::model {
 namespace {
 
+thread_local int backward_depth = 0;
+
+// Marks this thread as running backward for its lifetime (nested: a recomputation's backward).
+struct InBackward {
+  InBackward() { ++backward_depth; }
+  ~InBackward() { --backward_depth; }
+  InBackward(const InBackward&) = delete;
+  InBackward& operator=(const InBackward&) = delete;
+};
+
 // What backward needs besides x: the function and the random state it started from.
 struct Replay : torch::CustomClassHolder {
   std::function<at::Tensor(const at::Tensor&)> fn;
@@ -42,6 +52,7 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
+    const InBackward marked;
     auto replay = c10::static_intrusive_pointer_cast<Replay>(ctx->saved_data["replay"].toCapsule());
     const at::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     const at::Tensor now = swap_state(replay->gen, replay->rng);
@@ -57,6 +68,8 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
 };
 
 }  // namespace
+
+bool in_backward() { return backward_depth > 0; }
 
 at::Tensor recomputed(std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x) {
   auto replay = c10::make_intrusive<Replay>();
@@ -80,6 +93,7 @@ struct RemadeWeightLinear : torch::autograd::Function<RemadeWeightLinear> {
   // dy [N, out] -> dx = dy W [N, in]; none for b (frozen) or the maker.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list dy) {
+    const InBackward marked;
     const auto maker = c10::static_intrusive_pointer_cast<Maker>(ctx->saved_data["w"].toCapsule());
     return {at::matmul(dy[0], maker->weight()), at::Tensor(), at::Tensor()};
   }

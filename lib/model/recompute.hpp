@@ -19,4 +19,9 @@ at::Tensor recomputed(std::function<at::Tensor(const at::Tensor&)> fn, const at:
 at::Tensor remade_weight_linear(const at::Tensor& x, const at::Tensor& bias, int64_t out_features,
                                 std::function<at::Tensor()> weight);
 
+// Whether this thread is inside the backward of a recomputed piece or of a remade-weight linear
+// (its weight made again, or its forward run again): dist.shard_base then fetches blocks in the
+// order backward visits them.
+bool in_backward();
+
 }  // namespace lorarun::model

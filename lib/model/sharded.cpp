@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <utility>
 
 #include "model/recompute.hpp"
 #include "util/error.hpp"
@@ -31,14 +32,73 @@ at::Tensor ShardedTensor::whole(const at::Tensor& gathered) const {
   return gathered.narrow(0, 0, numel).view(shape);
 }
 
+void BaseShards::add_block(const std::vector<ShardedTensor*>& slices) {
+  std::vector<ShardedTensor>& kept = blocks_.emplace_back();
+  for (ShardedTensor* s : slices) {
+    s->block = static_cast<int>(blocks_.size()) - 1;
+    s->place = static_cast<int>(kept.size());
+    kept.push_back(*s);  // shares the slice's storage
+  }
+}
+
+void BaseShards::fetch(int block) const {
+  Resident& r = resident_[block % (prefetch ? 2 : 1)];
+  for (auto& wait : r.pending)  // the buffers' last gather lands before the next one
+    if (wait) std::exchange(wait, nullptr)();
+  const std::vector<ShardedTensor>& slices = blocks_.at(block);
+  r.block = block;
+  r.buffers.resize(slices.size());
+  r.pending.assign(slices.size(), nullptr);
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const ShardedTensor& s = slices[i];
+    at::Tensor& out = r.buffers[i];
+    if (!out.defined() || out.numel() != s.per_rank() * world || out.scalar_type() != s.shard.scalar_type() ||
+        out.device() != s.shard.device())
+      out = s.gather_buffer(world);
+    if (world == 1)
+      out.copy_(s.shard);
+    else
+      r.pending[i] = all_gather(out, s.shard);
+  }
+}
+
 at::Tensor BaseShards::gather(const ShardedTensor& s, int slot) const {
-  at::Tensor& out = buffers_[{s.per_rank() * world, static_cast<int>(s.shard.scalar_type()), slot}];
-  if (!out.defined() || out.device() != s.shard.device()) out = s.gather_buffer(world);
-  if (world == 1)
-    out.copy_(s.shard);
-  else
-    all_gather(out, s.shard);
-  return s.whole(out);
+  if (s.block < 0) {
+    at::Tensor& out = buffers_[{s.per_rank() * world, static_cast<int>(s.shard.scalar_type()), slot}];
+    if (!out.defined() || out.device() != s.shard.device()) out = s.gather_buffer(world);
+    if (world == 1)
+      out.copy_(s.shard);
+    else
+      all_gather(out, s.shard)();
+    return s.whole(out);
+  }
+  const int sets = prefetch ? 2 : 1;
+  if (resident_[s.block % sets].block != s.block) fetch(s.block);
+  if (prefetch) {  // the block used next: backward visits the blocks last to first
+    const int next = s.block + (in_backward() ? -1 : 1);
+    if (next >= 0 && next < static_cast<int>(blocks_.size()) && resident_[next % 2].block != next) fetch(next);
+  }
+  Resident& r = resident_[s.block % sets];
+  if (auto& wait = r.pending.at(s.place)) std::exchange(wait, nullptr)();
+  return s.whole(r.buffers[s.place]);
+}
+
+int64_t BaseShards::block_buffer_bytes() const {
+  int64_t largest = 0;
+  for (const std::vector<ShardedTensor>& block : blocks_) {
+    int64_t n = 0;
+    for (const ShardedTensor& s : block) n += s.per_rank() * world * static_cast<int64_t>(s.shard.element_size());
+    largest = std::max(largest, n);
+  }
+  return largest * (prefetch ? 2 : 1);
+}
+
+int64_t BaseShards::buffer_bytes() const {
+  int64_t n = 0;
+  for (const auto& [key, t] : buffers_) n += static_cast<int64_t>(t.nbytes());
+  for (const Resident& r : resident_)
+    for (const at::Tensor& t : r.buffers) n += static_cast<int64_t>(t.nbytes());
+  return n;
 }
 
 ShardedWeight ShardedWeight::of(const at::Tensor& weight, std::shared_ptr<const BaseShards> group) {

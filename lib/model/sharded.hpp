@@ -20,6 +20,7 @@ struct ShardedTensor {
   at::Tensor shard;            // [per_rank()]: this rank's slice (its own storage)
   std::vector<int64_t> shape;  // of the whole tensor
   int64_t numel = 0;           // of the whole tensor
+  int block = -1, place = -1;  // where BaseShards::add_block registered it (-1: not in a block)
 
   // Rank `rank`'s slice of `whole` (any shape and dtype, on any device) among `world` ranks.
   static ShardedTensor of(const at::Tensor& whole, int rank, int world);
@@ -34,19 +35,45 @@ struct ShardedTensor {
   at::Tensor whole(const at::Tensor& gathered) const;
 };
 
-// dist.shard_base: this rank's place among the ranks that share the frozen base.
+// dist.shard_base: this rank's place among the ranks that share the frozen base, and the whole
+// weights it gathers from them. A decoder block's weights are gathered together when the first of
+// them is needed, and stay until a block two places away takes their buffers; with `prefetch` the
+// next block's gather (the previous one's, in backward) starts at once and runs while this block
+// computes. So at most two blocks are whole at a time, and a block used again straight away (the
+// last in forward, first in backward; activation checkpointing's recomputation) is not gathered
+// again.
 struct BaseShards {
   int rank = 0, world = 1;
-  // Every rank's `in` ([n]) into `out` ([world * n]) in rank order. A collective: every rank
-  // calls it for the same tensors in the same order.
-  std::function<void(at::Tensor& out, const at::Tensor& in)> all_gather;
+  // Starts gathering every rank's `in` ([n]) into `out` ([world * n]) in rank order; returns what
+  // waits for it. A collective: every rank starts the same gathers in the same order, which holds
+  // because every rank runs the same passes over the same blocks.
+  std::function<std::function<void()>(at::Tensor& out, const at::Tensor& in)> all_gather;
+  bool prefetch = true;  // false: one block whole at a time, gathered when needed
 
-  // The whole tensor, from every rank's slice: a view of a buffer kept for tensors of its size and
-  // dtype in `slot`, valid until the next gather of that size into that slot (one linear's weight
-  // is used at a time; an NF4 weight's codes and scales take two slots).
+  // Registers decoder block number blocks()'s slices, in a fixed order, marking each with its place.
+  void add_block(const std::vector<ShardedTensor*>& slices);
+  size_t blocks() const { return blocks_.size(); }
+
+  // The whole tensor, from every rank's slice: a view of a gather buffer. For a block's slice, valid
+  // until the buffers of its block are taken by another (two block fetches later); otherwise a buffer
+  // kept for tensors of its size and dtype in `slot`, valid until the next gather of that size into
+  // that slot (one linear's weight is used at a time; an NF4 weight's codes and scales take two slots).
   at::Tensor gather(const ShardedTensor& s, int slot = 0) const;
+  // Bytes of the gather buffers (whole weights) this rank holds now.
+  int64_t buffer_bytes() const;
+  // The most the blocks' gather buffers take: the largest block's whole weights, twice with prefetch.
+  int64_t block_buffer_bytes() const;
 
  private:
+  struct Resident {  // one block's whole weights, by place
+    int block = -1;
+    std::vector<at::Tensor> buffers;
+    std::vector<std::function<void()>> pending;  // set while the gather into buffers[i] runs
+  };
+  void fetch(int block) const;  // starts gathering `block` into its resident set
+
+  std::vector<std::vector<ShardedTensor>> blocks_;  // registered slices, by block and place
+  mutable Resident resident_[2];                    // block b in resident_[b % 2] (b % 1 without prefetch)
   mutable std::map<std::tuple<int64_t, int, int>, at::Tensor> buffers_;  // (elements, dtype, slot): reused
 };
 

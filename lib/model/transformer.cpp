@@ -38,6 +38,14 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
 
 namespace {
 
+// The linears a block has (a family leaves some empty), in a fixed order.
+std::vector<Linear*> block_linears(Block& b) {
+  std::vector<Linear*> out;
+  for (Linear* l : {&b.q, &b.k, &b.v, &b.qkv, &b.o, &b.gate, &b.up, &b.gate_up, &b.down})
+    if (l->defined()) out.push_back(l);
+  return out;
+}
+
 // Builds the model's tensors from the files, checking each shape against the config.
 template <class Named>
 struct Loader {
@@ -277,6 +285,18 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
         fmt::format("{}: lm_head.weight is missing and config.json does not tie it to the "
                     "embeddings (tie_word_embeddings: false)",
                     dir_));
+  if (m.base_sharded_)  // each block's slices, gathered together while the block runs
+    for (Block& b : m.blocks_) {
+      std::vector<ShardedTensor*> slices;
+      for (Linear* l : block_linears(b)) {
+        ShardedWeight& w = *l->sharded;
+        if (w.nf4)
+          slices.insert(slices.end(), {&w.packed, &w.scales});
+        else
+          slices.push_back(&w.dense);
+      }
+      load.shards->add_block(slices);
+    }
 }
 
 at::Tensor CausalLM::norm(const Norm& n, const at::Tensor& x) const {
@@ -490,8 +510,7 @@ std::vector<std::pair<std::string, at::Tensor>> CausalLM::state_dict() const {
 std::vector<Linear*> CausalLM::linears() {
   std::vector<Linear*> out;
   for (Block& b : blocks_)
-    for (Linear* l : {&b.q, &b.k, &b.v, &b.qkv, &b.o, &b.gate, &b.up, &b.gate_up, &b.down})
-      if (l->defined()) out.push_back(l);
+    for (Linear* l : block_linears(b)) out.push_back(l);
   for (Linear* l : {&project_in_, &project_out_})
     if (l->defined()) out.push_back(l);
   return out;

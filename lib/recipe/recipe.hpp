@@ -212,7 +212,8 @@ struct DistSection {
   int timeout_s = 600;
   std::optional<int> debug_checksum_every_n_steps;
   double bucket_mb = 25;
-  bool shard_base = false;  // each rank holds 1/world of the frozen base linears, gathered per use
+  bool shard_base = false;          // each rank holds 1/world of the frozen base linears, gathered per use
+  bool shard_base_prefetch = true;  // with shard_base: the next block gathered while this one computes
   bool operator==(const DistSection&) const = default;
 };
 

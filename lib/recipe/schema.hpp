@@ -302,6 +302,10 @@ void for_each_key(R& r, V&& v) {
         .meaning = "each rank holds 1/world of every frozen base linear (NF4 too), gathered whole for each use: "
                    "bigger models"},
     r.dist.shard_base);
+  v(Key{.name = "dist.shard_base_prefetch",
+        .meaning = "with shard_base: gather the next block's weights while this block computes (one block more "
+                   "memory)"},
+    r.dist.shard_base_prefetch);
 
   v(Key{.name = "track.mongodb",
         .meaning = "record the run and its metrics in MongoDB (`metrics.jsonl` is written either way)"},

@@ -66,6 +66,8 @@ double peak_rss_mb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
+double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
 // Resident memory now (/proc/self/statm), in MiB; 0 where it cannot be read.
 double rss_mb() {
   std::ifstream statm("/proc/self/statm");
@@ -160,6 +162,7 @@ class Trainer {
   const fs::path out_;
   dist::ProcessGroup pg_;
   const model::LoraConfig lcfg_;
+  std::shared_ptr<model::BaseShards> shards_;  // dist.shard_base on more than one rank (set by setup_model)
   model::CausalLM m_;
   tok::Tokenizer tokenizer_;
   std::unique_ptr<data::ExampleBuilder> builder_;
@@ -249,16 +252,20 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
 
 // The base model (NF4 when lora.quantize_base) with its adapters: new, or lora.init_from's.
 model::CausalLM Trainer::setup_model() {
-  std::shared_ptr<model::BaseShards> shards;
   if (r_.dist.shard_base && env_.world_size > 1) {  // each linear gathered from every rank's slice per use
-    shards = std::make_shared<model::BaseShards>();
+    shards_ = std::make_shared<model::BaseShards>();
+    model::BaseShards* shards = shards_.get();
     shards->rank = env_.rank;
     shards->world = env_.world_size;
-    shards->all_gather = [pg = &pg_](at::Tensor& out, const at::Tensor& in) { pg->all_gather_async(out, in).wait(); };
+    shards->all_gather = [pg = &pg_](at::Tensor& out, const at::Tensor& in) -> std::function<void()> {
+      auto pending = std::make_shared<dist::ProcessGroup::Pending>(pg->all_gather_async(out, in));
+      return [pending] { pending->wait(); };
+    };
+    shards->prefetch = r_.dist.shard_base_prefetch;
   }
   model::CausalLM m = model::CausalLM::load(
       r_.model.path, model::dtype_of(r_.model.dtype), device_,
-      {.quantize = r_.lora.quantize_base, .double_quant = r_.lora.double_quant, .shards = shards});
+      {.quantize = r_.lora.quantize_base, .double_quant = r_.lora.double_quant, .shards = shards_});
   // Dropout draws from the default generators: one stream per rank, derived from train.seed,
   // so the same recipe on the same world size gives the same adapter bit for bit.
   at::manual_seed(static_cast<uint64_t>(r_.train.seed) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(env_.rank) + 1);
@@ -366,12 +373,13 @@ void Trainer::begin(Progress& p, bool resumed) {
                   model::trainable_summary(m_), docs_->size(), docs_->describe(), env_.world_size, steps_per_epoch_,
                   std::max<size_t>(1, sync_->buckets())));
   if (r_.lora.quantize_base) info(nf4_summary(m_));
-  if (m_.base_sharded()) {
+  if (shards_) {
     info(fmt::format(
-        "dist.shard_base: base weights on this rank {:.1f} MiB of {:.1f} MiB (linears in {} slices, gathered per "
-        "use; embeddings, norms and the output projection whole); resident {:.0f} MiB",
-        static_cast<double>(m_.base_bytes()) / (1 << 20), static_cast<double>(m_.base_bytes(true)) / (1 << 20),
-        env_.world_size, rss_mb()));
+        "dist.shard_base: base weights on this rank {:.1f} MiB of {:.1f} MiB (linears in {} slices; embeddings, "
+        "norms and the output projection whole), and at most {:.1f} MiB of blocks gathered whole ({} at a time); "
+        "resident {:.0f} MiB",
+        mib(m_.base_bytes()), mib(m_.base_bytes(true)), env_.world_size, mib(shards_->block_buffer_bytes()),
+        shards_->prefetch ? "the next one gathered while one computes, 2" : "1", rss_mb()));
   }
   if (eval_)
     info(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", eval_->docs().size(),
@@ -590,19 +598,20 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
   if (step_ % r_.track.log_every_n_steps != 0) return;
   info(shown, lead_ && !tty_);
   if (!lead_) return;
-  const nlohmann::json row = {{"epoch", epoch},
-                              {"step", step_},
-                              {"loss", s.loss},
-                              {"lr", s.lr},
-                              {"grad_norm", s.grad_norm},
-                              {"tokens", s.tokens},
-                              {"tokens_per_s", s.tokens / s.seconds},
-                              {"tokens_per_s_rank0", s.rank_tokens / s.seconds},
-                              {"data_wait_share", s.data_wait},
-                              {"padding_share", s.padding},
-                              {"peak_rss_mb", peak_rss_mb()},
-                              {"rss_mb", rss_mb()},
-                              {"seconds", s.seconds}};
+  nlohmann::json row = {{"epoch", epoch},
+                        {"step", step_},
+                        {"loss", s.loss},
+                        {"lr", s.lr},
+                        {"grad_norm", s.grad_norm},
+                        {"tokens", s.tokens},
+                        {"tokens_per_s", s.tokens / s.seconds},
+                        {"tokens_per_s_rank0", s.rank_tokens / s.seconds},
+                        {"data_wait_share", s.data_wait},
+                        {"padding_share", s.padding},
+                        {"peak_rss_mb", peak_rss_mb()},
+                        {"rss_mb", rss_mb()},
+                        {"seconds", s.seconds}};
+  if (shards_) row["base_mb"] = mib(m_.base_bytes() + shards_->buffer_bytes());  // slices + whole blocks now
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
   to_tensorboard({{"train/loss", s.loss},

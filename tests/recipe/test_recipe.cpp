@@ -198,6 +198,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "dist.debug_checksum_every_n_steps",
                                 "dist.bucket_mb",
                                 "dist.shard_base",
+                                "dist.shard_base_prefetch",
                                 "track.mongodb",
                                 "track.database",
                                 "track.log_every_n_steps",
@@ -392,7 +393,7 @@ TEST_CASE("unknown keys name the closest known key") {
         "recipe.yaml: unknown key 'track.log_every'; did you mean 'track.log_every_n_steps'?");
   CHECK(in_file("dist: {zzz: 1}\n") ==
         "recipe.yaml: unknown key 'dist.zzz'; the keys of 'dist' are backend, timeout_s, debug_checksum_every_n_steps, "
-        "bucket_mb, shard_base");
+        "bucket_mb, shard_base, shard_base_prefetch");
 }
 
 TEST_CASE("unknown sections name the closest section, or the key they hold") {
