@@ -13,6 +13,7 @@
 #include "data/source.hpp"
 #include "dist/env.hpp"
 #include "dist/process_group.hpp"
+#include "model/memory.hpp"
 #include "recipe/recipe.hpp"
 #include "track/from_run.hpp"
 #include "train/trainer.hpp"
@@ -107,7 +108,8 @@ int run(int argc, char** argv) {
   app.add_option("--backend", a.backend, "auto, nccl or gloo")->check(CLI::IsMember({"auto", "nccl", "gloo"}));
   app.add_option("--dist-timeout-s", a.dist_timeout_s, "rendezvous and collective timeout")
       ->check(CLI::Range(1, 86400));
-  app.add_flag("--dry-run", a.dry_run, "validate the recipe, print it resolved and the epochs kept, exit");
+  app.add_flag("--dry-run", a.dry_run,
+               "validate the recipe, print it resolved, the epochs kept and the memory a rank needs, exit");
   app.add_option("--from-run", a.from_run,
                  "repeat a recorded run (DATABASE/ID, as printed at its start) with overrides");
   app.add_option("--runs-db", a.runs_db, "the run records' database, for a --from-run ID without one");
@@ -149,6 +151,11 @@ int run(int argc, char** argv) {
                      : fmt::format("eval.path {}", e.path),
                  e.max_documents ? fmt::format(" (at most {} documents)", *e.max_documents) : "",
                  e.every_n_steps ? fmt::format(" and every {} steps", *e.every_n_steps) : "");
+    try {  // from the model's shapes: the weights are not read
+      fmt::print("{}", model::memory_report(r, env.world_size));
+    } catch (const Error& e) {
+      warn(fmt::format("memory not estimated: {}", e.what()));
+    }
     return 0;
   }
   return train::run_training(r, env);

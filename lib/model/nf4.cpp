@@ -157,6 +157,23 @@ std::pair<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& a, const at:
   return {packed, absmax};
 }
 
+// The tensors quantising makes, on the meta device (shapes only: a memory estimate's model).
+Nf4Weight shapes_of_nf4(Nf4Weight q, bool double_quant) {
+  const auto meta = [](std::vector<int64_t> shape, at::ScalarType t) {
+    return at::empty(shape, at::TensorOptions().dtype(t).device(at::kMeta));
+  };
+  const int64_t n = q.numel(), blocks = (n + Nf4Weight::kBlock - 1) / Nf4Weight::kBlock;
+  q.packed = meta({(n + 1) / 2}, at::kByte);
+  q.pairs = meta({256, 2}, at::kFloat);
+  if (!double_quant) {
+    q.absmax = meta({blocks}, at::kFloat);
+    return q;
+  }
+  q.offset = meta({}, at::kFloat);
+  q.absmax8 = {meta({blocks}, at::kByte), meta({(blocks + 255) / 256}, at::kFloat), meta({256}, at::kFloat), 256};
+  return q;
+}
+
 }  // namespace
 
 Nf4Weight quantize_nf4(const at::Tensor& w, bool double_quant) {
@@ -167,6 +184,7 @@ Nf4Weight quantize_nf4(const at::Tensor& w, bool double_quant) {
   Nf4Weight q;
   q.shape = w.sizes().vec();
   q.dtype = t;
+  if (w.is_meta()) return shapes_of_nf4(std::move(q), double_quant);
   const at::Tensor levels = nf4_levels(w.device());
   const at::Tensor bounds = (levels.narrow(0, 0, 15) + levels.narrow(0, 1, 15)) / 2;
   const at::Tensor flat = w.reshape(-1);

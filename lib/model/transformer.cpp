@@ -46,6 +46,22 @@ std::vector<Linear*> block_linears(Block& b) {
   return out;
 }
 
+// The tensors of `files` as the loader asks for them, on the meta device: no data is read.
+class ShapesOf : public WeightSource {
+ public:
+  explicit ShapesOf(const WeightSource& files) : files_(files) {}
+  bool contains(const std::string& name) const override { return files_.contains(name); }
+  at::Tensor load(const std::string& name, at::ScalarType dtype, at::Device device,
+                  const std::vector<int64_t>& shape) const override {
+    if (!files_.contains(name) || shape.empty()) return files_.load(name, dtype, device, shape);  // its error
+    return at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kMeta));
+  }
+  void release(const std::string&) const override {}
+
+ private:
+  const WeightSource& files_;
+};
+
 // Builds the model's tensors from the files, checking each shape against the config.
 template <class Named>
 struct Loader {
@@ -163,7 +179,7 @@ CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at:
                         const LoadOptions& opts) {
   CausalLM m;
   m.dtype_ = dtype;
-  m.device_ = device;
+  m.device_ = opts.shapes_only ? at::Device(at::kMeta) : device;
   if (is_gguf_path(path_or_id)) {
     if (!std::filesystem::is_regular_file(path_or_id))
       throw Error(
@@ -172,6 +188,10 @@ CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at:
     m.config_ = gguf_config(*file);
     m.dir_ = path_or_id;
     const GgufWeights weights(file, m.config_);
+    if (opts.shapes_only) {
+      m.build(ShapesOf(weights), opts);
+      return m;
+    }
     m.build(weights, opts);
     weights.check_all_used();
     return m;
@@ -179,7 +199,11 @@ CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at:
   const std::string dir = resolve_model_path(path_or_id);
   m.config_ = load_config(dir);
   m.dir_ = dir;
-  m.build(WeightFiles::open_dir(dir), opts);
+  const WeightFiles files = WeightFiles::open_dir(dir);
+  if (opts.shapes_only)
+    m.build(ShapesOf(files), opts);
+  else
+    m.build(files, opts);
   return m;
 }
 

@@ -70,6 +70,9 @@ struct LoadOptions {
   // dist.shard_base: each linear of linears() kept as this rank's slices, cut as it is loaded
   // (and quantised), so no rank holds the whole model; gathered whole while it is used.
   std::shared_ptr<BaseShards> shards;  // the decoder blocks' slices are registered with it
+  // Every tensor on the meta device: the shapes and dtypes loading makes, no data read (what a
+  // memory estimate counts).
+  bool shapes_only = false;
 };
 
 class CausalLM {
@@ -109,6 +112,12 @@ class CausalLM {
   // Bytes of base weights this process holds (NF4 and sharded linears as held; tied weights once);
   // with `unsharded`, what it would hold without dist.shard_base.
   int64_t base_bytes(bool unsharded = false) const;
+  // Bytes a training micro-batch of [batch, tokens] holds at its most besides the weights: what
+  // forward keeps for backward (the blocks' inputs and one block's worth under
+  // recompute_activations), the attention masks, the loss's chunk of logits and the gradients
+  // backward has in flight. Estimated from the shapes, as this implementation keeps its tensors
+  // (memory.cpp); counts the adapters attached.
+  int64_t activation_bytes(int64_t batch, int64_t tokens) const;
   // The base weights under their HF names, in the file's layout (GPT-2 Conv1D as [in, out]).
   // They share storage with the model, so a merge shows up here; NF4 weights come dequantised.
   std::vector<std::pair<std::string, at::Tensor>> state_dict() const;

@@ -62,7 +62,7 @@ TEST_CASE("a bad recipe fails on every rank with one clear line", "[e2e]") {
   CHECK_THAT(r.output, Catch::Contains("failed first: exited with code 1"));
 }
 
-TEST_CASE("lora-train --dry-run prints the resolved recipe and the epochs it will keep", "[e2e]") {
+TEST_CASE("lora-train --dry-run prints the resolved recipe, the epochs it will keep and the memory", "[e2e]") {
   // Nothing listens on port 1: the data cannot be checked, which is a warning, not a failure.
   const Result r =
       sh(fmt::format("cd '{}' && {} --dry-run configs/quickstart.yaml train.epochs=3 checkpoint.epochs_to_save=[0,2] "
@@ -71,6 +71,11 @@ TEST_CASE("lora-train --dry-run prints the resolved recipe and the epochs it wil
   INFO(r.output);
   CHECK(r.status == 0);
   CHECK_THAT(r.output, Catch::Contains("# epoch checkpoints kept at the end: [0, 2]"));
+  // The memory a rank needs, from the model's shapes (the quickstart's SmolLM2: 0.50 GiB of float32 base).
+  CHECK_THAT(r.output, Catch::Contains("# memory per rank, estimated in GiB"));
+  CHECK_THAT(r.output, Catch::Matches(
+                           "[^]*#   whole base, any ranks +0\\.50 +0\\.0[0-9]+ +[0-9.]+ +[0-9.]+   <- this run\n[^]*"));
+  CHECK_THAT(r.output, Catch::Contains("#   dist.shard_base, 8 ranks"));
   CHECK_THAT(r.output, Catch::Contains("mongodb://u:****@127.0.0.1:1/"));
   CHECK_THAT(r.output, Catch::Contains("warning: could not check data.filter: cannot reach MongoDB at "
                                        "mongodb://u:****@127.0.0.1:1/"));

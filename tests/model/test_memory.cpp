@@ -1,15 +1,19 @@
 // The memory features against the plain path on every fixture family: the chunked loss from
-// hidden states, activation checkpointing, and packed documents.
+// hidden states, activation checkpointing, and packed documents. And the memory estimate
+// lora-train --dry-run prints, against what a load holds and a training step takes.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "io/files.hpp"
 #include "model/lora.hpp"
 #include "model/loss.hpp"
+#include "model/memory.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
+#include "recipe/recipe.hpp"
 
 using namespace lorarun;
 using namespace lorarun::model;
@@ -139,5 +143,109 @@ TEST_CASE("packed documents give the loss and gradients of one document per row"
     const at::Tensor one = at::ones_like(at::cat(seg).unsqueeze(0));
     CHECK(std::abs(chunked(m, at::cat(ids).unsqueeze(0), one, at::cat(labels).unsqueeze(0), true).loss - rows.loss) >
           1e-4 * rows.loss);
+  }
+}
+
+namespace {
+
+const std::string kSmolLM2 =
+    std::string(LORARUN_SOURCE_DIR) + "/.fixtures/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+// The most tensor bytes one training micro-batch of random tokens [B, T], all trained, takes:
+// forward, the chunked loss, backward, with the LoRA gradients already allocated (by a first step).
+int64_t measured_activations(CausalLM& m, int64_t B, int64_t T) {
+  at::manual_seed(1);
+  const at::Tensor ids = at::randint(m.config().vocab_size, {B, T}, at::kLong);
+  const auto [rows, targets] = trained_rows(ids);
+  const auto step = [&] {
+    const at::Tensor h = m.hidden_states(ids, at::ones({B, T}, at::kLong));
+    lm_head_loss(h, m.lm_head(), rows, targets, m.config().logit_softcap).sum.backward();
+  };
+  step();
+  const TensorMemoryMeter meter;
+  step();
+  return meter.peak();
+}
+
+// activation_bytes against the measured bytes: the ratio, reported.
+double estimate_ratio(CausalLM& m, int64_t B, int64_t T, const std::string& what) {
+  const int64_t measured = measured_activations(m, B, T), estimate = m.activation_bytes(B, T);
+  const double ratio = static_cast<double>(estimate) / static_cast<double>(measured);
+  WARN(fmt::format("{}: estimate {:.2f} MiB, measured {:.2f} MiB, ratio {:.3f}", what, estimate / 1048576.0,
+                   measured / 1048576.0, ratio));
+  return ratio;
+}
+
+}  // namespace
+
+// lora-train --dry-run's activation figure against the tensor bytes one training micro-batch
+// really takes, on every fixture family, float32 and bf16, with and without activation
+// checkpointing, NF4 and dropout. The estimate is what a user decides on before launching.
+TEST_CASE("the activation estimate is within 20% of the tensor bytes a training micro-batch takes", "[memory]") {
+  struct Case {
+    at::ScalarType dtype;
+    bool recompute, quantize;
+    double dropout;
+  };
+  const std::vector<Case> cases = {{at::kFloat, false, false, 0.0},    {at::kFloat, true, false, 0.0},
+                                   {at::kBFloat16, false, false, 0.0}, {at::kBFloat16, true, false, 0.0},
+                                   {at::kBFloat16, false, true, 0.0},  {at::kFloat, false, false, 0.1}};
+  for (const std::string& family : families())
+    for (const Case& c : cases) {
+      const std::string what = fmt::format("{} {} recompute {} nf4 {} dropout {}", family, c10::toString(c.dtype),
+                                           c.recompute, c.quantize, c.dropout);
+      INFO(what);
+      CausalLM m = CausalLM::load(kFixtures + "/" + family, c.dtype, at::kCPU, {.quantize = c.quantize});
+      attach_lora(m, {.r = 8, .dropout = c.dropout, .target_modules = {"all-linear"}}, 1);
+      m.training = true;
+      m.recompute_activations = c.recompute;
+      const double ratio = estimate_ratio(m, 4, std::min<int64_t>(256, m.config().max_positions), what);
+      CHECK(ratio >= 0.8);
+      CHECK(ratio <= 1.2);
+    }
+}
+
+TEST_CASE("the memory estimate on SmolLM2: base bytes as loaded, whole, NF4 and sharded; activations", "[memory]") {
+  if (!std::filesystem::exists(kSmolLM2)) FAIL(kSmolLM2 << " is missing: run scripts/setup (or scripts/fetch-models)");
+  for (const bool quantize : {false, true})
+    for (const int world : {1, 3}) {
+      INFO(fmt::format("nf4 {} world {}", quantize, world));
+      const auto shards_of = [&] {
+        std::shared_ptr<BaseShards> s;
+        if (world > 1) {
+          s = std::make_shared<BaseShards>();
+          s->rank = world - 1;  // the last rank's slices are as long as the others' (padded)
+          s->world = world;
+        }
+        return s;
+      };
+      const LoadOptions load{.quantize = quantize, .shards = shards_of()};
+      LoadOptions shapes{.quantize = quantize, .shards = shards_of(), .shapes_only = true};
+      const CausalLM real = CausalLM::load(kSmolLM2, at::kBFloat16, at::kCPU, load);
+      const CausalLM meta = CausalLM::load(kSmolLM2, at::kBFloat16, at::kCPU, shapes);
+      CHECK(meta.device().type() == at::kMeta);
+      CHECK(meta.base_bytes() == real.base_bytes());
+      CHECK(meta.base_bytes(true) == real.base_bytes(true));
+      if (world > 1) CHECK(shapes.shards->block_buffer_bytes() == load.shards->block_buffer_bytes());
+      if (world > 1) CHECK(meta.base_bytes() < real.base_bytes(true));
+    }
+  // The recipe's estimate: LoRA all-linear r 8 is 16 bytes a parameter (weights, gradients, AdamW).
+  recipe::Recipe r;
+  r.model.path = kSmolLM2;
+  r.lora.target_modules = {"all-linear"};
+  const MemoryEstimate whole = estimate_memory(r, 1, false), sharded = estimate_memory(r, 4, true);
+  CausalLM m = CausalLM::load(kSmolLM2, at::kBFloat16, at::kCPU);
+  attach_lora(m, lora_config_of(r.lora, r.model.path), 1);
+  int64_t lora = 0;
+  for (const at::Tensor& p : lora_parameters(m)) lora += p.numel();
+  CHECK(whole.lora == 16 * lora);
+  CHECK(whole.base == m.base_bytes());
+  CHECK(sharded.base + sharded.gathered < whole.base);
+  m.training = true;
+  for (const bool recompute : {false, true}) {
+    m.recompute_activations = recompute;
+    const double ratio = estimate_ratio(m, 2, 256, fmt::format("SmolLM2 bf16 recompute {}", recompute));
+    CHECK(ratio >= 0.8);
+    CHECK(ratio <= 1.2);
   }
 }

@@ -1,0 +1,141 @@
+#include "model/memory.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <fmt/format.h>
+#include <algorithm>
+#include <atomic>
+#include <set>
+
+#include "model/lora.hpp"
+#include "model/transformer.hpp"
+#include "recipe/recipe.hpp"
+
+namespace lorarun::model {
+
+// The tensors this implementation keeps (transformer.cpp, lora Linear::forward, loss.cpp), per
+// token of one block: norms keep their input (RMSNorm in float32), attention keeps q, k, v and
+// its output (the fused kernels keep no [T, T] scores; gemma2's soft-capped scores are), the
+// gated MLP its gate, up, activation and product. A frozen base linear keeps nothing of its
+// input (NF4 and sharded ones neither); LoRA's A keeps its input in float32 (a copy per linear
+// under a bf16/fp16 base), dropout its own copy and mask. Checked against the tensor bytes
+// measured on every fixture family (tests/model/test_memory.cpp).
+int64_t CausalLM::activation_bytes(int64_t batch, int64_t tokens) const {
+  const ModelConfig& c = config_;
+  const int64_t b = static_cast<int64_t>(c10::elementSize(dtype_)), f32 = 4;
+  const int64_t N = batch * tokens, H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
+  const int64_t Q = c.num_heads * c.head_dim, K = c.num_kv_heads * c.head_dim;
+  const Block& k = blocks_.at(0);
+  // An input of `width` that `readers` share; `counted`: the tensor itself is counted elsewhere.
+  // (A base weight remade in backward needs nothing of its input: dx = dy W.)
+  const auto input = [&](std::initializer_list<const Linear*> readers, int64_t width, bool counted) {
+    int64_t n = 0, shared = 0;
+    for (const Linear* l : readers) {
+      if (!l->defined() || !l->adapted()) continue;
+      n += l->lora_a.size(0) * f32;  // x A^T, for B's gradient
+      if (l->dropout > 0)
+        n += width * (f32 + b);  // its own dropped copy (float32) and the mask (on the CPU in the input's dtype)
+      else if (b != f32)
+        n += width * f32;  // its own float32 copy
+      else
+        shared = width * f32;  // the input itself
+    }
+    return counted ? n : n + shared;
+  };
+  const bool rms = c.family == Family::Llama;
+  int64_t block = 2 * H * (rms ? f32 : b);                                 // the two norms
+  if (k.attn_out_norm.weight.defined()) block += 2 * H * (rms ? f32 : b);  // gemma's output norms
+  if (k.q_norm.weight.defined()) block += (Q + K) * f32;                   // qk-norm's inputs
+  block += input({&k.q, &k.k, &k.v, &k.qkv}, H, false);
+  block += (2 * Q + 2 * K) * b;                                 // q, k, v and the output, kept by attention
+  if (c.attn_softcap) block += c.num_heads * tokens * 3 * f32;  // gemma2's scores: capped, softmax
+  block += Q * b + input({&k.o}, Q, true);                      // o's input (a copy of the output)
+  const bool gated = k.gate.defined() || k.gate_up.defined();
+  block += (gated ? 4 : 2) * F * b;  // gate, up, act(gate), product (ungated: fc1 out, act)
+  block += input({&k.gate, &k.up, &k.gate_up}, H, false) + input({&k.down}, F, true);
+
+  const auto L = static_cast<int64_t>(blocks_.size());
+  // Kept from forward to backward: each block's (or, recomputing, each block's input), the
+  // embeddings' output and the final norm's input, the attention masks ([B, 1, T, T] bool), and
+  // the loss's gradient for the rows [N, H].
+  const bool two_masks = c.sliding_window && !c.sliding_layers.empty();
+  const int64_t kept = (recompute_activations ? L * N * H * b : L * N * block) + N * H * (b + f32) +
+                       batch * tokens * tokens * (two_masks ? 2 : 1) + N * H * b;
+  // Then the most of: the loss's chunk of logits (in the model's dtype, float32, log-softmax), or
+  // backward's (a recomputed block and the gradients in flight, about a block's widest).
+  const int64_t rows = std::min(N, std::max<int64_t>(1, (int64_t{256} << 20) / (V * f32 * 2)));
+  const int64_t chunk = rows * V * (b == f32 ? 2 * f32 : b + 2 * f32);
+  const int64_t back = (recompute_activations ? N * block : 0) + N * ((gated ? 2 : 1) * F + H) * std::max(b, f32);
+  return kept + std::max(chunk, back);
+}
+
+MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_base) {
+  std::shared_ptr<BaseShards> shards;
+  if (shard_base && world > 1) {
+    shards = std::make_shared<BaseShards>();
+    shards->world = world;
+    shards->prefetch = r.dist.shard_base_prefetch;
+  }
+  CausalLM m = CausalLM::load(
+      r.model.path, dtype_of(r.model.dtype), at::kCPU,
+      {.quantize = r.lora.quantize_base, .double_quant = r.lora.double_quant, .shards = shards, .shapes_only = true});
+  attach_lora(m, lora_config_of(r.lora, r.model.path), 0);
+  m.training = true;
+  m.recompute_activations = r.train.activation_checkpointing;
+  MemoryEstimate e;
+  e.world = world;
+  e.shard_base = shards != nullptr;
+  e.base = m.base_bytes();
+  e.gathered = shards ? shards->block_buffer_bytes() : 0;
+  for (const at::Tensor& p : lora_parameters(m)) e.lora += p.numel() * 16;
+  e.activations = m.activation_bytes(r.data.batch_size, r.data.max_length);
+  return e;
+}
+
+std::string memory_report(const recipe::Recipe& r, int world) {
+  const auto gib = [](int64_t n) { return static_cast<double>(n) / (1 << 30); };
+  std::set<int> worlds = {2, 4, 8};
+  if (world > 1) worlds.insert(world);
+  std::string out = fmt::format(
+      "# memory per rank, estimated in GiB (a micro-batch of {} x {} tokens: data.batch_size x data.max_length{}):\n"
+      "#   {:<28}{:>8}{:>12}{:>13}{:>8}\n",
+      r.data.batch_size, r.data.max_length, r.train.activation_checkpointing ? ", activation checkpointing" : "", "",
+      "base", "LoRA+AdamW", "activations", "total");
+  const auto row = [&](const std::string& what, const MemoryEstimate& e, bool chosen) {
+    out += fmt::format("#   {:<28}{:>8.2f}{:>12.3f}{:>13.2f}{:>8.2f}{}\n", what, gib(e.base + e.gathered), gib(e.lora),
+                       gib(e.activations), gib(e.total()), chosen ? "   <- this run" : "");
+  };
+  row("whole base, any ranks", estimate_memory(r, 1, false), !r.dist.shard_base || world == 1);
+  for (const int w : worlds)
+    row(fmt::format("dist.shard_base, {} ranks", w), estimate_memory(r, w, true), r.dist.shard_base && w == world);
+  out += fmt::format("#   (sharded base: this rank's slices and {} decoder block(s) gathered whole)\n",
+                     r.dist.shard_base_prefetch ? 2 : 1);
+  return out;
+}
+
+struct TensorMemoryMeter::Impl : c10::MemoryReportingInfoBase {
+  std::atomic<int64_t> now{0}, peak{0};
+  std::unique_ptr<c10::DebugInfoGuard> guard;
+
+  void reportMemoryUsage(void*, int64_t bytes, size_t, size_t, c10::Device) override {
+    const int64_t n = now += bytes;
+    for (int64_t p = peak.load(); n > p && !peak.compare_exchange_weak(p, n);) {
+    }
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+};
+
+TensorMemoryMeter::TensorMemoryMeter() : impl_(std::make_unique<Impl>()) {
+  // Shared with the debug-info stack through a non-owning pointer: the meter outlives its guard.
+  std::shared_ptr<c10::DebugInfoBase> info(impl_.get(), [](c10::DebugInfoBase*) {});
+  impl_->guard = std::make_unique<c10::DebugInfoGuard>(c10::DebugInfoKind::PROFILER_STATE, info);
+}
+
+TensorMemoryMeter::~TensorMemoryMeter() { impl_->guard.reset(); }
+
+int64_t TensorMemoryMeter::now() const { return impl_->now; }
+int64_t TensorMemoryMeter::peak() const { return impl_->peak; }
+void TensorMemoryMeter::reset_peak() { impl_->peak = impl_->now.load(); }
+
+}  // namespace lorarun::model
