@@ -20,8 +20,9 @@ usage: bench.py COMMAND [options]      (scripts/gpu-check runs these; each repor
             training stages must see: tokens per step and transformers' first-step loss
   row-nf4   --model DIR --ours F --device D [--adapter DIR]
             our NF4 logits vs transformers + bitsandbytes (nf4, double quant, bf16 compute) [+ PEFT]
-  row-train --expect F --metrics F --world W
-            a short lora-train run's metrics vs ref-small's expectations
+  row-train --expect F --metrics F --world W [--same-as F]
+            a short lora-train run's metrics vs ref-small's expectations (and, for a
+            dist.shard_base run, its losses vs the same run's with the base whole)
   ref-train --model DIR --examples F --batch B --steps S --device D [--qlora] [--ac] --out F
             the reference training loop: transformers + PEFT LoRA (r=16, alpha=32, all-linear),
             torch AdamW, clipping at 1.0, right-padded batches of the same examples in the same order
@@ -463,11 +464,23 @@ def cmd_row_train(a):
         problems.append(f"first-step loss {losses[0]:.4f} vs transformers {ref_loss:.4f}")
     if len(losses) >= 4 and not statistics.mean(losses[-2:]) < losses[0]:
         problems.append(f"loss did not go down ({losses[0]:.4f} -> {losses[-1]:.4f})")
+    note = a.note
+    if a.same_as:  # dist.shard_base gathers the same bytes the whole base holds: the same losses
+        whole = read_metrics(a.same_as)
+        worst = max((abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(rows, whole)), default=math.inf)
+        if len(whole) != len(rows) or not worst <= 1e-6:
+            problems.append(f"losses differ from the whole-base run's (max rel {worst:.1e}, {len(rows)} vs "
+                            f"{len(whole)} steps)")
+        step = statistics.median(r["seconds"] for r in rows[1:] or rows)
+        step_whole = statistics.median(r["seconds"] for r in whole[1:] or whole)
+        note = (f"losses = whole-base run's (max rel {worst:.1e}); base {max(r.get('base_mb', 0) for r in rows):.1f}"
+                f" MiB on rank 0 (slices + blocks gathered); step time x{step / step_whole:.2f} of the whole-base run"
+                + (f"; {note}" if note else ""))
     emit({"rows": [{"stage": a.stage, "status": "FAIL" if problems else "PASS",
                     "ours": f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", "ref": f"step-1 loss {ref_loss:.4f}",
                     "ratio": "", "notes": "; ".join(problems) if problems else
                     f"{len(rows)} steps, tokens per step exact, step-1 loss within {rel:.1e} (tol 1e-2)"
-                    + (f"; {a.note}" if a.note else "")}]})
+                    + (f"; {note}" if note else "")}]})
 
 
 def cmd_ref_train(a):
@@ -672,6 +685,7 @@ def main():
     rt.add_argument("--world", type=int, default=1)
     rt.add_argument("--steps", type=int, default=8)
     rt.add_argument("--note", default="")
+    rt.add_argument("--same-as", help="metrics.jsonl of the same run without dist.shard_base: equal losses")
     tr = sub.add_parser("ref-train")
     tr.add_argument("--model", required=True)
     tr.add_argument("--examples", required=True)

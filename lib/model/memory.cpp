@@ -72,7 +72,7 @@ int64_t CausalLM::activation_bytes(int64_t batch, int64_t tokens) const {
 
 MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_base) {
   std::shared_ptr<BaseShards> shards;
-  if (shard_base && world > 1) {
+  if (shard_base) {
     shards = std::make_shared<BaseShards>();
     shards->world = world;
     shards->prefetch = r.dist.shard_base_prefetch;
@@ -96,7 +96,7 @@ MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_ba
 std::string memory_report(const recipe::Recipe& r, int world) {
   const auto gib = [](int64_t n) { return static_cast<double>(n) / (1 << 30); };
   std::set<int> worlds = {2, 4, 8};
-  if (world > 1) worlds.insert(world);
+  if (r.dist.shard_base) worlds.insert(world);
   std::string out = fmt::format(
       "# memory per rank, estimated in GiB (a micro-batch of {} x {} tokens: data.batch_size x data.max_length{}):\n"
       "#   {:<28}{:>8}{:>12}{:>13}{:>8}\n",
@@ -106,9 +106,10 @@ std::string memory_report(const recipe::Recipe& r, int world) {
     out += fmt::format("#   {:<28}{:>8.2f}{:>12.3f}{:>13.2f}{:>8.2f}{}\n", what, gib(e.base + e.gathered), gib(e.lora),
                        gib(e.activations), gib(e.total()), chosen ? "   <- this run" : "");
   };
-  row("whole base, any ranks", estimate_memory(r, 1, false), !r.dist.shard_base || world == 1);
+  row("whole base, any ranks", estimate_memory(r, 1, false), !r.dist.shard_base);
   for (const int w : worlds)
-    row(fmt::format("dist.shard_base, {} ranks", w), estimate_memory(r, w, true), r.dist.shard_base && w == world);
+    row(fmt::format("dist.shard_base, {} rank{}", w, w == 1 ? "" : "s"), estimate_memory(r, w, true),
+        r.dist.shard_base && w == world);
   out += fmt::format("#   (sharded base: this rank's slices and {} decoder block(s) gathered whole)\n",
                      r.dist.shard_base_prefetch ? 2 : 1);
   return out;

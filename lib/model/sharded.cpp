@@ -41,6 +41,13 @@ void BaseShards::add_block(const std::vector<ShardedTensor*>& slices) {
   }
 }
 
+std::function<void()> BaseShards::start(at::Tensor& out, const ShardedTensor& s) const {
+  if (all_gather) return all_gather(out, s.shard);
+  if (world != 1) throw Error(fmt::format("BaseShards: {} ranks and no all_gather (a lorarun bug)", world));
+  out.copy_(s.shard);  // one rank without a process group: the slice is the whole
+  return nullptr;
+}
+
 void BaseShards::fetch(int block) const {
   Resident& r = resident_[block % (prefetch ? 2 : 1)];
   for (auto& wait : r.pending)  // the buffers' last gather lands before the next one
@@ -55,10 +62,7 @@ void BaseShards::fetch(int block) const {
     if (!out.defined() || out.numel() != s.per_rank() * world || out.scalar_type() != s.shard.scalar_type() ||
         out.device() != s.shard.device())
       out = s.gather_buffer(world);
-    if (world == 1)
-      out.copy_(s.shard);
-    else
-      r.pending[i] = all_gather(out, s.shard);
+    r.pending[i] = start(out, s);
   }
 }
 
@@ -66,10 +70,7 @@ at::Tensor BaseShards::gather(const ShardedTensor& s, int slot) const {
   if (s.block < 0) {
     at::Tensor& out = buffers_[{s.per_rank() * world, static_cast<int>(s.shard.scalar_type()), slot}];
     if (!out.defined() || out.device() != s.shard.device()) out = s.gather_buffer(world);
-    if (world == 1)
-      out.copy_(s.shard);
-    else
-      all_gather(out, s.shard)();
+    if (auto wait = start(out, s)) wait();
     return s.whole(out);
   }
   const int sets = prefetch ? 2 : 1;

@@ -210,9 +210,8 @@ CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at:
 void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
   CausalLM& m = *this;
   const ModelConfig& c = m.config_;
-  m.base_sharded_ = opts.shards && opts.shards->world > 1;
+  m.base_sharded_ = opts.shards != nullptr;
   LoadOptions load = opts;
-  if (!m.base_sharded_) load.shards.reset();  // one rank: the weights as they are
   const Loader<NamedWeight> L{files, dtype_, device_, load, m.named_};
   const int64_t H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
   const int64_t q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;

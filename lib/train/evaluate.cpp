@@ -21,9 +21,11 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
   c10::NoGradGuard no_grad;
   const bool was_training = m.training;
   m.training = false;
-  // Sharded base: every rank runs as many passes as rank 0, which has the most batches.
+  // Sharded base on several ranks: every rank runs as many passes as rank 0, which has the most
+  // batches, so that every rank joins every gather.
+  const bool join = m.base_sharded() && world > 1;
   const int64_t stride = per_batch * world;
-  const int64_t passes = m.base_sharded() ? (n + stride - 1) / stride : 0;
+  const int64_t passes = join ? (n + stride - 1) / stride : 0;
   for (int64_t first = rank, pass = 0; first < n || pass < passes; first += stride, ++pass) {
     if (first >= n) {
       m.idle_pass(false, r.data.packing);
@@ -46,7 +48,7 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
     sums.documents += static_cast<int64_t>(batch.size());
     const data::Batch b = data::collate(batch, r.data.packing, static_cast<size_t>(r.data.max_length), device);
     if (b.tokens == 0) {
-      if (m.base_sharded()) m.idle_pass(false, r.data.packing);
+      if (join) m.idle_pass(false, r.data.packing);
       continue;
     }
     const at::Tensor hidden = m.hidden_states(b.ids, b.mask, nullptr, r.data.packing);

@@ -252,7 +252,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
 
 // The base model (NF4 when lora.quantize_base) with its adapters: new, or lora.init_from's.
 model::CausalLM Trainer::setup_model() {
-  if (r_.dist.shard_base && env_.world_size > 1) {  // each linear gathered from every rank's slice per use
+  if (r_.dist.shard_base) {  // each linear gathered from every rank's slice per use (one rank too: the same path)
     shards_ = std::make_shared<model::BaseShards>();
     model::BaseShards* shards = shards_.get();
     shards->rank = env_.rank;
@@ -508,8 +508,9 @@ LocalSums Trainer::forward_backward(data::MicroBatches* batches) {
         data::collate(examples(batches), r_.data.packing, static_cast<size_t>(r_.data.max_length), device_);
     sums.real += b.real;
     sums.slots += b.slots;
-    if (b.tokens == 0) {  // an empty micro-batch: GradBuckets::finish() still joins in
-      if (m_.base_sharded()) m_.idle_pass(true, r_.data.packing);  // and the gathers, with zero gradients
+    if (b.tokens == 0) {                             // an empty micro-batch: GradBuckets::finish() still joins in
+      if (m_.base_sharded() && env_.world_size > 1)  // and the other ranks' gathers, with zero gradients
+        m_.idle_pass(true, r_.data.packing);
       continue;
     }
     const at::Tensor hidden = m_.hidden_states(b.ids, b.mask, nullptr, r_.data.packing);
