@@ -9,7 +9,7 @@
 
 namespace lorarun::model {
 
-ShardedTensor ShardedTensor::of(const at::Tensor& whole, int rank, int world) {
+ShardedTensor ShardedTensor::of(const at::Tensor& whole, int rank, int world, std::optional<at::Device> device) {
   if (world < 1 || rank < 0 || rank >= world)
     throw Error(fmt::format("ShardedTensor: rank {} of {} ranks (a lorarun bug)", rank, world));
   ShardedTensor s;
@@ -18,7 +18,7 @@ ShardedTensor ShardedTensor::of(const at::Tensor& whole, int rank, int world) {
   const int64_t per = slice_length(s.numel, world);
   const int64_t begin = std::min<int64_t>(s.numel, per * rank);
   const int64_t end = std::min<int64_t>(s.numel, begin + per);
-  s.shard = at::zeros({per}, whole.options());
+  s.shard = at::zeros({per}, whole.options().device(device.value_or(whole.device())));
   if (end > begin) s.shard.narrow(0, 0, end - begin).copy_(whole.reshape({-1}).narrow(0, begin, end - begin));
   return s;
 }
@@ -102,10 +102,11 @@ int64_t BaseShards::buffer_bytes() const {
   return n;
 }
 
-ShardedWeight ShardedWeight::of(const at::Tensor& weight, std::shared_ptr<const BaseShards> group) {
+ShardedWeight ShardedWeight::of(const at::Tensor& weight, std::shared_ptr<const BaseShards> group,
+                                std::optional<at::Device> device) {
   ShardedWeight w;
   w.shape = weight.sizes().vec();
-  w.dense = ShardedTensor::of(weight, group->rank, group->world);
+  w.dense = ShardedTensor::of(weight, group->rank, group->world, device);
   w.group = std::move(group);
   return w;
 }

@@ -22,8 +22,9 @@ struct ShardedTensor {
   int64_t numel = 0;           // of the whole tensor
   int block = -1, place = -1;  // where BaseShards::add_block registered it (-1: not in a block)
 
-  // Rank `rank`'s slice of `whole` (any shape and dtype, on any device) among `world` ranks.
-  static ShardedTensor of(const at::Tensor& whole, int rank, int world);
+  // Rank `rank`'s slice of `whole` (any shape and dtype, on any device) among `world` ranks, on
+  // `device` (default: whole's).
+  static ShardedTensor of(const at::Tensor& whole, int rank, int world, std::optional<at::Device> device = {});
   // ceil(numel / world): the length of every rank's slice.
   static int64_t slice_length(int64_t numel, int world) { return (numel + world - 1) / world; }
 
@@ -87,8 +88,9 @@ struct ShardedWeight {
   std::optional<Nf4Weight> nf4;  // NF4: everything but `packed` and the block scales
   ShardedTensor packed, scales;  // NF4: packed levels; absmax (or absmax8.codes with double quantisation)
 
-  // Slices `weight` (dense) or `q` (NF4) for group->rank.
-  static ShardedWeight of(const at::Tensor& weight, std::shared_ptr<const BaseShards> group);
+  // Slices `weight` (dense; the slice on `device`, default weight's) or `q` (NF4) for group->rank.
+  static ShardedWeight of(const at::Tensor& weight, std::shared_ptr<const BaseShards> group,
+                          std::optional<at::Device> device = {});
   static ShardedWeight of(const Nf4Weight& q, std::shared_ptr<const BaseShards> group);
 
   at::Tensor whole() const;     // gathered (a collective) and, for NF4, dequantised: [out, in]

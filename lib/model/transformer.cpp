@@ -72,25 +72,31 @@ struct Loader {
   std::vector<Named>& named;
 
   at::Tensor get(const std::string& name, std::vector<int64_t> shape, bool transpose = false) const {
-    at::Tensor t = files.load(name, dtype, device, shape);
+    return get_on(device, name, std::move(shape), transpose);
+  }
+  at::Tensor get_on(at::Device on, const std::string& name, std::vector<int64_t> shape, bool transpose = false) const {
+    at::Tensor t = files.load(name, dtype, on, shape);
     if (transpose) t = t.t().contiguous();
     named.push_back({name, t, transpose, t.numel()});
     return t;
   }
   // With opts.quantize the weight is quantised at once and its full-precision copy dropped, so
-  // the whole unquantised model is never in memory.
+  // the whole unquantised model is never in memory. Sharded and not quantised, the weight is read
+  // on the CPU (in the file's dtype, a view of the mapped file) and only this rank's slice goes to
+  // the device.
   Linear linear(const std::string& name, int64_t in, int64_t out, bool bias, bool conv1d = false) const {
     Linear l;
     l.name = name;
     l.conv1d = conv1d;
-    l.weight = conv1d ? get(name + ".weight", {in, out}, true) : get(name + ".weight", {out, in});
+    const at::Device on = opts.shards && !opts.quantize ? at::Device(at::kCPU) : device;
+    l.weight = conv1d ? get_on(on, name + ".weight", {in, out}, true) : get_on(on, name + ".weight", {out, in});
     if (opts.quantize) {
       l.nf4 = quantize_nf4(l.weight, opts.double_quant);
       l.weight = named.back().tensor = at::Tensor();
       files.release(name + ".weight");
     }
     if (opts.shards) {
-      l.sharded = l.nf4 ? ShardedWeight::of(*l.nf4, opts.shards) : ShardedWeight::of(l.weight, opts.shards);
+      l.sharded = l.nf4 ? ShardedWeight::of(*l.nf4, opts.shards) : ShardedWeight::of(l.weight, opts.shards, device);
       l.nf4.reset();
       l.weight = named.back().tensor = at::Tensor();
       files.release(name + ".weight");
