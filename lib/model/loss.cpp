@@ -82,7 +82,7 @@ LossSum lm_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head, const 
                      const at::Tensor& targets, std::optional<double> softcap, int64_t chunk_bytes) {
   const int64_t V = lm_head.size(0);
   // [rows, V] float32 buffers at once: the logits and their log_softmax (and the capped logits).
-  const int64_t chunk_rows = std::max<int64_t>(1, chunk_bytes / (V * 4 * (softcap ? 3 : 2)));
+  const int64_t chunk_rows = loss_chunk_rows(V, softcap.has_value(), chunk_bytes);
   const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).index_select(0, rows);  // [N, H]
   const at::Tensor sum =
       LinearCrossEntropy::apply(h, lm_head, targets, chunk_rows, h.requires_grad(), softcap.value_or(0.0));

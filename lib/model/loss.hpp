@@ -2,6 +2,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <optional>
 
 namespace lorarun::model {
@@ -21,9 +23,14 @@ LossSum causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 // float32 logits and their log-softmax together stay under `chunk_bytes`. The gradient for those rows is computed chunk
 // by chunk during the forward (softmax - one-hot) @ W and kept [N, H]; the output projection is frozen.
 // softcap: the logits are cap * tanh(logits / cap) first (gemma2's final_logit_softcapping).
+inline constexpr int64_t kLossChunkBytes = int64_t{256} << 20;
+// The rows of one chunk for a vocabulary of `vocab`.
+inline int64_t loss_chunk_rows(int64_t vocab, bool softcap, int64_t chunk_bytes = kLossChunkBytes) {
+  return std::max<int64_t>(1, chunk_bytes / (vocab * 4 * (softcap ? 3 : 2)));
+}
 LossSum lm_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,
                      const at::Tensor& targets, std::optional<double> softcap = std::nullopt,
-                     int64_t chunk_bytes = int64_t{256} << 20);
+                     int64_t chunk_bytes = kLossChunkBytes);
 
 // Per-sequence mean loss [B] (float32), for evaluation.
 at::Tensor per_sequence_loss(const at::Tensor& logits, const at::Tensor& labels);

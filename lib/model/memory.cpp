@@ -9,6 +9,7 @@
 #include <set>
 
 #include "model/lora.hpp"
+#include "model/loss.hpp"
 #include "model/transformer.hpp"
 #include "recipe/recipe.hpp"
 
@@ -64,8 +65,8 @@ int64_t CausalLM::activation_bytes(int64_t batch, int64_t tokens) const {
                        batch * tokens * tokens * (two_masks ? 2 : 1) + N * H * b;
   // Then the most of: the loss's chunk of logits (in the model's dtype, float32, log-softmax), or
   // backward's (a recomputed block and the gradients in flight, about a block's widest).
-  const int64_t rows = std::min(N, std::max<int64_t>(1, (int64_t{256} << 20) / (V * f32 * 2)));
-  const int64_t chunk = rows * V * (b == f32 ? 2 * f32 : b + 2 * f32);
+  const int64_t rows = std::min(N, loss_chunk_rows(V, c.logit_softcap.has_value()));
+  const int64_t chunk = rows * V * ((b == f32 ? 2 * f32 : b + 2 * f32) + (c.logit_softcap ? b : 0));
   const int64_t back = (recompute_activations ? N * block : 0) + N * ((gated ? 2 : 1) * F + H) * std::max(b, f32);
   return kept + std::max(chunk, back);
 }

@@ -51,9 +51,8 @@ struct BaseShards {
   std::function<std::function<void()>(at::Tensor& out, const at::Tensor& in)> all_gather;
   bool prefetch = true;  // false: one block whole at a time, gathered when needed
 
-  // Registers decoder block number blocks()'s slices, in a fixed order, marking each with its place.
+  // Registers the next decoder block's slices, in a fixed order, marking each with its place.
   void add_block(const std::vector<ShardedTensor*>& slices);
-  size_t blocks() const { return blocks_.size(); }
 
   // The whole tensor, from every rank's slice: a view of a gather buffer. For a block's slice, valid
   // until the buffers of its block are taken by another (two block fetches later); otherwise a buffer

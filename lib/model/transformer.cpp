@@ -53,7 +53,7 @@ class ShapesOf : public WeightSource {
   bool contains(const std::string& name) const override { return files_.contains(name); }
   at::Tensor load(const std::string& name, at::ScalarType dtype, at::Device device,
                   const std::vector<int64_t>& shape) const override {
-    if (!files_.contains(name) || shape.empty()) return files_.load(name, dtype, device, shape);  // its error
+    if (!files_.contains(name)) return files_.load(name, dtype, device, shape);  // its error, naming what is missing
     return at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kMeta));
   }
   void release(const std::string&) const override {}
@@ -217,8 +217,7 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
   CausalLM& m = *this;
   const ModelConfig& c = m.config_;
   m.base_sharded_ = opts.shards != nullptr;
-  LoadOptions load = opts;
-  const Loader<NamedWeight> L{files, dtype_, device_, load, m.named_};
+  const Loader<NamedWeight> L{files, dtype_, device_, opts, m.named_};
   const int64_t H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
   const int64_t q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;
 
@@ -324,7 +323,7 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
         else
           slices.push_back(&w.dense);
       }
-      load.shards->add_block(slices);
+      opts.shards->add_block(slices);
     }
 }
 

@@ -162,7 +162,7 @@ class Trainer {
   const fs::path out_;
   dist::ProcessGroup pg_;
   const model::LoraConfig lcfg_;
-  std::shared_ptr<model::BaseShards> shards_;  // dist.shard_base on more than one rank (set by setup_model)
+  std::shared_ptr<model::BaseShards> shards_;  // with dist.shard_base (made by setup_model)
   model::CausalLM m_;
   tok::Tokenizer tokenizer_;
   std::unique_ptr<data::ExampleBuilder> builder_;
@@ -252,7 +252,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
 
 // The base model (NF4 when lora.quantize_base) with its adapters: new, or lora.init_from's.
 model::CausalLM Trainer::setup_model() {
-  if (r_.dist.shard_base) {  // each linear gathered from every rank's slice per use (one rank too: the same path)
+  if (r_.dist.shard_base) {  // each block gathered from every rank's slices while it runs (one rank: the same path)
     shards_ = std::make_shared<model::BaseShards>();
     model::BaseShards* shards = shards_.get();
     shards->rank = env_.rank;
@@ -375,11 +375,11 @@ void Trainer::begin(Progress& p, bool resumed) {
   if (r_.lora.quantize_base) info(nf4_summary(m_));
   if (shards_) {
     info(fmt::format(
-        "dist.shard_base: base weights on this rank {:.1f} MiB of {:.1f} MiB (linears in {} slices; embeddings, "
-        "norms and the output projection whole), and at most {:.1f} MiB of blocks gathered whole ({} at a time); "
-        "resident {:.0f} MiB",
+        "dist.shard_base: base weights on this rank {:.1f} MiB of {:.1f} MiB (linears in {} slice(s); embeddings, "
+        "norms and the output projection whole), and at most {:.1f} MiB of blocks gathered whole ({}); resident "
+        "{:.0f} MiB",
         mib(m_.base_bytes()), mib(m_.base_bytes(true)), env_.world_size, mib(shards_->block_buffer_bytes()),
-        shards_->prefetch ? "the next one gathered while one computes, 2" : "1", rss_mb()));
+        shards_->prefetch ? "2 at a time: the next is gathered while one computes" : "1 at a time", rss_mb()));
   }
   if (eval_)
     info(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", eval_->docs().size(),

@@ -205,7 +205,7 @@ TEST_CASE("the activation estimate is within 20% of the tensor bytes a training 
     }
 }
 
-TEST_CASE("the memory estimate on SmolLM2: base bytes as loaded, whole, NF4 and sharded; activations", "[memory]") {
+TEST_CASE("the memory estimate on SmolLM2: base bytes as loaded (whole, NF4, sharded) and activations", "[memory]") {
   if (!std::filesystem::exists(kSmolLM2)) FAIL(kSmolLM2 << " is missing: run scripts/setup (or scripts/fetch-models)");
   for (const bool quantize : {false, true})
     for (const int world : {1, 3}) {
