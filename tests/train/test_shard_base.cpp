@@ -5,6 +5,7 @@
 // nothing to compute (a rejected document, fewer eval batches) still join every gather.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -67,4 +68,29 @@ TEST_CASE("dist.shard_base on 2 and 3 ranks ends with the unsharded run's adapte
       REQUIRE(whole.size() == sharded.size());
       for (size_t i = 0; i < whole.size(); ++i) CHECK(std::abs(whole[i] - sharded[i]) <= 1e-6 * std::abs(whole[i]));
     }
+}
+
+TEST_CASE("dist.shard_base: SIGTERM mid-epoch, and the same command resumes to the unsharded run's adapter",
+          "[e2e][resume]") {
+  const std::string dir = temp_dir("shard-base-resume");
+  write_data(dir + "/data.jsonl", 80);
+  const std::string train = "epochs: 2, lr: 1.0e-3, activation_checkpointing: true";
+  const std::string whole = write_recipe(dir, "whole", train, "", ", batch_size: 1");
+  const std::string cut = write_recipe(dir, "cut", train, "", ", batch_size: 1");
+  const Result a = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), whole));
+  INFO(a.output);
+  REQUIRE(a.status == 0);
+
+  const std::string cmd = fmt::format("{} --nproc-per-node 2 {} dist.shard_base=true", bin("lorarun"), cut);
+  const Result b = interrupt(cmd, dir + "/cut.log", "epoch 0/2 step 20/40", "kill -TERM $pid");
+  INFO(read_file(dir + "/cut.log"));
+  CHECK_THAT(b.output, Catch::Contains("exit=143"));
+  REQUIRE(std::filesystem::exists(dir + "/cut/resume_state/state.json"));
+  const Result c = sh(cmd);
+  INFO(c.output);
+  REQUIRE(c.status == 0);
+  CHECK_THAT(c.output, Catch::Contains("resuming at epoch 0"));
+  for (const char* epoch : {"epoch_0", "epoch_1"})
+    CHECK(adapter_diff(fmt::format("{}/whole/{}/adapter_model.safetensors", dir, epoch),
+                       fmt::format("{}/cut/{}/adapter_model.safetensors", dir, epoch)) == 0.0);
 }
