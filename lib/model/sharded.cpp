@@ -53,6 +53,7 @@ void BaseShards::fetch(int block) const {
   for (auto& wait : r.pending)  // the buffers' last gather lands before the next one
     if (wait) std::exchange(wait, nullptr)();
   const std::vector<ShardedTensor>& slices = blocks_.at(block);
+  ++fetches_;
   r.block = block;
   r.buffers.resize(slices.size());
   r.pending.assign(slices.size(), nullptr);

@@ -63,6 +63,7 @@ struct BaseShards {
   int64_t buffer_bytes() const;
   // The most the blocks' gather buffers take: the largest block's whole weights, twice with prefetch.
   int64_t block_buffer_bytes() const;
+  int64_t block_fetches() const { return fetches_; }  // blocks gathered so far
 
  private:
   struct Resident {  // one block's whole weights, by place
@@ -75,6 +76,7 @@ struct BaseShards {
 
   std::vector<std::vector<ShardedTensor>> blocks_;  // registered slices, by block and place
   mutable Resident resident_[2];                    // block b in resident_[b % 2] (b % 1 without prefetch)
+  mutable int64_t fetches_ = 0;
   mutable std::map<std::tuple<int64_t, int, int>, at::Tensor> buffers_;  // (elements, dtype, slot): reused
 };
 
