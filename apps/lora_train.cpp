@@ -153,7 +153,10 @@ int run(int argc, char** argv) {
                  e.every_n_steps ? fmt::format(" and every {} steps", *e.every_n_steps) : "");
     try {  // from the model's shapes: the weights are not read
       fmt::print("{}", model::memory_report(r, env.world_size));
-    } catch (const Error& e) {
+    } catch (const c10::Error& e) {  // the plan stands without the estimate
+      const std::string m = e.what_without_backtrace();
+      warn(fmt::format("memory not estimated: {}", m.substr(0, m.find('\n'))));
+    } catch (const std::exception& e) {
       warn(fmt::format("memory not estimated: {}", e.what()));
     }
     return 0;
