@@ -42,6 +42,9 @@ void BaseShards::add_block(const std::vector<ShardedTensor*>& slices) {
 }
 
 std::function<void()> BaseShards::start(at::Tensor& out, const ShardedTensor& s) const {
+  if (!out.defined() || out.numel() != s.per_rank() * world || out.scalar_type() != s.shard.scalar_type() ||
+      out.device() != s.shard.device())
+    out = s.gather_buffer(world);  // a buffer for tensors of this size, kept for the next gather
   if (all_gather) return all_gather(out, s.shard);
   if (world != 1) throw Error(fmt::format("BaseShards: {} ranks and no all_gather (a lorarun bug)", world));
   out.copy_(s.shard);  // one rank without a process group: the slice is the whole
@@ -59,18 +62,13 @@ void BaseShards::fetch(int block) const {
   r.pending.assign(slices.size(), nullptr);
   for (size_t i = 0; i < slices.size(); ++i) {
     const ShardedTensor& s = slices[i];
-    at::Tensor& out = r.buffers[i];
-    if (!out.defined() || out.numel() != s.per_rank() * world || out.scalar_type() != s.shard.scalar_type() ||
-        out.device() != s.shard.device())
-      out = s.gather_buffer(world);
-    r.pending[i] = start(out, s);
+    r.pending[i] = start(r.buffers[i], s);
   }
 }
 
 at::Tensor BaseShards::gather(const ShardedTensor& s, int slot) const {
   if (s.block < 0) {
     at::Tensor& out = buffers_[{s.per_rank() * world, static_cast<int>(s.shard.scalar_type()), slot}];
-    if (!out.defined() || out.device() != s.shard.device()) out = s.gather_buffer(world);
     if (auto wait = start(out, s)) wait();
     return s.whole(out);
   }

@@ -71,7 +71,8 @@ struct BaseShards {
     std::vector<at::Tensor> buffers;
     std::vector<std::function<void()>> pending;  // set while the gather into buffers[i] runs
   };
-  std::function<void()> start(at::Tensor& out, const ShardedTensor& s) const;  // a gather: its wait, or null
+  // Starts a gather into `out` (made or remade to fit); returns its wait, or null when done.
+  std::function<void()> start(at::Tensor& out, const ShardedTensor& s) const;
   void fetch(int block) const;  // starts gathering `block` into its resident set
 
   std::vector<std::vector<ShardedTensor>> blocks_;  // registered slices, by block and place

@@ -186,6 +186,12 @@ CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at:
   CausalLM m;
   m.dtype_ = dtype;
   m.device_ = opts.shapes_only ? at::Device(at::kMeta) : device;
+  const auto build = [&](const WeightSource& files) {
+    if (opts.shapes_only)
+      m.build(ShapesOf(files), opts);  // meta tensors: no weight data read
+    else
+      m.build(files, opts);
+  };
   if (is_gguf_path(path_or_id)) {
     if (!std::filesystem::is_regular_file(path_or_id))
       throw Error(
@@ -194,22 +200,14 @@ CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at:
     m.config_ = gguf_config(*file);
     m.dir_ = path_or_id;
     const GgufWeights weights(file, m.config_);
-    if (opts.shapes_only) {
-      m.build(ShapesOf(weights), opts);
-      return m;
-    }
-    m.build(weights, opts);
-    weights.check_all_used();
+    build(weights);
+    if (!opts.shapes_only) weights.check_all_used();
     return m;
   }
   const std::string dir = resolve_model_path(path_or_id);
   m.config_ = load_config(dir);
   m.dir_ = dir;
-  const WeightFiles files = WeightFiles::open_dir(dir);
-  if (opts.shapes_only)
-    m.build(ShapesOf(files), opts);
-  else
-    m.build(files, opts);
+  build(WeightFiles::open_dir(dir));
   return m;
 }
 

@@ -73,7 +73,7 @@ double rss_mb() {
   std::ifstream statm("/proc/self/statm");
   int64_t size = 0, resident = 0;
   if (!(statm >> size >> resident)) return 0;
-  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1 << 20);
+  return mib(resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE)));
 }
 
 // "base linears in NF4: 6815744 parameters in 3.4 MiB (0.5159 bytes each)" (whole, before sharding)
@@ -85,8 +85,8 @@ std::string nf4_summary(const model::CausalLM& m) {
     params += q->numel();
     bytes += l->sharded ? l->sharded->whole_bytes() : q->bytes();
   }
-  return fmt::format("base linears in NF4: {} parameters in {:.1f} MiB ({:.4f} bytes each)", params,
-                     static_cast<double>(bytes) / (1 << 20), static_cast<double>(bytes) / static_cast<double>(params));
+  return fmt::format("base linears in NF4: {} parameters in {:.1f} MiB ({:.4f} bytes each)", params, mib(bytes),
+                     static_cast<double>(bytes) / static_cast<double>(params));
 }
 
 std::string clock_text(double seconds) {
