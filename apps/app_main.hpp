@@ -11,6 +11,7 @@
 
 #include "util/error.hpp"
 #include "util/secrets.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun {
 namespace detail {
@@ -55,7 +56,7 @@ inline bool write_error_file(const std::string& line, std::optional<int> blamed_
 // printed there alone, once, rather than by every rank as well.
 inline int fail(const char* name, const char* kind, const std::string& message,
                 std::optional<int> blamed_rank = std::nullopt) {
-  const std::string line = fmt::format("{}: {}: {}", name, kind, scrub(without_backtrace(message)));
+  const std::string line = fmt::format("{}: {}: {}", name, kind, one_line(scrub(without_backtrace(message))));
   const char* summary = std::getenv("LORARUN_ERROR_SUMMARY");
   const bool recorded = write_error_file(line, blamed_rank);
   if (!recorded || !summary || std::string(summary) != "1") fmt::print(stderr, "{}\n", line);
@@ -89,7 +90,8 @@ inline const char*& app_name() {
 }  // namespace detail
 
 // Runs `body`; a lorarun::Error (bad input) or a torch error prints "NAME: error: …" with
-// secrets scrubbed and exits 1. Anything else is a bug and says so, still on one line.
+// secrets scrubbed and exits 1 (kExitConfig for a ConfigError). Anything else is a bug and says
+// so, still on one line.
 template <class Body>
 int app_main(const char* name, int argc, char** argv, Body body) {
   detail::app_name() = name;
@@ -98,6 +100,9 @@ int app_main(const char* name, int argc, char** argv, Body body) {
     return body(argc, argv);
   } catch (const PeerError& e) {
     return detail::fail(name, "error", e.what(), e.rank);
+  } catch (const ConfigError& e) {
+    detail::fail(name, "error", e.what());
+    return kExitConfig;
   } catch (const Error& e) {
     return detail::fail(name, "error", e.what());
   } catch (const c10::Error& e) {

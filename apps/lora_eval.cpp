@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -122,6 +123,8 @@ int eval_recipe(const RecipeEval& a) {
                                             {.quantize = r.lora.quantize_base, .double_quant = r.lora.double_quant});
   if (!a.adapter.empty()) model::load_adapter(m, a.adapter, m.dtype());
   const tok::Tokenizer tokenizer = model::load_tokenizer(m.dir());
+  m.check_tokenizer(tokenizer);
+  m.check_length(r.data.max_length, fmt::format("data.max_length {}", r.data.max_length));
   const data::ExampleBuilder builder(r.data, tokenizer);
   const data::Documents train(r.data, data::Holdout::training(r.eval.fraction));
   std::optional<data::EvalSplit> split;
@@ -203,6 +206,10 @@ int run(int argc, char** argv) {
     throw Error("give --model and --data (JSONL documents), or --recipe R.yaml (its eval split)");
   const model::CausalLM m = model_args.load();
   const tok::Tokenizer tokenizer = model::load_tokenizer(m.dir());
+  m.check_tokenizer(tokenizer);
+  if (const auto limit = m.position_limit(); limit && !app.count("--max-length"))  // the default: what fits
+    max_length = std::min(max_length, *limit);
+  m.check_length(max_length, fmt::format("--max-length {}", max_length));
   std::vector<std::pair<std::vector<int32_t>, size_t>> docs =
       tokenize(tokenizer, read_documents(data, field, prompt_field));
   for (auto& [d, _] : docs)

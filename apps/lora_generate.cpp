@@ -13,6 +13,7 @@
 #include "model/weights.hpp"
 #include "model_args.hpp"
 #include "tokenizer/tokenizer.hpp"
+#include "util/log.hpp"
 
 namespace {
 
@@ -48,7 +49,19 @@ int run(int argc, char** argv) {
   }
   const model::CausalLM m = model_args.load();
   const tok::Tokenizer tokenizer = model::load_tokenizer(m.dir());
+  m.check_tokenizer(tokenizer);
   const std::vector<int32_t> p32 = tokenizer.encode(prompt);
+  // A model with learned positions (opt, gpt2) stops where its table ends: say so before, keep
+  // what fits.
+  const auto prompt_tokens = static_cast<int64_t>(p32.size());
+  m.check_length(prompt_tokens + 1, fmt::format("the prompt ({} tokens) and one new token", prompt_tokens));
+  if (const auto limit = m.position_limit(); limit && prompt_tokens + opt.max_new_tokens > *limit) {
+    warn(
+        fmt::format("--max-new-tokens {} with a prompt of {} tokens passes the {} positions of {}: generating at "
+                    "most {}",
+                    opt.max_new_tokens, prompt_tokens, *limit, m.dir(), *limit - prompt_tokens));
+    opt.max_new_tokens = *limit - prompt_tokens;
+  }
   opt.eos_id = model::default_eos_id(m);
   if (!opt.eos_id && tokenizer.eos_id()) opt.eos_id = *tokenizer.eos_id();
   const std::vector<int64_t> out = model::generate(m, std::vector<int64_t>(p32.begin(), p32.end()), opt);

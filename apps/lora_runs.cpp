@@ -14,7 +14,9 @@
 #include "data/mongo.hpp"
 #include "track/artifacts.hpp"
 #include "util/error.hpp"
+#include "util/log.hpp"
 #include "util/secrets.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun {
 namespace {
@@ -35,11 +37,6 @@ struct RunArg {
   std::string db, id, artifact;
 };
 
-bool is_hex_id(const std::string& s) {
-  return s.size() == 24 &&
-         std::all_of(s.begin(), s.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
-}
-
 // Splits "[DB/]ID[/ARTIFACT]": the part of 24 hex digits is the id; --db when no DB is given.
 RunArg parse_run(const std::string& text, const std::string& db) {
   std::vector<std::string> parts;
@@ -48,8 +45,10 @@ RunArg parse_run(const std::string& text, const std::string& db) {
     parts.push_back(text.substr(start, slash - start));
   parts.push_back(text.substr(start));
   for (size_t i = 0; i < parts.size() && i < 2; ++i) {
-    if (!is_hex_id(parts[i]) || parts.size() - i > 2) continue;
-    return {i == 1 ? parts[0] : db, parts[i], parts.size() > i + 1 ? parts[i + 1] : ""};
+    if (!is_run_id(parts[i]) || parts.size() - i > 2) continue;
+    RunArg run{i == 1 ? parts[0] : db, parts[i], parts.size() > i + 1 ? parts[i + 1] : ""};
+    check_database_name(run.db, "the run's database is named");
+    return run;
   }
   throw Error(fmt::format("'{}' names no run: expected [DATABASE/]ID[/epoch_N|/best], the id as lora-train prints it",
                           scrub(redact_uri(text))));
@@ -80,11 +79,9 @@ std::string date_text(const json& d) {
   if (v.is_string()) return v.get<std::string>();
   int64_t ms = 0;
   if (v.is_number_integer()) ms = v.get<int64_t>();
-  if (v.is_object() && v.contains("$numberLong")) ms = std::stoll(v["$numberLong"].get<std::string>());
-  const std::time_t t = ms / 1000;
-  char stamp[32];
-  std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return stamp;
+  if (v.is_object() && v.contains("$numberLong") && v["$numberLong"].is_string())
+    ms = std::strtoll(v["$numberLong"].get<std::string>().c_str(), nullptr, 10);
+  return utc_stamp(static_cast<std::time_t>(ms / 1000));
 }
 
 // The epochs a run kept: its stored artifacts' epoch_<i>, else its checkpoints' epochs.
@@ -151,13 +148,11 @@ void show(const Common& c, const std::string& ref) {
   std::cout << scrub(out.dump(2)) << "\n";
 }
 
-// The artifact `pull` takes when none is named: the last epoch the run kept.
+// The artifact `pull` takes when none is named: the last epoch the run's record lists.
 std::string default_artifact(const json& doc, const RunArg& run) {
   std::vector<int> epochs;
-  for (const json& a : doc.value("artifacts", json::array())) {
-    const std::string name = a.value("artifact", "");
-    if (name.rfind("epoch_", 0) == 0) epochs.push_back(std::atoi(name.c_str() + 6));
-  }
+  for (const std::string& name : track::recorded_artifacts(doc))
+    if (name.starts_with("epoch_")) epochs.push_back(std::atoi(name.c_str() + 6));
   if (epochs.empty())
     throw Error(
         fmt::format("run {}/{} stored no epoch adapter in MongoDB: it ran without checkpoint.store: mongodb, "
@@ -166,15 +161,16 @@ std::string default_artifact(const json& doc, const RunArg& run) {
   return fmt::format("epoch_{}", *std::max_element(epochs.begin(), epochs.end()));
 }
 
-// `pull`: an artifact into `dir`, each file checked against its sha256.
+// `pull`: an artifact, as the run's record lists it, into the new directory `dir` (written under
+// a temporary name, each file checked against its sha256, then renamed: a failure leaves nothing).
 void pull(const Common& c, const std::string& ref, const std::string& dir) {
   RunArg run = parse_run(ref, c.db);
-  const std::string uri = uri_of(c);
-  data::Client client(uri, kTimeout, {kOrigin});
-  const json doc = find_run(client, run);
+  track::ArtifactStore store(uri_of(c), run.db, kTimeout);
+  const json doc = store.run_record(run.id);
   if (run.artifact.empty()) run.artifact = default_artifact(doc, run);
-  track::ArtifactStore store(uri, run.db, kTimeout);
-  const auto files = store.download(run.id, run.artifact, dir);
+  check_artifact_name(run.artifact, fmt::format("'{}' names an artifact", scrub(redact_uri(ref))));
+  const std::vector<track::ArtifactFile> files = track::recorded_files(doc, run.artifact);
+  store.download(run.id, run.artifact, files, dir);
   int64_t bytes = 0;
   for (const auto& f : files) bytes += f.bytes;
   fmt::print("pulled {}/{}/{} into {}: {} files, {} bytes, sha256 verified\n", run.db, run.id, run.artifact, dir,

@@ -98,6 +98,20 @@ recipe::Recipe from_run(Args a) {
   return track::recipe_from_run(a.from_run, a.runs_db, uri, a.overrides, std::chrono::milliseconds(a.timeout_ms));
 }
 
+// The recipe, from its file or a run record. Its errors are the recipe's (a restart cannot change
+// them: ConfigError), except a server that could not be reached for --from-run.
+recipe::Recipe read_recipe(const Args& a) {
+  try {
+    return a.from_run.empty() ? recipe::load_recipe(a.recipe, a.overrides) : from_run(a);
+  } catch (const data::ConnectionError&) {
+    throw;
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const Error& e) {
+    throw ConfigError(e.what());
+  }
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"lora-train: one rank of a LoRA fine-tuning job (run it under lorarun)"};
   Args a;
@@ -127,7 +141,7 @@ int run(int argc, char** argv) {
   }
   if (a.recipe.empty() && a.from_run.empty())
     throw Error("no recipe given: lora-train RECIPE.yaml [key=value…] (see configs/) or --from-run DATABASE/ID");
-  const recipe::Recipe r = a.from_run.empty() ? recipe::load_recipe(a.recipe, a.overrides) : from_run(a);
+  const recipe::Recipe r = read_recipe(a);
   const dist::DistEnv env = dist::DistEnv::from_environment();
   if (env.rank == 0)  // the same recipe on every rank: one copy of its warnings
     for (const std::string& w : r.warnings) warn(w);

@@ -2,6 +2,7 @@
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -37,19 +38,73 @@ int count_gpus() {
   return std::min(n, listed);
 }
 
-int cpu_count() { return std::max(1, static_cast<int>(std::thread::hardware_concurrency())); }
+// The CPUs this process may run on (its affinity: what taskset, cgroups' cpusets and Slurm's task
+// binding leave it), narrowed by Slurm's SLURM_CPUS_PER_TASK when the job step sets it.
+int cpu_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  int n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+  if (n <= 0) n = static_cast<int>(std::thread::hardware_concurrency());
+  if (const char* per_task = std::getenv("SLURM_CPUS_PER_TASK"); per_task && *per_task) {
+    const int slurm = std::atoi(per_task);
+    if (slurm > 0) n = std::min(n, slurm);
+  }
+  return std::max(1, n);
+}
 
-// torchrun's `auto`: one worker per GPU, else one per CPU.
+// torchrun's `auto`: one worker per GPU, else one per CPU; `gpu`: one per GPU (there must be one);
+// `cpu`: one per CPU.
 int parse_nproc(const std::string& nproc) {
   if (nproc == "auto") {
     const int gpus = count_gpus();
     return gpus > 0 ? gpus : cpu_count();
   }
+  if (nproc == "cpu") return cpu_count();
+  if (nproc == "gpu") {
+    const int gpus = count_gpus();
+    if (gpus == 0) throw Error("--nproc-per-node gpu, but no GPU is visible here: give a number, or auto or cpu");
+    return gpus;
+  }
   int n = 0;
   const auto [end, ec] = std::from_chars(nproc.data(), nproc.data() + nproc.size(), n);
   if (ec != std::errc() || end != nproc.data() + nproc.size() || n < 1)
-    throw Error(fmt::format("--nproc-per-node '{}' is not a positive integer or 'auto'", nproc));
+    throw Error(fmt::format("--nproc-per-node '{}' is not a positive integer, auto, gpu or cpu", nproc));
   return n;
+}
+
+// --nnodes N, or torchrun's MIN:MAX with MIN = MAX (a fixed world: Kubeflow writes PET_NNODES so).
+int parse_nnodes(const std::string& text) {
+  const size_t colon = text.find(':');
+  const auto number = [&](std::string_view s) {
+    int n = 0;
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), n);
+    if (ec != std::errc() || end != s.data() + s.size() || n < 1 || n > 100000)
+      throw Error(fmt::format("--nnodes (or PET_NNODES) '{}' is not a number of nodes from 1 to 100000", text));
+    return n;
+  };
+  const int lo = number(std::string_view(text).substr(0, colon));
+  if (colon != std::string::npos && number(std::string_view(text).substr(colon + 1)) != lo)
+    throw Error(
+        fmt::format("--nnodes (or PET_NNODES) '{}' asks for an elastic world of MIN:MAX nodes: lorarun runs a "
+                    "fixed one; give one number, or MIN equal to MAX",
+                    text));
+  return lo;
+}
+
+// --rdzv-endpoint HOST[:PORT]: the master's address and port, where those flags are not given.
+void apply_endpoint(Config& c, const std::string& endpoint, bool addr_given, bool port_given) {
+  const size_t colon = endpoint.rfind(':');
+  const bool has_port = colon != std::string::npos && endpoint.find(']', colon) == std::string::npos;
+  const std::string host = has_port ? endpoint.substr(0, colon) : endpoint;
+  if (host.empty()) throw Error(fmt::format("--rdzv-endpoint (or PET_RDZV_ENDPOINT) '{}' names no host", endpoint));
+  if (!addr_given) c.master_addr = host;
+  if (!has_port || port_given) return;
+  const std::string port = endpoint.substr(colon + 1);
+  int p = 0;
+  const auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), p);
+  if (ec != std::errc() || end != port.data() + port.size() || p < 1 || p > 65535)
+    throw Error(fmt::format("--rdzv-endpoint (or PET_RDZV_ENDPOINT) '{}': the port is not 1-65535", endpoint));
+  c.master_port = p;
 }
 
 // More ranks than 4 per CPU is a typo far more often than a plan: it takes --nproc-limit.
@@ -260,33 +315,50 @@ Parsed parse_args(int argc, char** argv, const std::string& self) {
       "  lorarun [options] -- COMMAND [ARGS ...]"};
   app.prefix_command();
   Config c;
-  std::string nproc = "1", redirects = "0", tee = "0", from_run, rdzv_conf;
-  double grace_s = 15;
+  std::string nproc = "1", nnodes_text = "1", redirects = "0", tee = "0", from_run, rdzv_conf, rdzv_endpoint;
+  double grace_s = 30;
   bool standalone = false;
-  app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers on this node: N or auto (GPUs, else CPUs)");
+  // Each flag torchrun has also comes from PET_<FLAG> when not given, as torchrun reads it (Kubeflow's
+  // PyTorchJob and TrainJob start a launcher so); flags given win, and PET_* win over Slurm's.
+  app.add_option("--nproc-per-node,--nproc_per_node", nproc,
+                 "workers on this node: N, auto (GPUs, else CPUs), gpu or cpu")
+      ->envname("PET_NPROC_PER_NODE");
   auto* nproc_limit =
       app.add_option("--nproc-limit", c.nproc_limit, "most workers --nproc-per-node may start (default: 4 per CPU)")
           ->check(CLI::Range(1, 1 << 24));
-  auto* nnodes = app.add_option("--nnodes", c.nnodes, "number of nodes")->check(CLI::Range(1, 100000));
-  auto* node_rank =
-      app.add_option("--node-rank,--node_rank", c.node_rank, "rank of this node")->check(CLI::NonNegativeNumber);
-  auto* master_addr = app.add_option("--master-addr,--master_addr", c.master_addr, "address of node 0");
-  app.add_option("--master-port,--master_port", c.master_port,
-                 "rendezvous port (default: a free port on one node, 29500 on several)")
-      ->check(CLI::Range(1, 65535));
+  auto* nnodes = app.add_option("--nnodes", nnodes_text, "number of nodes: N (or torchrun's MIN:MAX with MIN = MAX)")
+                     ->envname("PET_NNODES");
+  auto* node_rank = app.add_option("--node-rank,--node_rank", c.node_rank, "rank of this node")
+                        ->check(CLI::NonNegativeNumber)
+                        ->envname("PET_NODE_RANK");
+  auto* master_addr =
+      app.add_option("--master-addr,--master_addr", c.master_addr, "address of node 0")->envname("PET_MASTER_ADDR");
+  auto* master_port = app.add_option("--master-port,--master_port", c.master_port,
+                                     "rendezvous port (default: a free port on one node, 29500 on several)")
+                          ->check(CLI::Range(1, 65535))
+                          ->envname("PET_MASTER_PORT");
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint,
+                 "HOST[:PORT] of the rendezvous: torchrun's form of --master-addr and --master-port")
+      ->envname("PET_RDZV_ENDPOINT");
   auto* rdzv_timeout = app.add_option("--rdzv-timeout,--rdzv_timeout", c.rdzv_timeout_s,
                                       "seconds a rank waits for the master and the other ranks to join (default 600)")
                            ->check(CLI::Range(1, 86400));
-  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf, "torchrun's rendezvous options: join_timeout=SECONDS");
+  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf, "torchrun's rendezvous options: join_timeout=SECONDS")
+      ->envname("PET_RDZV_CONF");
   app.add_flag("--standalone", standalone, "single node, free port, local master");
   auto* run_id = app.add_option("--run-id,--rdzv-id,--rdzv_id", c.run_id,
-                                "job id given to workers as TORCHELASTIC_RUN_ID (default: SLURM_JOB_ID or random)");
+                                "job id given to workers as TORCHELASTIC_RUN_ID (default: SLURM_JOB_ID or random)")
+                     ->envname("PET_RDZV_ID");
   app.add_option("--max-restarts,--max_restarts", c.max_restarts,
                  "restart the whole group up to N times when a rank fails")
-      ->check(CLI::Range(0, 1000000));
-  app.add_option("--log-dir,--log_dir", c.log_dir, "per-rank files go to DIR/RUN_ID/attempt_N/LOCAL_RANK/");
-  app.add_option("-r,--redirects", redirects, "streams written only to the log files: 0-3 or 0:1,1:2 (1 out, 2 err)");
-  app.add_option("-t,--tee", tee, "streams written to the log files and the console (as --redirects)");
+      ->check(CLI::Range(0, 1000000))
+      ->envname("PET_MAX_RESTARTS");
+  app.add_option("--log-dir,--log_dir", c.log_dir, "per-rank files go to DIR/RUN_ID/attempt_N/LOCAL_RANK/")
+      ->envname("PET_LOG_DIR");
+  app.add_option("-r,--redirects", redirects, "streams written only to the log files: 0-3 or 0:1,1:2 (1 out, 2 err)")
+      ->envname("PET_REDIRECTS");
+  app.add_option("-t,--tee", tee, "streams written to the log files and the console (as --redirects)")
+      ->envname("PET_TEE");
   app.add_option("--from-run", from_run, "repeat a recorded run (DATABASE/ID): passed to every lora-train rank");
   app.add_option("--grace-period", grace_s, "seconds between SIGTERM and SIGKILL when stopping ranks")
       ->check(CLI::Range(0.0, 3600.0));
@@ -296,6 +368,8 @@ Parsed parse_args(int argc, char** argv, const std::string& self) {
     return {c, app.exit(e)};
   }
   c.nproc_per_node = parse_nproc(nproc);
+  c.nnodes = parse_nnodes(nnodes_text);
+  if (!rdzv_endpoint.empty()) apply_endpoint(c, rdzv_endpoint, master_addr->count() > 0, master_port->count() > 0);
   if (!rdzv_conf.empty()) {
     const int flag = c.rdzv_timeout_s;
     apply_rdzv_conf(c, rdzv_conf);
@@ -307,7 +381,8 @@ Parsed parse_args(int argc, char** argv, const std::string& self) {
     if (c.nnodes != 1) throw Error("--standalone runs on one node: drop --nnodes or --standalone");
     c.master_addr = "127.0.0.1";
   } else {
-    apply_slurm(c, {nnodes->count() > 0, node_rank->count() > 0, master_addr->count() > 0, run_id->count() > 0});
+    apply_slurm(c, {nnodes->count() > 0, node_rank->count() > 0, master_addr->count() > 0 || !rdzv_endpoint.empty(),
+                    run_id->count() > 0});
   }
   if (c.nnodes < 1) throw Error(fmt::format("--nnodes {} must be at least 1", c.nnodes));
   if (c.node_rank >= c.nnodes)

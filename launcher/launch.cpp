@@ -224,7 +224,7 @@ class Supervisor {
       if (first_failure_ || got_signal_)  // leave nothing behind that a rank started in its group
         for (const Worker& w : workers_)
           if (w.pid > 0) kill(-w.pid, SIGKILL);
-      if (got_signal_ || !first_failure_ || attempt >= cfg_.max_restarts) break;
+      if (got_signal_ || !first_failure_ || attempt >= cfg_.max_restarts || !restartable()) break;
       announce_restart();
     }
     sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
@@ -464,6 +464,18 @@ class Supervisor {
                        status);
   }
 
+  // A rank that failed for a reason running it again cannot change (a recipe error, an output
+  // directory another run owns, a missing model) exits kExitConfig: no restart is spent on it.
+  bool restartable() {
+    settle_first_failure();
+    const int st = first_failure_->status;
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != kExitConfig) return true;
+    if (cfg_.max_restarts > 0)
+      fmt::print(stderr, "lorarun: rank {} failed with an error a restart cannot change (exit {}): not restarting\n",
+                 workers_[first_failure_->index].rank, kExitConfig);
+    return false;
+  }
+
   void announce_restart() {
     settle_first_failure();
     const Worker& w = workers_[first_failure_->index];
@@ -522,6 +534,23 @@ class Supervisor {
     return indented;
   }
 
+  // After SIGTERM/SIGINT: 75 (EX_TEMPFAIL) when every rank stopped with its state saved (exit 75)
+  // or had finished (0), so a scheduler can requeue the job (scripts/slurm/lorarun.sbatch does);
+  // 0 when all had finished; else 128 + the signal, as a process killed by it.
+  int stopped_status() const {
+    bool saved = false;
+    for (const Worker& w : workers_) {
+      const bool exited = WIFEXITED(w.status);
+      if (!exited || (WEXITSTATUS(w.status) != 0 && WEXITSTATUS(w.status) != kExitResumable)) return 128 + got_signal_;
+      saved |= WEXITSTATUS(w.status) == kExitResumable;
+    }
+    if (!saved) return 0;
+    fmt::print(stderr,
+               "lorarun: stopped on SIG{}: every rank saved its resumable state; the same command resumes (exit {})\n",
+               sigabbrev_np(got_signal_), kExitResumable);
+    return kExitResumable;
+  }
+
   int report() {
     if (first_failure_) {
       settle_first_failure();
@@ -529,9 +558,11 @@ class Supervisor {
       // 75 (EX_TEMPFAIL): the ranks agreed to stop with their resumable state saved (the data
       // went away, say); the same command continues, so say so in the exit status too.
       const int st = first_failure_->status;
-      return WIFEXITED(st) && WEXITSTATUS(st) == kExitResumable ? kExitResumable : 1;
+      if (WIFEXITED(st) && (WEXITSTATUS(st) == kExitResumable || WEXITSTATUS(st) == kExitConfig))
+        return WEXITSTATUS(st);
+      return 1;
     }
-    if (got_signal_) return 128 + got_signal_;
+    if (got_signal_) return stopped_status();
     if (attempt_ > 0) fmt::print(stderr, "lorarun: all ranks finished after {} restart(s)\n", attempt_);
     return 0;
   }

@@ -31,7 +31,7 @@ struct Config {
   std::string log_dir;       // empty: error files (and any redirected output) go to a temp dir
   StdSpec redirects;         // streams written to DIR/<run_id>/attempt_<n>/<local_rank>/ only
   StdSpec tee;               // streams written there and to the console
-  std::chrono::milliseconds grace{15000};  // SIGTERM -> SIGKILL
+  std::chrono::milliseconds grace{30000};  // SIGTERM -> SIGKILL (torchrun waits 30 s too)
   std::vector<std::string> command;        // argv of every worker
 };
 
@@ -49,8 +49,10 @@ Parsed parse_args(int argc, char** argv, const std::string& self);
 std::vector<std::string> worker_env(const Config& c, int local_rank, int restart = 0,
                                     const std::string& error_file = "");
 
-// Runs the workers to completion, restarting the group up to c.max_restarts times. Returns 0
-// when every rank exited 0; 1 when a rank failed; 128+N when lorarun itself got signal N.
+// Runs the workers to completion, restarting the group up to c.max_restarts times (never after a
+// rank's kExitConfig: a restart cannot change it). Returns 0 when every rank exited 0; 1 when a
+// rank failed (75 or 78 when the first failure exited so); when lorarun itself got signal N, 75
+// if every rank stopped with its state saved (exit 75), else 128+N.
 int run(const Config& c);
 
 }  // namespace lorarun::launch

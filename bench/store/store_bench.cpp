@@ -30,11 +30,11 @@ int main(int argc, char** argv) {
     lorarun::track::ArtifactStore store(argv[1], argv[2], std::chrono::seconds(10));
     const std::string run = "0123456789abcdef01234567";
     const auto t0 = Clock::now();
-    const auto up = store.upload(run, "bench", argv[3]);
+    const auto up = store.upload(run, "epoch_0", argv[3]);
     const auto t1 = Clock::now();
     const double up_rss = peak_rss_mb();
     const std::string back = std::filesystem::temp_directory_path() / fmt::format("store_bench_{}", ::getpid());
-    store.download(run, "bench", back);
+    store.download(run, "epoch_0", up, back);
     const auto t2 = Clock::now();
     store.remove(run);
     std::filesystem::remove_all(back);

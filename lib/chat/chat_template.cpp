@@ -6,7 +6,7 @@
 
 extern "C" {
 struct LorarunChatCompiled;
-int lorarun_chat_compile(const char* tmpl, size_t tmpl_len, LorarunChatCompiled** handle, char** error,
+int lorarun_chat_compile(const char* tmpl, size_t tmpl_len, uint64_t fuel, LorarunChatCompiled** handle, char** error,
                          size_t* error_len);
 void lorarun_chat_release(LorarunChatCompiled* handle);
 int lorarun_chat_render(const LorarunChatCompiled* handle, const char* context, size_t context_len, char** out,
@@ -34,11 +34,11 @@ struct Template::Handle {
   ~Handle() { lorarun_chat_release(compiled); }
 };
 
-std::variant<Template, std::string> Template::compile(std::string_view source) {
+std::variant<Template, std::string> Template::compile(std::string_view source, uint64_t fuel) {
   LorarunChatCompiled* compiled = nullptr;
   char* error = nullptr;
   size_t len = 0;
-  if (lorarun_chat_compile(source.data(), source.size(), &compiled, &error, &len) != 0) return take(error, len);
+  if (lorarun_chat_compile(source.data(), source.size(), fuel, &compiled, &error, &len) != 0) return take(error, len);
   Template t;
   t.handle_ = std::make_shared<Handle>(compiled);
   return t;

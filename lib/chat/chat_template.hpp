@@ -11,6 +11,7 @@
 // methods, and the {% generation %} ... {% endgeneration %} tag, whose spans are returned.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -21,6 +22,14 @@
 
 namespace lorarun::chat {
 
+// What one render may spend (minijinja's fuel: about one template instruction, or 64 bytes of data
+// made, each): the default of data.chat_template_fuel. Real chat templates spend far less (the
+// README gives figures); a template that loops without end stops here in under a second.
+inline constexpr uint64_t kDefaultFuel = 10'000'000;
+
+// The message of a render that spent its fuel.
+inline constexpr std::string_view kFuelSpent = "the render ran out of fuel";
+
 struct Rendered {
   std::string text;
   // The byte ranges [begin, end) of text that {% generation %} blocks wrote, in order.
@@ -30,8 +39,9 @@ struct Rendered {
 // A template compiled once, rendered many times (from several threads at once if need be).
 class Template {
  public:
-  // The compiled template, or a one-line message ("line N: ...") for a syntax error.
-  static std::variant<Template, std::string> compile(std::string_view source);
+  // The compiled template, or a one-line message ("line N: ...") for a syntax error. Each render
+  // may spend `fuel` (0: no bound); one that spends it fails with kFuelSpent.
+  static std::variant<Template, std::string> compile(std::string_view source, uint64_t fuel = kDefaultFuel);
 
   // Renders with the variables of `context` (a JSON object: messages, add_generation_prompt,
   // bos_token, ...). On failure, a one-line message that starts "line N: " when the template

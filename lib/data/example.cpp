@@ -244,7 +244,7 @@ void ExampleBuilder::setup_chat_template() {
         "data.chat_format: template, but the model has no chat template (no chat_template in "
         "tokenizer_config.json, no chat_template.jinja, no tokenizer.chat_template in the GGUF); set "
         "data.chat_template to a .jinja file, or choose data.chat_format chatml, llama3 or mistral");
-  auto compiled = chat::Template::compile(chat_template_);
+  auto compiled = chat::Template::compile(chat_template_, static_cast<uint64_t>(cfg_.chat_template_fuel));
   if (const auto* e = std::get_if<std::string>(&compiled))
     throw Error(
         fmt::format("data.chat_format: template: {} is not a valid Jinja template: {}", chat_template_source_, *e));
@@ -277,6 +277,12 @@ void ExampleBuilder::setup_chat_template() {
     context["add_generation_prompt"] = false;
     const auto r = compiled_template_->render(context);
     if (const auto* e = std::get_if<std::string>(&r)) {
+      if (*e == chat::kFuelSpent)
+        throw Error(
+            fmt::format("data.chat_format: template: {} spent all of data.chat_template_fuel ({}) rendering "
+                        "a three-message probe conversation: the template loops too long; fix it, or raise "
+                        "data.chat_template_fuel",
+                        chat_template_source_, cfg_.chat_template_fuel));
       failure = *e;
       continue;
     }
@@ -418,7 +424,11 @@ std::variant<Example, Rejection> ExampleBuilder::chat_template(const Document& d
   if (auto it = doc.find("tools"); it != doc.end() && !it->is_null()) context["tools"] = *it;
   const auto whole = Renderer{*compiled_template_, context}(messages, false);
   if (const auto* e = std::get_if<std::string>(&whole))
-    return bad(fmt::format("the chat template ({}) failed: {}", chat_template_source_, *e));
+    return bad(*e == chat::kFuelSpent
+                   ? fmt::format("rendering it with the chat template ({}) spent all of data.chat_template_fuel ({}): "
+                                 "raise it, or fix the template",
+                                 chat_template_source_, cfg_.chat_template_fuel)
+                   : fmt::format("the chat template ({}) failed: {}", chat_template_source_, *e));
   const chat::Rendered& conversation = std::get<chat::Rendered>(whole);
   const std::string& text = conversation.text;
   if (!valid_utf8(text)) return bad(invalid_utf8_reason(cfg_.messages_field));

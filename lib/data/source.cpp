@@ -52,6 +52,14 @@ std::unique_ptr<Client> connect(const recipe::DataSection& d) {
   return std::make_unique<Client>(d.uri, std::chrono::seconds(d.timeout_s), Origin{"data.uri", "data.timeout_s"});
 }
 
+// A JSONL line as one canonical text: parsed and written back (keys sorted, no spaces), or as it
+// is, trailing whitespace cut, when it is not JSON.
+std::string canonical_line(const std::string& line) {
+  const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+  if (!j.is_discarded()) return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return line.substr(0, line.find_last_not_of(" \t\r") + 1);
+}
+
 }  // namespace
 
 bool held_out(std::string_view key, double fraction) {
@@ -65,8 +73,10 @@ bool held_out(std::string_view key, double fraction) {
 
 Documents::Documents(const recipe::DataSection& d, const Holdout& holdout) : d_(d), holdout_(holdout) {
   if (d.source == recipe::Source::Jsonl) {
+    // the key that named the file: eval.path for an eval split of its own
+    const char* key = holdout_.eval && holdout_.fraction <= 0 ? "eval.path" : "data.path";
     std::ifstream in(d.path);
-    if (!in) throw Error(fmt::format("data.path {} cannot be read", d.path));
+    if (!in) throw Error(fmt::format("{} {} cannot be read", key, d.path));
     for (std::string line; std::getline(in, line);)
       if (line.find_first_not_of(" \t\r") != std::string::npos) lines_.push_back(line);
     if (d.limit && static_cast<int64_t>(lines_.size()) > *d.limit) lines_.resize(static_cast<size_t>(*d.limit));
@@ -74,7 +84,7 @@ Documents::Documents(const recipe::DataSection& d, const Holdout& holdout) : d_(
     if (holdout_.max && static_cast<int64_t>(lines_.size()) > *holdout_.max)
       lines_.resize(static_cast<size_t>(*holdout_.max));
     if (lines_.empty())
-      throw Error(holdout_.fraction <= 0 ? fmt::format("data.path {} holds no documents", d.path)
+      throw Error(holdout_.fraction <= 0 ? fmt::format("{} {} holds no documents", key, d.path)
                   : holdout_.eval
                       ? fmt::format("eval.fraction {} holds out no document of data.path {}: raise eval.fraction",
                                     holdout_.fraction, d.path)
@@ -142,6 +152,22 @@ std::string Documents::describe() const {
   return fmt::format("{}.{} {}", d_.database, d_.collection, d_.filter.dump());
 }
 
+nlohmann::json Documents::identity() const {
+  // (a streamed selection's ids may get listed later, by fetch(): its identity is its count alone)
+  const std::vector<std::string>* keys = !client_ ? &lines_ : d_.shuffle == recipe::Shuffle::Stream ? nullptr : &ids_;
+  nlohmann::json digest = nullptr;
+  if (keys) {
+    uint64_t h = 0xcbf29ce484222325ULL;
+    const auto add = [&h](unsigned char c) { h = (h ^ c) * 0x100000001b3ULL; };
+    for (const std::string& k : *keys) {
+      for (const char c : k) add(static_cast<unsigned char>(c));
+      add('\n');
+    }
+    digest = fmt::format("{:016x}", h);
+  }
+  return {{"documents", size_}, {"digest", digest}};
+}
+
 std::string Documents::server() const { return client_ ? "MongoDB at " + client_->redacted_uri() : d_.path; }
 
 std::vector<Document> Documents::fetch(const std::vector<int64_t>& positions) const {
@@ -180,11 +206,11 @@ std::vector<Found> Documents::run(int64_t pos, const std::string& after, int64_t
 }
 
 std::optional<std::string> Documents::shared_with(const Documents& other) const {
-  if (!client_ && !other.client_) {
-    std::unordered_map<std::string_view, size_t> mine;
-    for (size_t i = 0; i < lines_.size(); ++i) mine.emplace(lines_[i], i);
+  if (!client_ && !other.client_) {  // the same document, however it was written (spacing, key order, CRLF)
+    std::unordered_map<std::string, size_t> mine;
+    for (size_t i = 0; i < lines_.size(); ++i) mine.emplace(canonical_line(lines_[i]), i);
     for (size_t i = 0; i < other.lines_.size(); ++i)
-      if (const auto it = mine.find(other.lines_[i]); it != mine.end())
+      if (const auto it = mine.find(canonical_line(other.lines_[i])); it != mine.end())
         return fmt::format("document #{} (document #{} of {})", i, it->second, d_.path);
     return std::nullopt;
   }

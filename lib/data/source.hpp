@@ -65,6 +65,9 @@ class Documents {
   std::string describe() const;
   // "mongodb://host:port/" (password redacted) or the JSONL path: who to blame in errors.
   std::string server() const;
+  // What the selection is, to tell later whether it changed: {"documents": N, "digest": FNV-1a 64
+  // of the ids (MongoDB) or lines (JSONL) in order, as hex; null when streamed: never listed}.
+  nlohmann::json identity() const;
   // The documents at these positions, in order (null where one vanished, discarded where one is
   // not JSON or not UTF-8).
   std::vector<Document> fetch(const std::vector<int64_t>& positions) const;

@@ -159,7 +159,7 @@ void read_opt(const Reader& r, ModelConfig& c) {
   c.intermediate_size = r.get<int64_t>("ffn_dim");
   c.num_layers = r.get<int64_t>("num_hidden_layers");
   c.num_heads = c.num_kv_heads = r.get<int64_t>("num_attention_heads");
-  c.head_dim = c.hidden_size / c.num_heads;
+  c.head_dim = c.num_heads > 0 ? c.hidden_size / c.num_heads : 0;  // (0 heads: refused below)
   c.max_positions = r.get<int64_t>("max_position_embeddings", 2048);
   c.norm_eps = 1e-5;
   c.tie_word_embeddings = r.get<bool>("tie_word_embeddings", true);
@@ -177,7 +177,7 @@ void read_gpt2(const Reader& r, ModelConfig& c) {
   c.intermediate_size = r.get<int64_t>("n_inner", 4 * c.hidden_size);
   c.num_layers = r.get<int64_t>("n_layer");
   c.num_heads = c.num_kv_heads = r.get<int64_t>("n_head");
-  c.head_dim = c.hidden_size / c.num_heads;
+  c.head_dim = c.num_heads > 0 ? c.hidden_size / c.num_heads : 0;
   c.max_positions = r.get<int64_t>("n_positions", 1024);
   c.norm_eps = r.get<double>("layer_norm_epsilon", 1e-5);
   c.tie_word_embeddings = r.get<bool>("tie_word_embeddings", true);

@@ -7,6 +7,7 @@
 #include <span>
 
 #include "util/error.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::model {
 
@@ -52,6 +53,11 @@ ModelConfig llama_config(const io::GgufFile& f, const std::string& arch) {
   c.max_positions = f.get_int(key("context_length"), 2048);
   c.norm_eps = f.get_float(key("attention.layer_norm_rms_epsilon"));
   c.rope_theta = f.get_float(key("rope.freq_base"), 10000.0);
+  if (c.num_heads <= 0 || c.num_kv_heads <= 0)  // before the rotary check, which would blame the rotary size
+    throw Error(
+        fmt::format("{}: {}.attention.head_count is {} and head_count_kv {}: both must be positive; "
+                    "re-convert the model",
+                    f.path(), printable(arch), c.num_heads, c.num_kv_heads));
   const int64_t rope_dim = f.get_int(key("rope.dimension_count"), c.head_dim);
   if (rope_dim != c.head_dim)
     throw Error(
@@ -95,7 +101,7 @@ ModelConfig gguf_config(const io::GgufFile& f) {
   if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && arch != "gpt2")
     throw Error(fmt::format(
         "{}: GGUF architecture '{}' is not supported; supported: llama (mistral files are llama), qwen2, qwen3, gpt2",
-        f.path(), arch));
+        f.path(), printable(arch)));
   ModelConfig c = arch == "gpt2" ? gpt2_config(f) : llama_config(f, arch);
   const io::GgufTensorInfo* embed = f.find("token_embd.weight");
   if (!embed || embed->dims.size() != 2)

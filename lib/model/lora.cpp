@@ -219,6 +219,11 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
           "was made for another base model",
           weights_path.string(), key, fmt::join(files.info(key).shape, ", "), cfg.r, fmt::join(want, ", ")));
     }
+    if (!at::isfinite(t).all().item<bool>())  // merged, evaluated or trained on, it would only spread
+      throw Error(fmt::format(
+          "{}: '{}' holds non-finite values (NaN or infinity, in {}): the adapter is damaged or its training "
+          "diverged; use an earlier checkpoint",
+          weights_path.string(), key, c10::toString(dtype)));
     (is_a ? l->lora_a : l->lora_b) = t.set_requires_grad(true);
     l->scaling = cfg.scaling();
     l->dropout = cfg.dropout;

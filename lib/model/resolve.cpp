@@ -50,12 +50,12 @@ std::string resolve_model_path(const std::string& path_or_id) {
     if (!best.empty()) return best.string();
   }
   if (!id_like)
-    throw Error(
+    throw ConfigError(
         fmt::format("model directory '{}' does not exist: model.path must be a Hugging Face model "
                     "directory (config.json, *.safetensors, tokenizer.json) or a model id in the local "
                     "HF cache",
                     path_or_id));
-  throw Error(
+  throw ConfigError(
       fmt::format("model '{}' is neither a directory nor in the local Hugging Face cache ({}): "
                   "lorarun never downloads; fetch it where the hub is reachable (huggingface-cli "
                   "download {}) and copy the directory or cache here",

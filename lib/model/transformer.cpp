@@ -15,6 +15,7 @@
 #include "model/resolve.hpp"
 #include "model/weights.hpp"
 #include "recipe/recipe.hpp"
+#include "tokenizer/tokenizer.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::model {
@@ -573,6 +574,28 @@ at::ScalarType dtype_of(recipe::Dtype d) {
       return at::kFloat;
   }
   throw Error("unknown model.dtype");
+}
+
+std::optional<int64_t> CausalLM::position_limit() const {
+  if (!embed_positions_.defined()) return std::nullopt;
+  return embed_positions_.size(0) - (config_.family == Family::Opt ? 2 : 0);  // opt's table is offset by 2
+}
+
+void CausalLM::check_length(int64_t tokens, const std::string& what) const {
+  const std::optional<int64_t> limit = position_limit();
+  if (limit && tokens > *limit)
+    throw ConfigError(fmt::format("{} passes the {} positions {} has ({} {}): keep it at most {}", what, *limit, dir_,
+                                  config_.family == Family::Gpt2 ? "n_positions" : "max_position_embeddings", *limit,
+                                  *limit));
+}
+
+void CausalLM::check_tokenizer(const tok::Tokenizer& tokenizer) const {
+  const int64_t ids = tokenizer.id_bound(), rows = embed_tokens_.size(0);
+  if (ids > rows)
+    throw ConfigError(fmt::format(
+        "{}: its tokenizer makes ids up to {} but its embedding has {} rows (vocab_size {}): the tokenizer and the "
+        "weights are not of one model; use the model's own tokenizer files",
+        dir_, ids - 1, rows, config_.vocab_size));
 }
 
 }  // namespace lorarun::model

@@ -15,6 +15,10 @@ namespace lorarun::recipe {
 enum class Dtype;
 }
 
+namespace lorarun::tok {
+class Tokenizer;
+}
+
 namespace lorarun::model {
 
 class WeightSource;
@@ -88,6 +92,15 @@ class CausalLM {
 
   const ModelConfig& config() const { return config_; }
   const std::string& dir() const { return dir_; }  // the model directory, or the .gguf file
+  // The longest sequence it takes: its learned position table's length (opt, gpt2); none for the
+  // rotary families, whose positions are computed.
+  std::optional<int64_t> position_limit() const;
+  // Throws ConfigError naming the model and `what` ("data.max_length 1024") when `tokens` passes
+  // position_limit().
+  void check_length(int64_t tokens, const std::string& what) const;
+  // Throws ConfigError when `tokenizer` makes ids the embedding has no row for: an id past its
+  // rows would fail deep in the forward pass.
+  void check_tokenizer(const tok::Tokenizer& tokenizer) const;
   at::ScalarType dtype() const { return dtype_; }
   at::Device device() const { return device_; }
 

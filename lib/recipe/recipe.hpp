@@ -150,6 +150,7 @@ struct DataSection {
   ChatFormat chat_format = ChatFormat::ChatML;
   std::string chat_template;  // a .jinja file; empty: the model's own template
   nlohmann::json chat_template_kwargs = nlohmann::json::object();
+  int64_t chat_template_fuel = 10'000'000;  // what one render may spend (minijinja's fuel)
   bool train_on_input = false;
   int max_length = 1024;
   Overlong overlong = Overlong::Truncate;

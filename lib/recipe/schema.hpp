@@ -148,6 +148,11 @@ void for_each_key(R& r, V&& v) {
         .meaning =
             "chat_format: template: more variables for the template, as apply_chat_template's extra keyword arguments"},
     r.data.chat_template_kwargs);
+  v(Key{.name = "data.chat_template_fuel",
+        .bound = at_least(1000),
+        .meaning = "chat_format: template: the most work one rendering may do (minijinja fuel, ~1 per instruction); "
+                   "more makes a bad document"},
+    r.data.chat_template_fuel);
   v(Key{.name = "data.train_on_input",
         .meaning = "train on the prompt (instruction) or on every turn (chat) too, not only the response"},
     r.data.train_on_input);

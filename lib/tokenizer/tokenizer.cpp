@@ -516,6 +516,13 @@ size_t Tokenizer::vocab_size() const {
   return n;
 }
 
+int64_t Tokenizer::id_bound() const {
+  int64_t top = -1;
+  for (const auto& [token, id] : impl_->model->vocab()) top = std::max<int64_t>(top, id);
+  for (const AddedToken& a : impl_->added->tokens()) top = std::max<int64_t>(top, a.id);
+  return top + 1;
+}
+
 std::optional<int32_t> Tokenizer::bos_id() const { return impl_->bos; }
 std::optional<int32_t> Tokenizer::eos_id() const { return impl_->eos; }
 std::optional<int32_t> Tokenizer::pad_id() const { return impl_->pad; }

@@ -56,6 +56,9 @@ class Tokenizer {
   std::optional<std::string> id_to_token(int32_t id) const;
   // Distinct tokens of the model vocabulary and the added tokens (HF's get_vocab_size(True)).
   size_t vocab_size() const;
+  // One past the largest id the tokenizer can produce (vocabulary and added tokens): the rows an
+  // embedding needs.
+  int64_t id_bound() const;
 
   // From tokenizer_config.json / special_tokens_map.json; nullopt when not configured.
   std::optional<int32_t> bos_id() const;

@@ -1,6 +1,7 @@
 #include "track/artifacts.hpp"
 
 #include <fmt/format.h>
+#include <unistd.h>
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
@@ -11,9 +12,11 @@
 
 #include "data/mongo.hpp"
 #include "data/mongo_handles.hpp"
+#include "io/files.hpp"
 #include "io/sha256.hpp"
 #include "util/error.hpp"
 #include "util/secrets.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::track {
 namespace {
@@ -68,15 +71,6 @@ ArtifactFile from_files_doc(const json& doc) {
           .file_id = doc.contains("_id") && doc["_id"].is_object() ? doc["_id"].value("$oid", "") : ""};
 }
 
-// A relative file name that stays inside the directory it is written to.
-bool safe_name(const std::string& name) {
-  const fs::path p(name);
-  if (name.empty() || p.is_absolute()) return false;
-  for (const fs::path& part : p)
-    if (part == "..") return false;
-  return true;
-}
-
 }  // namespace
 
 struct ArtifactStore::Impl {
@@ -103,6 +97,9 @@ struct ArtifactStore::Impl {
   // (the driver's download stream asks for every chunk in one reply, which FerretDB sends whole).
   template <class Take>
   void each_chunk(const std::string& file_id, const std::string& what, Take take);
+  // Writes GridFS file f.file_id to `path` (its directory made), checked against f's size and
+  // sha256; a mismatch or a failure removes what was written and throws one line.
+  void fetch_file(const std::string& run_id, const std::string& artifact, const ArtifactFile& f, const fs::path& path);
   // Throws the driver's error `e` as one line beginning with `what`.
   [[noreturn]] void fail(const bson_error_t& e, const std::string& what) const { client.fail(e, what); }
 };
@@ -245,6 +242,33 @@ void ArtifactStore::Impl::each_chunk(const std::string& file_id, const std::stri
   if (mongoc_cursor_error(cur.get(), &error)) fail(error, what);
 }
 
+void ArtifactStore::Impl::fetch_file(const std::string& run_id, const std::string& artifact, const ArtifactFile& f,
+                                     const fs::path& path) {
+  const std::string what =
+      fmt::format("downloading {} of {}/{} from GridFS at {} failed", f.name, run_id, artifact, client.redacted_uri());
+  fs::create_directories(path.parent_path());
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw Error(fmt::format("cannot write {}: check that the directory is writable", path.string()));
+  io::Sha256 sha;
+  int64_t got = 0;
+  each_chunk(f.file_id, what, [&](const uint8_t* data, uint32_t n) {
+    got += n;
+    if (got > f.bytes)  // never more than the record says: a file is not allowed to fill the disk
+      throw Error(fmt::format("{} of {}/{} in GridFS is damaged: it holds more than the {} bytes its record says",
+                              f.name, run_id, artifact, f.bytes));
+    sha.update(data, n);
+    out.write(reinterpret_cast<const char*>(data), n);
+  });
+  out.close();
+  if (!out) throw Error(fmt::format("writing {} failed (is the disk full?)", path.string()));
+  const std::string hex = sha.hex();
+  if (got != f.bytes || hex != f.sha256)
+    throw Error(
+        fmt::format("{} of {}/{} in GridFS is damaged: {} bytes with sha256 {}, its record says {} bytes with "
+                    "sha256 {}; nothing was kept",
+                    f.name, run_id, artifact, got, hex, f.bytes, f.sha256));
+}
+
 std::vector<ArtifactFile> ArtifactStore::upload(const std::string& run_id, const std::string& artifact,
                                                 const std::string& dir) {
   const auto t0 = Clock::now();
@@ -320,48 +344,37 @@ std::vector<ArtifactFile> ArtifactStore::list(const std::string& run_id, const s
   return out;
 }
 
-std::vector<ArtifactFile> ArtifactStore::download(const std::string& run_id, const std::string& artifact,
-                                                  const std::string& dir) {
-  const std::vector<ArtifactFile> files = list(run_id, artifact);
+void ArtifactStore::download(const std::string& run_id, const std::string& artifact,
+                             const std::vector<ArtifactFile>& files, const std::string& dir) {
+  check_run_id(run_id, "the run to download from is");
+  check_artifact_name(artifact, fmt::format("run {} lists an artifact named", run_id));
   if (files.empty())
     throw Error(fmt::format("run {} has no artifact '{}' in GridFS {}.{} at {}: `lora-runs show {}` lists what it has",
                             run_id, artifact, impl_->database, kBucket, impl_->client.redacted_uri(), run_id));
-  for (const ArtifactFile& f : files) {
-    if (!safe_name(f.name))
-      throw Error(fmt::format("GridFS file {} of run {} is named '{}', which leaves the directory: refusing it",
-                              f.file_id, run_id, scrub(f.name)));
-    const fs::path path = fs::path(dir) / f.name;
-    fs::create_directories(path.parent_path());
-    const fs::path tmp = path.string() + ".part";
-    const std::string what = fmt::format("downloading {} of {}/{} from GridFS at {} failed", scrub(f.name), run_id,
-                                         artifact, impl_->client.redacted_uri());
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw Error(fmt::format("cannot write {}: check that the directory is writable", tmp.string()));
-    io::Sha256 sha;
-    int64_t got = 0;
-    try {
-      impl_->each_chunk(f.file_id, what, [&](const uint8_t* data, uint32_t n) {
-        sha.update(data, n);
-        out.write(reinterpret_cast<const char*>(data), n);
-        got += n;
-      });
-    } catch (...) {
-      out.close();
-      fs::remove(tmp);
-      throw;
-    }
-    out.close();
-    const std::string hex = sha.hex();
-    if (!out || got != f.bytes || hex != f.sha256) {
-      fs::remove(tmp);
-      throw Error(
-          fmt::format("{} of {}/{} in GridFS is damaged: {} bytes with sha256 {}, its metadata says {} bytes "
-                      "with sha256 {}; nothing was kept",
-                      scrub(f.name), run_id, artifact, got, hex, f.bytes, f.sha256));
-    }
-    fs::rename(tmp, path);
+  for (const ArtifactFile& f : files)
+    check_relative_file_name(f.name, fmt::format("run {} lists a file of {} named", run_id, artifact));
+  std::error_code ec;
+  if (fs::exists(dir) && !(fs::is_directory(dir, ec) && fs::is_empty(dir, ec)))
+    throw Error(fmt::format("{} exists and is not empty: download into a new directory, or remove it first", dir));
+  const fs::path tmp = fmt::format("{}.part.{}", dir, getpid());
+  fs::remove_all(tmp, ec);
+  try {
+    for (const ArtifactFile& f : files) impl_->fetch_file(run_id, artifact, f, tmp / f.name);
+    io::sync_dir(tmp.string());
+    fs::rename(tmp, dir);  // (over an empty directory, as rename(2) allows)
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
   }
-  return files;
+}
+
+json ArtifactStore::run_record(const std::string& run_id) {
+  check_run_id(run_id, "the run named is");
+  const std::vector<json> found = impl_->client.find(impl_->database, "runs", {{"_id", {{"$oid", run_id}}}}, 1);
+  if (found.empty())
+    throw Error(fmt::format("no run {} in {}.runs at {}: `lora-runs list --db {}` shows the runs there", run_id,
+                            impl_->database, impl_->client.redacted_uri(), impl_->database));
+  return found.front();
 }
 
 int64_t ArtifactStore::remove(const std::string& run_id, const std::string& artifact) {
@@ -374,6 +387,62 @@ std::pair<std::string, std::string> split_run_ref(const std::string& ref) {
   const size_t slash = ref.find('/');
   if (slash == std::string::npos) return {ref, ""};
   return {ref.substr(0, slash), ref.substr(slash + 1)};
+}
+
+}  // namespace lorarun::track
+
+namespace lorarun::track {
+
+std::vector<std::string> recorded_artifacts(const json& run) {
+  const std::string id = run.contains("_id") && run["_id"].is_object() ? run["_id"].value("$oid", "") : "";
+  const json list = run.value("artifacts", json::array());
+  if (!list.is_array()) throw Error(fmt::format("run {}: its record's artifacts are not a list", printable(id)));
+  std::vector<std::string> out;
+  for (const json& a : list) {
+    const std::string name = a.is_object() && a.contains("artifact") && a["artifact"].is_string()
+                                 ? a["artifact"].get<std::string>()
+                                 : a.dump();
+    check_artifact_name(name, fmt::format("run {} lists an artifact named", printable(id)));
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+  }
+  return out;
+}
+
+std::vector<ArtifactFile> recorded_files(const json& run, const std::string& artifact) {
+  const std::string id = run.contains("_id") && run["_id"].is_object() ? run["_id"].value("$oid", "") : "";
+  const std::string where = fmt::format("run {}", printable(id));
+  std::vector<ArtifactFile> out;
+  for (const std::string& name : recorded_artifacts(run)) {
+    if (name != artifact) continue;
+    for (const json& a : run["artifacts"]) {
+      if (a.value("artifact", "") != artifact) continue;
+      const json files = a.value("files", json::array());
+      if (!files.is_array()) throw Error(fmt::format("{}: the files of {} in its record are not a list", where, name));
+      for (const json& f : files) {
+        const auto text = [&](const char* key) {
+          return f.is_object() && f.contains(key) && f[key].is_string() ? f[key].get<std::string>() : std::string();
+        };
+        ArtifactFile file{.artifact = artifact,
+                          .name = text("name"),
+                          .bytes = -1,
+                          .sha256 = text("sha256"),
+                          .file_id = text("file_id")};
+        if (f.is_object() && f.contains("bytes") && f["bytes"].is_number_integer())
+          file.bytes = f["bytes"].get<int64_t>();
+        check_relative_file_name(file.name, fmt::format("{} lists a file of {} named", where, name));
+        const bool sha_ok = file.sha256.size() == 64 && std::all_of(file.sha256.begin(), file.sha256.end(), [](char c) {
+                              return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+                            });
+        if (!is_run_id(file.file_id) || !sha_ok || file.bytes < 0)
+          throw Error(
+              fmt::format("{} lists {} of {} without a valid GridFS id, size and sha256: the record was not "
+                          "written by lora-train; refusing it",
+                          where, file.name, name));
+        out.push_back(std::move(file));
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace lorarun::track

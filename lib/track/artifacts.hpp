@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -49,9 +50,17 @@ class ArtifactStore {
   // sorted by artifact and name.
   std::vector<ArtifactFile> list(const std::string& run_id, const std::string& artifact = {});
 
-  // Writes `artifact`'s files under `dir` (created), each checked against its sha256 while it is
-  // written; a mismatch removes the file and throws. Returns the files written.
-  std::vector<ArtifactFile> download(const std::string& run_id, const std::string& artifact, const std::string& dir);
+  // Writes `files` of `artifact` of run `run_id` (as the run record lists them: names, sizes,
+  // sha256 and GridFS ids) into the new directory `dir`: first into a temporary sibling, each
+  // file checked against its sha256 as it is written, then renamed to `dir`, so a failure
+  // leaves nothing. Every name is checked first (artifact, relative file names: see
+  // util/untrusted.hpp); `dir` must not exist yet. Throws one line naming the file and run.
+  void download(const std::string& run_id, const std::string& artifact, const std::vector<ArtifactFile>& files,
+                const std::string& dir);
+
+  // The run document `run_id` of <database>.runs (relaxed extended JSON), whose "artifacts" list
+  // (recorded_files) says what the run stored; lorarun::Error naming the run when there is none.
+  nlohmann::json run_record(const std::string& run_id);
 
   // Removes the files of `artifact` (every artifact of the run when empty); returns how many.
   int64_t remove(const std::string& run_id, const std::string& artifact = {});
@@ -66,5 +75,14 @@ class ArtifactStore {
 
 // Splits "ID[/ARTIFACT]" into its parts (artifact empty when not given).
 std::pair<std::string, std::string> split_run_ref(const std::string& ref);
+
+// The files of artifact `artifact` that the run document `run` (relaxed extended JSON of
+// <db>.runs) lists in its "artifacts" array: the record is what a reader trusts, not whatever
+// GridFS holds under that name. Every name, id and checksum is checked (lorarun::Error naming
+// the run and the entry when one is malformed); empty when the run lists no such artifact.
+std::vector<ArtifactFile> recorded_files(const nlohmann::json& run, const std::string& artifact);
+
+// The artifacts `run` lists, each name checked, in the record's order.
+std::vector<std::string> recorded_artifacts(const nlohmann::json& run);
 
 }  // namespace lorarun::track

@@ -10,6 +10,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -287,6 +288,7 @@ struct MlflowRun::Impl {
   // The sender's own: the run, and whether the server failed (then nothing more is sent).
   std::unique_ptr<Http> http;
   std::string run_id, experiment_id, artifact_uri;
+  std::map<std::string, int64_t> logged;  // resumed: the highest step each metric already has
   bool dead = false, warned = false;
 
   explicit Impl(MlflowOptions options) : o(std::move(options)) {
@@ -319,10 +321,16 @@ struct MlflowRun::Impl {
   // One job to the server, unless it already failed.
   void send(const Job& job) {
     switch (job.kind) {
-      case Job::Kind::Metrics:
+      case Job::Kind::Metrics: {
+        json fresh = json::array();  // a resumed run logs again the steps after its last state: once is enough
+        for (const json& m : job.metrics)
+          if (const auto it = logged.find(m["key"].get<std::string>()); it == logged.end() || m["step"] > it->second)
+            fresh.push_back(m);
+        if (fresh.empty()) break;
         attempt("logging metrics",
-                [&] { http->call("/api/2.0/mlflow/runs/log-batch", {{"run_id", run_id}, {"metrics", job.metrics}}); });
+                [&] { http->call("/api/2.0/mlflow/runs/log-batch", {{"run_id", run_id}, {"metrics", fresh}}); });
         break;
+      }
       case Job::Kind::Artifacts:
         attempt("uploading the adapter", [&] { upload(job.dir, job.path); });
         break;
@@ -427,6 +435,16 @@ struct MlflowRun::Impl {
     if (run.at("info").value("lifecycle_stage", "active") == "deleted") return false;
     run_id = run["info"].at("run_id").get<std::string>();
     experiment_id = run["info"].value("experiment_id", "");
+    // The last step each metric reached (a run's latest metrics are its highest step's): a run
+    // resumed after a crash repeats the steps since its last saved state, which MLflow has.
+    if (run.contains("data") && run["data"].contains("metrics") && run["data"]["metrics"].is_array())
+      for (const json& m : run["data"]["metrics"]) {
+        if (!m.contains("key") || !m["key"].is_string() || !m.contains("step")) continue;
+        const json& step = m["step"];  // an int64: a number, or a string as protobuf's JSON writes it
+        if (step.is_number_integer()) logged[m["key"].get<std::string>()] = step.get<int64_t>();
+        if (step.is_string())
+          logged[m["key"].get<std::string>()] = std::strtoll(step.get<std::string>().c_str(), nullptr, 10);
+      }
     artifact_uri = run["info"].value("artifact_uri", "");
     http->call("/api/2.0/mlflow/runs/update", {{"run_id", run_id}, {"status", "RUNNING"}});
     info(fmt::format("MLflow run {} continued: {}/#/experiments/{}/runs/{}", run_id, shown, experiment_id, run_id));

@@ -6,11 +6,13 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <system_error>
 
 #include "track/artifacts.hpp"
 #include "util/error.hpp"
 #include "util/secrets.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::track {
 namespace {
@@ -19,11 +21,11 @@ namespace fs = std::filesystem;
 
 constexpr auto kTimeout = std::chrono::seconds(20);
 
-// The last epoch_<i> the run stored; lorarun::Error naming the run when none.
-std::string last_epoch(ArtifactStore& store, const std::string& id, const std::string& spec) {
+// The last epoch_<i> the run's record lists; lorarun::Error naming the run when none.
+std::string last_epoch(const nlohmann::json& run, const std::string& spec) {
   int last = -1;
-  for (const ArtifactFile& f : store.list(id))
-    if (f.artifact.rfind("epoch_", 0) == 0) last = std::max(last, std::atoi(f.artifact.c_str() + 6));
+  for (const std::string& a : recorded_artifacts(run))
+    if (a.starts_with("epoch_")) last = std::max(last, std::atoi(a.c_str() + 6));
   if (last < 0)
     throw Error(
         fmt::format("--adapter {}: the run stored no epoch adapter in GridFS; name one (…/best, …/epoch_N) or "
@@ -46,21 +48,19 @@ AdapterSource::AdapterSource(const std::string& spec) {
     throw Error(fmt::format("--adapter {}: expected mongodb-run:DATABASE/ID[/epoch_N|/best]", scrub(spec)));
   const std::string db = ref.substr(0, slash);
   auto [id, artifact] = split_run_ref(ref.substr(slash + 1));
+  check_database_name(db, "--adapter mongodb-run: names the database");
+  check_run_id(id, "--adapter mongodb-run: names the run");
+  if (!artifact.empty()) check_artifact_name(artifact, "--adapter mongodb-run: names the artifact");
   const char* uri = std::getenv("LORARUN_MONGODB_URI");
   if (!uri || !*uri)
     throw Error(fmt::format("--adapter {} needs LORARUN_MONGODB_URI: set it to the run's server", spec));
   register_uri_secret(uri);
   ArtifactStore store(uri, db, kTimeout);
-  if (artifact.empty()) artifact = last_epoch(store, id, spec);
+  const nlohmann::json run = store.run_record(id);
+  if (artifact.empty()) artifact = last_epoch(run, spec);
   temp_ = (fs::temp_directory_path() / fmt::format("lorarun-adapter-{}-{}", ::getpid(), id)).string();
   fs::remove_all(temp_);
-  try {
-    store.download(id, artifact, temp_);
-  } catch (...) {
-    std::error_code ec;
-    fs::remove_all(temp_, ec);
-    throw;
-  }
+  store.download(id, artifact, recorded_files(run, artifact), temp_);  // leaves nothing when it fails
   dir_ = temp_;
 }
 

@@ -2,18 +2,49 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <fmt/format.h>
+
+#include <algorithm>
 
 #include "data/collate.hpp"
 #include "data/mongo.hpp"
 #include "data/source.hpp"
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
+#include "util/error.hpp"
 
 namespace lorarun::train {
 
+void require_scored_token(const data::Documents& docs, const data::ExampleBuilder& builder, const std::string& what) {
+  constexpr int64_t kChunk = 64;
+  const std::vector<std::string> fields = builder.fields();
+  int64_t rejected = 0;
+  for (int64_t first = 0; first < docs.size(); first += kChunk) {
+    std::vector<int64_t> positions;
+    for (int64_t p = first; p < std::min(docs.size(), first + kChunk); ++p) positions.push_back(p);
+    for (const data::Found& f : docs.fetch_found(positions, fields)) {
+      const data::Built built = data::build_found(builder, f);
+      const auto* ex = std::get_if<data::Example>(&built);
+      if (!ex) {
+        ++rejected;
+        continue;
+      }
+      // scored: a label after the first position (the loss predicts token t from those before it)
+      if (std::any_of(ex->labels.begin() + std::min<size_t>(1, ex->labels.size()), ex->labels.end(),
+                      [](int32_t l) { return l != data::kIgnoreIndex; }))
+        return;
+    }
+  }
+  throw ConfigError(
+      fmt::format("the evaluation documents ({}) hold no token to score: {} of {} were rejected (bad, or longer than "
+                  "data.max_length with data.overlong=skip) and the others have no trained token; fix the eval: "
+                  "selection or the data.* keys",
+                  what, rejected, docs.size()));
+}
+
 EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data::ExampleBuilder& builder,
-                    const recipe::Recipe& r, int rank, int world, const c10::Device& device,
-                    const PerDocument& per_doc) {
+                    const recipe::Recipe& r, int rank, int world, const c10::Device& device, const PerDocument& per_doc,
+                    const StopCheck& stop) {
   const int64_t n = docs.size();
   const int64_t per_batch = per_doc ? 1 : r.eval.batch_size.value_or(r.data.batch_size);
   const std::vector<std::string> fields = builder.fields();
@@ -22,13 +53,17 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
   const bool was_training = m.training;
   m.training = false;
   // Sharded base on several ranks: every rank runs as many passes as rank 0, which has the most
-  // batches, so that every rank joins every gather.
+  // batches, so that every rank joins every gather; and so that every rank asks `stop` alike.
   const bool join = m.base_sharded() && world > 1;
   const int64_t stride = per_batch * world;
-  const int64_t passes = join ? (n + stride - 1) / stride : 0;
+  const int64_t passes = join || stop ? (n + stride - 1) / stride : 0;
   for (int64_t first = rank, pass = 0; first < n || pass < passes; first += stride, ++pass) {
+    if (stop && stop()) {
+      sums.stopped = true;
+      break;
+    }
     if (first >= n) {
-      m.idle_pass(false, r.data.packing);
+      if (join) m.idle_pass(false, r.data.packing);
       continue;
     }
     std::vector<int64_t> positions;

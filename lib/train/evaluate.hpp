@@ -22,13 +22,23 @@ class ExampleBuilder;
 
 namespace lorarun::train {
 
+// Throws ConfigError, naming `what` (the eval selection) and how many documents were rejected, when
+// no document of `docs` built by `builder` has a token to score: an evaluation that could only
+// fail is refused before training, not after an epoch. Reads documents until the first that has.
+void require_scored_token(const data::Documents& docs, const data::ExampleBuilder& builder, const std::string& what);
+
 // One rank's sums (float64), to be added across ranks.
 struct EvalSums {
   double loss = 0;        // summed token losses
   int64_t tokens = 0;     // trained (scored) tokens
   int64_t documents = 0;  // documents built into examples
   int64_t rejected = 0;   // documents the builder rejected (bad, overlong with overlong=skip)
+  bool stopped = false;   // `stop` said so before the last batch: the sums are partial, to be dropped
 };
+
+// Asked before each batch: whether any rank was asked to stop. A collective when the ranks must
+// agree (every rank then calls it equally often: as many times as rank 0 has batches).
+using StopCheck = std::function<bool()>;
 
 // A document's own figures (lora-eval --per-doc): its id ("#3", "_id 7"), tokens, summed loss.
 using PerDocument = std::function<void(const std::string& id, int64_t tokens, double loss)>;
@@ -36,9 +46,10 @@ using PerDocument = std::function<void(const std::string& id, int64_t tokens, do
 // This rank's share of `docs` through `m` in eval mode (no dropout) without gradients, in batches
 // of eval.batch_size (default data.batch_size) documents, collated as training collates
 // (data.packing, data.max_length). With `per_doc`, one document per forward pass, each reported.
-// Leaves m.training as it found it.
+// With `stop`, every rank runs as many passes as rank 0 and asks it before each; when it says
+// stop, the evaluation ends there (EvalSums::stopped). Leaves m.training as it found it.
 EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data::ExampleBuilder& builder,
                     const recipe::Recipe& r, int rank, int world, const c10::Device& device,
-                    const PerDocument& per_doc = {});
+                    const PerDocument& per_doc = {}, const StopCheck& stop = {});
 
 }  // namespace lorarun::train

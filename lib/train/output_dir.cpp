@@ -12,6 +12,9 @@
 
 #include "io/files.hpp"
 #include "util/error.hpp"
+#include "util/log.hpp"
+#include "util/process.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::train {
 namespace {
@@ -23,12 +26,7 @@ std::string holder_text(int fd) {
   const ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
   std::string s(buf, n > 0 ? static_cast<size_t>(n) : 0);
   while (!s.empty() && (s.back() == '\n' || s.back() == '\0')) s.pop_back();
-  return s.empty() ? "another process" : s;
-}
-
-std::string host_name() {
-  char h[256] = {};
-  return gethostname(h, sizeof h - 1) == 0 ? h : "?";
+  return s.empty() ? "another process" : printable(s);
 }
 
 }  // namespace
@@ -36,24 +34,24 @@ std::string host_name() {
 OutputDirLock::OutputDirLock(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
+  if (ec)
+    throw ConfigError(fmt::format("cannot create checkpoint.output_dir {}: {}: choose a directory this user may write",
+                                  dir, ec.message()));
   const std::string path = (fs::path(dir) / ".lock").string();
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0)
-    throw Error(fmt::format("cannot create {}: {}: checkpoint.output_dir must be a writable directory", path,
-                            std::strerror(errno)));
+    throw ConfigError(fmt::format("cannot create {}: {}: checkpoint.output_dir must be a writable directory", path,
+                                  std::strerror(errno)));
   if (flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const std::string who = holder_text(fd_);
     ::close(fd_);
     fd_ = -1;
-    throw Error(
+    throw ConfigError(
         fmt::format("checkpoint.output_dir {} is in use by another run ({}): wait for it to end, or give this "
                     "run another checkpoint.output_dir",
                     dir, who));
   }
-  char stamp[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  const std::string me = fmt::format("pid {} on {}, since {}\n", getpid(), host_name(), stamp);
+  const std::string me = fmt::format("pid {} on {}, since {}\n", getpid(), host_name(), utc_stamp());
   if (ftruncate(fd_, 0) != 0 || pwrite(fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
     // The lock holds either way; only the holder's description is missing.
   }
@@ -78,7 +76,7 @@ void claim_output_dir(const std::string& dir, bool overwrite, bool may_resume) {
                                   j.value("finished", std::string("?")), j.value("steps", int64_t{0}))
                     : "a finished run";
   if (!overwrite)
-    throw Error(
+    throw ConfigError(
         fmt::format("checkpoint.output_dir {} holds the adapters of another run ({}): choose another "
                     "checkpoint.output_dir, or set checkpoint.overwrite=true to replace them",
                     dir, what));

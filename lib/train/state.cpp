@@ -14,6 +14,7 @@
 #include "io/sha256.hpp"
 #include "model/lora.hpp"
 #include "util/error.hpp"
+#include "util/log.hpp"
 
 namespace lorarun::train {
 namespace {
@@ -46,7 +47,7 @@ void check_same_recipe(const nlohmann::json& saved, const nlohmann::json& now, c
     if (it == a.end() && key == "eval.fraction" && value == 0.0) continue;  // a state from before eval:
     const std::string was = it == a.end() ? "(absent)" : it->second.dump();
     if (was != value.dump())
-      throw Error(
+      throw ConfigError(
           fmt::format("the resumable state in {} was written with {} = {}, this run has {}: resume with the "
                       "same recipe, or set checkpoint.resume=never to start over (the state is then replaced)",
                       where, key, was, value.dump()));
@@ -72,7 +73,7 @@ void write_manifest(const fs::path& dir) {
 }
 
 [[noreturn]] void refuse(const fs::path& dir, const std::string& problem) {
-  throw Error(
+  throw ConfigError(
       fmt::format("the resumable state in {} {}: restore it, or set checkpoint.resume=never to start over (the "
                   "state is then replaced)",
                   dir.string(), problem));
@@ -97,14 +98,28 @@ void verify_manifest(const fs::path& dir) {
 void check_counters(const fs::path& dir, const Progress& p, const RunShape& shape) {
   if (p.epoch < 0 || p.epoch >= shape.epochs)
     refuse(dir, fmt::format("is at epoch {}, outside this run's epochs 0..{}", p.epoch, shape.epochs - 1));
-  if (p.step_in_epoch < 0 || p.step_in_epoch >= shape.steps_per_epoch)
+  const int64_t last = shape.steps_per_epoch - (p.pending_eval ? 0 : 1);  // (the epoch's end may be pending)
+  if (p.step_in_epoch < 0 || p.step_in_epoch > last)
     refuse(dir, fmt::format("is at step {} of epoch {}, outside 0..{} (steps per epoch of this run)", p.step_in_epoch,
-                            p.epoch, shape.steps_per_epoch - 1));
+                            p.epoch, last));
   if (p.step != int64_t{p.epoch} * shape.steps_per_epoch + p.step_in_epoch)
     refuse(dir, fmt::format("counts {} steps in all, but epoch {} step {} with {} steps per epoch make {} (did the "
                             "data selection change?)",
                             p.step, p.epoch, p.step_in_epoch, shape.steps_per_epoch,
                             int64_t{p.epoch} * shape.steps_per_epoch + p.step_in_epoch));
+}
+
+// How `now` differs from `saved` (two data::Documents::identity()), in words; "" when it does not
+// or cannot be told (a state from before identities were saved).
+std::string data_change(const nlohmann::json& saved, const nlohmann::json& now) {
+  if (!saved.is_object() || !now.is_object()) return "";
+  const int64_t was = saved.value("documents", int64_t{-1}), is = now.value("documents", int64_t{-1});
+  if (was != is) return fmt::format("the selection held {} documents, and now {}", was, is);
+  const nlohmann::json a = saved.value("digest", nlohmann::json()), b = now.value("digest", nlohmann::json());
+  if (a.is_string() && b.is_string() && a != b)
+    return fmt::format("the selection held {} documents then as now, but other ones (digest {} then, {} now)", is,
+                       a.get<std::string>(), b.get<std::string>());
+  return "";
 }
 
 at::Tensor finite_tensor(const io::SafetensorsFile& f, const fs::path& dir, const std::string& name) {
@@ -178,7 +193,7 @@ void set_rng_state(const at::Tensor& bytes, bool cuda) {
 
 void save_state(const std::string& output_dir, const model::CausalLM& m, const model::LoraConfig& cfg,
                 torch::optim::AdamW& opt, const std::vector<at::Tensor>& params, const Progress& p,
-                const at::Tensor& rngs, const nlohmann::json& recipe) {
+                const at::Tensor& rngs, const nlohmann::json& recipe, const nlohmann::json& data) {
   const fs::path dir = state_dir(output_dir);
   const fs::path tmp = dir.string() + fmt::format(".tmp.{}", getpid()), old = dir.string() + ".old";
   io::remove_tree(tmp.string());
@@ -213,13 +228,9 @@ void save_state(const std::string& output_dir, const model::CausalLM& m, const m
   const nlohmann::json steering = {{"best_loss", st.best_loss ? nlohmann::json(*st.best_loss) : nlohmann::json()},
                                    {"best_step", st.best_step},
                                    {"evals_since_best", st.evals_since_best}};
-  const nlohmann::json meta = {{"epoch", p.epoch},
-                               {"step_in_epoch", p.step_in_epoch},
-                               {"step", p.step},
-                               {"run_id", p.run_id},
-                               {"world_size", rngs.size(0)},
-                               {"adam_steps", steps},
-                               {"steering", steering},
+  const nlohmann::json meta = {{"epoch", p.epoch},     {"step_in_epoch", p.step_in_epoch}, {"step", p.step},
+                               {"run_id", p.run_id},   {"world_size", rngs.size(0)},       {"adam_steps", steps},
+                               {"steering", steering}, {"pending_eval", p.pending_eval},   {"data", data},
                                {"recipe", recipe}};
   io::write_file_atomic((tmp / "state.json").string(), meta.dump(1));
   write_manifest(tmp);
@@ -246,13 +257,14 @@ std::optional<Progress> load_state(const std::string& output_dir, torch::optim::
     p = Progress{meta.at("epoch").get<int>(), meta.at("step_in_epoch").get<int64_t>(), meta.at("step").get<int64_t>(),
                  meta.at("run_id").get<std::string>(), Steering{}};
     steps = meta.at("adam_steps").get<std::vector<int64_t>>();
+    p.pending_eval = meta.value("pending_eval", false);
     if (const auto it = meta.find("steering"); it != meta.end()) {  // absent in states from before eval:
       if (!it->at("best_loss").is_null()) p.steering.best_loss = it->at("best_loss").get<double>();
       p.steering.best_step = it->at("best_step").get<int64_t>();
       p.steering.evals_since_best = it->at("evals_since_best").get<int>();
     }
     if (meta.at("world_size").get<int>() != world)
-      throw Error(
+      throw ConfigError(
           fmt::format("the resumable state in {} was written by {} ranks and this run has {}: run with {} "
                       "ranks, or set checkpoint.resume=never to start over",
                       dir.string(), meta["world_size"].get<int>(), world, meta["world_size"].get<int>()));
@@ -260,11 +272,23 @@ std::optional<Progress> load_state(const std::string& output_dir, torch::optim::
     refuse(dir, fmt::format("has a damaged state.json ({})", e.what()));
   }
   check_same_recipe(meta["recipe"], recipe, dir.string());
-  check_counters(dir, p, shape);
+  const std::string changed = data_change(meta.value("data", nlohmann::json()), shape.data);
+  try {
+    check_counters(dir, p, shape);
+  } catch (const Error& e) {
+    if (changed.empty()) throw;
+    refuse(dir, fmt::format("was written when {}, so its position does not fit", changed));
+  }
+  if (!changed.empty() && rank == 0)
+    warn(
+        fmt::format("the data changed since the resumable state in {} was written: {}; resuming at its step of the "
+                    "new selection (set checkpoint.resume=never to start over)",
+                    dir.string(), changed));
   const io::SafetensorsFile f((dir / "state.safetensors").string());
   if (steps.size() != params.size())
-    throw Error(fmt::format("{} holds {} LoRA tensors, this model has {}: set checkpoint.resume=never to start over",
-                            dir.string(), steps.size(), params.size()));
+    throw ConfigError(
+        fmt::format("{} holds {} LoRA tensors, this model has {}: set checkpoint.resume=never to start over",
+                    dir.string(), steps.size(), params.size()));
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {
     if (steps[i] < 0 || steps[i] > p.step) refuse(dir, fmt::format("counts {} AdamW steps for tensor {}", steps[i], i));

@@ -47,6 +47,8 @@ struct Progress {
   int64_t step = 0;           // optimizer steps done in all
   std::string run_id;         // the run record to continue ("" when not tracked)
   Steering steering;
+  bool pending_eval = false;  // the evaluation due after `step` was stopped: it comes first (step_in_epoch
+                              // may then equal the steps per epoch: that epoch's end is still to come)
 };
 
 // <output_dir>/resume_state: written to a temporary name and swapped in, so a reader finds
@@ -58,15 +60,17 @@ at::Tensor rng_state(bool cuda);
 void set_rng_state(const at::Tensor& bytes, bool cuda);
 
 // Writes the state (rank 0). `rngs` is [world, S] uint8: every rank's rng_state(); `recipe` the
-// run's resolved recipe as JSON (checked on resume).
+// run's resolved recipe as JSON (checked on resume); `data` the selection's identity.
 void save_state(const std::string& output_dir, const model::CausalLM& m, const model::LoraConfig& cfg,
                 torch::optim::AdamW& opt, const std::vector<at::Tensor>& params, const Progress& p,
-                const at::Tensor& rngs, const nlohmann::json& recipe);
+                const at::Tensor& rngs, const nlohmann::json& recipe, const nlohmann::json& data);
 
-// What a state's counters must fit: this run's epochs and optimizer steps per epoch.
+// What a state's counters must fit: this run's epochs and optimizer steps per epoch; and what it
+// reads (data::Documents::identity()), saved with the state and compared on resume.
 struct RunShape {
   int epochs = 0;
   int64_t steps_per_epoch = 0;
+  nlohmann::json data;
 };
 
 // Restores a saved state into the LoRA `params`, `opt` and this rank's RNG.
@@ -74,6 +78,9 @@ struct RunShape {
 // checkpoint.resume=never, when the state is incomplete or was changed (its manifest.json of
 // sha256 sums, written last, does not match), holds non-finite tensors or counters outside
 // `shape`, or was written by a different recipe (naming the first key that differs) or world size.
+// When the data it read is not shape.data (documents added, removed or changed since), rank 0 says
+// so in one line and the run resumes at the same step of the new selection, if its counters still
+// fit; else the refusal names the change.
 std::optional<Progress> load_state(const std::string& output_dir, torch::optim::AdamW& opt,
                                    const std::vector<at::Tensor>& params, int rank, int world, bool cuda,
                                    const nlohmann::json& recipe, const RunShape& shape);

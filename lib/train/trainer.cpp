@@ -13,9 +13,11 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "data/batches.hpp"
 #include "data/collate.hpp"
@@ -39,6 +41,7 @@
 #include "train/state.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::train {
 namespace {
@@ -46,12 +49,26 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-// SIGTERM / SIGINT (preemption, Ctrl-C, the launcher tearing down): finish the step, save the
-// resumable state on every rank's agreement, exit kExitPreempted.
+// SIGTERM / SIGINT (preemption, Ctrl-C, the launcher tearing down): finish the step or the
+// evaluation batch, save the resumable state on every rank's agreement, exit kExitStopped. Rank 0
+// says so at once (write(2): all a signal handler may do), and again at each further signal.
 std::atomic<bool> g_stop_requested{false};
-void request_stop(int) { g_stop_requested = true; }
+bool g_say_stop = false;  // this process is rank 0
 
-void install_stop_handlers() {
+void request_stop(int sig) {
+  const bool again = g_stop_requested.exchange(true);
+  if (!g_say_stop) return;
+  const char* first = sig == SIGINT ? "lora-train: SIGINT: stopping after this step or evaluation batch, with the "
+                                      "resumable state saved\n"
+                                    : "lora-train: SIGTERM: stopping after this step or evaluation batch, with the "
+                                      "resumable state saved\n";
+  const char* more = "lora-train: still stopping: saving the resumable state (SIGKILL ends it without saving)\n";
+  const char* m = again ? more : first;
+  (void)!write(STDERR_FILENO, m, std::strlen(m));
+}
+
+void install_stop_handlers(bool lead) {
+  g_say_stop = lead;
   struct sigaction sa{};
   sa.sa_handler = request_stop;
   sa.sa_flags = SA_RESTART;
@@ -67,6 +84,13 @@ double peak_rss_mb() {
 }
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+std::string random_hex(int bytes) {
+  std::random_device rd;
+  std::string out;
+  for (int i = 0; i < bytes; ++i) out += fmt::format("{:02x}", rd() & 0xFF);
+  return out;
+}
 
 // Resident memory now (/proc/self/statm), in MiB; 0 where it cannot be read.
 double rss_mb() {
@@ -105,6 +129,7 @@ struct StepResult {
   double rejected = 0;       // documents skipped in this step, all ranks
   bool stop = false;         // some rank was asked to stop
   bool data_failed = false;  // some rank lost its data source: nothing of this step was applied
+  bool taken_over = false;   // another process holds the run record's lease now: stop, writing nothing
 };
 
 // What this rank's micro-batches of one step added up to, before the ranks compare.
@@ -127,7 +152,7 @@ class Trainer {
   void setup_data();
   void setup_optimizer();
   void begin(Progress& p, bool resumed);
-  std::optional<int> run_epoch(int epoch, int64_t first, const std::string& run_id);
+  std::optional<int> run_epoch(int epoch, int64_t first, const std::string& run_id, bool pending_eval);
   std::optional<data::MicroBatches> open_epoch(int epoch, int64_t first);
   StepResult step(data::MicroBatches* batches);
   LocalSums forward_backward(data::MicroBatches* batches);
@@ -135,22 +160,24 @@ class Trainer {
   std::vector<data::Example> examples(data::MicroBatches* batches);
   void lose_data(const std::string& why);
   void log_step(const StepResult& s, int epoch, int64_t s_in_epoch);
-  void evaluate(int epoch);
+  bool evaluate(int epoch);
+  bool any_rank(bool flag);
   void steer(int epoch, const nlohmann::json& eval_row);
   void to_tensorboard(const std::vector<track::Scalar>& values);
   void save_checkpoint(int epoch);
   void save_state(const Progress& p, bool store = true);
   void restore_from_store();
+  void restore_run(const nlohmann::json& run);
   void check_finite_adapter(const std::string& what);
   void open_metrics(const std::optional<Progress>& resumed);
   int data_lost(const Progress& p);
-  void all_agree(bool ok, const std::string& why, const std::string& what);
+  void all_agree(bool ok, const std::string& why, const std::string& what, std::exception_ptr cause = nullptr);
   void check_replicas();
   bool ranks_agree(double value);
   void start_record(Progress& p, bool resumed);
   void store_artifact(const std::string& name, const std::string& dir);
   void store_final();
-  int stopped();
+  int stopped(const std::optional<Progress>& save = std::nullopt);
   int finish();
 
   const recipe::Recipe& r_;
@@ -194,6 +221,7 @@ class Trainer {
   std::unique_ptr<track::TensorBoardWriter> tensorboard_;  // rank 0, with track.tensorboard
   std::unique_ptr<track::MlflowRun> mlflow_;               // rank 0, with track.mlflow_uri
   nlohmann::json last_row_ = nlohmann::json::object();
+  std::string run_ref_;  // "DB/ID" of the run record, or the untracked run's "local-…" id
 };
 
 // track.mlflow_uri: the run on the MLflow server, named after the output directory (by default the
@@ -246,6 +274,8 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       lcfg_(model::lora_config_of(r.lora, r.model.path)),
       m_(setup_model()),
       tokenizer_(model::load_tokenizer(m_.dir())) {
+  m_.check_tokenizer(tokenizer_);
+  m_.check_length(r_.data.max_length, fmt::format("data.max_length {}", r_.data.max_length));
   setup_data();
   setup_optimizer();
 }
@@ -285,7 +315,10 @@ void Trainer::setup_data() {
   builder_ = std::make_unique<data::ExampleBuilder>(r_.data, tokenizer_);
   docs_ = std::make_unique<data::Documents>(r_.data, data::Holdout::training(r_.eval.fraction));
   // Read and built as training data is (the same builder); never a document training reads.
-  if (r_.eval.enabled(r_.data.source)) eval_ = std::make_unique<data::EvalSplit>(r_, docs_.get());
+  if (r_.eval.enabled(r_.data.source)) {
+    eval_ = std::make_unique<data::EvalSplit>(r_, docs_.get());
+    require_scored_token(eval_->docs(), *builder_, eval_->describe());
+  }
   const int64_t per_rank = data::examples_per_rank(docs_->size(), env_.world_size);
   steps_per_epoch_ = (per_rank + examples_per_step_ - 1) / examples_per_step_;
   if (r_.train.max_steps_per_epoch)
@@ -340,7 +373,7 @@ int Trainer::run() {
   restore_from_store();
   if (r_.checkpoint.resume == recipe::Resume::Auto)
     resumed = load_state(out_.string(), *opt_, params_, env_.rank, env_.world_size, cuda_, recipe::to_json(r_),
-                         {r_.train.epochs, steps_per_epoch_});
+                         {r_.train.epochs, steps_per_epoch_, docs_->identity()});
   Progress p = resumed.value_or(Progress{});
   steer_ = p.steering;
   // Ranks must agree on where they stand (a state visible to only some ranks is an error).
@@ -352,13 +385,19 @@ int Trainer::run() {
   step_ = p.step;
   if (lead_) begin(p, resumed.has_value());
   m_.training = true;
-  for (int epoch = p.epoch; epoch < epochs_ran_; ++epoch)
-    if (const auto ended = run_epoch(epoch, epoch == p.epoch ? p.step_in_epoch : 0, p.run_id)) return *ended;
+  for (int epoch = p.epoch; epoch < epochs_ran_; ++epoch) {
+    const bool first = epoch == p.epoch;
+    if (const auto ended = run_epoch(epoch, first ? p.step_in_epoch : 0, p.run_id, first && p.pending_eval))
+      return *ended;
+  }
   return finish();
 }
 
-// Rank 0, before the first step: the resolved recipe, metrics.jsonl, what is about to run, the record.
+// Rank 0, before the first step: the record (first: a live run's record or output directory
+// refuses this one before anything is written), the resolved recipe, metrics.jsonl, what is
+// about to run.
 void Trainer::begin(Progress& p, bool resumed) {
+  start_record(p, resumed);
   fs::create_directories(out_);
   io::write_file_atomic((out_ / "recipe.yaml").string(), recipe::to_yaml(r_));
   open_metrics(resumed ? std::optional(p) : std::nullopt);
@@ -389,7 +428,8 @@ void Trainer::begin(Progress& p, bool resumed) {
   if (r_.checkpoint.keep_best && !resumed) io::remove_tree((out_ / "best").string());  // an older run's
   if (resumed)
     info(fmt::format("resuming at epoch {} step {} (step {} of {})", p.epoch, p.step_in_epoch, p.step, total_steps_));
-  start_record(p, resumed);
+  if (record_)
+    info(fmt::format("run recorded as {} (lora-train --from-run {} repeats it)", record_->ref(), record_->ref()));
   if (!r_.track.mlflow_uri.empty()) mlflow_ = start_mlflow(r_, env_.world_size, record_.get(), resumed);
 }
 
@@ -401,17 +441,21 @@ void Trainer::lose_data(const std::string& why) {
 }
 
 // One epoch from step `first`: its steps, then its checkpoint and the state the next one starts
-// from. Returns the exit status when the run ends inside it (stopped, data lost).
-std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::string& run_id) {
+// from. Returns the exit status when the run ends inside it (stopped, data lost). `pending_eval`:
+// the evaluation due after step `first` was stopped before it ended; it is done first.
+std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::string& run_id, bool pending_eval) {
   if (!ranks_agree(static_cast<double>(steps_per_epoch_ - first)))  // a mismatch would hang a collective
     throw Error(
         fmt::format("rank {} plans {} steps in epoch {} but the ranks disagree: every rank must see the same "
                     "documents and recipe",
                     env_.rank, steps_per_epoch_ - first, epoch));
-  std::optional<data::MicroBatches> batches = open_epoch(epoch, first);
+  if (pending_eval && first < steps_per_epoch_ && !evaluate(epoch))
+    return stopped(Progress{epoch, first, step_, run_id, steer_, true});
+  std::optional<data::MicroBatches> batches;
+  if (first < steps_per_epoch_) batches = open_epoch(epoch, first);
   double epoch_tokens = 0;
   bool stop = false;
-  for (int64_t s = first; s < steps_per_epoch_; ++s) {
+  for (int64_t s = first; s < steps_per_epoch_ && !stopping_early_; ++s) {
     const StepResult res = step(batches ? &*batches : nullptr);
     if (res.data_failed) return data_lost({epoch, s, step_, run_id, steer_});
     stop = res.stop;
@@ -422,12 +466,12 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
     if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) check_replicas();
     const bool last = s + 1 == steps_per_epoch_;
     if (eval_ && !last && r_.eval.every_n_steps && step_ % *r_.eval.every_n_steps == 0) {
-      evaluate(epoch);
+      if (!evaluate(epoch)) return stopped(Progress{epoch, s + 1, step_, run_id, steer_, true});
       if (stopping_early_) break;  // this epoch, cut short, is the run's last
     }
     const auto every = r_.checkpoint.state_every_n_steps;
-    if (!last && (res.stop || (every && step_ % *every == 0))) save_state({epoch, s + 1, step_, run_id, steer_});
-    if (!last && stop) return stopped();
+    if (!last && stop) return stopped(Progress{epoch, s + 1, step_, run_id, steer_});
+    if (!last && every && step_ % *every == 0) save_state({epoch, s + 1, step_, run_id, steer_});
   }
   if (tty_) std::fputs("\n", stdout);
   if (first == 0 && epoch_tokens == 0)
@@ -436,7 +480,10 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
                     "bad, longer than data.max_length with data.overlong=skip, or with no trained token); fix "
                     "the data or the data.* keys (see the warnings above)",
                     epoch, rejected_total_));
-  if (eval_ && !stopping_early_) evaluate(epoch);  // (a step's evaluation that stopped the run is the last)
+  // (a step's evaluation that stopped the run early is the last; one stopped by a signal is redone
+  // when the run resumes, at the end of this epoch's steps)
+  if (eval_ && !stopping_early_ && !evaluate(epoch))
+    return stopped(Progress{epoch, steps_per_epoch_, step_, run_id, steer_, true});
   save_checkpoint(epoch);
   if (epoch + 1 < epochs_ran_) save_state({epoch + 1, 0, step_, run_id, steer_});
   if (stop && epoch + 1 < epochs_ran_) return stopped();
@@ -479,6 +526,11 @@ StepResult Trainer::step(data::MicroBatches* batches) {
     if (p.grad().defined()) grads.push_back(p.mutable_grad());
   at::Tensor grad_norm;
   StepResult res = reduce(sums, busy > 0 ? (waited() - wait0) / busy : 0.0, grads, grad_norm);
+  if (res.taken_over) {
+    if (!lead_) throw PeerError(0, fmt::format("rank 0 lost the run record to another process; stopping"));
+    throw Error(fmt::format("{}: this process stops without writing anything more (a run record has one live run)",
+                            *record_->lost_lease()));
+  }
   if (res.data_failed) {
     opt_->zero_grad();
     return res;
@@ -526,9 +578,10 @@ LocalSums Trainer::forward_backward(data::MicroBatches* batches) {
 // padding, skipped documents); the gradients divided by the global token count, and their norm.
 StepResult Trainer::reduce(const LocalSums& sums, double data_wait, const std::vector<at::Tensor>& grads,
                            at::Tensor& norm) {
+  const bool taken_over = record_ && record_->lost_lease();
   const at::Tensor host =
       at::tensor({0.0, double(sums.tokens), g_stop_requested ? 1.0 : 0.0, data_wait, double(sums.real),
-                  double(sums.slots), double(rejected_here_), data_error_.empty() ? 0.0 : 1.0},
+                  double(sums.slots), double(rejected_here_), data_error_.empty() ? 0.0 : 1.0, taken_over ? 1.0 : 0.0},
                  at::kDouble);
   at::Tensor stats = host.to(device_, /*non_blocking=*/false);
   stats[0].add_(sums.loss);
@@ -547,7 +600,8 @@ StepResult Trainer::reduce(const LocalSums& sums, double data_wait, const std::v
   res.padding = t[5] > 0 ? 1.0 - t[4] / t[5] : 0.0;
   res.rejected = t[6];
   res.data_failed = t[7] > 0;
-  res.grad_norm = t[8];
+  res.taken_over = t[8] > 0;
+  res.grad_norm = t[9];
   rejected_total_ += res.rejected;
   res.lr = r_.train.lr * lr_factor(schedule_, step_, r_.train.warmup_steps, total_steps_);
   return res;
@@ -626,9 +680,19 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
 // The loss over the evaluation documents, the model as it is now: each rank evaluates its share
 // (eval_shard) and the ranks sum (loss, tokens, …) in float64, so every rank holds the same
 // token-weighted mean and steers alike. Rank 0 logs it (metrics.jsonl, the run record).
-void Trainer::evaluate(int epoch) {
+//
+// A stop request (SIGTERM/SIGINT) is honoured between two evaluation batches, the ranks agreeing
+// before each: the partial evaluation is dropped (nothing logged or steered) and false returned;
+// the state then saved says the evaluation is due, and a resumed run does it first.
+bool Trainer::evaluate(int epoch) {
   const auto t0 = Clock::now();
-  const EvalSums mine = eval_shard(m_, eval_->docs(), *builder_, r_, env_.rank, env_.world_size, device_);
+  const EvalSums mine = eval_shard(m_, eval_->docs(), *builder_, r_, env_.rank, env_.world_size, device_, {},
+                                   [this] { return any_rank(g_stop_requested); });
+  if (mine.stopped) {
+    if (lead_)
+      info(fmt::format("evaluation at step {} stopped on request: it is done again when the run resumes", step_));
+    return false;
+  }
   at::Tensor sums =
       at::tensor({mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)}, at::kDouble)
           .to(device_);
@@ -660,13 +724,22 @@ void Trainer::evaluate(int epoch) {
         step_, mean, std::exp(mean), tokens, documents, seconds));
   }
   steer(epoch, row);
-  if (!lead_) return;
+  if (!lead_) return true;
   row["best_eval_loss"] = *steer_.best_loss;
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
   to_tensorboard({{"eval/loss", mean}, {"eval/ppl", std::exp(mean)}});
   if (mlflow_) mlflow_->metrics(step_, row, {"eval_loss", "eval_ppl"});
   for (const char* k : {"eval_loss", "eval_ppl", "eval_tokens", "best_eval_loss"}) last_row_[k] = row[k];
+  return true;
+}
+
+// Whether `flag` is set on any rank (a collective).
+bool Trainer::any_rank(bool flag) {
+  if (env_.world_size == 1) return flag;
+  at::Tensor t = at::full({1}, flag ? 1.0f : 0.0f, at::TensorOptions().dtype(at::kFloat).device(device_));
+  pg_.all_reduce_sum(t);
+  return t.item<float>() > 0;
 }
 
 // After an evaluation (the same figures on every rank): best/ when the loss is the lowest so far
@@ -721,8 +794,13 @@ void Trainer::to_tensorboard(const std::vector<track::Scalar>& values) {
 }
 
 // track.mongodb: the run document in <track.database>.runs (continued when resuming).
+// Without one, the run still has an id (run.json, the resumable state): "local-" and 24 hex digits.
 void Trainer::start_record(Progress& p, bool resumed) {
-  if (!r_.track.mongodb || r_.data.uri.empty() || r_.track.database.empty()) return;
+  if (!r_.track.mongodb || r_.data.uri.empty() || r_.track.database.empty()) {
+    if (!p.run_id.starts_with("local-")) p.run_id = fmt::format("local-{}", random_hex(12));
+    run_ref_ = p.run_id;
+    return;
+  }
   record_ =
       std::make_unique<track::RunRecorder>(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
   const nlohmann::json run_info = {
@@ -730,14 +808,14 @@ void Trainer::start_record(Progress& p, bool resumed) {
       {"device", cuda_ ? "cuda" : "cpu"},    {"data", docs_->describe()},
       {"documents", docs_->size()},          {"eval_documents", eval_ ? eval_->docs().size() : 0},
       {"steps_per_epoch", steps_per_epoch_}, {"output_dir", fs::absolute(out_).string()}};
-  const std::optional<std::string> again = resumed && !p.run_id.empty() ? std::optional(p.run_id) : std::nullopt;
+  const std::optional<std::string> again = resumed && is_run_id(p.run_id) ? std::optional(p.run_id) : std::nullopt;
   p.run_id = record_->begin(recipe::to_json(r_), run_info, again);
+  run_ref_ = record_->ref();
   if (r_.checkpoint.store == recipe::Store::MongoDB) {
     store_ =
         std::make_unique<track::ArtifactStore>(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
     store_->prepare();
   }
-  info(fmt::format("run recorded as {} (lora-train --from-run {} repeats it)", record_->ref(), record_->ref()));
 }
 
 // checkpoint.store: mongodb with checkpoint.resume: auto: an output_dir without a resumable state
@@ -747,37 +825,16 @@ void Trainer::restore_from_store() {
   if (r_.checkpoint.store != recipe::Store::MongoDB || r_.checkpoint.resume != recipe::Resume::Auto) return;
   const std::string state = state_dir(out_.string());
   std::string why;
+  std::exception_ptr refused;  // a live run's: the same command cannot change it
   if (lead_ && !fs::exists(state) && !fs::exists(state + ".old")) {
     try {
       const auto timeout = std::chrono::seconds(r_.data.timeout_s);
-      const std::optional<std::string> id =
+      const std::optional<nlohmann::json> run =
           track::find_resumable_run(r_.data.uri, r_.track.database, recipe::to_json(r_), timeout);
-      if (id) {
-        const auto t0 = Clock::now();
-        track::ArtifactStore store(r_.data.uri, r_.track.database, timeout);
-        std::vector<std::string> artifacts;
-        for (const track::ArtifactFile& f : store.list(*id))
-          if (f.artifact != "resume_state" &&
-              std::find(artifacts.begin(), artifacts.end(), f.artifact) == artifacts.end())
-            artifacts.push_back(f.artifact);
-        artifacts.push_back("resume_state");  // last: a restore cut short leaves no state, and is done again
-        std::vector<std::string> restored;
-        int64_t bytes = 0;
-        for (const std::string& a : artifacts) {
-          const fs::path dir = out_ / a;
-          if (fs::exists(dir)) continue;  // what the output directory still has is its own
-          const std::string tmp = dir.string() + fmt::format(".tmp.{}", getpid());
-          io::remove_tree(tmp);
-          for (const track::ArtifactFile& f : store.download(*id, a, tmp)) bytes += f.bytes;
-          io::sync_dir(tmp);
-          fs::rename(tmp, dir);
-          restored.push_back(a);
-        }
-        io::sync_dir(out_.string());
-        info(fmt::format("restored {} of run {}/{} from GridFS into {} ({:.2f} MB in {:.2f} s)",
-                         fmt::join(restored, ", "), r_.track.database, *id, out_.string(),
-                         static_cast<double>(bytes) / 1e6, std::chrono::duration<double>(Clock::now() - t0).count()));
-      }
+      if (run) restore_run(*run);
+    } catch (const ConfigError& e) {
+      why = e.what();
+      refused = std::current_exception();
     } catch (const std::exception& e) {
       why = fmt::format(
           "{} (checkpoint.store: mongodb; run again once the server is reachable, or set "
@@ -785,7 +842,34 @@ void Trainer::restore_from_store() {
           e.what());
     }
   }
-  all_agree(why.empty(), why, "restoring the resumable state from the database");
+  all_agree(why.empty(), why, "restoring the resumable state from the database", refused);
+}
+
+// Rank 0: the artifacts the record of `run` lists (each name checked before it touches a path),
+// not whatever GridFS holds; the state last, so a restore cut short leaves no state and is done
+// again. Each is written under a temporary name and renamed when whole.
+void Trainer::restore_run(const nlohmann::json& run) {
+  const auto t0 = Clock::now();
+  const std::string id = run["_id"].value("$oid", "");
+  track::ArtifactStore store(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
+  std::vector<std::string> artifacts;
+  for (const std::string& a : track::recorded_artifacts(run))
+    if (a != "resume_state") artifacts.push_back(a);
+  artifacts.push_back("resume_state");
+  std::vector<std::string> restored;
+  int64_t bytes = 0;
+  for (const std::string& a : artifacts) {
+    const fs::path dir = out_ / a;
+    if (fs::exists(dir)) continue;  // what the output directory still has is its own
+    const std::vector<track::ArtifactFile> files = track::recorded_files(run, a);
+    store.download(id, a, files, dir.string());
+    for (const track::ArtifactFile& f : files) bytes += f.bytes;
+    restored.push_back(a);
+  }
+  io::sync_dir(out_.string());
+  info(fmt::format("restored {} of run {}/{} from GridFS into {} ({:.2f} MB in {:.2f} s)", fmt::join(restored, ", "),
+                   r_.track.database, id, out_.string(), static_cast<double>(bytes) / 1e6,
+                   std::chrono::duration<double>(Clock::now() - t0).count()));
 }
 
 // checkpoint.store: mongodb (rank 0): the directory `dir`, just written, as the run's artifact
@@ -839,10 +923,12 @@ void Trainer::record_failure(const std::string& error) {
 }
 
 // Every rank learns whether rank 0's write (or restore) worked, so a failure stops all, never hangs.
-void Trainer::all_agree(bool ok, const std::string& why, const std::string& what) {
+// Rank 0 throws `cause` when given (an error of its own kind), else an Error saying what failed.
+void Trainer::all_agree(bool ok, const std::string& why, const std::string& what, std::exception_ptr cause) {
   at::Tensor failed = at::full({1}, ok ? 0.0 : 1.0, at::TensorOptions().dtype(at::kFloat).device(device_));
   if (env_.world_size > 1) pg_.all_reduce_sum(failed);
   if (failed.item<double>() == 0) return;
+  if (lead_ && cause) std::rethrow_exception(cause);
   if (lead_) throw Error(fmt::format("{} failed: {}", what, why));
   // A consequence of rank 0's error, which the launcher's summary then names (blamed rank -1: a peer).
   throw PeerError(-1, fmt::format("{} failed on rank 0; stopping", what));
@@ -886,7 +972,8 @@ void Trainer::save_state(const Progress& p, bool store) {
   std::string why;
   if (lead_) {
     try {
-      train::save_state(out_.string(), m_, lcfg_, *opt_, params_, p, rngs.to(at::kCPU, at::kByte), recipe::to_json(r_));
+      train::save_state(out_.string(), m_, lcfg_, *opt_, params_, p, rngs.to(at::kCPU, at::kByte), recipe::to_json(r_),
+                        docs_->identity());
       if (store) store_artifact("resume_state", state_dir(out_.string()));
     } catch (const std::exception& e) {
       why = e.what();
@@ -914,7 +1001,9 @@ void Trainer::check_replicas() {
                     env_.rank, step_, mine));
 }
 
-int Trainer::stopped() {
+// Stopped on request (SIGTERM/SIGINT): `save`, when given, is the state to save first.
+int Trainer::stopped(const std::optional<Progress>& save) {
+  if (save) save_state(*save);
   if (lead_)
     info(
         fmt::format("stopped at step {} on request; the resumable state is in {}: run the same command to "
@@ -964,13 +1053,10 @@ int Trainer::finish() {
     if (!r_.checkpoint.keep_resume_state) remove_state(out_.string());
     if (rejected_total_ > 0)
       warn(fmt::format("{} documents were skipped on all ranks together (bad or overlong)", rejected_total_));
-    char stamp[32];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
     nlohmann::json done = {{"status", "completed"},
-                           {"run_id", record_ ? record_->ref() : ""},
+                           {"run_id", run_ref_},
                            {"steps", step_},
-                           {"finished", stamp},
+                           {"finished", utc_stamp()},
                            {"epochs_kept", recipe::epochs_kept(r_.checkpoint, epochs_ran_)}};
     if (steer_.best_loss) done["best"] = {{"eval_loss", *steer_.best_loss}, {"step", steer_.best_step}};
     if (stopping_early_) done["early_stopped"] = {{"step", step_}, {"epoch", epochs_ran_ - 1}};
@@ -994,7 +1080,7 @@ int Trainer::finish() {
 }  // namespace
 
 int run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
-  install_stop_handlers();
+  install_stop_handlers(env.rank == 0);
   // Rank 0 holds the output directory for the run's life, before anything is written there.
   std::optional<OutputDirLock> lock;
   if (env.rank == 0) {

@@ -10,6 +10,7 @@
 
 #include "util/error.hpp"
 #include "util/secrets.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun {
 namespace {
@@ -20,14 +21,19 @@ std::FILE* g_file = nullptr;
 
 void to_file(const std::string& line) {
   if (!g_file) return;
-  std::time_t now = std::time(nullptr);
-  char stamp[32];
-  std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  std::fprintf(g_file, "%s %s\n", stamp, line.c_str());
+  std::fprintf(g_file, "%s %s\n", utc_stamp().c_str(), line.c_str());
   std::fflush(g_file);
 }
 
 }  // namespace
+
+std::string utc_stamp(std::time_t t) {
+  std::tm utc{};
+  gmtime_r(&t, &utc);
+  char stamp[32];
+  std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  return stamp;
+}
 
 void log_to_file(const std::string& path) {
   std::error_code ec;
@@ -40,7 +46,7 @@ void log_to_file(const std::string& path) {
 }
 
 void info(const std::string& message, bool console) {
-  const std::string line = scrub(message);
+  const std::string line = one_line(scrub(message));
   std::lock_guard lock(g_mutex);
   if (console) {
     std::fprintf(stdout, "%s\n", line.c_str());
@@ -50,7 +56,7 @@ void info(const std::string& message, bool console) {
 }
 
 void warn(const std::string& message) {
-  const std::string line = "warning: " + scrub(message);
+  const std::string line = "warning: " + one_line(scrub(message));
   std::lock_guard lock(g_mutex);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);
@@ -59,7 +65,7 @@ void warn(const std::string& message) {
 
 void log_error(const std::string& message) {
   std::lock_guard lock(g_mutex);
-  to_file("error: " + scrub(message));
+  to_file("error: " + one_line(scrub(message)));
 }
 
 }  // namespace lorarun

@@ -1,8 +1,12 @@
 // Messages for the user: one line each, secrets scrubbed, copied to this rank's log file.
 #pragma once
+#include <ctime>
 #include <string>
 
 namespace lorarun {
+
+// `t` as UTC, "2026-12-01T12:00:00Z" (ISO 8601, as logs, records and run.json write time).
+std::string utc_stamp(std::time_t t = std::time(nullptr));
 
 // From now on, also append every line to `path` (a rank's log: <output_dir>/logs/rank_N.log).
 // The directory is created. Throws lorarun::Error when the file cannot be opened.

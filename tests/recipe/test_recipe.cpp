@@ -158,6 +158,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "data.chat_format",
                                 "data.chat_template",
                                 "data.chat_template_kwargs",
+                                "data.chat_template_fuel",
                                 "data.train_on_input",
                                 "data.max_length",
                                 "data.overlong",

@@ -58,7 +58,7 @@ TEST_CASE("artifacts: a re-upload replaces the old files, a pull gives them back
   // Pulled back byte for byte; another artifact is independent of it.
   put(dir / "epoch_0/adapter_model.safetensors", big);
   store.upload(run, "epoch_0", (dir / "epoch_0").string());
-  store.download(run, "epoch_0", (dir / "pulled").string());
+  store.download(run, "epoch_0", store.list(run, "epoch_0"), (dir / "pulled").string());
   CHECK(test::read_file((dir / "pulled/adapter_model.safetensors").string()) == big);
   CHECK(store.list(run, "best").size() == 1);
 
@@ -67,7 +67,7 @@ TEST_CASE("artifacts: a re-upload replaces the old files, a pull gives them back
   c.update_one(db, "lorarun.chunks", {{"files_id", {{"$oid", stored[0].file_id}}}, {"n", 1}},
                {{"$set", {{"data", {{"$binary", {{"base64", "AAAA"}, {"subType", "00"}}}}}}}});
   try {
-    store.download(run, "epoch_0", (dir / "damaged").string());
+    store.download(run, "epoch_0", stored, (dir / "damaged").string());
     FAIL("a damaged file was accepted");
   } catch (const Error& e) {
     CHECK_THAT(e.what(), Catch::Contains("is damaged"));

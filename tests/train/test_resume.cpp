@@ -120,7 +120,9 @@ TEST_CASE("SIGTERM mid-epoch saves the state and the same command resumes to the
   const Result b = interrupt(cmd, dir + "/cut.log", "epoch 0/3 step 30/120", "kill -TERM $pid");
   const std::string log = read_file(dir + "/cut.log");
   INFO(log);
-  CHECK_THAT(b.output, Catch::Contains("exit=143"));  // lorarun itself was asked to stop
+  // lorarun itself was asked to stop, and every rank saved its state: 75, so a scheduler may requeue
+  CHECK_THAT(b.output, Catch::Contains("exit=75"));
+  CHECK_THAT(log, Catch::Contains("every rank saved its resumable state"));
   CHECK_THAT(log, Catch::Contains("the resumable state is in"));
   CHECK_THAT(read_file(dir + "/cut/logs/rank_1.log"), Catch::Contains("rank 1/2"));
   REQUIRE(fs::exists(dir + "/cut/resume_state/state.json"));
@@ -183,17 +185,17 @@ TEST_CASE("a resumable state is not used by a different recipe", "[e2e][resume]"
   REQUIRE(fs::exists(dir + "/run/resume_state/state.json"));
   const Result b = sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3", bin("lorarun"), recipe));
   INFO(b.output);
-  CHECK(b.status == 1);
+  CHECK(b.status == 78);  // a restart cannot change it: not restarted
   CHECK_THAT(b.output, Catch::Contains("was written with train.lr = 0.001, this run has 0.002"));
   const Result c = sh(fmt::format("{} --nproc-per-node 1 {}", bin("lorarun"), recipe));
   INFO(c.output);
-  CHECK(c.status == 1);
+  CHECK(c.status == 78);
   CHECK_THAT(c.output, Catch::Contains("was written by 2 ranks and this run has 1"));
   // checkpoint.resume=never starts over; the finished run's adapters go only with checkpoint.overwrite.
   const Result refused =
       sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3 checkpoint.resume=never", bin("lorarun"), recipe));
   INFO(refused.output);
-  CHECK(refused.status == 1);
+  CHECK(refused.status == 78);
   CHECK_THAT(refused.output, Catch::Contains("holds the adapters of another run"));
   const Result d =
       sh(fmt::format("{} --nproc-per-node 2 {} train.lr=2e-3 checkpoint.resume=never checkpoint.overwrite=true",

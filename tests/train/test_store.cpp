@@ -361,7 +361,7 @@ TEST_CASE(
   lorarun::data::Client c(server.uri, std::chrono::milliseconds(5000));
   CHECK(c.count(db, "lorarun.chunks", json::object()) == 64);
   CHECK(c.count(db, "lorarun.pending", json::object()) == 0);
-  store.download(run, "epoch_0", dir + "/pulled");
+  store.download(run, "epoch_0", files, dir + "/pulled");
   CHECK(lorarun::io::sha256_file(dir + "/pulled/adapter_model.safetensors") == lorarun::io::sha256_file(big.string()));
 
   // Cut again, then rm (lora-runs rm): no files document, chunk or unfinished upload left.

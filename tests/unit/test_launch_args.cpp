@@ -1,3 +1,4 @@
+#include <sched.h>
 #include <unistd.h>
 #include <catch2/catch.hpp>
 #include <cstdlib>
@@ -130,7 +131,7 @@ TEST_CASE("defaults: one node, a free port, a random run id, no restarts") {
   CHECK(c.log_dir.empty());
   CHECK(c.redirects.of(0) == 0);
   CHECK(c.tee.of(0) == 0);
-  CHECK(c.grace == std::chrono::milliseconds(15000));
+  CHECK(c.grace == std::chrono::milliseconds(30000));  // torchrun's wait for a stopping worker
 }
 
 TEST_CASE("several nodes meet on port 29500 unless told otherwise") {
@@ -168,7 +169,8 @@ TEST_CASE("bad launcher arguments are one clear error") {
   CHECK_THROWS_WITH(parse({"--run-id", "a/b", "--", "true"}), Catch::Contains("use no '/'"));
   // CLI11's own checks print their message and give a non-zero exit status.
   CHECK(parse({"--max-restarts", "-1", "--", "true"}).exit_code > 0);
-  CHECK(parse({"--nnodes", "0", "--", "true"}).exit_code > 0);
+  CHECK_THROWS_WITH(parse({"--nnodes", "0", "--", "true"}), Catch::Contains("'0' is not a number of nodes"));
+  CHECK_THROWS_WITH(parse({"--nnodes", "1:3", "--", "true"}), Catch::Contains("elastic world"));
   CHECK(parse({"--master-port", "70000", "--", "true"}).exit_code > 0);
   CHECK(parse({"--grace-period", "x", "--", "true"}).exit_code > 0);
   CHECK_THROWS_WITH(parse({"--no-such-flag", "--", "true"}), Catch::Contains("unknown lorarun flag '--no-such-flag'"));
@@ -308,4 +310,70 @@ TEST_CASE("recipe or command: the extension, else what the file is, else PATH") 
                                                                      dir)));
   CHECK_THROWS_WITH(parse({dir}), Catch::Contains("is a directory"));
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("torchrun's PET_* environment gives the flags not given, as Kubeflow's PyTorchJob and TrainJob set it") {
+  // What the Kubeflow training operator puts in each pod of a two-node job (node 1 here).
+  const SlurmEnv pet({{"PET_NNODES", "2"},
+                      {"PET_NPROC_PER_NODE", "3"},
+                      {"PET_NODE_RANK", "1"},
+                      {"PET_MASTER_ADDR", "job-master-0"},
+                      {"PET_MASTER_PORT", "23456"},
+                      {"PET_MAX_RESTARTS", "2"},
+                      {"PET_RDZV_ID", "kubeflow-job"}});
+  const Config c = parsed({"--", "true"});
+  CHECK(c.nnodes == 2);
+  CHECK(c.nproc_per_node == 3);
+  CHECK(c.node_rank == 1);
+  CHECK(c.master_addr == "job-master-0");
+  CHECK(c.master_port == 23456);
+  CHECK(c.max_restarts == 2);
+  CHECK(c.run_id == "kubeflow-job");
+  // The workers see exactly what the flags would have given them.
+  CHECK(worker_env(c, 2) == worker_env(parsed({"--nnodes", "2", "--nproc-per-node", "3", "--node-rank", "1",
+                                               "--master-addr", "job-master-0", "--master-port", "23456",
+                                               "--max-restarts", "2", "--run-id", "kubeflow-job", "--", "true"}),
+                                       2));
+  // A flag given wins over its PET_ variable.
+  CHECK(parsed({"--node-rank", "0", "--", "true"}).node_rank == 0);
+  // ... and PET_* win over Slurm's defaults.
+  const SlurmEnv slurm(
+      {{"SLURM_JOB_ID", "77"}, {"SLURM_NNODES", "4"}, {"SLURM_NODEID", "3"}, {"SLURM_JOB_NODELIST", "gpu[1-4]"}});
+  const Config both = parsed({"--", "true"});
+  CHECK(both.nnodes == 2);
+  CHECK(both.node_rank == 1);
+  CHECK(both.master_addr == "job-master-0");
+}
+
+TEST_CASE("PET_RDZV_ENDPOINT and torchrun's MIN:MAX node counts") {
+  {
+    const SlurmEnv pet({{"PET_NNODES", "2:2"}, {"PET_RDZV_ENDPOINT", "trainer-node-0-0.trainer:29400"}});
+    const Config c = parsed({"--", "true"});
+    CHECK(c.nnodes == 2);
+    CHECK(c.master_addr == "trainer-node-0-0.trainer");
+    CHECK(c.master_port == 29400);
+  }
+  const SlurmEnv elastic(Env{{"PET_NNODES", "1:4"}});
+  CHECK_THROWS_WITH(parse({"--", "true"}), Catch::Contains("PET_NNODES) '1:4' asks for an elastic world"));
+  CHECK(parsed({"--nnodes", "3:3", "--node-rank", "2", "--", "true"}).nnodes == 3);
+}
+
+TEST_CASE("--nproc-per-node auto and cpu follow the CPUs this process may use, and Slurm's CPUs per task") {
+  cpu_set_t all;
+  REQUIRE(sched_getaffinity(0, sizeof all, &all) == 0);
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  for (int i = 0; i < CPU_SETSIZE; ++i)
+    if (CPU_ISSET(i, &all)) {
+      CPU_SET(i, &one);
+      break;
+    }
+  REQUIRE(sched_setaffinity(0, sizeof one, &one) == 0);
+  const bool gpus = parsed({"--nproc-per-node", "auto", "--", "true"}).nproc_per_node > 1;
+  const int cpu_one = parsed({"--nproc-per-node", "cpu", "--", "true"}).nproc_per_node;
+  REQUIRE(sched_setaffinity(0, sizeof all, &all) == 0);
+  CHECK(cpu_one == 1);  // taskset, a cpuset or Slurm's binding left it one CPU: one rank
+  if (!gpus) CHECK(parsed({"--nproc-per-node", "auto", "--", "true"}).nproc_per_node == CPU_COUNT(&all));
+  const SlurmEnv slurm(Env{{"SLURM_CPUS_PER_TASK", "1"}});
+  CHECK(parsed({"--nproc-per-node", "cpu", "--", "true"}).nproc_per_node == 1);
 }

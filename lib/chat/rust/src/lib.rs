@@ -242,7 +242,13 @@ fn tojson(v: Value, kwargs: Kwargs) -> Result<Value, Error> {
 }
 
 /// "line N: what" for a render error, with raise_exception's message as it was given.
+/// What a render that spent its fuel fails with.
+const FUEL_SPENT: &str = "the render ran out of fuel";
+
 fn describe(e: &Error) -> String {
+    if e.kind() == ErrorKind::OutOfFuel {
+        return FUEL_SPENT.to_string(); // a stable text the C++ side recognises
+    }
     let what = match (e.kind(), e.detail()) {
         (ErrorKind::InvalidOperation, Some(d)) => d.to_string(),
         (kind, Some(d)) => format!("{}: {}", kind, d),
@@ -275,11 +281,14 @@ impl Drop for Compiled {
     }
 }
 
-fn compile(template: &str) -> Result<Compiled, String> {
+fn compile(template: &str, fuel: u64) -> Result<Compiled, String> {
     if template.contains(OPEN) || template.contains(CLOSE) {
         return Err("the template holds U+FDD0 or U+FDD1, which mark generation spans".into());
     }
     let mut env = Environment::new();
+    // One render may spend at most `fuel` (minijinja's unit: about one instruction, or 64 bytes
+    // of data made); 0: unbounded.
+    env.set_fuel(if fuel == 0 { None } else { Some(fuel) });
     env.set_syntax(
         minijinja::syntax::SyntaxConfig::builder()
             .trim_blocks(true)
@@ -319,9 +328,9 @@ unsafe fn give(text: String, out: *mut *mut u8, out_len: *mut usize) {
     std::mem::forget(bytes);
 }
 
-/// Compiles `template` (UTF-8, `template_len` bytes). Returns 0 and a handle in *handle (released
-/// with lorarun_chat_release), or 1 and a one-line message ("line N: ...") in *error (freed with
-/// lorarun_chat_free).
+/// Compiles `template` (UTF-8, `template_len` bytes), each render of it allowed `fuel` (0: no
+/// bound). Returns 0 and a handle in *handle (released with lorarun_chat_release), or 1 and a
+/// one-line message ("line N: ...") in *error (freed with lorarun_chat_free).
 ///
 /// # Safety
 /// The pointers must be valid for the lengths given; the out-pointers must be writable.
@@ -329,13 +338,14 @@ unsafe fn give(text: String, out: *mut *mut u8, out_len: *mut usize) {
 pub unsafe extern "C" fn lorarun_chat_compile(
     template: *const u8,
     template_len: usize,
+    fuel: u64,
     handle: *mut *mut Compiled,
     error: *mut *mut u8,
     error_len: *mut usize,
 ) -> i32 {
     let t = std::slice::from_raw_parts(template, template_len);
     let result = match std::str::from_utf8(t) {
-        Ok(t) => compile(t),
+        Ok(t) => compile(t, fuel),
         Err(_) => Err("the template is not UTF-8".to_string()),
     };
     match result {

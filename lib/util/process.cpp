@@ -1,0 +1,47 @@
+#include "util/process.hpp"
+
+#include <unistd.h>
+#include <fstream>
+#include <sstream>
+
+namespace lorarun {
+namespace {
+
+std::string boot_id() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id;
+}
+
+// Field 22 of /proc/<pid>/stat (after the command name, which is in parentheses and may hold
+// spaces); -1 when the process does not exist.
+int64_t start_time(int64_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream fields(stat.substr(close + 1));
+  std::string field;
+  for (int i = 3; i <= 22 && fields >> field; ++i)
+    if (i == 22) return std::stoll(field);
+  return -1;
+}
+
+}  // namespace
+
+std::string host_name() {
+  char name[256] = {};
+  return gethostname(name, sizeof name - 1) == 0 ? name : "";
+}
+
+ProcessIdentity this_process() {
+  const int64_t pid = getpid();
+  return {host_name(), boot_id(), pid, start_time(pid)};
+}
+
+bool on_this_host(const ProcessIdentity& p) { return p.host == host_name() && p.boot_id == boot_id(); }
+
+bool alive_here(const ProcessIdentity& p) { return on_this_host(p) && p.pid > 0 && start_time(p.pid) == p.started; }
+
+}  // namespace lorarun

@@ -1,0 +1,28 @@
+// Which process this is, in a form another process (on this host or another) can check: the
+// host, its boot, the pid and the pid's start time, so that a reused pid is not taken for it.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace lorarun {
+
+struct ProcessIdentity {
+  std::string host;     // gethostname()
+  std::string boot_id;  // /proc/sys/kernel/random/boot_id: another boot is another host
+  int64_t pid = 0;
+  int64_t started = 0;  // /proc/<pid>/stat's starttime (clock ticks after boot)
+};
+
+// This host's name ("" when it has none).
+std::string host_name();
+
+// This process.
+ProcessIdentity this_process();
+
+// Whether `p` is on this host and boot: then alive_here() can tell for sure.
+bool on_this_host(const ProcessIdentity& p);
+
+// Whether `p` runs now: on this host and boot, its pid with its start time.
+bool alive_here(const ProcessIdentity& p);
+
+}  // namespace lorarun
