@@ -8,6 +8,7 @@
 #include "data/example.hpp"
 #include "data/mongo_handles.hpp"
 #include "util/error.hpp"
+#include "util/log.hpp"
 #include "util/secrets.hpp"
 
 namespace lorarun::data {
@@ -450,10 +451,20 @@ std::vector<nlohmann::json> Client::find(const std::string& db, const std::strin
       mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
   std::vector<nlohmann::json> out;
   const bson_t* doc = nullptr;
-  while (mongoc_cursor_next(cur.get(), &doc)) out.push_back(nlohmann::json::parse(to_json_text(doc, false)));
+  int64_t unreadable = 0;  // documents with no JSON form (text that is not UTF-8): not lorarun's writing
+  while (mongoc_cursor_next(cur.get(), &doc)) {
+    const nlohmann::json j = nlohmann::json::parse(to_json_text(doc, false), nullptr, false);
+    if (j.is_object())
+      out.push_back(j);
+    else
+      ++unreadable;
+  }
   bson_error_t error;
   if (mongoc_cursor_error(cur.get(), &error))
     fail(error, fmt::format("querying {}.{} at {} failed", db, coll, redacted_uri_));
+  if (unreadable > 0)
+    warn(fmt::format("{} document(s) of {}.{} at {} hold text that is not UTF-8 (not written by lorarun): left out",
+                     unreadable, db, coll, redacted_uri_));
   return out;
 }
 

@@ -149,7 +149,8 @@ class Client {
   // Deletes every document matching `filter`; returns how many were deleted.
   int64_t delete_many(const std::string& db, const std::string& coll, const nlohmann::json& filter);
 
-  // The documents matching `filter`, in _id order, as relaxed extended JSON.
+  // The documents matching `filter`, in _id order, as relaxed extended JSON; one with no JSON form
+  // (text that is not UTF-8: not lorarun's writing) is left out, with a warning.
   std::vector<nlohmann::json> find(const std::string& db, const std::string& coll, const nlohmann::json& filter,
                                    std::optional<int64_t> limit = {});
 };

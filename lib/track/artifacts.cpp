@@ -396,7 +396,7 @@ namespace lorarun::track {
 std::vector<std::string> recorded_artifacts(const json& run) {
   const std::string id = run.contains("_id") && run["_id"].is_object() ? run["_id"].value("$oid", "") : "";
   const json list = run.value("artifacts", json::array());
-  if (!list.is_array()) throw Error(fmt::format("run {}: its record's artifacts are not a list", printable(id)));
+  if (!list.is_array()) throw ConfigError(fmt::format("run {}: its record's artifacts are not a list", printable(id)));
   std::vector<std::string> out;
   for (const json& a : list) {
     const std::string name = a.is_object() && a.contains("artifact") && a["artifact"].is_string()
@@ -417,7 +417,8 @@ std::vector<ArtifactFile> recorded_files(const json& run, const std::string& art
     for (const json& a : run["artifacts"]) {
       if (a.value("artifact", "") != artifact) continue;
       const json files = a.value("files", json::array());
-      if (!files.is_array()) throw Error(fmt::format("{}: the files of {} in its record are not a list", where, name));
+      if (!files.is_array())
+        throw ConfigError(fmt::format("{}: the files of {} in its record are not a list", where, name));
       for (const json& f : files) {
         const auto text = [&](const char* key) {
           return f.is_object() && f.contains(key) && f[key].is_string() ? f[key].get<std::string>() : std::string();
@@ -434,7 +435,7 @@ std::vector<ArtifactFile> recorded_files(const json& run, const std::string& art
                               return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
                             });
         if (!is_run_id(file.file_id) || !sha_ok || file.bytes < 0)
-          throw Error(
+          throw ConfigError(
               fmt::format("{} lists {} of {} without a valid GridFS id, size and sha256: the record was not "
                           "written by lora-train; refusing it",
                           where, file.name, name));

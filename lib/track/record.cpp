@@ -398,6 +398,7 @@ void RunRecorder::finish(const std::string& status, const json& final_metrics, c
     throw Error(fmt::format("run record: status '{}' is not completed, failed or interrupted (a lorarun bug)", status));
   finished_ = true;
   stop_renewing();
+  if (id_.empty()) return;  // never begun (refused before it was recorded): nothing to end
   attempt("the end of the run", false, [&] {
     json set = {{"lease", nullptr},
                 {"status", status},

@@ -168,6 +168,7 @@ class Trainer {
   void save_state(const Progress& p, bool store = true);
   void restore_from_store();
   void restore_run(const nlohmann::json& run);
+  void restore_artifacts(const nlohmann::json& run, const std::string& id, Clock::time_point t0);
   void check_finite_adapter(const std::string& what);
   void open_metrics(const std::optional<Progress>& resumed);
   int data_lost(const Progress& p);
@@ -630,7 +631,9 @@ std::vector<data::Example> Trainer::examples(data::MicroBatches* batches) {
                       "data.bad_documents=skip",
                       env_.rank, why.document.empty() ? "" : why.document + " ", why.reason));
     ++rejected_here_;
-    if (warned_++ < 3) warn(fmt::format("rank {}: skipping a document: {}", env_.rank, why.reason));
+    if (warned_++ < 3)
+      warn(fmt::format("rank {}: skipping {}: {}", env_.rank,
+                       why.document.empty() ? "a document" : "document " + why.document, why.reason));
   }
   return out;
 }
@@ -851,6 +854,17 @@ void Trainer::restore_from_store() {
 void Trainer::restore_run(const nlohmann::json& run) {
   const auto t0 = Clock::now();
   const std::string id = run["_id"].value("$oid", "");
+  try {
+    restore_artifacts(run, id, t0);
+  } catch (const ConfigError& e) {  // a record lora-train did not write so: the same command refuses it again
+    throw ConfigError(
+        fmt::format("restoring run {}/{} from the database: {} (lora-runs rm {}/{} removes it; or set "
+                    "checkpoint.resume=never to start over)",
+                    r_.track.database, id, e.what(), r_.track.database, id));
+  }
+}
+
+void Trainer::restore_artifacts(const nlohmann::json& run, const std::string& id, Clock::time_point t0) {
   track::ArtifactStore store(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
   std::vector<std::string> artifacts;
   for (const std::string& a : track::recorded_artifacts(run))
@@ -918,8 +932,12 @@ void Trainer::store_final() {
 
 // (Not when the server already proved unreachable: rank 0 then ends at once, with its own error.)
 void Trainer::record_failure(const std::string& error) {
-  if (record_ && !store_unreachable_) record_->finish("failed", last_row_, error);
-  if (mlflow_) mlflow_->finish("FAILED");
+  try {  // (the error being reported is the one that matters)
+    if (record_ && !store_unreachable_) record_->finish("failed", last_row_, error);
+    if (mlflow_) mlflow_->finish("FAILED");
+  } catch (const std::exception& e) {
+    warn(fmt::format("the run's end was not recorded: {}", e.what()));
+  }
 }
 
 // Every rank learns whether rank 0's write (or restore) worked, so a failure stops all, never hangs.

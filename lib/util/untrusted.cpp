@@ -56,7 +56,7 @@ bool component_char(char c) {
 bool hex(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
 
 [[noreturn]] void refuse(std::string_view name, std::string_view what, std::string_view why) {
-  throw Error(fmt::format("{} '{}', {}", what, printable(name), why));
+  throw ConfigError(fmt::format("{} '{}', {}", what, printable(name), why));
 }
 
 // printable() and one_line(): the same escapes, `backslash` doubled or not.

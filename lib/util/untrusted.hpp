@@ -26,8 +26,9 @@ bool is_artifact_name(std::string_view name);
 bool is_run_id(std::string_view id);
 bool is_database_name(std::string_view name);
 
-// Each throws lorarun::Error "<what> '<name, printable>' <why it is refused>: <fix>" when `name`
-// does not fit its grammar. `what` says where the name came from ("run db/65f… lists a file").
+// Each throws ConfigError "<what> '<name, printable>', <why it is refused>" when `name` does not
+// fit its grammar (the same input refuses it again). `what` says where the name came from ("run
+// db/65f… lists a file named").
 void check_name_component(std::string_view name, std::string_view what);
 void check_relative_file_name(std::string_view name, std::string_view what);
 void check_artifact_name(std::string_view name, std::string_view what);

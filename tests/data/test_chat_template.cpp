@@ -1,6 +1,8 @@
 // The chat template engine (lib/chat): what transformers' Jinja environment provides, on small
 // templates. Parity with transformers on whole conversations is chat_template_check.py's.
 #include <catch2/catch.hpp>
+#include <chrono>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -65,4 +67,41 @@ TEST_CASE("chat templates: Python string and dict methods, namespace, loop contr
   CHECK(text("{% set ns = namespace(n=0) %}{% for i in range(10) %}{% if i == 2 %}{% continue %}{% endif %}"
              "{% if i > 4 %}{% break %}{% endif %}{% set ns.n = ns.n + i %}{% endfor %}{{ ns.n }}") == "8");
   CHECK(text("{{ strftime_now('%Y') | length }}") == "4");
+}
+
+TEST_CASE("chat templates: a render spends at most its fuel, and stops in well under a second when it runs out") {
+  using Clock = std::chrono::steady_clock;
+  const auto spent = [](const std::string& tmpl) {
+    const auto t0 = Clock::now();
+    const auto r = render(tmpl, ordered_json::object());
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    CHECK(s < 1.0);
+    return std::holds_alternative<std::string>(r) && std::get<std::string>(r) == lorarun::chat::kFuelSpent;
+  };
+  CHECK(spent("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"));
+  CHECK(spent("{{ 'x' * 1000000000 }}"));                                       // memory, not time
+  CHECK(spent("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}") == false);  // recursion: its own limit
+  CHECK_FALSE(spent("{% for i in range(1000) %}{{ i }}{% endfor %}"));
+}
+
+TEST_CASE("chat templates: a real template on a long conversation with tools needs under 1% of the default fuel") {
+  const std::string tok = std::string(LORARUN_TOKENIZER_FIXTURES) + "/qwen3/tokenizer_config.json";
+  std::ifstream in(tok);
+  REQUIRE(in);
+  const std::string tmpl = nlohmann::json::parse(in)["chat_template"].get<std::string>();
+  ordered_json messages = ordered_json::array();
+  messages.push_back({{"role", "system"}, {"content", std::string(2000, 's')}});
+  for (int i = 0; i < 20; ++i) {
+    messages.push_back({{"role", "user"}, {"content", "question " + std::string(400, 'q')}});
+    messages.push_back({{"role", "assistant"}, {"content", "<think>x</think>answer " + std::string(400, 'a')}});
+  }
+  const ordered_json tools = ordered_json::array(
+      {{{"type", "function"},
+        {"function", {{"name", "lookup"}, {"description", "find a record"}, {"parameters", {{"type", "object"}}}}}}});
+  const ordered_json ctx = {{"messages", messages}, {"tools", tools}, {"add_generation_prompt", false}};
+  const auto t = lorarun::chat::Template::compile(tmpl, lorarun::chat::kDefaultFuel / 100);
+  REQUIRE(std::holds_alternative<lorarun::chat::Template>(t));
+  const auto r = std::get<lorarun::chat::Template>(t).render(ctx);
+  if (const auto* e = std::get_if<std::string>(&r)) FAIL(*e);
+  CHECK(std::get<Rendered>(r).text.size() > 18000);
 }

@@ -1,6 +1,7 @@
 // Bad model, weight and adapter files: one clear error each, never a crash, nothing written.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
@@ -177,4 +178,87 @@ TEST_CASE("a model id is found in the local Hugging Face cache, never downloaded
                                     "cache") &&
                         Catch::Contains("never downloads"));
   unsetenv("HF_HOME");
+}
+
+namespace {
+
+// kFixtures/`family` with config.json `changes` (KEY=JSON), its weights made anew by transformers.
+std::string variant(const std::string& family, const std::string& name, const std::string& changes) {
+  const std::string dir = test::temp_dir(name);
+  const test::Result r = test::sh(fmt::format("'{}' '{}/tests/reference/variant_model.py' '{}/{}' '{}' {}",
+                                              LORARUN_PYTHON, LORARUN_SOURCE_DIR, kFixtures, family, dir, changes));
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  return dir;
+}
+
+// `n` documents {"text": …} in dir/docs.jsonl, and a recipe training on them with `extra` keys.
+std::string text_recipe(const std::string& dir, const std::string& model, const std::string& extra) {
+  std::ofstream docs(dir + "/docs.jsonl");
+  for (int i = 0; i < 8; ++i) docs << fmt::format(R"({{"text": "The quick brown fox {}."}})", i) << "\n";
+  const std::string path = dir + "/r.yaml";
+  std::ofstream(path) << fmt::format(R"(model: {{path: {}, dtype: fp32, device: cpu}}
+lora: {{r: 2, alpha: 4, target_modules: all-linear}}
+data: {{source: jsonl, path: {}/docs.jsonl, format: text, batch_size: 4{}}}
+train: {{epochs: 1, lr: 1.0e-3}}
+checkpoint: {{output_dir: {}/out}}
+track: {{mongodb: false}}
+)",
+                                     model, dir, extra, dir);
+  return path;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a model whose learned positions are fewer than data.max_length, or than a generation needs, says so where it "
+    "is known, naming the limit",
+    "[e2e]") {
+  const std::string model = variant("gpt2", "gpt2-16-positions", "n_positions=16");
+  const std::string dir = test::temp_dir("short-positions");
+  const std::string recipe = text_recipe(dir, model, "");
+  for (const std::string& tool : {"lora-train", "lora-eval --recipe"}) {
+    const test::Result r =
+        test::sh(fmt::format("{} {}", test::bin(tool.substr(0, tool.find(' '))),
+                             tool.find(' ') == std::string::npos ? recipe : "--recipe " + recipe + " --split train"));
+    INFO(r.output);
+    CHECK(r.status == 78);
+    CHECK(test::count_lines(r.output) == 1);
+    CHECK_THAT(r.output, Catch::Contains("data.max_length 1024 passes the 16 positions") &&
+                             Catch::Contains("(n_positions 16): keep it at most 16"));
+  }
+  CHECK(test::sh(fmt::format("{} {} data.max_length=16", test::bin("lora-train"), recipe)).status == 0);
+  // lora-eval --data takes what fits when --max-length is not given.
+  CHECK(test::sh(fmt::format("{} --model {} --data {}/docs.jsonl", test::bin("lora-eval"), model, dir)).status == 0);
+  // A generation longer than the table: the tokens that fit, and one warning saying so.
+  const test::Result g = test::sh(
+      fmt::format("{} --model {} --prompt 'The quick' --max-new-tokens 100 --ids", test::bin("lora-generate"), model));
+  INFO(g.output);
+  CHECK(g.status == 0);
+  CHECK(test::lines_with(g.output, "passes the 16 positions").size() == 1);
+  const std::string ids = g.output.substr(g.output.rfind('['));
+  CHECK(std::count(ids.begin(), ids.end(), ',') + 1 <= 16);
+  const test::Result long_prompt = test::sh(fmt::format("{} --model {} --prompt '{}' --max-new-tokens 4",
+                                                        test::bin("lora-generate"), model, std::string(200, 'x')));
+  CHECK(long_prompt.status == 78);
+  CHECK_THAT(long_prompt.output, Catch::Contains("the prompt (") && Catch::Contains("passes the 16 positions"));
+}
+
+TEST_CASE("a tokenizer that makes ids the embedding has no row for is refused at load, naming both sizes", "[e2e]") {
+  const std::string model = variant("llama", "llama-small-vocab", "vocab_size=200");
+  const std::string dir = test::temp_dir("small-vocab");
+  const std::string recipe = text_recipe(dir, model, "");
+  const std::vector<std::string> runs = {
+      fmt::format("{} {}", test::bin("lora-train"), recipe),
+      fmt::format("{} --recipe {} --split train", test::bin("lora-eval"), recipe),
+      fmt::format("{} --model {} --data {}/docs.jsonl", test::bin("lora-eval"), model, dir),
+      fmt::format("{} --model {} --prompt 'a' --max-new-tokens 2", test::bin("lora-generate"), model)};
+  for (const std::string& cmd : runs) {
+    const test::Result r = test::sh(cmd);
+    INFO(cmd << "\n" << r.output);
+    CHECK(r.status == 78);
+    CHECK(test::count_lines(r.output) == 1);
+    CHECK_THAT(r.output,
+               Catch::Contains("its tokenizer makes ids up to ") && Catch::Contains("but its embedding has 200 rows"));
+  }
 }

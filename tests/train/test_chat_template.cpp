@@ -106,3 +106,43 @@ TEST_CASE("chat_format template: a template that does not compile is one line at
   CHECK_THAT(errors[0], Catch::Contains("is not a valid Jinja template: line 2:"));
   CHECK_FALSE(fs::exists(dir + "/out/epoch_0"));
 }
+
+TEST_CASE(
+    "chat_format template: a template that loops without end stops at its fuel: at start-up in one line naming "
+    "data.chat_template_fuel, and on one document in one line naming the document, deaf to nothing",
+    "[e2e]") {
+  const std::string dir = temp_dir("chat_template_fuel");
+  write_chats(dir + "/data.jsonl", 8);
+  // Slow for every conversation (the start-up probe too)...
+  std::ofstream(dir + "/always.jinja") << "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                          "{% endfor %}"
+                                       << kTemplate;
+  const Result r =
+      sh(fmt::format("{} {}", bin("lora-train"), recipe(dir, ", chat_template: " + dir + "/always.jinja")));
+  INFO(r.output);
+  CHECK(r.status != 0);
+  CHECK(r.seconds < 30);
+  const auto errors = lines_with(r.output, "error");
+  REQUIRE(errors.size() == 1);
+  CHECK_THAT(errors[0], Catch::Contains("spent all of data.chat_template_fuel (10000000)"));
+  // ...or only for the one conversation whose first message says so.
+  std::ofstream(dir + "/one.jinja") << "{% if 'Add 5 and' in messages[0].content %}{% for i in range(100000) %}"
+                                       "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
+                                    << kTemplate;
+  const Result one = sh(fmt::format("{} {}", bin("lora-train"),
+                                    recipe(dir, ", bad_documents: fail, chat_template: " + dir + "/one.jinja")));
+  INFO(one.output);
+  CHECK(one.status != 0);
+  CHECK(one.seconds < 30);
+  const auto lines = lines_with(one.output, "error");
+  REQUIRE(lines.size() == 1);
+  CHECK_THAT(lines[0], Catch::Contains("bad document #5") && Catch::Contains("spent all of data.chat_template_fuel"));
+  // A lower budget for a template known to be heavy is the recipe's to set; skipped, the document is one warning.
+  const Result skipped = sh(fmt::format("{} {} data.chat_template_fuel=2000000", bin("lora-train"),
+                                        recipe(dir, ", chat_template: " + dir + "/one.jinja")));
+  INFO(skipped.output);
+  CHECK(skipped.status == 0);
+  CHECK(
+      lines_with(skipped.output, "warning: rank 0: skipping document #5: rendering it with the chat template").size() ==
+      1);
+}
