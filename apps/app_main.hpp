@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <exception>
+#include <filesystem>
 #include <optional>
 #include <string>
 
@@ -108,6 +109,12 @@ int app_main(const char* name, int argc, char** argv, Body body) {
   } catch (const c10::Error& e) {
     const std::string m = e.what_without_backtrace();
     return detail::fail(name, "error", m.substr(0, m.find('\n')));
+  } catch (const std::filesystem::filesystem_error& e) {  // a path the user gave that cannot be written or read
+    return detail::fail(
+        name, "error",
+        fmt::format("cannot {} {}: {}: check that the path exists and this user may write there",
+                    std::string_view(e.what()).find("create") != std::string_view::npos ? "create" : "use",
+                    e.path1().string(), e.code().message()));
   } catch (const std::exception& e) {
     return detail::fail(name, "internal error", e.what());
   }

@@ -100,12 +100,13 @@ std::string memory_report(const recipe::Recipe& r, int world) {
   if (r.dist.shard_base) worlds.insert(world);
   std::string out = fmt::format(
       "# memory per rank, estimated in GiB (a micro-batch of {} x {} tokens: data.batch_size x data.max_length{}):\n"
-      "#   {:<28}{:>8}{:>12}{:>13}{:>8}\n",
+      "#   {:<28} {:>9} {:>11} {:>12} {:>9}\n",
       r.data.batch_size, r.data.max_length, r.train.activation_checkpointing ? ", activation checkpointing" : "", "",
       "base", "LoRA+AdamW", "activations", "total");
   const auto row = [&](const std::string& what, const MemoryEstimate& e, bool chosen) {
-    out += fmt::format("#   {:<28}{:>8.2f}{:>12.3f}{:>13.2f}{:>8.2f}{}\n", what, gib(e.base + e.gathered), gib(e.lora),
-                       gib(e.activations), gib(e.total()), chosen ? "   <- this run" : "");
+    // (a space before each column: a figure wider than its column still stands apart)
+    out += fmt::format("#   {:<28} {:>9.2f} {:>11.3f} {:>12.2f} {:>9.2f}{}\n", what, gib(e.base + e.gathered),
+                       gib(e.lora), gib(e.activations), gib(e.total()), chosen ? "   <- this run" : "");
   };
   row("whole base, any ranks", estimate_memory(r, 1, false), !r.dist.shard_base);
   for (const int w : worlds)

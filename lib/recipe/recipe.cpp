@@ -207,8 +207,14 @@ void read(const YAML::Node& n, T& out, Field f) {
         }
     f.expected("one of " + choices<T>(), n, false);
   } else if constexpr (std::is_integral_v<T>) {
-    const auto i = n.IsScalar() ? parse_int(n.Scalar()) : std::nullopt;
-    if (!i || *i < std::numeric_limits<T>::min() || *i > std::numeric_limits<T>::max()) f.expected("a whole number", n);
+    std::optional<int64_t> i = n.IsScalar() ? parse_int(n.Scalar()) : std::nullopt;
+    if (!i && n.IsScalar())  // 1e6: a whole number written as YAML writes a float
+      if (const auto d = parse_float(n.Scalar()); d && *d == std::floor(*d) && std::abs(*d) < 9e18)
+        i = static_cast<int64_t>(*d);
+    if (!i) f.expected("a whole number", n);
+    if (*i < std::numeric_limits<T>::min() || *i > std::numeric_limits<T>::max())
+      f.expected(
+          fmt::format("a whole number from {} to {}", std::numeric_limits<T>::min(), std::numeric_limits<T>::max()), n);
     out = static_cast<T>(*i);
   } else if constexpr (std::is_floating_point_v<T>) {
     const auto d = n.IsScalar() ? parse_float(n.Scalar()) : std::nullopt;

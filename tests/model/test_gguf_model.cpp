@@ -154,3 +154,28 @@ TEST_CASE("gguf: an unsupported architecture or a missing key is one line naming
   for (const std::string& e : {arch, key, missing}) CHECK(e.find('\n') == std::string::npos);
   CHECK(load_error(dir + "/tiny.gguf").empty());  // the same file with every key loads
 }
+
+TEST_CASE("gguf: metadata quoted in a message is escaped, and zero attention heads are named as such", "[gguf]") {
+  const std::string dir = test::temp_dir("gguf-model-hostile");
+  // An architecture name that would clear a terminal and start a new line.
+  const test::Oracle odd = gguf_model_check(fmt::format("make '{}/odd.gguf' 'll\\x1b[2Jama\\n'", dir));
+  INFO(odd.run.output);
+  REQUIRE(odd.run.status == 0);
+  const std::string e = load_error(dir + "/odd.gguf");
+  CHECK_THAT(e, Catch::Contains("GGUF architecture 'll\\x1b[2Jama\\n' is not supported"));
+  CHECK(e.find('\x1b') == std::string::npos);
+  CHECK(e.find('\n') == std::string::npos);
+  const test::Result tool =
+      test::sh(fmt::format("{} --model '{}/odd.gguf' --prompt a", test::bin("lora-generate"), dir));
+  CHECK(tool.status != 0);
+  CHECK(tool.output.find('\x1b') == std::string::npos);
+  CHECK(test::count_lines(tool.output) == 1);
+  // head_count 0 (with a rotary size given): the heads are blamed, not the rotary embedding.
+  const test::Oracle zero =
+      gguf_model_check(fmt::format("make '{}/zero-heads.gguf' llama '' attention.head_count=0", dir));
+  INFO(zero.run.output);
+  REQUIRE(zero.run.status == 0);
+  CHECK_THAT(load_error(dir + "/zero-heads.gguf"),
+             Catch::Contains("llama.attention.head_count is 0 and head_count_kv 2: "
+                             "both must be positive"));
+}

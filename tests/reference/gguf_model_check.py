@@ -73,7 +73,7 @@ def generate(path, prompt_file, n, adapter):
     report(ids=out[0, ids.size(1):].tolist(), prompt_ids=ids[0].tolist())
 
 
-def make(path, arch, drop):
+def make(path, arch, drop, changes=()):
     import gguf
 
     w = gguf.GGUFWriter(path, arch)
@@ -102,6 +102,9 @@ def make(path, arch, drop):
     if arch == "qwen3":
         keys.update({"attention.key_length": head_dim, "attention.value_length": head_dim})
         del keys["rope.dimension_count"]
+    for change in changes:  # "attention.head_count=0": a key's value changed
+        k, v = change.split("=", 1)
+        keys[k] = int(v)
     for k, v in keys.items():
         if f"{arch}.{k}" != drop:
             w.add_uint32(f"{arch}.{k}", v)
@@ -169,7 +172,8 @@ def main():
     if mode == "generate":
         return generate(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "")
     if mode == "make":
-        return make(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")
+        return make(sys.argv[2], sys.argv[3].encode().decode("unicode_escape"), sys.argv[4] if len(sys.argv) > 4 else "",
+                    sys.argv[5:])
     sys.exit(f"unknown mode {mode!r}")
 
 

@@ -439,3 +439,61 @@ TEST_CASE(
   }
   CHECK(!fs::exists(dir + "/merged"));
 }
+
+TEST_CASE("the words of the refusals: unwritable paths, an empty eval file, numbers out of range", "[e2e]") {
+  const std::string dir = temp_dir("hostile-words");
+  write_data(dir + "/data.jsonl", 8);
+  std::ofstream(dir + "/a-file") << "x";
+  const std::string model = std::string(LORARUN_MODEL_FIXTURES) + "/llama";
+  // --out and checkpoint.output_dir under a file: named, with the system's reason, no "internal error".
+  const Result merge = sh(fmt::format("{} --model {} --adapter {}/peft_adapter --out {}/a-file/merged",
+                                      bin("lora-merge"), model, model, dir));
+  INFO(merge.output);
+  CHECK(merge.status == 1);
+  CHECK(count_lines(merge.output) == 1);
+  CHECK_THAT(merge.output, Catch::Contains("lora-merge: error: cannot create " + dir + "/a-file/merged") &&
+                               Catch::Contains("Not a directory"));
+  const std::string recipe = write_recipe(dir, "out", "epochs: 1, lr: 1.0e-3", "", ", batch_size: 4");
+  const Result train = sh(fmt::format("{} {} checkpoint.output_dir={}/a-file/out", bin("lora-train"), recipe, dir));
+  INFO(train.output);
+  CHECK(train.status == 78);
+  CHECK_THAT(train.output,
+             Catch::Contains("cannot create checkpoint.output_dir " + dir + "/a-file/out: Not a directory"));
+  // An empty eval.path is named as eval.path.
+  std::ofstream(dir + "/empty.jsonl") << "";
+  const Result empty = sh(fmt::format("{} {} eval.path={}/empty.jsonl", bin("lora-train"), recipe, dir));
+  INFO(empty.output);
+  CHECK(empty.status == 1);
+  CHECK_THAT(empty.output, Catch::Contains("eval.path " + dir + "/empty.jsonl holds no documents"));
+  // A whole number too large for its key says so; one written as 1e3 is a whole number.
+  const Result big = sh(fmt::format("{} --dry-run {} train.epochs=1e12", bin("lora-train"), recipe));
+  INFO(big.output);
+  CHECK(big.status == 78);
+  CHECK_THAT(big.output,
+             Catch::Contains("train.epochs must be a whole number from -2147483648 to 2147483647, got '1e12'"));
+  CHECK(sh(fmt::format("{} --dry-run {} data.limit=1e3", bin("lora-train"), recipe)).status == 0);
+  // A run without a record still has an id, in run.json, and no message has a gap where the id would be.
+  const Result done = sh(fmt::format("{} --nproc-per-node 1 {}", bin("lorarun"), recipe));
+  INFO(done.output);
+  REQUIRE(done.status == 0);
+  const json marker = json::parse(read_file(dir + "/out/run.json"));
+  CHECK_THAT(marker["run_id"].get<std::string>(), Catch::Matches("local-[0-9a-f]{24}"));
+  CHECK(done.output.find("  ") == std::string::npos);
+}
+
+TEST_CASE("lorarun --max-restarts does not restart a rank whose error a restart cannot change", "[e2e]") {
+  const std::string dir = temp_dir("hostile-no-restart");
+  write_data(dir + "/data.jsonl", 8);
+  const std::string recipe = write_recipe(dir, "out", "epochs: 1, lr: 1.0e-3", "", ", batch_size: 4");
+  const Result r = sh(fmt::format("{} --nproc-per-node 2 --max-restarts 2 {} lora.r=0", bin("lorarun"), recipe));
+  INFO(r.output);
+  CHECK(r.status == 78);
+  CHECK(occurrences(r.output, "started 2 rank(s)") == 1);
+  CHECK_THAT(r.output, Catch::Contains("failed with an error a restart cannot change (exit 78): not restarting"));
+  CHECK(r.seconds < 20);
+  // A model that is not there is such an error too.
+  const Result missing =
+      sh(fmt::format("{} --nproc-per-node 1 --max-restarts 2 {} model.path={}/nowhere", bin("lorarun"), recipe, dir));
+  CHECK(missing.status == 78);
+  CHECK(occurrences(missing.output, "started 1 rank(s)") == 1);
+}
