@@ -13,6 +13,7 @@
 #include "app_main.hpp"
 #include "data/mongo.hpp"
 #include "track/artifacts.hpp"
+#include "track/record.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
 #include "util/secrets.hpp"
@@ -182,7 +183,10 @@ void rm(const Common& c, const std::string& ref) {
   const RunArg run = parse_run(ref, c.db);
   const std::string uri = uri_of(c);
   data::Client client(uri, kTimeout, {kOrigin});
-  find_run(client, run);
+  const json doc = find_run(client, run);
+  if (const std::optional<std::string> who = track::live_holder(client, run.db, doc))
+    throw track::LiveRunError(
+        fmt::format("run {}/{} is live ({}): it is removed once it has ended; stop it first", run.db, run.id, *who));
   track::ArtifactStore store(uri, run.db, kTimeout);
   const int64_t files = store.remove(run.id);
   const int64_t metrics = client.delete_many(run.db, "metrics", {{"run_id", {{"$oid", run.id}}}});

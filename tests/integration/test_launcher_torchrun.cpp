@@ -69,6 +69,19 @@ TEST_CASE("two nodes of 1 rank take nodes, node rank and master from a Slurm job
   CHECK_THAT(r.output, Catch::Contains("run 31337"));
 }
 
+TEST_CASE("two pods of a Kubeflow PyTorchJob: lorarun as the command, told who it is by PET_* only", "[e2e]") {
+  // What the training operator sets in each pod (the master's address is its service's name).
+  const std::string pet = fmt::format(
+      "PET_NNODES=2 PET_NPROC_PER_NODE=2 PET_MASTER_ADDR=localhost PET_MASTER_PORT={} PET_RDZV_ID=pytorchjob-1",
+      free_port());
+  const std::string cmd = bin("lorarun") + " -- " + dist_check();
+  const Result r = two_nodes(temp_dir("pet-nodes"), fmt::format("env {} PET_NODE_RANK=0 {}", pet, cmd),
+                             fmt::format("env {} PET_NODE_RANK=1 {}", pet, cmd));
+  check_world(r, 4);
+  CHECK_THAT(r.output, Catch::Contains("master localhost:"));
+  CHECK_THAT(r.output, Catch::Contains("run pytorchjob-1"));
+}
+
 TEST_CASE("lorarun --max-restarts restarts the whole group with TORCHELASTIC_RESTART_COUNT counting", "[e2e]") {
   const std::string dir = temp_dir("restarts");
   const std::string worker = script(dir, "worker.sh",

@@ -72,7 +72,27 @@ TEST_CASE("artifacts: a re-upload replaces the old files, a pull gives them back
   } catch (const Error& e) {
     CHECK_THAT(e.what(), Catch::Contains("is damaged"));
   }
-  CHECK(!fs::exists(dir / "damaged/adapter_model.safetensors"));
+  // Nothing of it is kept: no directory, no temporary sibling (a pull, a restore and --adapter
+  // mongodb-run: write through download()).
+  CHECK(!fs::exists(dir / "damaged"));
+  for (const auto& e : fs::directory_iterator(dir))
+    CHECK(e.path().filename().string().find(".part.") == std::string::npos);
+  // Into a directory that holds files already: refused before anything is read.
+  CHECK_THROWS_WITH(store.download(run, "epoch_0", stored, (dir / "best").string()),
+                    Catch::Contains("exists and is not empty"));
+  // What the record lists is what a reader gets: a newer GridFS file of the same name that the record
+  // does not list (a writer that is not lora-train's) is not taken.
+  put(dir / "other/adapter_model.safetensors", "not the recorded weights");
+  const auto listed = store.list(run, "best");
+  store.upload("ffffffffffffffffffffffff", "best", (dir / "other").string());
+  c.update_one(db, "lorarun.files", {{"metadata.run_id", "ffffffffffffffffffffffff"}},
+               {{"$set", {{"metadata.run_id", run}}}});
+  CHECK(store.list(run, "best").front().sha256 == io::sha256_hex("not the recorded weights"));  // GridFS's newest
+  store.download(run, "best", listed, (dir / "recorded").string());
+  CHECK(test::read_file((dir / "recorded/adapter_model.safetensors").string()) == "new weights");
+  c.update_one(db, "lorarun.files", {{"metadata.run_id", run}, {"_id", {{"$oid", store.list(run, "best")[0].file_id}}}},
+               {{"$set", {{"metadata.run_id", "ffffffffffffffffffffffff"}}}});
+  CHECK(store.remove("ffffffffffffffffffffffff") == 1);
 
   // remove: one artifact, then the rest; no chunk left.
   CHECK(store.remove(run, "epoch_0") == 1);
