@@ -207,7 +207,7 @@ const std::string& RunRecorder::id() const { return id_; }
 std::string RunRecorder::ref() const { return database_ + "/" + id_; }
 
 std::optional<std::string> RunRecorder::lost_lease() const {
-  std::lock_guard lock(const_cast<std::mutex&>(mu_));
+  std::lock_guard lock(mu_);
   return lost_;
 }
 

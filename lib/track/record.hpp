@@ -96,7 +96,7 @@ class RunRecorder {
   std::string uri_, token_;
   std::chrono::milliseconds timeout_{};
   std::thread renewer_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable wake_;
   bool stopping_ = false;
   std::optional<std::string> lost_;  // guarded by mu_

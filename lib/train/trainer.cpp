@@ -85,6 +85,14 @@ double peak_rss_mb() {
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
+// `dir` absolute, normalised, without a trailing '/': one spelling per directory (the record's
+// output_dir is compared with other runs').
+std::string absolute_dir(const fs::path& dir) {
+  std::string s = fs::absolute(dir).lexically_normal().string();
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  return s;
+}
+
 std::string random_hex(int bytes) {
   std::random_device rd;
   std::string out;
@@ -810,7 +818,7 @@ void Trainer::start_record(Progress& p, bool resumed) {
       {"torch_version", TORCH_VERSION},      {"world_size", env_.world_size},
       {"device", cuda_ ? "cuda" : "cpu"},    {"data", docs_->describe()},
       {"documents", docs_->size()},          {"eval_documents", eval_ ? eval_->docs().size() : 0},
-      {"steps_per_epoch", steps_per_epoch_}, {"output_dir", fs::absolute(out_).string()}};
+      {"steps_per_epoch", steps_per_epoch_}, {"output_dir", absolute_dir(out_)}};
   const std::optional<std::string> again = resumed && is_run_id(p.run_id) ? std::optional(p.run_id) : std::nullopt;
   p.run_id = record_->begin(recipe::to_json(r_), run_info, again);
   run_ref_ = record_->ref();

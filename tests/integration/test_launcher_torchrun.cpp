@@ -150,7 +150,7 @@ TEST_CASE("a lora-train error reaches the summary through its error file", "[e2e
   const Result r = sh(fmt::format("cd '{}' && {} --nproc-per-node 2 configs/quickstart.yaml train.learning_rate=2e-4",
                                   LORARUN_SOURCE_DIR, bin("lorarun")));
   INFO(r.output);
-  CHECK(r.status == 1);
+  CHECK(r.status == 78);
   CHECK_THAT(summary(r.output),
              Catch::Contains("lorarun:   error: lora-train: error: configs/quickstart.yaml "
                              "(override 'train.learning_rate=2e-4'): unknown key 'train.learning_rate'; "
@@ -164,7 +164,7 @@ TEST_CASE("lora-train writes torchrun's error file, secrets scrubbed", "[e2e]") 
                      "data.uri=mongodb://u:hunter2@db:27017/ train.nope=1",
                      LORARUN_SOURCE_DIR, dir, bin("lora-train")));
   INFO(r.output);
-  CHECK(r.status == 1);
+  CHECK(r.status == 78);
   const std::string json = read_file(dir + "/error.json");
   CHECK_THAT(json, Catch::StartsWith("{\"message\": {\"message\": \"lora-train: error: "));
   CHECK_THAT(json, Catch::Contains("unknown key 'train.nope'"));

@@ -299,7 +299,13 @@ TEST_CASE("numbers: decimal and exponent forms are floats, integers are exact") 
   CHECK(error_of(kBase + "train: {lr: .inf}\n") ==
         "recipe.yaml: train.lr must be a number, got '.inf' (e.g. train.lr: 0.0002)");
   CHECK(error_of(kBase + "train: {epochs: 99999999999}\n") ==
-        "recipe.yaml: train.epochs must be a whole number, got '99999999999' (e.g. train.epochs: 3)");
+        "recipe.yaml: train.epochs must be a whole number from -2147483648 to 2147483647, got '99999999999' (e.g. "
+        "train.epochs: 3)");
+  CHECK(error_of(kBase + "train: {epochs: 1e12}\n") ==
+        "recipe.yaml: train.epochs must be a whole number from -2147483648 to 2147483647, got '1e12' (e.g. "
+        "train.epochs: 3)");
+  CHECK(load(kBase, {"data.limit=1e6"}).data.limit == 1000000);  // a whole number written as a float
+  CHECK(load(kBase + "train: {epochs: 2.0}\n").train.epochs == 2);
 }
 
 TEST_CASE("overrides: every form") {

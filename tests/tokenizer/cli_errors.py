@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""lora-data on bad input: exit 1 and one line `lora-data: error: ...` naming the problem."""
+"""lora-data on bad input: exit 1 (78 for what running it again cannot change: a model that is not
+there) and one line `lora-data: error: ...` naming the problem."""
 import argparse
 import os
 import subprocess
@@ -13,7 +14,7 @@ a = ap.parse_args()
 failures = 0
 
 
-def expect(args, stdin, needle, files=None):
+def expect(args, stdin, needle, files=None, status=1):
     global failures
     with tempfile.TemporaryDirectory() as d:
         for name, text in (files or {}).items():
@@ -22,12 +23,12 @@ def expect(args, stdin, needle, files=None):
         args = [x.replace("{tmp}", d) for x in args]
         p = subprocess.run([a.lora_data, *args], input=stdin, capture_output=True, text=True)
     lines = p.stderr.strip().split("\n")
-    ok = p.returncode == 1 and len(lines) == 1 and lines[0].startswith("lora-data: error: ") and needle in lines[0]
+    ok = p.returncode == status and len(lines) == 1 and lines[0].startswith("lora-data: error: ") and needle in lines[0]
     print(("ok    " if ok else "FAIL  ") + " ".join(args) + f" -> {p.returncode}: {p.stderr.strip()!r}")
     failures += not ok
 
 
-expect(["tokenize", "--model", "/nonexistent/model"], "", "does not exist")
+expect(["tokenize", "--model", "/nonexistent/model"], "", "does not exist", status=78)
 expect(["tokenize", "--model", "{tmp}"], "", "tokenizer.json: not found")
 expect(["tokenize", "--model", "{tmp}"], "", "not valid JSON", {"tokenizer.json": '{"model": {"type": "BPE", "vo'})
 expect(["tokenize", "--model", "{tmp}"], "", "pre_tokenizer type 'Whitespace' is not supported",

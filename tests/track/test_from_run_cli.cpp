@@ -42,7 +42,7 @@ TEST_CASE("lora-train --from-run DB/ID --dry-run prints the stored recipe with t
 
   const test::Result unknown = test::sh(
       fmt::format("{} --from-run {}/66aa00000000000000000000 --uri '{}' --dry-run", test::bin("lora-train"), db, uri));
-  CHECK(unknown.status == 1);
+  CHECK(unknown.status == 78);
   CHECK_THAT(unknown.output,
              Catch::StartsWith(fmt::format("lora-train: error: no run 66aa00000000000000000000 in {}.runs", db)));
 }

@@ -343,25 +343,25 @@ TEST_CASE(
     "step, another count is refused naming the change",
     "[e2e][resume]") {
   const std::string dir = temp_dir("hostile-data-changed");
-  write_data(dir + "/data.jsonl", 40);
+  write_data(dir + "/data.jsonl", 200);  // 100 steps an epoch: SIGTERM lands well before the end
   const std::string recipe = write_recipe(dir, "out", "epochs: 2, lr: 1.0e-3", "", ", batch_size: 2");
   const std::string cmd = fmt::format("{} --nproc-per-node 1 {}", bin("lorarun"), recipe);
-  const Result cut = interrupt(cmd, dir + "/cut.log", "epoch 1/2 step 5/20", "kill -TERM $pid");
+  const Result cut = interrupt(cmd, dir + "/cut.log", "epoch 1/2 step 5/100", "kill -TERM $pid");
   REQUIRE_THAT(cut.output, Catch::Contains("exit=75"));
   const json state = json::parse(read_file(dir + "/out/resume_state/state.json"));
-  CHECK(state["data"]["documents"] == 40);
+  CHECK(state["data"]["documents"] == 200);
   CHECK(state["data"]["digest"].is_string());
 
-  // Two more documents: 21 steps per epoch, and the state's step in epoch 1 no longer fits; refused,
+  // Two more documents: 101 steps per epoch, and the state's step in epoch 1 no longer fits; refused,
   // naming the change, and the state kept.
-  write_data(dir + "/data.jsonl", 42);
+  write_data(dir + "/data.jsonl", 202);
   const Result more = sh(cmd);
   INFO(more.output);
   CHECK(more.status == 78);
-  CHECK_THAT(more.output, Catch::Contains("was written when the selection held 40 documents, and now 42"));
+  CHECK_THAT(more.output, Catch::Contains("was written when the selection held 200 documents, and now 202"));
   CHECK(fs::exists(dir + "/out/resume_state/state.json"));
   // As many documents, other ones: one warning line, and the run resumes at its step.
-  write_data(dir + "/data.jsonl", 40, 7);
+  write_data(dir + "/data.jsonl", 200, 7);
   const Result other = sh(cmd);
   INFO(other.output);
   CHECK(other.status == 0);

@@ -358,7 +358,7 @@ TEST_CASE("PET_RDZV_ENDPOINT and torchrun's MIN:MAX node counts") {
   CHECK(parsed({"--nnodes", "3:3", "--node-rank", "2", "--", "true"}).nnodes == 3);
 }
 
-TEST_CASE("--nproc-per-node auto and cpu follow the CPUs this process may use, and Slurm's CPUs per task") {
+TEST_CASE("lorarun's --nproc-per-node auto and cpu follow the CPUs this process may use, and Slurm's CPUs per task") {
   cpu_set_t all;
   REQUIRE(sched_getaffinity(0, sizeof all, &all) == 0);
   cpu_set_t one;
