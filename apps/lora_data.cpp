@@ -37,6 +37,7 @@
 #include "tokenizer/tokenizer.hpp"
 #include "track/plot.hpp"
 #include "util/error.hpp"
+#include "util/secrets.hpp"
 
 namespace {
 
@@ -359,9 +360,7 @@ struct ImportArgs {
 // import before its batch: only whole batches before it are in the collection (and --drop
 // drops only once the first batch is known good).
 void import_jsonl(const ImportArgs& a) {
-  const char* env = std::getenv("LORARUN_MONGODB_URI");
-  std::string uri = a.uri;
-  if (uri.empty() && env) uri = env;
+  const std::string uri = lorarun::mongodb_uri(a.uri);
   if (uri.empty()) throw Error("no MongoDB URI: give --uri or set LORARUN_MONGODB_URI");
   std::ifstream in(a.file);
   if (!in) throw Error(fmt::format("cannot read {}", a.file));

@@ -29,6 +29,7 @@
 #include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "train/evaluate.hpp"
+#include "train/runtime.hpp"
 
 namespace {
 
@@ -117,31 +118,21 @@ int eval_recipe(const RecipeEval& a) {
         fmt::format("{} has no eval: split: set eval.fraction or {} (e.g. as an override), or give "
                     "--split train",
                     a.recipe, r.data.source == recipe::Source::MongoDB ? "eval.filter" : "eval.path"));
-  const bool cuda = r.model.device != recipe::Device::Cpu && torch::cuda::is_available();
-  const at::Device device = cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)) : at::kCPU;
-  model::CausalLM m = model::CausalLM::load(r.model.path, model::dtype_of(r.model.dtype), device,
-                                            {.quantize = r.lora.quantize_base, .double_quant = r.lora.double_quant});
-  if (!a.adapter.empty()) model::load_adapter(m, a.adapter, m.dtype());
-  const tok::Tokenizer tokenizer = model::load_tokenizer(m.dir());
-  m.check_tokenizer(tokenizer);
-  m.check_length(r.data.max_length, fmt::format("data.max_length {}", r.data.max_length));
-  const data::ExampleBuilder builder(r.data, tokenizer);
-  const data::Documents train(r.data, data::Holdout::training(r.eval.fraction));
-  std::optional<data::EvalSplit> split;
-  if (eval_split) split.emplace(r, &train);
-  const data::Documents& docs = split ? split->docs() : train;
+  train::Runtime rt(r, env, {.train = false, .adapter = a.adapter, .eval_split = eval_split});
+  const data::Documents& docs = rt.eval ? rt.eval->docs() : *rt.docs;
 
   std::string lines;
   const auto per_doc = [&](const std::string& id, int64_t tokens, double loss) {
     lines += nlohmann::json{{"id", id}, {"tokens", tokens}, {"loss", loss / static_cast<double>(tokens)}}.dump() + "\n";
   };
-  const train::EvalSums mine = train::eval_shard(m, docs, builder, r, env.rank, env.world_size, device,
+  const train::EvalSums mine = train::eval_shard(rt.model, docs, *rt.builder, r, env.rank, env.world_size, rt.device,
                                                  a.per_doc.empty() ? train::PerDocument{} : per_doc);
   at::Tensor sums =
       at::tensor({mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)}, at::kDouble)
-          .to(device);
+          .to(rt.device);
   if (env.world_size > 1) {
-    dist::ProcessGroup pg(env, dist::backend_of(r.dist.backend, cuda), std::chrono::seconds(r.dist.timeout_s));
+    dist::ProcessGroup pg(env, dist::backend_of(r.dist.backend, train::uses_cuda(r)),
+                          std::chrono::seconds(r.dist.timeout_s));
     pg.all_reduce_sum(sums);
     pg.barrier();
   }
@@ -151,7 +142,7 @@ int eval_recipe(const RecipeEval& a) {
     throw Error(
         fmt::format("{} holds no token to score ({} of {} documents rejected: see data.max_length, "
                     "data.overlong and the documents' fields)",
-                    split ? split->describe() : train.describe(), static_cast<int64_t>(t[3]), docs.size()));
+                    rt.eval ? rt.eval->describe() : rt.docs->describe(), static_cast<int64_t>(t[3]), docs.size()));
   if (!a.per_doc.empty()) io::write_file_atomic(a.per_doc, lines);
   if (env.rank == 0)
     report(static_cast<int64_t>(t[2]), static_cast<int64_t>(t[1]), t[0] / t[1], static_cast<int64_t>(t[3]), a.as_json);

@@ -1,6 +1,7 @@
 // lora-runs: the runs recorded in MongoDB (track.mongodb) and the artifacts they stored in GridFS
 // (checkpoint.store: mongodb): list, show, pull an adapter, remove a run.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cctype>
@@ -57,10 +58,8 @@ RunArg parse_run(const std::string& text, const std::string& db) {
 
 // The URI: --uri, else $LORARUN_MONGODB_URI.
 std::string uri_of(const Common& c) {
-  std::string uri = c.uri;
-  if (const char* env = std::getenv("LORARUN_MONGODB_URI"); uri.empty() && env) uri = env;
+  const std::string uri = mongodb_uri(c.uri);
   if (uri.empty()) throw Error("no MongoDB URI: give --uri or set LORARUN_MONGODB_URI");
-  register_uri_secret(uri);
   return uri;
 }
 
@@ -85,8 +84,8 @@ std::string date_text(const json& d) {
   return utc_stamp(static_cast<std::time_t>(ms / 1000));
 }
 
-// The epochs a run kept: its stored artifacts' epoch_<i>, else its checkpoints' epochs.
-std::vector<int> epochs_kept(const json& run) {
+// The epochs a run's record says it kept: its stored artifacts' epoch_<i>, else its checkpoints'.
+std::vector<int> recorded_epochs(const json& run) {
   std::vector<int> out;
   for (const json& a : run.value("artifacts", json::array())) {
     const std::string name = a.value("artifact", "");
@@ -122,9 +121,8 @@ void list(const Common& c, const std::string& status) {
              "best eval loss");
   for (const json& run : client.find(c.db, "runs", filter)) {
     const std::string id = run["_id"].is_object() ? run["_id"].value("$oid", "") : run["_id"].dump();
-    const std::vector<int> kept = epochs_kept(run);
-    std::string epochs;
-    for (int e : kept) epochs += (epochs.empty() ? "" : ",") + std::to_string(e);
+    const std::vector<int> kept = recorded_epochs(run);
+    const std::string epochs = fmt::format("{}", fmt::join(kept, ","));
     fmt::print("{:<24}  {:<20}  {:<20}  {:<11}  {:<12}  {}\n", id, scrub(run_name(run)),
                date_text(run.value("started_at", json())), run.value("status", ""), epochs.empty() ? "-" : epochs,
                best_loss(run));

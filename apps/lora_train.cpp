@@ -13,9 +13,10 @@
 #include "data/source.hpp"
 #include "dist/env.hpp"
 #include "dist/process_group.hpp"
-#include "model/memory.hpp"
 #include "recipe/recipe.hpp"
 #include "track/from_run.hpp"
+#include "train/checkpointer.hpp"
+#include "train/memory_estimate.hpp"
 #include "train/trainer.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
@@ -39,11 +40,6 @@ struct Args {
   std::string runs_db;
 };
 
-std::string env_or(const char* name, std::string fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : fallback;
-}
-
 int check_env(const Args& a) {
   const bool cuda = torch::cuda::is_available();
   const dist::NcclBuild nccl = dist::nccl_build();
@@ -55,7 +51,7 @@ int check_env(const Args& a) {
              nccl.compiled ? fmt::format("compiled in (NCCL {}, CUDA runtime {})", nccl.nccl_version, nccl.cuda_version)
                            : std::string("not compiled in"));
   fmt::print("gloo       compiled in\n");
-  const std::string uri = a.uri.empty() ? env_or("LORARUN_MONGODB_URI", "") : a.uri;
+  const std::string uri = mongodb_uri(a.uri);
   if (uri.empty()) {
     fmt::print("mongodb    not checked (give --uri or set LORARUN_MONGODB_URI)\n");
     return 0;
@@ -94,7 +90,7 @@ recipe::Recipe from_run(Args a) {
       throw Error(fmt::format("give a recipe ({}) or --from-run {}, not both", a.recipe, a.from_run));
     a.overrides.insert(a.overrides.begin(), a.recipe);
   }
-  const std::string uri = a.uri.empty() ? env_or("LORARUN_MONGODB_URI", "") : a.uri;
+  const std::string uri = mongodb_uri(a.uri);
   return track::recipe_from_run(a.from_run, a.runs_db, uri, a.overrides, std::chrono::milliseconds(a.timeout_ms));
 }
 
@@ -148,7 +144,7 @@ int run(int argc, char** argv) {
   if (a.dry_run) {
     fmt::print("{}", recipe::to_yaml(r));
     fmt::print("# epoch checkpoints kept at the end: [{}]\n",
-               fmt::join(recipe::epochs_kept(r.checkpoint, r.train.epochs), ", "));
+               fmt::join(train::epochs_kept(r.checkpoint, r.train.epochs), ", "));
     if (r.data.source == recipe::Source::MongoDB) {  // the server's verdict on data.filter, if one answers
       const data::Selection s = data::check_selection(r.data);
       if (s.warning.empty())
@@ -166,7 +162,7 @@ int run(int argc, char** argv) {
                  e.max_documents ? fmt::format(" (at most {} documents)", *e.max_documents) : "",
                  e.every_n_steps ? fmt::format(" and every {} steps", *e.every_n_steps) : "");
     try {  // from the model's shapes: the weights are not read
-      fmt::print("{}", model::memory_report(r, env.world_size));
+      fmt::print("{}", train::memory_report(r, env.world_size));
     } catch (const c10::Error& e) {  // the plan stands without the estimate
       const std::string m = e.what_without_backtrace();
       warn(fmt::format("memory not estimated: {}", m.substr(0, m.find('\n'))));

@@ -374,13 +374,14 @@ int64_t Client::insert_many(const std::string& db, const std::string& coll, cons
   int64_t inserted = 0;
   for (size_t start = 0; start < docs.size(); start += kBatch) {
     std::vector<BsonPtr> owned;
-    std::vector<const bson_t*> batch;
+    std::vector<const void*> batch;  // const bson_t* (as a template argument bson_t loses its alignment attribute)
     for (size_t i = start; i < std::min(docs.size(), start + kBatch); ++i) {
       owned.push_back(to_bson(docs[i], "a document"));
       batch.push_back(owned.back().get());
     }
     bson_error_t error;
-    if (!mongoc_collection_insert_many(c.get(), batch.data(), batch.size(), nullptr, nullptr, &error))
+    if (!mongoc_collection_insert_many(c.get(), reinterpret_cast<const bson_t**>(batch.data()), batch.size(), nullptr,
+                                       nullptr, &error))
       fail(error, fmt::format("inserting into {}.{} at {} failed", db, coll, redacted_uri_));
     inserted += static_cast<int64_t>(batch.size());
   }

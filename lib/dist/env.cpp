@@ -35,6 +35,7 @@ DistEnv DistEnv::from_environment() {
   // two single-rank runs on one machine never collide on 29500.
   e.master_port = int_var("MASTER_PORT", e.world_size == 1 ? 0 : 29500);
   e.rdzv_timeout_s = int_var("LORARUN_RDZV_TIMEOUT", 0);
+  e.restart = int_var("TORCHELASTIC_RESTART_COUNT", 0);
   if (e.world_size < 1) throw Error("WORLD_SIZE=0: it must be at least 1");
   if (e.rank >= e.world_size)
     throw Error(

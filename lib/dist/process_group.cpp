@@ -75,10 +75,7 @@ std::shared_ptr<gloo::transport::Device> gloo_device(const DistEnv& env) {
 
 // "lorarun/attempt_N/": keys per restart attempt, as torchrun's /worker/attempt_N, so a restarted
 // group never reads what the previous attempt left in a store that outlived it.
-std::string attempt_prefix() {
-  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  return fmt::format("lorarun/attempt_{}/", attempt && *attempt ? attempt : "0");
-}
+std::string attempt_prefix(const DistEnv& env) { return fmt::format("lorarun/attempt_{}/", env.restart); }
 
 // One line for a rendezvous that failed: who did not come, and what to check.
 std::string rendezvous_failure(const DistEnv& env, std::chrono::seconds waited, const std::exception& e) {
@@ -175,7 +172,7 @@ ProcessGroup::ProcessGroup(const DistEnv& env, Backend backend, std::chrono::sec
     opts.timeout = rdzv;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
     tcp->setTimeout(ms);  // from now on the store waits as long as a collective may
-    impl_->store = c10::make_intrusive<c10d::PrefixStore>(attempt_prefix() + "default_pg", tcp);
+    impl_->store = c10::make_intrusive<c10d::PrefixStore>(attempt_prefix(env) + "default_pg", tcp);
   } catch (const std::exception& e) {
     throw Error(rendezvous_failure(env, rdzv, e));
   }
@@ -189,7 +186,7 @@ ProcessGroup::ProcessGroup(const DistEnv& env, Backend backend, std::chrono::sec
       impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, env.rank, env.world_size, opts);
     }
     if (env.world_size > 1)
-      impl_->heartbeat = std::make_unique<Heartbeat>(store_client(env, attempt_prefix() + "heartbeat"), env.rank,
+      impl_->heartbeat = std::make_unique<Heartbeat>(store_client(env, attempt_prefix(env) + "heartbeat"), env.rank,
                                                      env.world_size, std::chrono::seconds(1));
   } catch (const std::exception& e) {
     // Rank 0 hosts the store: when it goes away (its own rendezvous timed out, say) the others

@@ -1,9 +1,6 @@
 #include "io/gguf.hpp"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 #include <algorithm>
 #include <bit>
@@ -514,139 +511,121 @@ int64_t GgufTensorInfo::numel() const {
 
 std::vector<int64_t> GgufTensorInfo::torch_shape() const { return {dims.rbegin(), dims.rend()}; }
 
-GgufFile::GgufFile(const std::string& path) : path_(path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(fmt::format("cannot open {}: {}", path, std::strerror(errno)));
-  struct stat st{};
-  fstat(fd, &st);
-  size_ = static_cast<size_t>(st.st_size);
-  if (size_ == 0) {
-    close(fd);
+GgufFile::GgufFile(const std::string& path)
+    : path_(path), file_(path, MappedFile::Access::ReadOnly), map_(file_.data()), size_(file_.size()) {
+  if (size_ == 0)
     throw Error(fmt::format("{} is not a valid GGUF file: it is empty; re-download or re-convert it", path));
+  Cursor c(map_, size_, path_);
+  c.need(4, "the magic number");
+  if (std::memcmp(map_, "GGUF", 4) != 0)
+    throw Error(
+        fmt::format("{} is not a GGUF file (it does not start with \"GGUF\"); give a .gguf "
+                    "model file or a Hugging Face model directory",
+                    path));
+  c.read<uint32_t>("the magic number");
+  version_ = c.read<uint32_t>("the version");
+  if (version_ == 1)
+    throw Error(
+        fmt::format("{} is GGUF version 1, which lorarun does not read (versions 2 and 3); "
+                    "re-convert it with a current llama.cpp",
+                    path));
+  if ((version_ & 0xffff) == 0 && version_ != 0)
+    throw Error(
+        fmt::format("{} is a big-endian GGUF file, which lorarun does not read; convert it "
+                    "to little-endian (llama.cpp's gguf_convert_endian.py)",
+                    path));
+  if (version_ != 2 && version_ != 3)
+    throw Error(fmt::format("{} is GGUF version {}, which lorarun does not read (versions 2 and 3)", path, version_));
+  const uint64_t n_tensors = c.read<uint64_t>("the tensor count");
+  const uint64_t n_keys = c.read<uint64_t>("the metadata key count");
+  // The smallest key is 13 bytes (empty name, type, one byte); the smallest tensor info 24.
+  if (n_keys > c.left() / 13)
+    throw c.corrupt(fmt::format("{} metadata keys cannot fit in the {}-byte file", n_keys, size_));
+  if (n_tensors > c.left() / 24)
+    throw c.corrupt(fmt::format("{} tensors cannot fit in the {}-byte file", n_tensors, size_));
+
+  metadata_.reserve(n_keys);
+  for (uint64_t i = 0; i < n_keys; ++i) {
+    std::string key = c.string(fmt::format("metadata key {}", i));
+    const std::string what = fmt::format("key '{}'", key);
+    if (key_index_.count(key)) throw c.corrupt(fmt::format("{} appears twice", what));
+    GgufValue v = read_value(c, value_type(c, what), what, 0);
+    key_index_[key] = metadata_.size();
+    metadata_.emplace_back(std::move(key), std::move(v));
   }
-  void* m = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  close(fd);
-  if (m == MAP_FAILED) throw Error(fmt::format("cannot map {}: {}", path, std::strerror(errno)));
-  map_ = static_cast<const std::byte*>(m);
-
-  try {
-    Cursor c(map_, size_, path_);
-    c.need(4, "the magic number");
-    if (std::memcmp(map_, "GGUF", 4) != 0)
-      throw Error(
-          fmt::format("{} is not a GGUF file (it does not start with \"GGUF\"); give a .gguf "
-                      "model file or a Hugging Face model directory",
-                      path));
-    c.read<uint32_t>("the magic number");
-    version_ = c.read<uint32_t>("the version");
-    if (version_ == 1)
-      throw Error(
-          fmt::format("{} is GGUF version 1, which lorarun does not read (versions 2 and 3); "
-                      "re-convert it with a current llama.cpp",
-                      path));
-    if ((version_ & 0xffff) == 0 && version_ != 0)
-      throw Error(
-          fmt::format("{} is a big-endian GGUF file, which lorarun does not read; convert it "
-                      "to little-endian (llama.cpp's gguf_convert_endian.py)",
-                      path));
-    if (version_ != 2 && version_ != 3)
-      throw Error(fmt::format("{} is GGUF version {}, which lorarun does not read (versions 2 and 3)", path, version_));
-    const uint64_t n_tensors = c.read<uint64_t>("the tensor count");
-    const uint64_t n_keys = c.read<uint64_t>("the metadata key count");
-    // The smallest key is 13 bytes (empty name, type, one byte); the smallest tensor info 24.
-    if (n_keys > c.left() / 13)
-      throw c.corrupt(fmt::format("{} metadata keys cannot fit in the {}-byte file", n_keys, size_));
-    if (n_tensors > c.left() / 24)
-      throw c.corrupt(fmt::format("{} tensors cannot fit in the {}-byte file", n_tensors, size_));
-
-    metadata_.reserve(n_keys);
-    for (uint64_t i = 0; i < n_keys; ++i) {
-      std::string key = c.string(fmt::format("metadata key {}", i));
-      const std::string what = fmt::format("key '{}'", key);
-      if (key_index_.count(key)) throw c.corrupt(fmt::format("{} appears twice", what));
-      GgufValue v = read_value(c, value_type(c, what), what, 0);
-      key_index_[key] = metadata_.size();
-      metadata_.emplace_back(std::move(key), std::move(v));
-    }
-    if (const GgufValue* a = find_key("general.alignment")) {
-      if (a->type != GgufType::U32)
-        throw c.corrupt(fmt::format("general.alignment is {}, not UINT32", gguf_type_name(a->type)));
-      alignment_ = std::get<uint64_t>(a->data);
-      if (alignment_ == 0 || (alignment_ & (alignment_ - 1)) != 0)
-        throw c.corrupt(fmt::format("general.alignment {} is not a power of two", alignment_));
-    }
-
-    tensors_.reserve(n_tensors);
-    for (uint64_t i = 0; i < n_tensors; ++i) {
-      GgufTensorInfo t;
-      t.name = c.string(fmt::format("tensor name {}", i));
-      const std::string what = fmt::format("tensor '{}'", t.name);
-      if (tensor_index_.count(t.name)) throw c.corrupt(fmt::format("{} appears twice", what));
-      const uint32_t n_dims = c.read<uint32_t>(what + " (dimension count)");
-      if (n_dims > kMaxDims) throw c.corrupt(fmt::format("{} has {} dimensions (at most {})", what, n_dims, kMaxDims));
-      uint64_t numel = 1;
-      for (uint32_t d = 0; d < n_dims; ++d) {
-        const uint64_t n = c.read<uint64_t>(what + " (dimensions)");
-        // Each dimension too, not only the product: a zero elsewhere must not hide one that
-        // does not fit the int64 of a tensor shape.
-        if (n > kMaxNumel || (n != 0 && numel > kMaxNumel / n))
-          throw c.corrupt(fmt::format("{} is too large (dimension {} is {})", what, d, n));
-        numel *= n;
-        t.dims.push_back(static_cast<int64_t>(n));
-      }
-      const uint32_t type = c.read<uint32_t>(what + " (type)");
-      const TypeTraits* tr = traits(type);
-      if (!tr) throw c.corrupt(fmt::format("{} has unknown ggml type {}", what, type));
-      t.type = tr->type;
-      const uint64_t row = t.dims.empty() ? 1 : t.dims[0];
-      if (row % tr->block_size != 0)
-        throw c.corrupt(
-            fmt::format("{} of type {} has rows of {} elements, not a multiple of its "
-                        "block size {}",
-                        what, tr->name, row, tr->block_size));
-      t.nbytes = numel / tr->block_size * tr->block_bytes;
-      t.offset = c.read<uint64_t>(what + " (offset)");
-      tensor_index_[t.name] = tensors_.size();
-      tensors_.push_back(std::move(t));
-    }
-
-    // The data section starts at the next multiple of the alignment; each tensor lies inside it.
-    const size_t pos = c.pos();
-    data_offset_ = pos + (alignment_ - pos % alignment_) % alignment_;
-    if (data_offset_ > size_) {
-      if (!tensors_.empty())
-        throw c.corrupt(
-            fmt::format("the data section would start at byte {}, past the end of the "
-                        "{}-byte file",
-                        data_offset_, size_));
-      data_offset_ = size_;
-    }
-    const size_t data_size = size_ - data_offset_;
-    for (const GgufTensorInfo& t : tensors_) {
-      if (t.offset % alignment_ != 0)
-        throw c.corrupt(
-            fmt::format("tensor '{}' has offset {}, not a multiple of the alignment {}", t.name, t.offset, alignment_));
-      if (t.offset > data_size || t.nbytes > data_size - t.offset)
-        throw c.corrupt(
-            fmt::format("tensor '{}' data ({} bytes at offset {}) is outside the {}-byte "
-                        "data section",
-                        t.name, t.nbytes, t.offset, data_size));
-    }
-    std::vector<const GgufTensorInfo*> by_offset;
-    for (const auto& t : tensors_) by_offset.push_back(&t);
-    std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
-    for (size_t i = 1; i < by_offset.size(); ++i)
-      if (by_offset[i]->offset < by_offset[i - 1]->offset + by_offset[i - 1]->nbytes)
-        throw c.corrupt(fmt::format("tensors '{}' and '{}' overlap", by_offset[i - 1]->name, by_offset[i]->name));
-  } catch (...) {
-    munmap(const_cast<std::byte*>(map_), size_);
-    throw;
+  if (const GgufValue* a = find_key("general.alignment")) {
+    if (a->type != GgufType::U32)
+      throw c.corrupt(fmt::format("general.alignment is {}, not UINT32", gguf_type_name(a->type)));
+    alignment_ = std::get<uint64_t>(a->data);
+    if (alignment_ == 0 || (alignment_ & (alignment_ - 1)) != 0)
+      throw c.corrupt(fmt::format("general.alignment {} is not a power of two", alignment_));
   }
+
+  tensors_.reserve(n_tensors);
+  for (uint64_t i = 0; i < n_tensors; ++i) {
+    GgufTensorInfo t;
+    t.name = c.string(fmt::format("tensor name {}", i));
+    const std::string what = fmt::format("tensor '{}'", t.name);
+    if (tensor_index_.count(t.name)) throw c.corrupt(fmt::format("{} appears twice", what));
+    const uint32_t n_dims = c.read<uint32_t>(what + " (dimension count)");
+    if (n_dims > kMaxDims) throw c.corrupt(fmt::format("{} has {} dimensions (at most {})", what, n_dims, kMaxDims));
+    uint64_t numel = 1;
+    for (uint32_t d = 0; d < n_dims; ++d) {
+      const uint64_t n = c.read<uint64_t>(what + " (dimensions)");
+      // Each dimension too, not only the product: a zero elsewhere must not hide one that
+      // does not fit the int64 of a tensor shape.
+      if (n > kMaxNumel || (n != 0 && numel > kMaxNumel / n))
+        throw c.corrupt(fmt::format("{} is too large (dimension {} is {})", what, d, n));
+      numel *= n;
+      t.dims.push_back(static_cast<int64_t>(n));
+    }
+    const uint32_t type = c.read<uint32_t>(what + " (type)");
+    const TypeTraits* tr = traits(type);
+    if (!tr) throw c.corrupt(fmt::format("{} has unknown ggml type {}", what, type));
+    t.type = tr->type;
+    const uint64_t row = t.dims.empty() ? 1 : t.dims[0];
+    if (row % tr->block_size != 0)
+      throw c.corrupt(
+          fmt::format("{} of type {} has rows of {} elements, not a multiple of its "
+                      "block size {}",
+                      what, tr->name, row, tr->block_size));
+    t.nbytes = numel / tr->block_size * tr->block_bytes;
+    t.offset = c.read<uint64_t>(what + " (offset)");
+    tensor_index_[t.name] = tensors_.size();
+    tensors_.push_back(std::move(t));
+  }
+
+  // The data section starts at the next multiple of the alignment; each tensor lies inside it.
+  const size_t pos = c.pos();
+  data_offset_ = pos + (alignment_ - pos % alignment_) % alignment_;
+  if (data_offset_ > size_) {
+    if (!tensors_.empty())
+      throw c.corrupt(
+          fmt::format("the data section would start at byte {}, past the end of the "
+                      "{}-byte file",
+                      data_offset_, size_));
+    data_offset_ = size_;
+  }
+  const size_t data_size = size_ - data_offset_;
+  for (const GgufTensorInfo& t : tensors_) {
+    if (t.offset % alignment_ != 0)
+      throw c.corrupt(
+          fmt::format("tensor '{}' has offset {}, not a multiple of the alignment {}", t.name, t.offset, alignment_));
+    if (t.offset > data_size || t.nbytes > data_size - t.offset)
+      throw c.corrupt(
+          fmt::format("tensor '{}' data ({} bytes at offset {}) is outside the {}-byte "
+                      "data section",
+                      t.name, t.nbytes, t.offset, data_size));
+  }
+  std::vector<const GgufTensorInfo*> by_offset;
+  for (const auto& t : tensors_) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
+  for (size_t i = 1; i < by_offset.size(); ++i)
+    if (by_offset[i]->offset < by_offset[i - 1]->offset + by_offset[i - 1]->nbytes)
+      throw c.corrupt(fmt::format("tensors '{}' and '{}' overlap", by_offset[i - 1]->name, by_offset[i]->name));
 }
 
-GgufFile::~GgufFile() {
-  if (map_) munmap(const_cast<std::byte*>(map_), size_);
-}
+GgufFile::~GgufFile() = default;
 
 const GgufValue* GgufFile::find_key(const std::string& key) const {
   const auto it = key_index_.find(key);

@@ -10,6 +10,8 @@
 #include <variant>
 #include <vector>
 
+#include "io/mapped_file.hpp"
+
 namespace lorarun::io {
 
 // ggml's tensor types, with the ids a GGUF file stores (ggml.h's enum ggml_type).
@@ -143,8 +145,9 @@ class GgufFile {
   const GgufValue& typed(const std::string& key, std::initializer_list<GgufType> types, const char* want) const;
 
   std::string path_;
-  const std::byte* map_ = nullptr;
-  size_t size_ = 0;
+  MappedFile file_;
+  const std::byte* map_;  // file_'s bytes
+  size_t size_;
   uint32_t version_ = 0;
   size_t alignment_ = 32;
   size_t data_offset_ = 0;

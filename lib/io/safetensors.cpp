@@ -1,10 +1,7 @@
 #include "io/safetensors.hpp"
 
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 #include <algorithm>
 #include <cerrno>
@@ -53,100 +50,81 @@ size_t dtype_size(DType d) {
   return 0;
 }
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(fmt::format("cannot open {}: {}", path, std::strerror(errno)));
-  struct stat st{};
-  fstat(fd, &st);
-  size_ = static_cast<size_t>(st.st_size);
+// Copy-on-write: tensors may view the mapping directly (zero copy), and an in-place update of such
+// a tensor (a LoRA merge) gets pages of its own.
+SafetensorsFile::SafetensorsFile(const std::string& path)
+    : path_(path), file_(path, MappedFile::Access::CopyOnWrite), map_(file_.data()), size_(file_.size()) {
   const auto corrupt = [&](const std::string& what) {
     return Error(
         fmt::format("{} is not a valid safetensors file: {}; the file is truncated or "
                     "corrupt, re-download or re-convert it",
                     path, what));
   };
-  if (size_ < 8) {
-    close(fd);
-    throw corrupt(fmt::format("{} bytes is shorter than the 8-byte header length", size_));
-  }
-  // Private and writable: tensors may view the mapping directly (zero copy), and an in-place
-  // update of such a tensor (a LoRA merge) gets copy-on-write pages instead of a fault.
-  void* m = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-  close(fd);
-  if (m == MAP_FAILED) throw Error(fmt::format("cannot map {}: {}", path, std::strerror(errno)));
-  map_ = static_cast<const std::byte*>(m);
-
+  if (size_ < 8) throw corrupt(fmt::format("{} bytes is shorter than the 8-byte header length", size_));
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, map_, 8);  // little-endian on every platform we build for
+  if (header_len > kMaxHeader || header_len > size_ - 8)
+    throw corrupt(fmt::format("header length {} runs past the end of the {}-byte file", header_len, size_));
+  data_start_ = 8 + header_len;
+  const size_t data_size = size_ - data_start_;
+  nlohmann::json header;
   try {
-    uint64_t header_len = 0;
-    std::memcpy(&header_len, map_, 8);  // little-endian on every platform we build for
-    if (header_len > kMaxHeader || header_len > size_ - 8)
-      throw corrupt(fmt::format("header length {} runs past the end of the {}-byte file", header_len, size_));
-    data_start_ = 8 + header_len;
-    const size_t data_size = size_ - data_start_;
-    nlohmann::json header;
-    try {
-      header = nlohmann::json::parse(reinterpret_cast<const char*>(map_) + 8,
-                                     reinterpret_cast<const char*>(map_) + data_start_);
-    } catch (const nlohmann::json::exception& e) {
-      throw corrupt(fmt::format("header is not JSON ({})", e.what()));
-    }
-    if (!header.is_object()) throw corrupt("header is not a JSON object");
-    for (auto& [name, v] : header.items()) {
-      if (name == "__metadata__") {
-        if (!v.is_object()) throw corrupt("__metadata__ is not an object");
-        for (auto& [k, s] : v.items())
-          if (s.is_string()) metadata_[k] = s.get<std::string>();
-        continue;
-      }
-      const std::string where = fmt::format("{}: tensor '{}'", path, name);
-      if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets") ||
-          !v["dtype"].is_string() || !v["shape"].is_array() || !v["data_offsets"].is_array() ||
-          v["data_offsets"].size() != 2)
-        throw corrupt(fmt::format("tensor '{}' lacks dtype, shape or data_offsets", name));
-      TensorInfo t;
-      t.name = name;
-      t.dtype = parse_dtype(v["dtype"].get<std::string>(), where);
-      size_t numel = 1;
-      for (const auto& d : v["shape"]) {
-        if (!d.is_number_unsigned()) throw corrupt(fmt::format("tensor '{}' has a bad shape", name));
-        const uint64_t n = d.get<uint64_t>();
-        // Each dimension too, not only the product: [0, 2^64 - 1] has no elements but its
-        // second dimension does not fit the int64 of a tensor shape.
-        if (n > kMaxNumel || (n != 0 && numel > kMaxNumel / n))
-          throw corrupt(fmt::format("tensor '{}' is too large (shape dimension {})", name, n));
-        numel *= n;
-        t.shape.push_back(static_cast<int64_t>(n));
-      }
-      const auto& off = v["data_offsets"];
-      if (!off[0].is_number_unsigned() || !off[1].is_number_unsigned())
-        throw corrupt(fmt::format("tensor '{}' has bad data_offsets", name));
-      const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
-      if (begin > end || end > data_size)
-        throw corrupt(
-            fmt::format("tensor '{}' data [{}, {}) is outside the {}-byte data section", name, begin, end, data_size));
-      if (end - begin != numel * dtype_size(t.dtype))
-        throw corrupt(fmt::format("tensor '{}' has {} bytes but dtype {} and shape [{}] need {}", name, end - begin,
-                                  dtype_name(t.dtype), fmt::join(t.shape, ", "), numel * dtype_size(t.dtype)));
-      t.offset = begin;
-      t.nbytes = end - begin;
-      tensors_.push_back(std::move(t));
-    }
-    std::vector<const TensorInfo*> by_offset;
-    for (const auto& t : tensors_) by_offset.push_back(&t);
-    std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
-    for (size_t i = 1; i < by_offset.size(); ++i)
-      if (by_offset[i]->offset < by_offset[i - 1]->offset + by_offset[i - 1]->nbytes)
-        throw corrupt(fmt::format("tensors '{}' and '{}' overlap", by_offset[i - 1]->name, by_offset[i]->name));
-    for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
-  } catch (...) {
-    munmap(const_cast<std::byte*>(map_), size_);
-    throw;
+    header = nlohmann::json::parse(reinterpret_cast<const char*>(map_) + 8,
+                                   reinterpret_cast<const char*>(map_) + data_start_);
+  } catch (const nlohmann::json::exception& e) {
+    throw corrupt(fmt::format("header is not JSON ({})", e.what()));
   }
+  if (!header.is_object()) throw corrupt("header is not a JSON object");
+  for (auto& [name, v] : header.items()) {
+    if (name == "__metadata__") {
+      if (!v.is_object()) throw corrupt("__metadata__ is not an object");
+      for (auto& [k, s] : v.items())
+        if (s.is_string()) metadata_[k] = s.get<std::string>();
+      continue;
+    }
+    const std::string where = fmt::format("{}: tensor '{}'", path, name);
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets") ||
+        !v["dtype"].is_string() || !v["shape"].is_array() || !v["data_offsets"].is_array() ||
+        v["data_offsets"].size() != 2)
+      throw corrupt(fmt::format("tensor '{}' lacks dtype, shape or data_offsets", name));
+    TensorInfo t;
+    t.name = name;
+    t.dtype = parse_dtype(v["dtype"].get<std::string>(), where);
+    size_t numel = 1;
+    for (const auto& d : v["shape"]) {
+      if (!d.is_number_unsigned()) throw corrupt(fmt::format("tensor '{}' has a bad shape", name));
+      const uint64_t n = d.get<uint64_t>();
+      // Each dimension too, not only the product: [0, 2^64 - 1] has no elements but its
+      // second dimension does not fit the int64 of a tensor shape.
+      if (n > kMaxNumel || (n != 0 && numel > kMaxNumel / n))
+        throw corrupt(fmt::format("tensor '{}' is too large (shape dimension {})", name, n));
+      numel *= n;
+      t.shape.push_back(static_cast<int64_t>(n));
+    }
+    const auto& off = v["data_offsets"];
+    if (!off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+      throw corrupt(fmt::format("tensor '{}' has bad data_offsets", name));
+    const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+    if (begin > end || end > data_size)
+      throw corrupt(
+          fmt::format("tensor '{}' data [{}, {}) is outside the {}-byte data section", name, begin, end, data_size));
+    if (end - begin != numel * dtype_size(t.dtype))
+      throw corrupt(fmt::format("tensor '{}' has {} bytes but dtype {} and shape [{}] need {}", name, end - begin,
+                                dtype_name(t.dtype), fmt::join(t.shape, ", "), numel * dtype_size(t.dtype)));
+    t.offset = begin;
+    t.nbytes = end - begin;
+    tensors_.push_back(std::move(t));
+  }
+  std::vector<const TensorInfo*> by_offset;
+  for (const auto& t : tensors_) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
+  for (size_t i = 1; i < by_offset.size(); ++i)
+    if (by_offset[i]->offset < by_offset[i - 1]->offset + by_offset[i - 1]->nbytes)
+      throw corrupt(fmt::format("tensors '{}' and '{}' overlap", by_offset[i - 1]->name, by_offset[i]->name));
+  for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  if (map_) munmap(const_cast<std::byte*>(map_), size_);
-}
+SafetensorsFile::~SafetensorsFile() = default;
 
 const TensorInfo* SafetensorsFile::find(const std::string& name) const {
   const auto it = index_.find(name);

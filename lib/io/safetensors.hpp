@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "io/mapped_file.hpp"
+
 namespace lorarun::io {
 
 enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U8, Bool };
@@ -45,8 +47,9 @@ class SafetensorsFile {
 
  private:
   std::string path_;
-  const std::byte* map_ = nullptr;
-  size_t size_ = 0;
+  MappedFile file_;
+  const std::byte* map_;  // file_'s bytes
+  size_t size_;
   size_t data_start_ = 0;
   std::vector<TensorInfo> tensors_;
   std::map<std::string, size_t> index_;

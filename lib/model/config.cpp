@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "io/files.hpp"
+#include "model/families.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::model {
@@ -79,7 +80,7 @@ void read_rope(const Reader& r, ModelConfig& c) {
     p = &r.j["rope_parameters"];
   else if (r.j.contains("rope_scaling") && r.j["rope_scaling"].is_object())
     p = &r.j["rope_scaling"];
-  if (c.model_type == "gemma3_text") {
+  if (family_of_model_type(c.model_type, r.file).local_rope) {
     c.rope_theta = r.get<double>("rope_theta", 1000000.0);
     c.local_rope_theta = r.get<double>("rope_local_base_freq", 10000.0);
     if (p && p->contains("sliding_attention")) {
@@ -100,8 +101,8 @@ void read_layer_types(const Reader& r, ModelConfig& c) {
   c.sliding_layers.clear();
   if (r.j.contains("layer_types") && r.j["layer_types"].is_array()) {
     for (const json& t : r.j["layer_types"]) c.sliding_layers.push_back(t == "sliding_attention");
-  } else if (c.model_type == "gemma2" || c.model_type == "gemma3_text") {
-    const int64_t every = c.model_type == "gemma2" ? 2 : r.get<int64_t>("sliding_window_pattern", 6);
+  } else if (const FamilyTraits& f = family_of_model_type(c.model_type, r.file); f.global_every > 0) {
+    const int64_t every = r.get<int64_t>("sliding_window_pattern", f.global_every);
     for (int64_t i = 0; i < c.num_layers; ++i) c.sliding_layers.push_back((i + 1) % every != 0);
   } else {
     return;  // mistral and others: every layer when a window is set
@@ -128,13 +129,13 @@ void read_llama(const Reader& r, ModelConfig& c) {
   c.activation = r.get<std::string>(c.gemma ? "hidden_activation" : "hidden_act",
                                     std::string(c.gemma ? "gelu_pytorch_tanh" : "silu"));
   c.attention_bias = r.get<bool>("attention_bias", false);
-  c.qkv_bias = c.model_type == "qwen2";
-  c.qk_norm = c.model_type == "qwen3" || c.model_type == "gemma3_text";
-  c.fused = c.model_type == "phi3";
+  const FamilyTraits& f = family_of_model_type(c.model_type, r.file);
+  c.qkv_bias = f.qkv_bias;
+  c.qk_norm = f.qk_norm;
+  c.fused = f.fused;
   c.mlp_bias = r.get<bool>("mlp_bias", false);
   read_rope(r, c);
-  const bool use_sliding =
-      c.model_type == "mistral" || c.gemma || c.model_type == "phi3" || r.get<bool>("use_sliding_window", false);
+  const bool use_sliding = f.always_windowed || r.get<bool>("use_sliding_window", false);
   if (use_sliding && r.j.contains("sliding_window") && r.j["sliding_window"].is_number_integer())
     c.sliding_window = r.j["sliding_window"].get<int64_t>();
   read_layer_types(r, c);
@@ -205,24 +206,19 @@ ModelConfig load_config(const std::string& model_dir) {
   const Reader r{j, file};
   ModelConfig c;
   c.model_type = r.get<std::string>("model_type");
-  c.gemma = c.model_type == "gemma2" || c.model_type == "gemma3_text";
-  if (c.model_type == "gemma3")
-    throw Error(
-        fmt::format("{}: a multimodal Gemma 3 checkpoint (model_type gemma3) is not supported; text "
-                    "models (Gemma3ForCausalLM, model_type gemma3_text) are",
-                    file));
-  if (c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen2" || c.model_type == "qwen3" ||
-      c.gemma || c.model_type == "phi3")
-    read_llama(r, c);
-  else if (c.model_type == "opt")
-    read_opt(r, c);
-  else if (c.model_type == "gpt2")
-    read_gpt2(r, c);
-  else
-    throw Error(
-        fmt::format("{}: model_type '{}' is not supported; supported: llama, mistral, qwen2, qwen3, "
-                    "gemma2, gemma3_text, phi3, opt, gpt2",
-                    file, c.model_type));
+  const FamilyTraits& family = family_of_model_type(c.model_type, file);
+  c.gemma = family.gemma;
+  switch (family.family) {
+    case Family::Llama:
+      read_llama(r, c);
+      break;
+    case Family::Opt:
+      read_opt(r, c);
+      break;
+    case Family::Gpt2:
+      read_gpt2(r, c);
+      break;
+  }
   if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.num_layers <= 0 || c.num_heads <= 0 || c.num_kv_heads <= 0 ||
       c.num_heads % c.num_kv_heads != 0 || c.head_dim <= 0)
     throw Error(

@@ -7,8 +7,8 @@
 
 namespace lorarun::model {
 
-// llama covers every pre-norm decoder with rotary positions and a gated MLP: mistral, qwen2,
-// qwen3, gemma2, gemma3_text and phi3, told apart by the flags below.
+// Llama covers every pre-norm decoder with rotary positions and a gated MLP, the families told
+// apart by the flags below (model/families.cpp: one table of them).
 enum class Family { Llama, Opt, Gpt2 };
 
 struct RopeScaling {
@@ -23,7 +23,7 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string model_type;               // llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, opt, gpt2
+  std::string model_type;               // config.json's model_type (families.hpp)
   std::string torch_dtype = "float32";  // the dtype the weights were saved in
   Family family = Family::Llama;
   int64_t vocab_size = 0;

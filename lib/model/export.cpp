@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "io/files.hpp"
+#include "model/families.hpp"
 #include "model/gguf_weights.hpp"
 #include "model/resolve.hpp"
 #include "model/transformer.hpp"
@@ -44,9 +45,9 @@ const std::pair<const char*, const std::optional<int64_t> ModelConfig::*> kToken
     {"pad_token_id", &ModelConfig::pad_token_id}};
 
 // config.json of a GPT-2 read from a GGUF file.
-nlohmann::ordered_json gpt2_config(const ModelConfig& c) {
-  return {{"architectures", {"GPT2LMHeadModel"}},
-          {"model_type", "gpt2"},
+nlohmann::ordered_json gpt2_config(const ModelConfig& c, const FamilyTraits& family) {
+  return {{"architectures", {family.hf_class}},
+          {"model_type", family.model_type},
           {"vocab_size", c.vocab_size},
           {"n_embd", c.hidden_size},
           {"n_inner", c.intermediate_size},
@@ -59,15 +60,11 @@ nlohmann::ordered_json gpt2_config(const ModelConfig& c) {
           {"tie_word_embeddings", c.tie_word_embeddings}};
 }
 
-// config.json of a llama, qwen2 or qwen3 read from a GGUF file (transformers 5's rope_parameters).
-nlohmann::ordered_json llama_config(const ModelConfig& c) {
-  const bool qwen2 = c.model_type == "qwen2", qwen3 = c.model_type == "qwen3";
+// config.json of a llama-like model read from a GGUF file (transformers 5's rope_parameters).
+nlohmann::ordered_json llama_config(const ModelConfig& c, const FamilyTraits& family) {
   nlohmann::ordered_json rope = {{"rope_type", c.rope.type}, {"rope_theta", c.rope_theta}};
   if (c.rope.type == "linear") rope["factor"] = c.rope.factor;
-  nlohmann::ordered_json j = {{"architectures",
-                               {qwen2   ? "Qwen2ForCausalLM"
-                                : qwen3 ? "Qwen3ForCausalLM"
-                                        : "LlamaForCausalLM"}},
+  nlohmann::ordered_json j = {{"architectures", {family.hf_class}},
                               {"model_type", c.model_type},
                               {"vocab_size", c.vocab_size},
                               {"hidden_size", c.hidden_size},
@@ -81,7 +78,7 @@ nlohmann::ordered_json llama_config(const ModelConfig& c) {
                               {"rope_parameters", rope},
                               {"hidden_act", c.activation},
                               {"tie_word_embeddings", c.tie_word_embeddings}};
-  if (!qwen2) {
+  if (!family.qkv_bias) {  // (a family with its own q/k/v biases has no such keys)
     j["attention_bias"] = c.attention_bias;
     j["mlp_bias"] = c.mlp_bias;
   }
@@ -89,8 +86,9 @@ nlohmann::ordered_json llama_config(const ModelConfig& c) {
 }
 
 // config.json of a model read from a GGUF file, as transformers' GGUF loading configures it.
-nlohmann::ordered_json hf_config(const ModelConfig& c) {
-  nlohmann::ordered_json j = c.family == Family::Gpt2 ? gpt2_config(c) : llama_config(c);
+nlohmann::ordered_json hf_config(const ModelConfig& c, const std::string& file) {
+  const FamilyTraits& family = family_of_model_type(c.model_type, file);
+  nlohmann::ordered_json j = c.family == Family::Gpt2 ? gpt2_config(c, family) : llama_config(c, family);
   for (const auto& [key, id] : kTokenIds)
     if (c.*id) j[key] = *(c.*id);
   return j;
@@ -101,7 +99,7 @@ nlohmann::ordered_json hf_config(const ModelConfig& c) {
 void write_model_files(const CausalLM& model, const fs::path& tmp, at::ScalarType dtype) {
   const bool gguf = is_gguf_path(model.dir());
   nlohmann::ordered_json config =
-      gguf ? hf_config(model.config())
+      gguf ? hf_config(model.config(), model.dir())
            : nlohmann::ordered_json::parse(io::read_file((fs::path(model.dir()) / "config.json").string()));
   config["dtype"] = hf_dtype_name(dtype);
   if (config.contains("torch_dtype")) config["torch_dtype"] = hf_dtype_name(dtype);

@@ -9,6 +9,7 @@
 
 #include "io/files.hpp"
 #include "io/gguf_write.hpp"
+#include "model/families.hpp"
 #include "model/gguf_weights.hpp"
 #include "model/transformer.hpp"
 #include "util/error.hpp"
@@ -97,6 +98,20 @@ void check_byte_level_bpe(const json& tok, const fs::path& file) {
 }
 
 // tokens and token types in id order, vocab_size of them: ids no token has are "[PAD<id>]", unused.
+// SentencePiece's "\u2581" (its space) in `text` as a space.
+std::string metaspaces_as_spaces(const std::string& text) {
+  std::string out;
+  for (size_t i = 0; i < text.size();) {
+    if (text.compare(i, 3, "\xe2\x96\x81") == 0) {
+      out += ' ';
+      i += 3;
+    } else {
+      out += text[i++];
+    }
+  }
+  return out;
+}
+
 void add_tokens(Metadata& md, const json& tok, int64_t vocab_size, const fs::path& file) {
   std::vector<std::string> tokens(vocab_size);
   std::vector<int64_t> types(vocab_size, kUnused);
@@ -113,8 +128,7 @@ void add_tokens(Metadata& md, const json& tok, int64_t vocab_size, const fs::pat
   for (const json& a : tok.value("added_tokens", json::array())) {
     std::string text = a.at("content").get<std::string>();
     const bool control = a.value("special", false) || looks_special(text);
-    if (!control)  // user-defined tokens are pre-normalised: "\u2581" is a space
-      for (size_t at; (at = text.find("\xe2\x96\x81")) != std::string::npos;) text.replace(at, 3, " ");
+    if (!control) text = metaspaces_as_spaces(text);  // user-defined tokens are pre-normalised
     put(a.at("id").get<int64_t>(), text, control ? kControl : kUserDefined);
   }
   for (int64_t i = 0; i < vocab_size; ++i)
@@ -228,16 +242,6 @@ Metadata gguf_tokenizer_metadata(const CausalLM& model) {
 
 namespace {
 
-// The GGUF architecture of `c` (mistral is llama to llama.cpp), or lorarun::Error.
-std::string gguf_arch(const ModelConfig& c) {
-  if (c.family == Family::Llama && (c.model_type == "llama" || c.model_type == "mistral")) return "llama";
-  if (c.family == Family::Llama && (c.model_type == "qwen2" || c.model_type == "qwen3")) return c.model_type;
-  throw Error(fmt::format(
-      "model type '{}' cannot be written to GGUF: supported are llama, mistral, qwen2 and qwen3 (write a HF "
-      "directory instead: --out without .gguf)",
-      c.model_type));
-}
-
 // Whether the base states head_dim itself (config.json's head_dim, a GGUF's key_length): the
 // converter then writes attention.key_length and value_length.
 bool explicit_head_dim(const CausalLM& model, const std::string& arch) {
@@ -284,7 +288,7 @@ Metadata model_metadata(const CausalLM& model, const std::string& arch, io::Ggml
     md.emplace_back(arch + ".attention.value_length", u32(c.head_dim));
   }
   md.emplace_back("general.file_type", io::gguf_u32(llama_file_type(type)));
-  if (arch == "llama") {  // LlamaModel.set_gguf_parameters; qwen2 adds neither
+  if (family_of_model_type(c.model_type, model.dir()).llama_gguf) {  // LlamaModel.set_gguf_parameters
     md.emplace_back(arch + ".vocab_size", u32(c.vocab_size));
     md.emplace_back(arch + ".rope.dimension_count", u32(c.head_dim));
   }
@@ -312,6 +316,7 @@ struct OutTensor {
 
 std::vector<OutTensor> out_tensors(const CausalLM& model, const std::string& arch, io::GgmlType type) {
   const ModelConfig& c = model.config();
+  const bool llama = family_of_model_type(c.model_type, model.dir()).llama_gguf;  // Q/K in llama.cpp's rotary order
   std::vector<OutTensor> out;
   for (const auto& [hf, t] : model.state_dict()) {
     if (hf == "lm_head.weight" && c.tie_word_embeddings) continue;  // llama.cpp reuses token_embd
@@ -320,7 +325,7 @@ std::vector<OutTensor> out_tensors(const CausalLM& model, const std::string& arc
     at::Tensor w = t.to(at::kFloat);
     const bool q = name.ends_with(".attn_q.weight") || name.ends_with(".attn_q.bias");
     const bool k = name.ends_with(".attn_k.weight") || name.ends_with(".attn_k.bias");
-    if (arch == "llama" && (q || k)) w = permute_rows(w, q ? c.num_heads : c.num_kv_heads);
+    if (llama && (q || k)) w = permute_rows(w, q ? c.num_heads : c.num_kv_heads);
     out.push_back({name, w.contiguous(), gguf_tensor_type(name, w.sizes().vec(), type)});
   }
   return out;
@@ -329,7 +334,7 @@ std::vector<OutTensor> out_tensors(const CausalLM& model, const std::string& arc
 }  // namespace
 
 void export_gguf(const CausalLM& model, const std::string& out_file, io::GgmlType type) {
-  const std::string arch = gguf_arch(model.config());
+  const std::string arch = gguf_architecture_of(model.config().model_type);
   if (fs::exists(out_file))
     throw Error(fmt::format("{} already exists: choose another output file or remove it", out_file));
   Metadata md = model_metadata(model, arch, type);

@@ -6,6 +6,7 @@
 
 #include <span>
 
+#include "model/families.hpp"
 #include "util/error.hpp"
 #include "util/untrusted.hpp"
 
@@ -39,11 +40,12 @@ void check_sizes(const io::GgufFile& f, const ModelConfig& c) {
                     c.num_kv_heads, c.head_dim));
 }
 
-ModelConfig llama_config(const io::GgufFile& f, const std::string& arch) {
+ModelConfig llama_config(const io::GgufFile& f, const FamilyTraits& family) {
+  const std::string arch(family.gguf);
   const auto key = [&arch](const char* k) { return arch + "." + k; };
   ModelConfig c;
-  c.model_type = arch;
-  c.family = Family::Llama;
+  c.model_type = family.model_type;
+  c.family = family.family;
   c.hidden_size = f.get_int(key("embedding_length"));
   c.intermediate_size = f.get_int(key("feed_forward_length"));
   c.num_layers = f.get_int(key("block_count"));
@@ -71,17 +73,17 @@ ModelConfig llama_config(const io::GgufFile& f, const std::string& arch) {
   } else if (scaling != "none") {
     throw Error(fmt::format("{}: rope scaling '{}' is not supported (none, linear)", f.path(), scaling));
   }
-  c.qkv_bias = arch == "qwen2";
-  c.qk_norm = arch == "qwen3";
+  c.qkv_bias = family.qkv_bias;
+  c.qk_norm = family.qk_norm;
   return c;
 }
 
 // GPT-2: learned positions, LayerNorm with biases, fused QKV; llama.cpp's converter writes the
 // tied output projection out as output.weight.
-ModelConfig gpt2_config(const io::GgufFile& f) {
+ModelConfig gpt2_config(const io::GgufFile& f, const FamilyTraits& family) {
   ModelConfig c;
-  c.model_type = "gpt2";
-  c.family = Family::Gpt2;
+  c.model_type = family.model_type;
+  c.family = family.family;
   c.activation = "gelu_new";
   c.hidden_size = f.get_int("gpt2.embedding_length");
   c.intermediate_size = f.get_int("gpt2.feed_forward_length", 4 * c.hidden_size);
@@ -98,11 +100,8 @@ ModelConfig gpt2_config(const io::GgufFile& f) {
 
 ModelConfig gguf_config(const io::GgufFile& f) {
   const std::string arch = f.get_string("general.architecture");
-  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && arch != "gpt2")
-    throw Error(fmt::format(
-        "{}: GGUF architecture '{}' is not supported; supported: llama (mistral files are llama), qwen2, qwen3, gpt2",
-        f.path(), printable(arch)));
-  ModelConfig c = arch == "gpt2" ? gpt2_config(f) : llama_config(f, arch);
+  const FamilyTraits& family = family_of_gguf(arch, f.path());
+  ModelConfig c = family.family == Family::Gpt2 ? gpt2_config(f, family) : llama_config(f, family);
   const io::GgufTensorInfo* embed = f.find("token_embd.weight");
   if (!embed || embed->dims.size() != 2)
     throw Error(fmt::format("{} has no 2-dimensional tensor 'token_embd.weight': it is not a complete {} model",
@@ -210,7 +209,7 @@ at::Tensor GgufWeights::load(const std::string& name, at::ScalarType dtype, at::
   at::Tensor w = dequantize(*file_, *t);  // float32, the one temporary
   const bool q = g.ends_with(".attn_q.weight") || g.ends_with(".attn_q.bias");
   const bool k = g.ends_with(".attn_k.weight") || g.ends_with(".attn_k.bias");
-  const bool permuted = config_.model_type == "llama" && (q || k);
+  const bool permuted = family_of_model_type(config_.model_type, file_->path()).llama_gguf && (q || k);
   if (!permuted && !conv1d && dtype == at::kFloat && device.is_cpu()) return w;
   at::Tensor src = w;
   if (permuted) src = unpermute_rows(w, q ? config_.num_heads : config_.num_kv_heads);

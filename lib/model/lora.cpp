@@ -31,9 +31,13 @@ bool is_all_linear(const LoraConfig& cfg) {
 }
 
 std::string with_commas(int64_t n) {
-  std::string s = std::to_string(n);
-  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
-  return s;
+  const std::string digits = std::to_string(n);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && digits[i - 1] != '-' && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
 }
 
 }  // namespace
@@ -260,6 +264,18 @@ LoraConfig lora_config_of(const recipe::LoraSection& lora, const std::string& ba
   cfg.target_modules = lora.target_modules;
   cfg.base_model_name_or_path = base_model;
   return cfg;
+}
+
+std::string nf4_summary(const CausalLM& model) {
+  int64_t params = 0, bytes = 0;
+  for (const Linear* l : model.linears()) {
+    const std::optional<Nf4Weight>& q = l->sharded ? l->sharded->nf4 : l->nf4;
+    if (!q) continue;
+    params += q->numel();
+    bytes += l->sharded ? l->sharded->whole_bytes() : q->bytes();
+  }
+  return fmt::format("base linears in NF4: {} parameters in {:.1f} MiB ({:.4f} bytes each)", params,
+                     static_cast<double>(bytes) / (1 << 20), static_cast<double>(bytes) / static_cast<double>(params));
 }
 
 }  // namespace lorarun::model

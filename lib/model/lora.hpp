@@ -19,7 +19,7 @@ struct LoraConfig {
   double dropout = 0.0;
   bool use_rslora = false;
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};  // or {"all-linear"}
-  std::string base_model_name_or_path;
+  std::string base_model_name_or_path = {};
 
   double scaling() const;  // alpha / r, or alpha / sqrt(r) with rsLoRA
 };
@@ -43,6 +43,8 @@ std::vector<std::pair<std::string, at::Tensor>> lora_state(const CausalLM& model
 
 // "trainable params: 1,024 || all params: 9,999 || trainable%: 10.2410", like PEFT's summary.
 std::string trainable_summary(const CausalLM& model);
+// "base linears in NF4: 6815744 parameters in 3.4 MiB (0.5159 bytes each)" (whole, before sharding).
+std::string nf4_summary(const CausalLM& model);
 
 // Writes adapter_config.json + adapter_model.safetensors into `dir` (created; files atomic).
 void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::string& dir);

@@ -6,12 +6,10 @@
 #include <fmt/format.h>
 #include <algorithm>
 #include <atomic>
-#include <set>
 
 #include "model/lora.hpp"
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
-#include "recipe/recipe.hpp"
 
 namespace lorarun::model {
 
@@ -69,52 +67,6 @@ int64_t CausalLM::activation_bytes(int64_t batch, int64_t tokens) const {
   const int64_t chunk = rows * V * ((b == f32 ? 2 * f32 : b + 2 * f32) + (c.logit_softcap ? b : 0));
   const int64_t back = (recompute_activations ? N * block : 0) + N * ((gated ? 2 : 1) * F + H) * std::max(b, f32);
   return kept + std::max(chunk, back);
-}
-
-MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_base) {
-  std::shared_ptr<BaseShards> shards;
-  if (shard_base) {
-    shards = std::make_shared<BaseShards>();
-    shards->world = world;
-    shards->prefetch = r.dist.shard_base_prefetch;
-  }
-  CausalLM m = CausalLM::load(
-      r.model.path, dtype_of(r.model.dtype), at::kCPU,
-      {.quantize = r.lora.quantize_base, .double_quant = r.lora.double_quant, .shards = shards, .shapes_only = true});
-  attach_lora(m, lora_config_of(r.lora, r.model.path), 0);
-  m.training = true;
-  m.recompute_activations = r.train.activation_checkpointing;
-  MemoryEstimate e;
-  e.world = world;
-  e.shard_base = shards != nullptr;
-  e.base = m.base_bytes();
-  e.gathered = shards ? shards->block_buffer_bytes() : 0;
-  for (const at::Tensor& p : lora_parameters(m)) e.lora += p.numel() * 16;
-  e.activations = m.activation_bytes(r.data.batch_size, r.data.max_length);
-  return e;
-}
-
-std::string memory_report(const recipe::Recipe& r, int world) {
-  const auto gib = [](int64_t n) { return static_cast<double>(n) / (1 << 30); };
-  std::set<int> worlds = {2, 4, 8};
-  if (r.dist.shard_base) worlds.insert(world);
-  std::string out = fmt::format(
-      "# memory per rank, estimated in GiB (a micro-batch of {} x {} tokens: data.batch_size x data.max_length{}):\n"
-      "#   {:<28} {:>9} {:>11} {:>12} {:>9}\n",
-      r.data.batch_size, r.data.max_length, r.train.activation_checkpointing ? ", activation checkpointing" : "", "",
-      "base", "LoRA+AdamW", "activations", "total");
-  const auto row = [&](const std::string& what, const MemoryEstimate& e, bool chosen) {
-    // (a space before each column: a figure wider than its column still stands apart)
-    out += fmt::format("#   {:<28} {:>9.2f} {:>11.3f} {:>12.2f} {:>9.2f}{}\n", what, gib(e.base + e.gathered),
-                       gib(e.lora), gib(e.activations), gib(e.total()), chosen ? "   <- this run" : "");
-  };
-  row("whole base, any ranks", estimate_memory(r, 1, false), !r.dist.shard_base);
-  for (const int w : worlds)
-    row(fmt::format("dist.shard_base, {} rank{}", w, w == 1 ? "" : "s"), estimate_memory(r, w, true),
-        r.dist.shard_base && w == world);
-  out += fmt::format("#   (sharded base: this rank's slices and {} decoder block(s) gathered whole)\n",
-                     r.dist.shard_base_prefetch ? 2 : 1);
-  return out;
 }
 
 struct TensorMemoryMeter::Impl : c10::MemoryReportingInfoBase {

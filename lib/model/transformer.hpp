@@ -73,7 +73,7 @@ struct LoadOptions {
   bool double_quant = true;  // with quantize: the NF4 block scales in 8 bits too
   // dist.shard_base: each linear of linears() kept as this rank's slices, cut as it is loaded
   // (and quantised), so no rank holds the whole model; gathered whole while it is used.
-  std::shared_ptr<BaseShards> shards;  // the decoder blocks' slices are registered with it
+  std::shared_ptr<BaseShards> shards = {};  // the decoder blocks' slices are registered with it
   // Every tensor on the meta device: the shapes and dtypes loading makes, no data read (what a
   // memory estimate counts).
   bool shapes_only = false;

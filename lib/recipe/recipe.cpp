@@ -359,9 +359,7 @@ std::optional<YAML::Node> lookup(const YAML::Node& tree, std::string_view dotted
 
 // Defaults that depend on other keys, the recipe's name or the environment.
 void resolve(Recipe& r, const std::string& file) {
-  if (r.data.uri.empty())
-    if (const char* env = std::getenv("LORARUN_MONGODB_URI"); env && *env) r.data.uri = env;
-  register_uri_secret(r.data.uri);
+  r.data.uri = mongodb_uri(r.data.uri);
   register_uri_secret(r.track.mlflow_uri);
   if (r.track.database.empty()) r.track.database = r.data.database;
   // As MLflow's own client: the experiment the environment names, else the server's Default one.

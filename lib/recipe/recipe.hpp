@@ -299,13 +299,6 @@ std::vector<std::string> known_keys();
 // key's type, default, allowed values and meaning. tests/recipe keeps the file equal to it.
 std::string reference_tables();
 
-// Checkpoint policy (docs/recipe.md): the sorted 0-based epochs whose epoch_<i>/ directories
-// must exist when a run of `epochs` epochs ends. all: every epoch; none: {};
-// save_last_epoch_only: {epochs - 1}, whatever epochs_to_save says.
-std::vector<int> epochs_kept(const CheckpointSection& c, int epochs);
-// Whether epoch `epoch` (0-based) of `epochs` is saved as epoch_<epoch>/ and kept.
-bool save_after_epoch(const CheckpointSection& c, int epoch, int epochs);
-
 // A prompt template split into literal text and {field} placeholders; "{{" and "}}" are
 // literal braces. Throws lorarun::Error (without a file name) for unbalanced or empty braces.
 struct TemplatePart {

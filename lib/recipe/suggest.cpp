@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "recipe/schema.hpp"
 
@@ -91,9 +92,7 @@ namespace {
 
 template <class T>
 std::string join(const std::vector<T>& items, std::string_view sep) {
-  std::string out;
-  for (size_t i = 0; i < items.size(); ++i) out += (i ? std::string(sep) : "") + std::string(items[i]);
-  return out;
+  return fmt::format("{}", fmt::join(items, sep));
 }
 
 const std::vector<std::string>& all_keys() {

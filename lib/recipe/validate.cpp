@@ -71,31 +71,6 @@ std::vector<std::string> DataSection::template_fields() const {
   return fields;
 }
 
-std::vector<int> epochs_kept(const CheckpointSection& c, int epochs) {
-  if (epochs < 1) return {};
-  if (c.save_last_epoch_only) return {epochs - 1};
-  std::vector<int> kept;
-  switch (c.epochs_to_save.mode) {
-    case EpochsToSave::Mode::All:
-      for (int i = 0; i < epochs; ++i) kept.push_back(i);
-      break;
-    case EpochsToSave::Mode::None:
-      break;
-    case EpochsToSave::Mode::List:
-      for (int e : c.epochs_to_save.epochs)
-        if (e >= 0 && e < epochs) kept.push_back(e);
-      std::sort(kept.begin(), kept.end());
-      kept.erase(std::unique(kept.begin(), kept.end()), kept.end());
-      break;
-  }
-  return kept;
-}
-
-bool save_after_epoch(const CheckpointSection& c, int epoch, int epochs) {
-  const std::vector<int> kept = epochs_kept(c, epochs);
-  return std::binary_search(kept.begin(), kept.end(), epoch);
-}
-
 namespace {
 
 using detail::fail;

@@ -51,10 +51,8 @@ AdapterSource::AdapterSource(const std::string& spec) {
   check_database_name(db, "--adapter mongodb-run: names the database");
   check_run_id(id, "--adapter mongodb-run: names the run");
   if (!artifact.empty()) check_artifact_name(artifact, "--adapter mongodb-run: names the artifact");
-  const char* uri = std::getenv("LORARUN_MONGODB_URI");
-  if (!uri || !*uri)
-    throw Error(fmt::format("--adapter {} needs LORARUN_MONGODB_URI: set it to the run's server", spec));
-  register_uri_secret(uri);
+  const std::string uri = mongodb_uri("");
+  if (uri.empty()) throw Error(fmt::format("--adapter {} needs LORARUN_MONGODB_URI: set it to the run's server", spec));
   ArtifactStore store(uri, db, kTimeout);
   const nlohmann::json run = store.run_record(id);
   if (artifact.empty()) artifact = last_epoch(run, spec);

@@ -88,9 +88,7 @@ json find_run(data::Client& client, const std::string& database, const std::stri
 }
 
 int64_t restart_count(const json& info) {
-  if (info.contains("restart") && info["restart"].is_number_integer()) return info["restart"].get<int64_t>();
-  const char* env = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  return env && *env ? std::strtoll(env, nullptr, 10) : 0;
+  return info.contains("restart") && info["restart"].is_number_integer() ? info["restart"].get<int64_t>() : 0;
 }
 
 // [{name, bytes, sha256}] of the regular files under `dir`, by relative name.

@@ -53,8 +53,8 @@ class RunRecorder {
   // "took_over"?} entry appended to its "resumes" array). Throws LiveRunError when that run, or another run writing
   // info["output_dir"], is live (a process holds its lease). `info`
   // ({"torch_version", "world_size", "data", "documents", …}) goes to the top level of the document; lorarun_version
-  // and hostname are added unless given; the record's own fields win. "restart" is info["restart"], else
-  // $TORCHELASTIC_RESTART_COUNT, else 0.
+  // and hostname are added unless given; the record's own fields win. "restart" is info["restart"] (the
+  // launcher's restarts: DistEnv::restart), else 0.
   std::string begin(const nlohmann::json& recipe_redacted, const nlohmann::json& info,
                     const std::optional<std::string>& resume_id = {});
   // One metrics document {run_id, step, ...row}; failures after begin() warn once and do not stop training.

@@ -5,12 +5,15 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 
 #include "data/collate.hpp"
 #include "data/mongo.hpp"
 #include "data/source.hpp"
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
+#include "train/agreement.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::train {
@@ -95,6 +98,36 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
   }
   m.training = was_training;
   return sums;
+}
+
+std::optional<nlohmann::json> evaluate_split(model::CausalLM& m, const data::EvalSplit& split,
+                                             const data::ExampleBuilder& builder, const recipe::Recipe& r,
+                                             const Agreement& agree, int epoch, int64_t step, const StopCheck& stop) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const EvalSums mine = eval_shard(m, split.docs(), builder, r, agree.rank(), agree.world(), agree.device(), {}, stop);
+  if (mine.stopped) return std::nullopt;
+  at::Tensor sums =
+      at::tensor({mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)}, at::kDouble)
+          .to(agree.device());
+  agree.sum(sums);
+  sums = sums.cpu();
+  const double* t = sums.data_ptr<double>();
+  const auto tokens = static_cast<int64_t>(t[1]), documents = static_cast<int64_t>(t[2]),
+             rejected = static_cast<int64_t>(t[3]);
+  if (tokens == 0)
+    throw Error(
+        fmt::format("the evaluation documents ({}) hold no trained token: {} of {} were rejected (bad, or longer "
+                    "than data.max_length with data.overlong=skip); fix the eval: selection",
+                    split.describe(), rejected, split.docs().size()));
+  const double mean = t[0] / t[1];
+  return nlohmann::json{{"epoch", epoch},
+                        {"step", step},
+                        {"eval_loss", mean},
+                        {"eval_ppl", std::exp(mean)},
+                        {"eval_tokens", tokens},
+                        {"eval_documents", documents},
+                        {"eval_rejected", rejected},
+                        {"eval_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}};
 }
 
 }  // namespace lorarun::train

@@ -5,6 +5,8 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "recipe/recipe.hpp"
@@ -17,10 +19,13 @@ class CausalLM;
 }
 namespace lorarun::data {
 class Documents;
+class EvalSplit;
 class ExampleBuilder;
 }  // namespace lorarun::data
 
 namespace lorarun::train {
+
+class Agreement;
 
 // Throws ConfigError, naming `what` (the eval selection) and how many documents were rejected, when
 // no document of `docs` built by `builder` has a token to score: an evaluation that could only
@@ -51,5 +56,13 @@ using PerDocument = std::function<void(const std::string& id, int64_t tokens, do
 EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data::ExampleBuilder& builder,
                     const recipe::Recipe& r, int rank, int world, const c10::Device& device,
                     const PerDocument& per_doc = {}, const StopCheck& stop = {});
+
+// One evaluation of `split` during training: every rank's share (eval_shard), the sums added over
+// the ranks, as the row metrics.jsonl gets — {epoch, step, eval_loss, eval_ppl, eval_tokens,
+// eval_documents, eval_rejected, eval_seconds}, the same on every rank; nullopt when `stop` said
+// so. Throws lorarun::Error when the split held no token to score.
+std::optional<nlohmann::json> evaluate_split(model::CausalLM& m, const data::EvalSplit& split,
+                                             const data::ExampleBuilder& builder, const recipe::Recipe& r,
+                                             const Agreement& agree, int epoch, int64_t step, const StopCheck& stop);
 
 }  // namespace lorarun::train

@@ -35,6 +35,11 @@ std::string utc_stamp(std::time_t t) {
   return stamp;
 }
 
+std::string clock_text(int64_t s) {
+  if (s < 3600) return fmt::format("{}:{:02}", s / 60, s % 60);
+  return fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60);
+}
+
 void log_to_file(const std::string& path) {
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);

@@ -8,6 +8,9 @@ namespace lorarun {
 // `t` as UTC, "2026-12-01T12:00:00Z" (ISO 8601, as logs, records and run.json write time).
 std::string utc_stamp(std::time_t t = std::time(nullptr));
 
+// `seconds` as a clock reads: "4:07", "1:02:03" (an ETA on a progress line).
+std::string clock_text(int64_t seconds);
+
 // From now on, also append every line to `path` (a rank's log: <output_dir>/logs/rank_N.log).
 // The directory is created. Throws lorarun::Error when the file cannot be opened.
 void log_to_file(const std::string& path);

@@ -1,5 +1,6 @@
 #include "util/process.hpp"
 
+#include <sys/resource.h>
 #include <unistd.h>
 #include <fstream>
 #include <sstream>
@@ -43,5 +44,18 @@ ProcessIdentity this_process() {
 bool on_this_host(const ProcessIdentity& p) { return p.host == host_name() && p.boot_id == boot_id(); }
 
 bool alive_here(const ProcessIdentity& p) { return on_this_host(p) && p.pid > 0 && start_time(p.pid) == p.started; }
+
+double resident_mib() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  if (!(statm >> size >> resident)) return 0;
+  return static_cast<double>(resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE))) / (1 << 20);
+}
+
+double peak_resident_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // (kilobytes)
+}
 
 }  // namespace lorarun

@@ -25,4 +25,9 @@ bool on_this_host(const ProcessIdentity& p);
 // Whether `p` runs now: on this host and boot, its pid with its start time.
 bool alive_here(const ProcessIdentity& p);
 
+// This process's resident memory now (/proc/self/statm; 0 where it cannot be read), and at its
+// most so far (getrusage), in MiB.
+double resident_mib();
+double peak_resident_mib();
+
 }  // namespace lorarun

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <mutex>
 #include <vector>
 
@@ -83,6 +84,13 @@ std::string scrub(std::string text) {
       text.replace(pos, s.size(), "****");
   }
   return text;
+}
+
+std::string mongodb_uri(std::string_view given) {
+  std::string uri(given);
+  if (const char* env = std::getenv("LORARUN_MONGODB_URI"); uri.empty() && env) uri = env;
+  register_uri_secret(uri);
+  return uri;
 }
 
 }  // namespace lorarun

@@ -19,6 +19,10 @@ std::string percent_decode(std::string_view s);
 // Remembers the password of `uri` (raw and percent-decoded) so scrub() removes it later.
 void register_uri_secret(std::string_view uri);
 
+// The MongoDB URI given (a recipe's data.uri, a --uri), else $LORARUN_MONGODB_URI, else "": the one
+// place that fallback is made. Its password is registered for scrub().
+std::string mongodb_uri(std::string_view given);
+
 // Remembers `secret` (e.g. the password as the MongoDB driver parsed it) for scrub().
 void register_secret(std::string_view secret);
 

@@ -37,10 +37,8 @@ const tok::Tokenizer& tokenizer() {
   return t;
 }
 
-std::string test_uri() {
-  const char* u = std::getenv("LORARUN_TEST_MONGODB_URI");
-  return u ? u : "";
-}
+// The test FerretDB (LORARUN_TEST_MONGODB_URI): a test that needs it fails without it.
+using lorarun::test::test_uri;
 
 std::string unique_db() {
   static int n = 0;
@@ -113,12 +111,6 @@ std::vector<int64_t> read_shard(const data::Documents& docs, const data::ShardSp
   return read_all(r);
 }
 
-#define NEED_SERVER()                                              \
-  if (test_uri().empty()) {                                        \
-    WARN("LORARUN_TEST_MONGODB_URI is not set: run scripts/test"); \
-    return;                                                        \
-  }
-
 // A FerretDB of the test's own, to stop and restart (scripts/ferretdb; same port on restart).
 // `env`: FERRETDB_* settings for it (FerretDB reads its flags from the environment too).
 struct OwnServer {
@@ -150,7 +142,6 @@ struct OwnServer {
 }  // namespace
 
 TEST_CASE("shards: 1, 2, 3 ranks in every mode are complete, disjoint and equal (MongoDB and JSONL)", "[db]") {
-  NEED_SERVER();
   const int64_t n = 49;  // 2 ranks: 1 padded document; 3 ranks: 2
   for (const bool jsonl : {false, true})
     for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream, Shuffle::None}) {
@@ -179,7 +170,6 @@ TEST_CASE("shards: 1, 2, 3 ranks in every mode are complete, disjoint and equal 
 }
 
 TEST_CASE("stream: many runs and windows, resumable, memory bounded by the window", "[db]") {
-  NEED_SERVER();
   const int64_t n = 301;
   recipe::DataSection d = with_documents(test_uri(), n, Shuffle::Stream);
   d.shuffle_buffer = 2;  // 151 per rank → 51 runs of 3 (64 at most), windows of 2 across runs
@@ -196,7 +186,6 @@ TEST_CASE("stream: many runs and windows, resumable, memory bounded by the windo
 }
 
 TEST_CASE("order depends on (seed, epoch) only and none is sorted", "[db]") {
-  NEED_SERVER();
   for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream, Shuffle::None}) {
     INFO(recipe::name(mode));
     recipe::DataSection d = with_documents(test_uri(), 60, mode);
@@ -218,7 +207,6 @@ TEST_CASE("order depends on (seed, epoch) only and none is sorted", "[db]") {
 }
 
 TEST_CASE("resume at k delivers exactly the tail of the uninterrupted order", "[db]") {
-  NEED_SERVER();
   for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream, Shuffle::None}) {
     const recipe::DataSection d = with_documents(test_uri(), 45, mode);
     const data::Documents docs(d);
@@ -236,7 +224,6 @@ TEST_CASE("resume at k delivers exactly the tail of the uninterrupted order", "[
 }
 
 TEST_CASE("the reader fetches only the fields the format needs", "[db]") {
-  NEED_SERVER();
   recipe::DataSection d = with_documents(test_uri(), 3, Shuffle::Global);
   d.prompt_template = "{instruction}{input}\n";
   const data::ExampleBuilder builder(d, tokenizer());
@@ -258,7 +245,6 @@ TEST_CASE("the reader fetches only the fields the format needs", "[db]") {
 }
 
 TEST_CASE("bad documents are counted by kind, with the first ids and reasons", "[db]") {
-  NEED_SERVER();
   const std::vector<nlohmann::json> docs{
       {{"_id", 1}, {"instruction", "doc 1"}, {"output", "ok"}},
       {{"_id", 2}, {"output", "missing instruction"}},
@@ -295,7 +281,6 @@ TEST_CASE("bad documents are counted by kind, with the first ids and reasons", "
 }
 
 TEST_CASE("an empty selection and an unknown collection are errors before training", "[db]") {
-  NEED_SERVER();
   for (const Shuffle mode : {Shuffle::Global, Shuffle::Stream}) {
     recipe::DataSection d = with_documents(test_uri(), 3, mode);
     d.filter = {{"n", 1000}};
@@ -337,17 +322,14 @@ void restart_mid_epoch(Shuffle mode, int prefetch) {
 }
 
 TEST_CASE("FerretDB restarted mid-epoch (global, prefetch): no duplicate, no gap", "[db]") {
-  NEED_SERVER();
   restart_mid_epoch(Shuffle::Global, 1);
 }
 
 TEST_CASE("FerretDB restarted mid-epoch (stream, synchronous): no duplicate, no gap", "[db]") {
-  NEED_SERVER();
   restart_mid_epoch(Shuffle::Stream, 0);
 }
 
 TEST_CASE("FerretDB gone past the retry budget: one DataUnavailable naming the server, no hang", "[db]") {
-  NEED_SERVER();
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
   d.retries = 2;
@@ -398,7 +380,6 @@ std::string until_unavailable(data::MicroBatches& batches) {
 
 TEST_CASE("FerretDB gone: DataUnavailable reaches MicroBatches::next() from the prefetch thread and without it",
           "[db]") {
-  NEED_SERVER();
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
   d.retries = 1;
@@ -419,7 +400,6 @@ TEST_CASE("FerretDB gone: DataUnavailable reaches MicroBatches::next() from the 
 }
 
 TEST_CASE("a stop request while waiting to retry: DataUnavailable within 0.5 s, through MicroBatches::next()", "[db]") {
-  NEED_SERVER();
   OwnServer server;
   recipe::DataSection d = with_documents(server.uri, 2000, Shuffle::Global);
   d.retries = 10;
@@ -498,7 +478,6 @@ TEST_CASE("an unreachable server fails within data.timeout_s with one redacted l
 }
 
 TEST_CASE("a filter the server rejects names data.filter, in training and in check_selection (--dry-run)", "[db]") {
-  NEED_SERVER();
   recipe::DataSection d = with_documents(test_uri(), 5, Shuffle::Global);
   CHECK(data::check_selection(d).count == 5);
   CHECK(data::check_selection(d).warning.empty());
@@ -527,7 +506,6 @@ TEST_CASE("a filter the server rejects names data.filter, in training and in che
 }
 
 TEST_CASE("refused credentials are told apart from an unreachable server (FerretDB with authentication)", "[db]") {
-  NEED_SERVER();
   OwnServer server(
       "FERRETDB_TEST_ENABLE_NEW_AUTH=true FERRETDB_SETUP_USERNAME=alice FERRETDB_SETUP_PASSWORD=s3cr3t-pw "
       "FERRETDB_SETUP_DATABASE=admin");

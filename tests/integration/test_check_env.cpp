@@ -37,7 +37,7 @@ TEST_CASE("check-env reports the real server version of FerretDB", "[e2e][db][re
   INFO(ref.run.output);
   REQUIRE(ref.run.status == 0);
   const std::string version = ref.fields.at("version");
-  for (const std::string how : {"--uri '" + uri + "'", std::string()}) {
+  for (const std::string& how : {"--uri '" + uri + "'", std::string()}) {
     const Result r = sh(fmt::format("LORARUN_MONGODB_URI='{}' {} --check-env {}", uri, bin("lora-train"), how));
     INFO(r.output);
     CHECK(r.status == 0);

@@ -217,7 +217,8 @@ TEST_CASE(
   const std::string model = variant("gpt2", "gpt2-16-positions", "n_positions=16");
   const std::string dir = test::temp_dir("short-positions");
   const std::string recipe = text_recipe(dir, model, "");
-  for (const std::string& tool : {"lora-train", "lora-eval --recipe"}) {
+  for (const char* name : {"lora-train", "lora-eval --recipe"}) {
+    const std::string tool = name;
     const test::Result r =
         test::sh(fmt::format("{} {}", test::bin(tool.substr(0, tool.find(' '))),
                              tool.find(' ') == std::string::npos ? recipe : "--recipe " + recipe + " --split train"));

@@ -145,7 +145,7 @@ TEST_CASE("gguf export: an existing output, another family, a bad type, --gguf-t
   const std::pair<std::string, std::string> cases[] = {
       {fmt::format("{} --out '{}/x.gguf'", args, dir), dir + "/x.gguf already exists: choose another output"},
       {fmt::format("--model '{}/opt' --adapter '{}/opt/peft_adapter' --out '{}/opt.gguf'", kFixtures, kFixtures, dir),
-       "model type 'opt' cannot be written to GGUF: supported are llama, mistral, qwen2 and qwen3"},
+       "model type 'opt' cannot be written to GGUF: supported are llama, mistral, qwen2, qwen3"},
       {fmt::format("--model '{}/llama' --adapter '{}/llama/peft_adapter' --out '{}/l3.gguf'", kFixtures, kFixtures,
                    dir),
        "rope scaling 'llama3' cannot be written to GGUF"},

@@ -14,6 +14,7 @@
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
 #include "recipe/recipe.hpp"
+#include "train/memory_estimate.hpp"
 
 using namespace lorarun;
 using namespace lorarun::model;
@@ -30,7 +31,7 @@ std::vector<std::string> families() {
 std::map<std::string, at::Tensor> reference(const std::string& family) {
   std::map<std::string, at::Tensor> t;
   const auto files = WeightFiles::open_file(kFixtures + "/" + family + "/reference.safetensors");
-  for (const std::string& n : {"input_ids", "attention_mask", "labels"}) t[n] = files.load(n, at::kLong, at::kCPU);
+  for (const char* n : {"input_ids", "attention_mask", "labels"}) t[n] = files.load(n, at::kLong, at::kCPU);
   return t;
 }
 
@@ -233,7 +234,7 @@ TEST_CASE("the memory estimate on SmolLM2: base bytes as loaded (whole, NF4, sha
   recipe::Recipe r;
   r.model.path = kSmolLM2;
   r.lora.target_modules = {"all-linear"};
-  const MemoryEstimate whole = estimate_memory(r, 1, false), sharded = estimate_memory(r, 4, true);
+  const train::MemoryEstimate whole = train::estimate_memory(r, 1, false), sharded = train::estimate_memory(r, 4, true);
   CausalLM m = CausalLM::load(kSmolLM2, at::kBFloat16, at::kCPU);
   attach_lora(m, lora_config_of(r.lora, r.model.path), 1);
   int64_t lora = 0;

@@ -2,11 +2,14 @@
 
 #include <fmt/format.h>
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "io/safetensors.hpp"
+#include "io/sha256.hpp"
 
 namespace lorarun::test {
 
@@ -46,6 +49,21 @@ double adapter_diff(const std::string& a, const std::string& b) {
     for (size_t i = 0; i < t.nbytes / 4; ++i) worst = std::max(worst, double(std::abs(px[i] - py[i])));
   }
   return worst;
+}
+
+std::map<std::string, std::string> hashes(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir))
+    if (e.is_regular_file())
+      out[e.path().lexically_relative(dir).generic_string()] = io::sha256_file(e.path().string());
+  return out;
+}
+
+std::string run_id_in(const std::string& output, const std::string& db) {
+  const std::string marker = "run recorded as " + db + "/";
+  const size_t at = output.find(marker);
+  if (at == std::string::npos) FAIL("no 'run recorded as " << db << "/' in the output:\n" << output);
+  return output.substr(at + marker.size(), 24);
 }
 
 Result interrupt(const std::string& cmd, const std::string& log, const std::string& marker, const std::string& act) {

@@ -1,6 +1,7 @@
 // Training runs of the real binaries on the tiny llama fixture (LORARUN_MODEL_FIXTURES): the
 // documents, the recipe, and a run interrupted part way.
 #pragma once
+#include <map>
 #include <string>
 
 #include "support/process.hpp"
@@ -20,6 +21,12 @@ std::string write_recipe(const std::string& dir, const std::string& name, const 
 // Largest absolute difference between two float32 adapter files, tensor by tensor (inf if their
 // keys or sizes differ).
 double adapter_diff(const std::string& a, const std::string& b);
+
+// The regular files under `dir` as {relative name: sha256}.
+std::map<std::string, std::string> hashes(const std::string& dir);
+
+// The run id lora-train printed ("run recorded as DB/ID" in `output`).
+std::string run_id_in(const std::string& output, const std::string& db);
 
 // Runs `cmd` in the background until its output shows `marker`, then `act`, a shell snippet
 // ($pid: the command, $log: its output); waits for the command and prints exit=<status>.

@@ -56,10 +56,11 @@ std::string error_of(const std::function<void()>& f) {
 
 std::string fixture(const char* name) { return std::string(LORARUN_TOKENIZER_FIXTURES) + "/" + name; }
 
+// A tokenizer fixture scripts/setup fetches (scripts/fetch-tokenizers): a test fails without it.
 bool have_fixture(const char* name) {
-  if (fs::exists(fixture(name) + "/tokenizer.json")) return true;
-  WARN("fixture " << name << " missing: run scripts/fetch-tokenizers");
-  return false;
+  if (!fs::exists(fixture(name) + "/tokenizer.json"))
+    FAIL("fixture " << name << " missing: run scripts/setup (scripts/fetch-tokenizers)");
+  return true;
 }
 
 }  // namespace

@@ -26,14 +26,6 @@ using nlohmann::json;
 
 namespace {
 
-// The run id lora-train printed ("run recorded as DB/ID").
-std::string run_id_in(const std::string& output, const std::string& db) {
-  const std::string marker = "run recorded as " + db + "/";
-  const size_t at = output.find(marker);
-  REQUIRE(at != std::string::npos);
-  return output.substr(at + marker.size(), 24);
-}
-
 json run_document(const std::string& db, const std::string& id) {
   lorarun::data::Client c(test_uri(), std::chrono::seconds(5));
   const std::vector<json> runs = c.find(db, "runs", {{"_id", {{"$oid", id}}}});
@@ -78,15 +70,6 @@ void tamper(const std::string& db, const std::string& id, const json& kept, cons
   for (bson_t* b : {&list, &entry, &files, &one, &set, &update, &selector}) bson_destroy(b);
   mongoc_collection_destroy(runs);
   mongoc_client_destroy(client);
-}
-
-// The regular files under `dir` as {relative name: sha256}.
-std::map<std::string, std::string> hashes(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir))
-    if (e.is_regular_file())
-      out[e.path().lexically_relative(dir).generic_string()] = lorarun::io::sha256_file(e.path().string());
-  return out;
 }
 
 // Every path under `root` (recursively), for "nothing was written there".
@@ -211,7 +194,7 @@ TEST_CASE(
 
 TEST_CASE(
     "a live run's record is never taken over: a second command refuses in one line naming host, pid and "
-    "output_dir; a stale one (its process gone) is taken over and recorded so",
+    "output_dir, and a stale one (its process gone) is taken over and recorded so",
     "[e2e][db]") {
   const std::string dir = temp_dir("hostile-live");
   constexpr int kDocuments = 600;  // 3 epochs of one-document steps: A outlives B's and C's start-ups
@@ -281,7 +264,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "SIGTERM during an evaluation stops between two evaluation batches under lorarun, within the grace period; the "
+    "SIGTERM during an evaluation stops between two evaluation batches under lorarun, within the grace period, and the "
     "evaluation is dropped and the rerun ends byte-identical to an uninterrupted run",
     "[e2e][resume]") {
   const std::string dir = temp_dir("hostile-eval-stop");

@@ -36,23 +36,6 @@ json gridfs_view(const std::string& uri, const std::string& db, const std::strin
   return json::parse(r.output.substr(r.output.rfind("\n{") == std::string::npos ? 0 : r.output.rfind("\n{") + 1));
 }
 
-// The regular files under `dir` as {relative name: sha256}.
-std::map<std::string, std::string> hashes(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir))
-    if (e.is_regular_file())
-      out[e.path().lexically_relative(dir).generic_string()] = lorarun::io::sha256_file(e.path().string());
-  return out;
-}
-
-// The run id lora-train printed ("run recorded as DB/ID").
-std::string run_id_in(const std::string& output, const std::string& db) {
-  const std::string marker = "run recorded as " + db + "/";
-  const size_t at = output.find(marker);
-  REQUIRE(at != std::string::npos);
-  return output.substr(at + marker.size(), 24);
-}
-
 // A FerretDB of the test's own (scripts/ferretdb in `state`), stopped when it goes out of scope.
 // With `password`: one that demands SCRAM credentials of user alice, in the URI.
 struct OwnServer {
@@ -275,7 +258,7 @@ TEST_CASE(
   CHECK_THAT(again.output, Catch::Contains(fmt::format("restored best, epoch_0, resume_state of run {}/{}", db, id)) &&
                                Catch::Contains("resuming at epoch 1 step"));
   CHECK(run_id_in(again.output, db) == id);
-  for (const std::string& epoch : {"epoch_0", "epoch_1", "epoch_2"}) {
+  for (const char* epoch : {"epoch_0", "epoch_1", "epoch_2"}) {
     INFO(epoch);
     CHECK(hashes(dir + "/run/" + epoch) == hashes(dir + "/whole/" + epoch));
   }
@@ -302,7 +285,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "store: a server lost in the middle of an upload fails it in one line; the next upload and rm leave no chunk "
+    "store: a server lost in the middle of an upload fails it in one line, and the next upload and rm leave no chunk "
     "of it",
     "[db]") {
   const std::string dir = temp_dir("store-midway");

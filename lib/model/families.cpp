@@ -1,0 +1,83 @@
+#include "model/families.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <algorithm>
+#include <array>
+#include <vector>
+
+#include "util/error.hpp"
+#include "util/untrusted.hpp"
+
+namespace lorarun::model {
+namespace {
+
+// One line a family. "llama" covers every pre-norm decoder with rotary positions and a gated MLP.
+constexpr std::array<FamilyTraits, 9> kFamilies = {{
+    {.model_type = "llama", .hf_class = "LlamaForCausalLM", .gguf = "llama", .llama_gguf = true},
+    {.model_type = "mistral",
+     .hf_class = "MistralForCausalLM",
+     .gguf = "llama",  // llama.cpp reads a Mistral as a llama
+     .always_windowed = true,
+     .llama_gguf = true},
+    {.model_type = "qwen2", .hf_class = "Qwen2ForCausalLM", .gguf = "qwen2", .qkv_bias = true},
+    {.model_type = "qwen3", .hf_class = "Qwen3ForCausalLM", .gguf = "qwen3", .qk_norm = true},
+    {.model_type = "gemma2",
+     .hf_class = "Gemma2ForCausalLM",
+     .gemma = true,
+     .always_windowed = true,
+     .global_every = 2},
+    {.model_type = "gemma3_text",
+     .hf_class = "Gemma3ForCausalLM",
+     .qk_norm = true,
+     .gemma = true,
+     .always_windowed = true,
+     .global_every = 6,  // sliding_window_pattern's default
+     .local_rope = true},
+    {.model_type = "phi3", .hf_class = "Phi3ForCausalLM", .fused = true, .always_windowed = true},
+    {.model_type = "opt", .hf_class = "OPTForCausalLM", .family = Family::Opt},
+    {.model_type = "gpt2", .hf_class = "GPT2LMHeadModel", .gguf = "gpt2", .family = Family::Gpt2},
+}};
+
+// "a, b, c": `name` of each family in table order, once each, those it gives as "" left out.
+std::string listed(std::string_view name(const FamilyTraits&)) {
+  std::vector<std::string_view> names;
+  for (const FamilyTraits& f : kFamilies)
+    if (const std::string_view n = name(f); !n.empty() && std::find(names.begin(), names.end(), n) == names.end())
+      names.push_back(n);
+  return fmt::format("{}", fmt::join(names, ", "));
+}
+
+// What GGUF output can be: llama.cpp's llama-like architectures.
+bool gguf_writable(const FamilyTraits& f) { return !f.gguf.empty() && f.family == Family::Llama; }
+
+}  // namespace
+
+const FamilyTraits& family_of_model_type(const std::string& model_type, const std::string& file) {
+  for (const FamilyTraits& f : kFamilies)
+    if (f.model_type == model_type) return f;
+  if (model_type == "gemma3")
+    throw Error(
+        fmt::format("{}: a multimodal Gemma 3 checkpoint (model_type gemma3) is not supported; text models "
+                    "(Gemma3ForCausalLM, model_type gemma3_text) are",
+                    file));
+  throw Error(fmt::format("{}: model_type '{}' is not supported; supported: {}", file, printable(model_type),
+                          listed([](const FamilyTraits& f) { return f.model_type; })));
+}
+
+const FamilyTraits& family_of_gguf(const std::string& arch, const std::string& file) {
+  for (const FamilyTraits& f : kFamilies)
+    if (!f.gguf.empty() && f.gguf == arch) return f;  // the first that says it: llama, not mistral
+  throw Error(fmt::format("{}: GGUF architecture '{}' is not supported; supported: {} (mistral files are llama)", file,
+                          printable(arch), listed([](const FamilyTraits& f) { return f.gguf; })));
+}
+
+std::string gguf_architecture_of(const std::string& model_type) {
+  for (const FamilyTraits& f : kFamilies)
+    if (f.model_type == model_type && gguf_writable(f)) return std::string(f.gguf);
+  throw Error(fmt::format(
+      "model type '{}' cannot be written to GGUF: supported are {} (write a HF directory instead: --out without .gguf)",
+      model_type, listed([](const FamilyTraits& f) { return gguf_writable(f) ? f.model_type : std::string_view(); })));
+}
+
+}  // namespace lorarun::model

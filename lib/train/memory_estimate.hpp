@@ -1,0 +1,29 @@
+// What training needs in memory per rank, estimated from the recipe's model as shapes (nothing
+// of the weights is read): for lora-train --dry-run.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "recipe/recipe.hpp"
+
+namespace lorarun::train {
+
+// Bytes one rank holds while it trains the recipe's model on `world` ranks.
+struct MemoryEstimate {
+  int world = 1;
+  bool shard_base = false;
+  int64_t base = 0;         // base weights: whole, or this rank's slices (dist.shard_base)
+  int64_t gathered = 0;     // dist.shard_base: the decoder blocks gathered whole at a time
+  int64_t lora = 0;         // LoRA weights, their gradients and AdamW's two moments (float32: 16 B each)
+  int64_t activations = 0;  // one micro-batch (data.batch_size x data.max_length): CausalLM::activation_bytes
+  int64_t total() const { return base + gathered + lora + activations; }
+};
+
+// The recipe's model read as shapes only (no weight data), with its adapters, on `world` ranks.
+MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_base);
+
+// Lines for lora-train --dry-run: the estimate without dist.shard_base and with it on 2, 4 and 8
+// ranks (and `world`), the recipe's own setting marked.
+std::string memory_report(const recipe::Recipe& r, int world);
+
+}  // namespace lorarun::train

@@ -1,0 +1,156 @@
+#include "train/runtime.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <malloc.h>
+#include <torch/cuda.h>
+
+#include "dist/process_group.hpp"
+#include "model/lora.hpp"
+#include "model/resolve.hpp"
+#include "train/evaluate.hpp"
+#include "util/error.hpp"
+#include "util/log.hpp"
+#include "util/process.hpp"
+
+namespace lorarun::train {
+namespace {
+
+// lora.init_from: the adapter's weights, under the recipe's LoRA keys. Keys that change what the
+// weights compute (r, alpha, use_rslora, the adapted layers) must agree, or the saved
+// adapter_config.json would describe other weights; dropout is the recipe's to choose.
+void start_from_adapter(model::CausalLM& m, const model::LoraConfig& cfg, const std::string& from_dir, bool lead) {
+  const model::LoraConfig from = model::load_adapter(m, from_dir);
+  auto differ = [&](const std::string& key, const std::string& adapter, const std::string& recipe) {
+    throw ConfigError(fmt::format("lora.init_from {} was trained with {} but the recipe says {}={}: make them equal",
+                                  from_dir, adapter, key, recipe));
+  };
+  if (from.r != cfg.r) differ("lora.r", fmt::format("r={}", from.r), std::to_string(cfg.r));
+  if (from.alpha != cfg.alpha)
+    differ("lora.alpha", fmt::format("lora_alpha={}", from.alpha), fmt::format("{}", cfg.alpha));
+  if (from.use_rslora != cfg.use_rslora)
+    differ("lora.use_rslora", fmt::format("use_rslora={}", from.use_rslora), cfg.use_rslora ? "true" : "false");
+  std::vector<std::string> adapted;
+  std::vector<std::string> wanted;
+  for (model::Linear* l : m.linears()) {
+    if (l->adapted()) adapted.push_back(l->name);
+    if (model::matches_target(l->name, cfg)) wanted.push_back(l->name);
+    l->dropout = cfg.dropout;
+  }
+  if (adapted != wanted)
+    differ("lora.target_modules",
+           fmt::format("{} adapted layers (target_modules {})", adapted.size(), fmt::join(from.target_modules, ", ")),
+           fmt::format("[{}] ({} layers)", fmt::join(cfg.target_modules, ", "), wanted.size()));
+  if (from.dropout != cfg.dropout && lead)
+    info(fmt::format("lora.init_from {} was trained with lora_dropout={}; this run uses lora.dropout={}", from_dir,
+                     from.dropout, cfg.dropout));
+}
+
+}  // namespace
+
+bool uses_cuda(const recipe::Recipe& r) { return r.model.device != recipe::Device::Cpu && torch::cuda::is_available(); }
+
+at::Device rank_device(const recipe::Recipe& r, const dist::DistEnv& env) {
+  const bool cuda = uses_cuda(r);
+  if (r.model.device == recipe::Device::Cuda && !cuda)
+    throw Error("model.device is cuda but no GPU is visible: set model.device=cpu or run on a GPU machine");
+  if (!cuda) return at::Device(at::kCPU);
+  const int gpus = static_cast<int>(torch::cuda::device_count());
+  if (env.local_rank >= gpus && r.dist.backend != recipe::DistBackend::Gloo)
+    throw Error(
+        fmt::format("local rank {} has no GPU of its own ({} visible): start at most {} ranks per node, or set "
+                    "dist.backend=gloo to share GPUs",
+                    env.local_rank, gpus, gpus));
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank % gpus));
+}
+
+std::shared_ptr<model::BaseShards> base_shards(const recipe::Recipe& r, int rank, int world, dist::ProcessGroup* pg) {
+  auto shards = std::make_shared<model::BaseShards>();
+  shards->rank = rank;
+  shards->world = world;
+  shards->prefetch = r.dist.shard_base_prefetch;
+  if (pg)  // each block gathered from every rank's slices while it runs (one rank: the same path)
+    shards->all_gather = [pg](at::Tensor& out, const at::Tensor& in) -> std::function<void()> {
+      auto pending = std::make_shared<dist::ProcessGroup::Pending>(pg->all_gather_async(out, in));
+      return [pending] { pending->wait(); };
+    };
+  return shards;
+}
+
+model::LoadOptions load_options(const recipe::Recipe& r, std::shared_ptr<model::BaseShards> shards, bool shapes_only) {
+  return {.quantize = r.lora.quantize_base,
+          .double_quant = r.lora.double_quant,
+          .shards = std::move(shards),
+          .shapes_only = shapes_only};
+}
+
+int64_t steps_per_epoch(const recipe::Recipe& r, int64_t documents, int world) {
+  const int64_t per_step = int64_t{r.data.batch_size} * r.train.gradient_accumulation_steps;
+  const int64_t steps = (data::examples_per_rank(documents, world) + per_step - 1) / per_step;
+  return r.train.max_steps_per_epoch ? std::min<int64_t>(steps, *r.train.max_steps_per_epoch) : steps;
+}
+
+Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const RuntimeOptions& o)
+    : device(rank_device(r, env)),
+      shards(o.train && r.dist.shard_base ? base_shards(r, env.rank, env.world_size, o.pg) : nullptr),
+      model(load_model(r, env, o)),
+      tokenizer(model::load_tokenizer(model.dir())) {
+  model.check_tokenizer(tokenizer);
+  model.check_length(r.data.max_length, fmt::format("data.max_length {}", r.data.max_length));
+  builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer);
+  docs = std::make_unique<data::Documents>(r.data, data::Holdout::training(r.eval.fraction));
+  if (!o.eval_split || !r.eval.enabled(r.data.source)) return;
+  // Read and built as training data is (the same builder); never a document training reads.
+  eval = std::make_unique<data::EvalSplit>(r, docs.get());
+  require_scored_token(eval->docs(), *builder, eval->describe());
+}
+
+// The base model (NF4 with lora.quantize_base, this rank's slices with dist.shard_base) with its
+// adapters: for training new (or lora.init_from's), else `o.adapter` when given.
+model::CausalLM Runtime::load_model(const recipe::Recipe& r, const dist::DistEnv& env, const RuntimeOptions& o) {
+  model::CausalLM m =
+      model::CausalLM::load(r.model.path, model::dtype_of(r.model.dtype), device, load_options(r, shards));
+  if (!o.train) {
+    if (!o.adapter.empty()) model::load_adapter(m, o.adapter, m.dtype());
+    return m;
+  }
+  // Dropout draws from the default generators: one stream per rank, derived from train.seed,
+  // so the same recipe on the same world size gives the same adapter bit for bit.
+  at::manual_seed(static_cast<uint64_t>(r.train.seed) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(env.rank) + 1);
+  const model::LoraConfig cfg = model::lora_config_of(r.lora, r.model.path);
+  if (r.lora.init_from.empty())
+    model::attach_lora(m, cfg, static_cast<uint64_t>(r.train.seed));  // same seed: identical replicas
+  else
+    start_from_adapter(m, cfg, r.lora.init_from, env.rank == 0);
+  m.recompute_activations = r.train.activation_checkpointing;
+  // The whole tensors loading went through (dequantised, quantised, sliced) are free now; give
+  // their pages back, or the heap they fragmented stays resident for the whole run.
+  malloc_trim(0);
+  return m;
+}
+
+std::vector<std::string> Runtime::summary(const recipe::Recipe& r, int world, int64_t steps_per_epoch,
+                                          size_t buckets) const {
+  const auto mib = [](int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); };
+  std::vector<std::string> out = {
+      fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch, gradients all-reduced in {} bucket(s)",
+                  model::trainable_summary(model), docs->size(), docs->describe(), world, steps_per_epoch,
+                  std::max<size_t>(1, buckets))};
+  if (r.lora.quantize_base) out.push_back(model::nf4_summary(model));
+  if (shards)
+    out.push_back(fmt::format(
+        "dist.shard_base: base weights on this rank {:.1f} MiB of {:.1f} MiB (linears in {} slice(s); embeddings, "
+        "norms and the output projection whole), and at most {:.1f} MiB of blocks gathered whole ({}); resident "
+        "{:.0f} MiB",
+        mib(model.base_bytes()), mib(model.base_bytes(true)), world, mib(shards->block_buffer_bytes()),
+        shards->prefetch ? "2 at a time: the next is gathered while one computes" : "1 at a time", resident_mib()));
+  if (eval)
+    out.push_back(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", eval->docs().size(),
+                              eval->docs().describe(),
+                              r.eval.fraction > 0 ? fmt::format(" (eval.fraction {})", r.eval.fraction) : "",
+                              r.eval.every_n_steps ? fmt::format(" and every {} steps", *r.eval.every_n_steps) : ""));
+  return out;
+}
+
+}  // namespace lorarun::train

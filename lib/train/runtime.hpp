@@ -1,0 +1,71 @@
+// What a recipe runs on, built from it in one place for lora-train, lora-eval --recipe and the
+// dry run's memory estimate: the rank's device, the base model (NF4, dist.shard_base's slices)
+// with its adapters, its tokenizer checked against it, the example builder, the training
+// documents and the eval split.
+#pragma once
+#include <c10/core/Device.h>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/example.hpp"
+#include "data/source.hpp"
+#include "dist/env.hpp"
+#include "model/transformer.hpp"
+#include "recipe/recipe.hpp"
+#include "tokenizer/tokenizer.hpp"
+
+namespace lorarun::dist {
+class ProcessGroup;
+}
+
+namespace lorarun::train {
+
+// Whether the recipe runs on CUDA here (model.device auto or cuda, and a GPU visible).
+bool uses_cuda(const recipe::Recipe& r);
+
+// cuda:LOCAL_RANK, or the CPU. More ranks than GPUs share them round-robin, which Gloo allows (NCCL
+// refuses two ranks on one GPU, so that is an error there).
+at::Device rank_device(const recipe::Recipe& r, const dist::DistEnv& env);
+
+// dist.shard_base: the slices of rank `rank` of `world`, gathered over `pg` (none: shapes only,
+// for an estimate).
+std::shared_ptr<model::BaseShards> base_shards(const recipe::Recipe& r, int rank, int world, dist::ProcessGroup* pg);
+
+// How the recipe holds the base weights (lora.quantize_base, lora.double_quant, `shards`).
+model::LoadOptions load_options(const recipe::Recipe& r, std::shared_ptr<model::BaseShards> shards,
+                                bool shapes_only = false);
+
+// Optimizer steps per epoch of `documents` on `world` ranks: every rank the same (shards are
+// equalised), at most train.max_steps_per_epoch.
+int64_t steps_per_epoch(const recipe::Recipe& r, int64_t documents, int world);
+
+struct RuntimeOptions {
+  dist::ProcessGroup* pg = nullptr;  // the ranks' group: dist.shard_base gathers over it (training)
+  bool train = true;                 // fresh adapters (or lora.init_from's), seeded dropout, activation checkpointing
+  std::string adapter = {};          // without train: a PEFT adapter to load ("" none)
+  bool eval_split = true;            // the eval: section's documents too, when the recipe has one
+};
+
+class Runtime {
+ public:
+  // Throws lorarun::Error (ConfigError for what a rerun cannot change) naming the key at fault.
+  Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const RuntimeOptions& o);
+
+  at::Device device;
+  std::shared_ptr<model::BaseShards> shards;  // with dist.shard_base
+  model::CausalLM model;
+  tok::Tokenizer tokenizer;
+  std::unique_ptr<data::ExampleBuilder> builder;
+  std::unique_ptr<data::Documents> docs;  // data's selection (the training side of eval.fraction)
+  std::unique_ptr<data::EvalSplit> eval;  // the eval: section's documents, when asked and set
+
+  // What is about to train, for the log: the adapters and the documents, NF4, dist.shard_base,
+  // the evaluation.
+  std::vector<std::string> summary(const recipe::Recipe& r, int world, int64_t steps_per_epoch, size_t buckets) const;
+
+ private:
+  model::CausalLM load_model(const recipe::Recipe& r, const dist::DistEnv& env, const RuntimeOptions& o);
+};
+
+}  // namespace lorarun::train
