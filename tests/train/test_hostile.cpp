@@ -291,6 +291,7 @@ TEST_CASE(
   REQUIRE(at != std::string::npos);
   const int ms = std::stoi(b.output.substr(at + 3));
   CHECK(ms < 10000);  // well inside the 30 s grace period (an evaluation here takes several seconds)
+  fmt::print("train: SIGTERM mid-evaluation: lorarun ended {} ms after the signal, exit 75\n", ms);
   CHECK_THAT(log, Catch::Contains("SIGTERM: stopping after this step or evaluation batch"));
   CHECK_THAT(log, Catch::Contains("evaluation at step 5 stopped on request"));
   CHECK(log.find("eval at epoch 0 step 5:") == std::string::npos);  // the partial evaluation is not reported
