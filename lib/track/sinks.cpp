@@ -83,14 +83,16 @@ std::string RunSinks::open(const RunInfo& about, std::optional<int64_t> resumed_
         resumed && is_run_id(resumed_run) ? std::optional(resumed_run) : std::nullopt;
     const std::string id = record_->begin(recipe::to_json(r_), with_dir, again);
     ref_ = record_->ref();
-    return open_files(resumed_step, world_size, id);
+    open_files(resumed_step, world_size);
+    return id;
   }
   ref_ = resumed && resumed_run.starts_with("local-") ? resumed_run : local_id();
-  return open_files(resumed_step, world_size, ref_);
+  open_files(resumed_step, world_size);
+  return ref_;
 }
 
-// After the record: the files in the output directory, and MLflow. Returns `id`.
-std::string RunSinks::open_files(std::optional<int64_t> resumed_step, int world_size, const std::string& id) {
+// After the record: the files in the output directory, and MLflow.
+void RunSinks::open_files(std::optional<int64_t> resumed_step, int world_size) {
   const bool resumed = resumed_step.has_value();
   fs::create_directories(r_.checkpoint.output_dir);
   open_metrics(resumed_step);
@@ -100,7 +102,6 @@ std::string RunSinks::open_files(std::optional<int64_t> resumed_step, int world_
     info(fmt::format("TensorBoard events in {} (tensorboard --logdir {})", tensorboard_->path(), dir));
   }
   if (!r_.track.mlflow_uri.empty()) mlflow_ = start_mlflow(r_, world_size, record_.get(), resumed);
-  return id;
 }
 
 // metrics.jsonl: a resumed run keeps the rows of the steps it resumes after, so no step appears

@@ -58,7 +58,7 @@ class RunSinks {
   nlohmann::json& last_row() { return last_row_; }
 
  private:
-  std::string open_files(std::optional<int64_t> resumed_step, int world_size, const std::string& id);
+  void open_files(std::optional<int64_t> resumed_step, int world_size);
   void open_metrics(std::optional<int64_t> resumed_step);
   void to_tensorboard(int64_t step, const nlohmann::json& row,
                       const std::vector<std::pair<const char*, const char*>>& tags);
