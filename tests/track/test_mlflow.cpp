@@ -238,22 +238,23 @@ TEST_CASE(
   CHECK(written.size() == 120);
   CHECK(logged == written);
 
-  // Killed (-9) after its state at step 20 and the steps after it logged: the rerun repeats steps
-  // 21 on, which MLflow then already has: each step is in the run once, as in metrics.jsonl.
+  // Killed (-9) after its state at step 300 and the steps after it logged: the rerun repeats steps
+  // 301 on, which MLflow then already has: each step is in the run once, as in metrics.jsonl. (300
+  // steps between states: the kill lands before the next one however far MLflow's sender lags.)
   const std::string kdir = dir + "/k";
   fs::create_directories(kdir);
   write_data(kdir + "/data.jsonl", 600);
   const std::string k = write_recipe(kdir, "k", "epochs: 1, lr: 1.0e-3", "", ", batch_size: 1");
   const std::string kcmd =
-      fmt::format("{} {} track.mlflow_uri={} checkpoint.state_every_n_steps=20", bin("lora-train"), k, server.uri);
-  // (killed once MLflow holds more than the 20 steps of the state: the rerun must not log those again)
+      fmt::format("{} {} track.mlflow_uri={} checkpoint.state_every_n_steps=300", bin("lora-train"), k, server.uri);
+  // (killed once MLflow holds more than the 300 steps of the state: the rerun must not log those again)
   const Result killed = interrupt(
-      kcmd, kdir + "/k.log", "epoch 0/1 step 21/600",
+      kcmd, kdir + "/k.log", "epoch 0/1 step 301/600",
       fmt::format("'{}' -c \"import json, sys, time, urllib.request\n"
                   "run = json.load(open(sys.argv[1]))['run_id']\n"
-                  "for _ in range(400):\n"
+                  "for _ in range(1500):\n"
                   "    url = sys.argv[2] + '/api/2.0/mlflow/metrics/get-history?metric_key=loss&run_id=' + run\n"
-                  "    if len(json.load(urllib.request.urlopen(url)).get('metrics', [])) > 22: break\n"
+                  "    if len(json.load(urllib.request.urlopen(url)).get('metrics', [])) > 302: break\n"
                   "    time.sleep(0.02)\" '{}/k/mlflow_run.json' '{}'; kill -9 $pid",
                   LORARUN_MLFLOW_PYTHON, kdir, server.uri));
   INFO(read_file(kdir + "/k.log"));
@@ -268,12 +269,12 @@ TEST_CASE(
     return steps;
   };
   const std::vector<int64_t> before = steps_logged();
-  CHECK(before.size() > 22);  // steps past the last state reached MLflow before the kill
+  CHECK(before.size() > 302);  // steps past the last state reached MLflow before the kill
   CHECK(before.size() < 600);
   const Result again = sh(kcmd);
   INFO(again.output);
   REQUIRE(again.status == 0);
-  CHECK_THAT(again.output, Catch::Contains("resuming at epoch 0 step 20"));
+  CHECK_THAT(again.output, Catch::Contains("resuming at epoch 0 step 300"));
   std::vector<int64_t> each(600);
   std::iota(each.begin(), each.end(), 1);
   CHECK(steps_logged() == each);
