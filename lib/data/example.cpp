@@ -78,8 +78,11 @@ std::string invalid_utf8_reason(std::string_view field) { return fmt::format("fi
 ExampleBuilder::ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer,
                                std::optional<int32_t> eos)
     : cfg_(cfg), tok_(tokenizer), eos_(eos ? eos : tokenizer.eos_id()) {
-  if (cfg.format == recipe::Format::Instruction) template_ = recipe::parse_template(cfg.prompt_template);
-  if (cfg.format == recipe::Format::Chat && cfg.chat_format == recipe::ChatFormat::Template) setup_chat_template();
+  const bool pairs = cfg.format == recipe::Format::Preference;
+  if (cfg.format == recipe::Format::Instruction || (pairs && !cfg.prompt_template.empty()))
+    template_ = recipe::parse_template(cfg.prompt_template);
+  if ((cfg.format == recipe::Format::Chat || pairs) && cfg.chat_format == recipe::ChatFormat::Template)
+    setup_chat_template();
 }
 
 void ExampleBuilder::append(Example& e, const std::string& text, bool trained, bool add_special) const {
@@ -115,6 +118,8 @@ std::variant<Example, Rejection> ExampleBuilder::build(const Document& doc) cons
       return text(doc);
     case recipe::Format::Chat:
       return cfg_.chat_format == recipe::ChatFormat::Template ? chat_template(doc) : chat(doc);
+    case recipe::Format::Preference:
+      return preference(doc);
   }
   return bad("unknown format");
 }
@@ -131,11 +136,17 @@ std::vector<std::string> ExampleBuilder::fields_of(const recipe::DataSection& cf
     case recipe::Format::Chat:
       if (cfg.chat_format == recipe::ChatFormat::Template) return {cfg.messages_field, "tools"};
       return {cfg.messages_field};
+    case recipe::Format::Preference: {
+      std::vector<std::string> f = cfg.prompt_template.empty() ? std::vector{cfg.prompt_field} : cfg.template_fields();
+      for (const std::string* c : {&cfg.chosen_field, &cfg.rejected_field})
+        if (std::find(f.begin(), f.end(), *c) == f.end()) f.push_back(*c);
+      return f;
+    }
   }
   return {};
 }
 
-std::variant<Example, Rejection> ExampleBuilder::instruction(const Document& doc) const {
+std::variant<std::string, Rejection> ExampleBuilder::fill_template(const Document& doc) const {
   std::string prompt;
   for (const recipe::TemplatePart& part : template_) {
     if (!part.is_field) {
@@ -146,6 +157,13 @@ std::variant<Example, Rejection> ExampleBuilder::instruction(const Document& doc
     if (auto* r = std::get_if<Rejection>(&value)) return *r;
     prompt += std::get<std::string>(value);
   }
+  return prompt;
+}
+
+std::variant<Example, Rejection> ExampleBuilder::instruction(const Document& doc) const {
+  auto filled = fill_template(doc);
+  if (auto* r = std::get_if<Rejection>(&filled)) return *r;
+  const std::string& prompt = std::get<std::string>(filled);
   auto response = string_field(doc, cfg_.response_field);
   if (auto* r = std::get_if<Rejection>(&response)) return *r;
   if (std::get<std::string>(response).empty()) return bad(fmt::format("field '{}' is empty", cfg_.response_field));
@@ -451,6 +469,124 @@ std::variant<Example, Rejection> ExampleBuilder::chat_template(const Document& d
     mark_spans(enc, std::get<std::vector<Span>>(turns), e.labels);
   }
   return finish(std::move(e), /*add_eos=*/false);
+}
+
+namespace {
+
+// The messages of a conversational field ({role, content} each, content a string), or why not.
+std::variant<nlohmann::ordered_json, Rejection> messages_of(const Document& doc, const std::string& field) {
+  const Document& list = doc[field];
+  if (!list.is_array() || list.empty())
+    return bad(fmt::format("field '{}' is not a non-empty list of messages", field));
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  for (const auto& m : list) {
+    for (const char* key : {"role", "content"}) {
+      auto v = string_field(m, key);
+      if (auto* r = std::get_if<Rejection>(&v)) return bad(fmt::format("a message of '{}': {}", field, r->reason));
+    }
+    out.push_back(template_message(m));
+  }
+  return out;
+}
+
+size_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  return static_cast<size_t>(std::mismatch(a.begin(), a.end(), b.begin(), b.end()).first - a.begin());
+}
+
+}  // namespace
+
+std::variant<std::array<std::string, 3>, Rejection> ExampleBuilder::preference_texts(const Document& doc,
+                                                                                     bool& special) const {
+  if (!doc.is_object()) return bad("the document is not an object");
+  for (const std::string* f : {&cfg_.chosen_field, &cfg_.rejected_field})
+    if (!doc.contains(*f)) return bad(fmt::format("field '{}' is missing", *f));
+  const bool conversation =
+      cfg_.prompt_template.empty() && doc.contains(cfg_.prompt_field) && doc[cfg_.prompt_field].is_array();
+  if (!conversation) {  // strings: prompt + completion + EOS, tokenised with the special tokens
+    special = true;
+    auto prompt = template_.empty() ? string_field(doc, cfg_.prompt_field) : fill_template(doc);
+    if (auto* r = std::get_if<Rejection>(&prompt)) return *r;
+    const std::string eos = eos_ ? tok_.id_to_token(*eos_).value_or("") : "";
+    std::array<std::string, 3> out{std::get<std::string>(prompt), "", ""};
+    for (int k = 1; k < 3; ++k) {
+      auto c = string_field(doc, k == 1 ? cfg_.chosen_field : cfg_.rejected_field);
+      if (auto* r = std::get_if<Rejection>(&c)) return *r;
+      std::string& text = std::get<std::string>(c);
+      if (!text.ends_with(eos)) text += eos;
+      out[static_cast<size_t>(k)] = out[0] + text;
+    }
+    return out;
+  }
+  nlohmann::ordered_json parts[3];
+  for (int k = 0; k < 3; ++k) {
+    auto m = messages_of(doc, k == 0 ? cfg_.prompt_field : k == 1 ? cfg_.chosen_field : cfg_.rejected_field);
+    if (auto* r = std::get_if<Rejection>(&m)) return *r;
+    parts[k] = std::move(std::get<nlohmann::ordered_json>(m));
+  }
+  std::array<std::string, 3> out;
+  if (cfg_.chat_format != recipe::ChatFormat::Template) {  // the built-in formats' turns, BOS first
+    special = true;
+    const auto render = [&](const nlohmann::ordered_json& messages) {
+      std::string text;
+      for (const auto& m : messages) {
+        const Turn t = chat_turn(cfg_.chat_format, m["role"].get<std::string>());
+        text += t.before + m["content"].get<std::string>() + t.after;
+      }
+      return text;
+    };
+    out[0] = render(parts[0]) + chat_turn(cfg_.chat_format, "assistant").before;
+    out[1] = render(parts[0]) + render(parts[1]);
+    out[2] = render(parts[0]) + render(parts[2]);
+    return out;
+  }
+  special = false;  // (apply_chat_template tokenises without adding special tokens)
+  nlohmann::ordered_json context = chat_context_;
+  if (auto it = doc.find("tools"); it != doc.end() && !it->is_null()) context["tools"] = *it;
+  Renderer render{*compiled_template_, context};
+  for (int k = 0; k < 3; ++k) {
+    nlohmann::ordered_json messages = parts[0];
+    if (k > 0) messages.insert(messages.end(), parts[k].begin(), parts[k].end());
+    const auto r = render(messages, k == 0);
+    if (const auto* e = std::get_if<std::string>(&r))
+      return bad(fmt::format("the chat template ({}) failed: {}", chat_template_source_, *e));
+    out[static_cast<size_t>(k)] = std::get<chat::Rendered>(r).text;
+  }
+  return out;
+}
+
+std::variant<Example, Rejection> ExampleBuilder::preference(const Document& doc) const {
+  bool special = true;
+  auto texts = preference_texts(doc, special);
+  if (auto* r = std::get_if<Rejection>(&texts)) return *r;
+  const auto& t = std::get<std::array<std::string, 3>>(texts);
+  if (t[1] == t[2]) return bad("the chosen and the rejected completion are the same");
+  for (const std::string& text : t)
+    if (!valid_utf8(text)) return bad("a rendered text is not valid UTF-8");
+  std::vector<int32_t> ids[3];
+  try {
+    for (int k = 0; k < 3; ++k) ids[k] = tok_.encode(t[static_cast<size_t>(k)], special);
+  } catch (const Error& err) {
+    return bad(err.what());
+  }
+  const size_t prompt = std::min(common_prefix(ids[0], ids[1]), common_prefix(ids[0], ids[2]));
+  const auto max = static_cast<size_t>(cfg_.max_length);
+  const size_t longest = std::max(ids[1].size(), ids[2].size());
+  if (prompt >= max || (longest > max && cfg_.overlong == recipe::Overlong::Skip))
+    return Rejection{Rejection::Overlong,
+                     prompt >= max ? fmt::format("its prompt alone is {} tokens, data.max_length is {}", prompt, max)
+                                   : fmt::format("{} tokens, data.max_length is {}", longest, max)};
+  Example e;
+  for (int k = 1; k < 3; ++k) {
+    std::vector<int32_t>& seq = ids[k];
+    if (seq.size() == prompt) return bad("a completion has no token");
+    e.truncated |= seq.size() > max;
+    if (seq.size() > max) seq.resize(max);
+    std::vector<int32_t> labels = seq;
+    std::fill(labels.begin(), labels.begin() + static_cast<std::ptrdiff_t>(prompt), kIgnoreIndex);
+    (k == 1 ? e.ids : e.rejected_ids) = std::move(seq);
+    (k == 1 ? e.labels : e.rejected_labels) = std::move(labels);
+  }
+  return e;
 }
 
 }  // namespace lorarun::data

@@ -1,6 +1,7 @@
 // One training example from one document: rendered by the recipe's format, tokenized, with
 // labels that train only the response (and EOS).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -22,6 +23,10 @@ struct Example {
   std::vector<int32_t> ids;
   std::vector<int32_t> labels;  // the id where trained, kIgnoreIndex where not
   bool truncated = false;
+  // data.format: preference: ids/labels are prompt + chosen completion (the completion labelled),
+  // these prompt + rejected; empty otherwise.
+  std::vector<int32_t> rejected_ids, rejected_labels;
+  bool pair() const { return !rejected_ids.empty(); }
 };
 
 // A document that yields no example, and why (data.bad_documents / data.overlong decide).
@@ -49,6 +54,17 @@ class ExampleBuilder {
   std::variant<Example, Rejection> instruction(const Document& doc) const;
   std::variant<Example, Rejection> text(const Document& doc) const;
   std::variant<Example, Rejection> chat(const Document& doc) const;
+  // format: preference, as TRL 1.16's DPOTrainer tokenises a pair: prompt, prompt + chosen and
+  // prompt + rejected each tokenised whole (strings: each completion ends with EOS; messages:
+  // rendered by data.chat_format, the prompt with the generation prompt); the completions start
+  // where the prompt's ids and both sequences' part. Truncation: data.overlong truncate keeps the
+  // start of each sequence (a pair whose prompt alone fills data.max_length is rejected as
+  // overlong); skip rejects a pair with a sequence past it.
+  std::variant<Example, Rejection> preference(const Document& doc) const;
+  // The texts of prompt, prompt + chosen, prompt + rejected, and whether to add special tokens.
+  std::variant<std::array<std::string, 3>, Rejection> preference_texts(const Document& doc, bool& special) const;
+  // data.prompt_template with the document's fields, or why it cannot be filled.
+  std::variant<std::string, Rejection> fill_template(const Document& doc) const;
   // chat_format: template: the model's Jinja chat template, as apply_chat_template renders and
   // tokenizes it. Trained: the {% generation %} spans when the template marks them; otherwise,
   // per assistant message i, from the end of render(messages[:i], add_generation_prompt) through

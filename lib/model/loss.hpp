@@ -32,6 +32,12 @@ LossSum lm_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head, const 
                      const at::Tensor& targets, std::optional<double> softcap = std::nullopt,
                      int64_t chunk_bytes = kLossChunkBytes);
 
+// The same computation, each row's loss kept: [N] float32, -log p(targets[i]) (with gradient
+// for `hidden`'s rows); what a preference loss sums per sequence.
+at::Tensor lm_head_token_losses(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,
+                                const at::Tensor& targets, std::optional<double> softcap = std::nullopt,
+                                int64_t chunk_bytes = kLossChunkBytes);
+
 // Per-sequence mean loss [B] (float32), for evaluation.
 at::Tensor per_sequence_loss(const at::Tensor& logits, const at::Tensor& labels);
 

@@ -24,7 +24,7 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   at::Tensor y = sharded ? sharded_linear(x, *sharded, bias)
                  : nf4   ? nf4_linear(x, *nf4, bias)
                          : at::linear(x, weight, bias);
-  if (!adapted()) return y;
+  if (!adapted() || adapter_off) return y;
   // As PEFT: the adapter path runs in the adapters' dtype (fp32 master weights under a bf16 or
   // fp16 base); the sum is cast back to the base output's dtype.
   at::Tensor xd = training && dropout > 0 ? at::dropout(x, dropout, true) : x;

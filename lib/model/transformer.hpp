@@ -40,6 +40,7 @@ struct Linear {
   at::Tensor lora_b;                     // [out, r]
   double scaling = 0.0;
   double dropout = 0.0;
+  bool adapter_off = false;  // the adapter skipped: the base layer alone (a preference loss's reference)
 
   at::Tensor forward(const at::Tensor& x, bool training) const;
   bool adapted() const { return lora_a.defined(); }

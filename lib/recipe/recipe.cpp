@@ -114,7 +114,10 @@ struct Field {
 template <class E>
 std::string choices() {
   std::string out;
-  for (const auto& [text, v] : EnumNames<E>::values) out += (out.empty() ? "" : "|") + std::string(text);
+  for (const auto& [text, v] : EnumNames<E>::values) {
+    if (!out.empty()) out += '|';
+    out += text;
+  }
   return out;
 }
 

@@ -24,7 +24,7 @@ namespace lorarun::recipe {
 enum class Dtype { BF16, FP16, FP32 };
 enum class Device { Auto, Cuda, Cpu };
 enum class Source { MongoDB, Jsonl };
-enum class Format { Instruction, Text, Chat };
+enum class Format { Instruction, Text, Chat, Preference };
 enum class ChatFormat { ChatML, Llama3, Mistral, Template };
 enum class Overlong { Truncate, Skip };
 enum class BadDocuments { Skip, Fail };
@@ -33,6 +33,8 @@ enum class Scheduler { Cosine, Linear, Constant };
 enum class Resume { Auto, Never };
 enum class DistBackend { Auto, Nccl, Gloo };
 enum class Store { None, MongoDB };
+enum class Objective { Sft, Dpo };
+enum class PreferenceLoss { Sigmoid, Ipo, Hinge };
 
 // The YAML spelling of each enum value; the first entry is the key's default.
 template <class E>
@@ -54,8 +56,10 @@ struct EnumNames<Source> {
 };
 template <>
 struct EnumNames<Format> {
-  static constexpr std::array<std::pair<std::string_view, Format>, 3> values{
-      {{"instruction", Format::Instruction}, {"text", Format::Text}, {"chat", Format::Chat}}};
+  static constexpr std::array<std::pair<std::string_view, Format>, 4> values{{{"instruction", Format::Instruction},
+                                                                              {"text", Format::Text},
+                                                                              {"chat", Format::Chat},
+                                                                              {"preference", Format::Preference}}};
 };
 template <>
 struct EnumNames<ChatFormat> {
@@ -98,6 +102,17 @@ template <>
 struct EnumNames<Store> {
   static constexpr std::array<std::pair<std::string_view, Store>, 2> values{
       {{"none", Store::None}, {"mongodb", Store::MongoDB}}};
+};
+
+template <>
+struct EnumNames<Objective> {
+  static constexpr std::array<std::pair<std::string_view, Objective>, 2> values{
+      {{"sft", Objective::Sft}, {"dpo", Objective::Dpo}}};
+};
+template <>
+struct EnumNames<PreferenceLoss> {
+  static constexpr std::array<std::pair<std::string_view, PreferenceLoss>, 3> values{
+      {{"sigmoid", PreferenceLoss::Sigmoid}, {"ipo", PreferenceLoss::Ipo}, {"hinge", PreferenceLoss::Hinge}}};
 };
 
 // "bf16" for Dtype::BF16, and so on.
@@ -147,6 +162,9 @@ struct DataSection {
   std::string response_field = "output";
   std::string text_field = "text";
   std::string messages_field = "messages";
+  std::string prompt_field = "prompt";  // format: preference
+  std::string chosen_field = "chosen";
+  std::string rejected_field = "rejected";
   ChatFormat chat_format = ChatFormat::ChatML;
   std::string chat_template;  // a .jinja file; empty: the model's own template
   nlohmann::json chat_template_kwargs = nlohmann::json::object();
@@ -184,6 +202,7 @@ struct TrainSection {
   bool activation_checkpointing = false;
   std::optional<int> early_stopping_patience;  // evaluations without improvement; null: never
   double early_stopping_min_delta = 0.0;       // an improvement lowers the best eval loss by more
+  Objective objective = Objective::Sft;
   bool operator==(const TrainSection&) const = default;
 };
 
@@ -193,6 +212,15 @@ struct EpochsToSave {
   Mode mode = Mode::All;
   std::vector<int> epochs;  // Mode::List: as written (validated: distinct, in [0, train.epochs))
   bool operator==(const EpochsToSave&) const = default;
+};
+
+// train.objective: dpo: the preference loss, TRL's DPOTrainer's formulas.
+struct PreferenceSection {
+  double beta = 0.1;
+  PreferenceLoss loss_type = PreferenceLoss::Sigmoid;
+  double label_smoothing = 0.0;     // sigmoid: conservative DPO
+  std::optional<double> rpo_alpha;  // the chosen answers' NLL, this much of it, added (RPO); null: off
+  bool operator==(const PreferenceSection&) const = default;
 };
 
 struct CheckpointSection {
@@ -250,6 +278,7 @@ struct Recipe {
   LoraSection lora;
   DataSection data;
   TrainSection train;
+  PreferenceSection preference;
   CheckpointSection checkpoint;
   DistSection dist;
   TrackSection track;
@@ -258,8 +287,8 @@ struct Recipe {
 
   // Same settings (warnings, which name where a recipe came from, are not compared).
   bool operator==(const Recipe& o) const {
-    return model == o.model && lora == o.lora && data == o.data && train == o.train && checkpoint == o.checkpoint &&
-           dist == o.dist && track == o.track && eval == o.eval;
+    return model == o.model && lora == o.lora && data == o.data && train == o.train && preference == o.preference &&
+           checkpoint == o.checkpoint && dist == o.dist && track == o.track && eval == o.eval;
   }
 };
 

@@ -13,7 +13,7 @@
 
 namespace lorarun::recipe::detail {
 
-inline constexpr std::array<std::string_view, 8> kSections{"model",      "lora", "data",  "train",
+inline constexpr std::array<std::string_view, 9> kSections{"model",      "lora", "data",  "train", "preference",
                                                            "checkpoint", "dist", "track", "eval"};
 
 // How far a number may go. Messages and docs/recipe.md word it the same way (bound_text):
@@ -135,6 +135,19 @@ void for_each_key(R& r, V&& v) {
         .example = "messages",
         .meaning = "format: chat: the document field holding the list of `{role, content}` messages"},
     r.data.messages_field);
+  v(Key{.name = "data.prompt_field",
+        .example = "prompt",
+        .meaning = "format: preference: the field holding the prompt, a string or a list of `{role, content}` "
+                   "messages"},
+    r.data.prompt_field);
+  v(Key{.name = "data.chosen_field",
+        .example = "chosen",
+        .meaning = "format: preference: the preferred completion, a string or a list of messages (as the prompt)"},
+    r.data.chosen_field);
+  v(Key{.name = "data.rejected_field",
+        .example = "rejected",
+        .meaning = "format: preference: the rejected completion, a string or a list of messages (as the prompt)"},
+    r.data.rejected_field);
   v(Key{.name = "data.chat_format",
         .meaning =
             "format: chat: the template the messages are rendered in; `template`: the model's own chat template"},
@@ -247,6 +260,28 @@ void for_each_key(R& r, V&& v) {
         .bound = at_least(0),
         .meaning = "an evaluation improves when it lowers the best eval loss so far by more than this"},
     r.train.early_stopping_min_delta);
+  v(Key{.name = "train.objective",
+        .meaning = "sft: the trained tokens' loss; dpo: a preference loss over chosen/rejected pairs (data.format: "
+                   "preference, the preference: keys)"},
+    r.train.objective);
+
+  v(Key{.name = "preference.beta",
+        .bound = above(0),
+        .meaning = "DPO's beta: how far from the reference the policy may move (rewards are beta × log-ratio)"},
+    r.preference.beta);
+  v(Key{.name = "preference.loss_type",
+        .meaning = "TRL's DPO losses: sigmoid (DPO), ipo (IPO, per-token log-ratios), hinge (SLiC)"},
+    r.preference.loss_type);
+  v(Key{.name = "preference.label_smoothing",
+        .bound = within(0, 0.5, true),
+        .meaning = "loss_type: sigmoid: the assumed share of flipped labels (conservative DPO); 0: plain DPO"},
+    r.preference.label_smoothing);
+  v(Key{.name = "preference.rpo_alpha",
+        .bound = above(0),
+        .example = "1.0",
+        .null_means = "off",
+        .meaning = "RPO: add this weight times the NLL of the chosen completions (mean over their tokens)"},
+    r.preference.rpo_alpha);
 
   v(Key{.name = "checkpoint.output_dir",
         .example = "runs/my-run",

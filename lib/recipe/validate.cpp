@@ -132,6 +132,50 @@ constexpr Rule kRules[] = {
        if (r.data.format == Format::Chat)
          require(o, "data.messages_field", r.data.messages_field, "for data.format: chat");
      }},
+    {"data.chosen_field",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (r.data.format != Format::Preference) return;
+       for (const auto& [key, value] : {std::pair{"data.prompt_field", &r.data.prompt_field},
+                                        {"data.chosen_field", &r.data.chosen_field},
+                                        {"data.rejected_field", &r.data.rejected_field}})
+         require(o, key, *value, "for data.format: preference");
+       if (r.data.chosen_field == r.data.rejected_field)
+         fail(o, "data.chosen_field",
+              fmt::format("and data.rejected_field are both '{}': name the two completions' fields",
+                          r.data.chosen_field));
+     }},
+    // A preference objective trains on pairs; the supervised one on single documents.
+    {"train.objective",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       const bool pairs = r.data.format == Format::Preference;
+       if (r.train.objective == Objective::Sft && pairs)
+         fail(o, "train.objective",
+              "is sft, but data.format: preference gives pairs of completions: set train.objective: dpo, or a "
+              "data.format of single documents");
+       if (r.train.objective == Objective::Sft && r.preference != PreferenceSection{})
+         fail(o, "train.objective",
+              "is sft, but preference: keys are set; they apply to train.objective: dpo only: remove them or set "
+              "train.objective: dpo");
+       if (r.train.objective == Objective::Sft) return;
+       if (!pairs)
+         fail(o, "train.objective",
+              fmt::format("{} trains on pairs of a chosen and a rejected completion, but data.format is {}: set "
+                          "data.format: preference (with data.prompt_field, chosen_field, rejected_field)",
+                          name(r.train.objective), name(r.data.format)));
+       if (r.data.packing)
+         fail(o, "train.objective",
+              fmt::format("{} does not pack pairs: set data.packing: false", name(r.train.objective)));
+       if (r.data.train_on_input)
+         fail(o, "train.objective",
+              fmt::format("{} scores the completions only: set data.train_on_input: false", name(r.train.objective)));
+     }},
+    {"preference.label_smoothing",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (r.preference.label_smoothing > 0 && r.preference.loss_type != PreferenceLoss::Sigmoid)
+         fail(o, "preference.label_smoothing",
+              fmt::format("applies to preference.loss_type: sigmoid only (conservative DPO), not {}: set it to 0",
+                          name(r.preference.loss_type)));
+     }},
     // The checkpoint policy: listed epochs exist (0-based, below train.epochs), once each.
     {"checkpoint.epochs_to_save",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {

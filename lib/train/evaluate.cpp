@@ -14,6 +14,7 @@
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
 #include "train/agreement.hpp"
+#include "train/preference.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::train {
@@ -47,11 +48,12 @@ void require_scored_token(const data::Documents& docs, const data::ExampleBuilde
 
 EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data::ExampleBuilder& builder,
                     const recipe::Recipe& r, int rank, int world, const c10::Device& device, const PerDocument& per_doc,
-                    const StopCheck& stop) {
+                    const StopCheck& stop, const PreferenceObjective* pref) {
   const int64_t n = docs.size();
   const int64_t per_batch = per_doc ? 1 : r.eval.batch_size.value_or(r.data.batch_size);
   const std::vector<std::string> fields = builder.fields();
   EvalSums sums;
+  if (pref) sums.pref.assign(kPrefStats, 0.0);
   c10::NoGradGuard no_grad;
   const bool was_training = m.training;
   m.training = false;
@@ -84,6 +86,18 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
       }
     }
     sums.documents += static_cast<int64_t>(batch.size());
+    if (pref) {
+      const PairBatch pb = collate_pairs(batch, device);
+      if (pb.pairs == 0) {
+        if (join) m.idle_pass(false, false);  // (the reference's pass and the policy's, each a gather)
+        if (join) m.idle_pass(false, false);
+        continue;
+      }
+      const at::Tensor s = pref->forward(pb, 1, 1).stats.cpu();
+      for (int64_t k = 0; k < kPrefStats; ++k) sums.pref[static_cast<size_t>(k)] += s[k].item<double>();
+      sums.tokens += pb.rows.tokens;
+      continue;
+    }
     const data::Batch b = data::collate(batch, r.data.packing, static_cast<size_t>(r.data.max_length), device);
     if (b.tokens == 0) {
       if (join) m.idle_pass(false, r.data.packing);
@@ -102,13 +116,15 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
 
 std::optional<nlohmann::json> evaluate_split(model::CausalLM& m, const data::EvalSplit& split,
                                              const data::ExampleBuilder& builder, const recipe::Recipe& r,
-                                             const Agreement& agree, int epoch, int64_t step, const StopCheck& stop) {
+                                             const Agreement& agree, int epoch, int64_t step, const StopCheck& stop,
+                                             const PreferenceObjective* pref) {
   const auto t0 = std::chrono::steady_clock::now();
-  const EvalSums mine = eval_shard(m, split.docs(), builder, r, agree.rank(), agree.world(), agree.device(), {}, stop);
+  const EvalSums mine =
+      eval_shard(m, split.docs(), builder, r, agree.rank(), agree.world(), agree.device(), {}, stop, pref);
   if (mine.stopped) return std::nullopt;
-  at::Tensor sums =
-      at::tensor({mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)}, at::kDouble)
-          .to(agree.device());
+  std::vector<double> mine_all = {mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)};
+  mine_all.insert(mine_all.end(), mine.pref.begin(), mine.pref.end());
+  at::Tensor sums = at::tensor(mine_all, at::kDouble).to(agree.device());
   agree.sum(sums);
   sums = sums.cpu();
   const double* t = sums.data_ptr<double>();
@@ -119,15 +135,17 @@ std::optional<nlohmann::json> evaluate_split(model::CausalLM& m, const data::Eva
         fmt::format("the evaluation documents ({}) hold no trained token: {} of {} were rejected (bad, or longer "
                     "than data.max_length with data.overlong=skip); fix the eval: selection",
                     split.describe(), rejected, split.docs().size()));
-  const double mean = t[0] / t[1];
-  return nlohmann::json{{"epoch", epoch},
-                        {"step", step},
-                        {"eval_loss", mean},
-                        {"eval_ppl", std::exp(mean)},
-                        {"eval_tokens", tokens},
-                        {"eval_documents", documents},
-                        {"eval_rejected", rejected},
-                        {"eval_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}};
+  const double mean = pref ? pref->loss_of(t + 4) : t[0] / t[1];
+  nlohmann::json row{{"epoch", epoch},
+                     {"step", step},
+                     {"eval_loss", mean},
+                     {"eval_ppl", std::exp(mean)},
+                     {"eval_tokens", tokens},
+                     {"eval_documents", documents},
+                     {"eval_rejected", rejected},
+                     {"eval_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}};
+  if (pref) row.update(pref->figures(t + 4, "eval_"));
+  return row;
 }
 
 }  // namespace lorarun::train

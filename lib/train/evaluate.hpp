@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "recipe/recipe.hpp"
 
@@ -26,6 +27,7 @@ class ExampleBuilder;
 namespace lorarun::train {
 
 class Agreement;
+class PreferenceObjective;
 
 // Throws ConfigError, naming `what` (the eval selection) and how many documents were rejected, when
 // no document of `docs` built by `builder` has a token to score: an evaluation that could only
@@ -34,11 +36,12 @@ void require_scored_token(const data::Documents& docs, const data::ExampleBuilde
 
 // One rank's sums (float64), to be added across ranks.
 struct EvalSums {
-  double loss = 0;        // summed token losses
-  int64_t tokens = 0;     // trained (scored) tokens
-  int64_t documents = 0;  // documents built into examples
-  int64_t rejected = 0;   // documents the builder rejected (bad, overlong with overlong=skip)
-  bool stopped = false;   // `stop` said so before the last batch: the sums are partial, to be dropped
+  double loss = 0;                // summed token losses
+  int64_t tokens = 0;             // trained (scored) tokens
+  int64_t documents = 0;          // documents built into examples
+  int64_t rejected = 0;           // documents the builder rejected (bad, overlong with overlong=skip)
+  bool stopped = false;           // `stop` said so before the last batch: the sums are partial, to be dropped
+  std::vector<double> pref = {};  // with a preference objective: its kPrefStats sums
 };
 
 // Asked before each batch: whether any rank was asked to stop. A collective when the ranks must
@@ -52,17 +55,22 @@ using PerDocument = std::function<void(const std::string& id, int64_t tokens, do
 // of eval.batch_size (default data.batch_size) documents, collated as training collates
 // (data.packing, data.max_length). With `per_doc`, one document per forward pass, each reported.
 // With `stop`, every rank runs as many passes as rank 0 and asks it before each; when it says
-// stop, the evaluation ends there (EvalSums::stopped). Leaves m.training as it found it.
+// stop, the evaluation ends there (EvalSums::stopped). With `pref`, the documents are pairs and
+// its sums are EvalSums::pref (`loss` and `tokens` stay the chosen and rejected tokens' NLL).
+// Leaves m.training as it found it.
 EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data::ExampleBuilder& builder,
                     const recipe::Recipe& r, int rank, int world, const c10::Device& device,
-                    const PerDocument& per_doc = {}, const StopCheck& stop = {});
+                    const PerDocument& per_doc = {}, const StopCheck& stop = {},
+                    const PreferenceObjective* pref = nullptr);
 
 // One evaluation of `split` during training: every rank's share (eval_shard), the sums added over
 // the ranks, as the row metrics.jsonl gets — {epoch, step, eval_loss, eval_ppl, eval_tokens,
 // eval_documents, eval_rejected, eval_seconds}, the same on every rank; nullopt when `stop` said
-// so. Throws lorarun::Error when the split held no token to score.
+// so. With `pref`, eval_loss is the preference loss and its figures follow ("eval_rewards/chosen",
+// …). Throws lorarun::Error when the split held no token to score.
 std::optional<nlohmann::json> evaluate_split(model::CausalLM& m, const data::EvalSplit& split,
                                              const data::ExampleBuilder& builder, const recipe::Recipe& r,
-                                             const Agreement& agree, int epoch, int64_t step, const StopCheck& stop);
+                                             const Agreement& agree, int epoch, int64_t step, const StopCheck& stop,
+                                             const PreferenceObjective* pref = nullptr);
 
 }  // namespace lorarun::train

@@ -22,6 +22,7 @@
 #include "train/checkpointer.hpp"
 #include "train/evaluate.hpp"
 #include "train/output_dir.hpp"
+#include "train/preference.hpp"
 #include "train/runtime.hpp"
 #include "train/schedule.hpp"
 #include "train/stop.hpp"
@@ -61,6 +62,7 @@ struct StepResult {
   bool stop = false;         // some rank was asked to stop
   bool data_failed = false;  // some rank lost its data source: nothing of this step was applied
   bool taken_over = false;   // another process holds the run record's lease now: stop, writing nothing
+  nlohmann::json figures = nlohmann::json::object();  // the objective's own (train.objective: dpo)
 };
 
 // What this rank's micro-batches of one step added up to, before the ranks compare.
@@ -69,6 +71,8 @@ struct LocalSums {
   int64_t tokens = 0;  // trained tokens
   int64_t real = 0;    // document tokens
   int64_t slots = 0;   // row slots (padding included)
+  at::Tensor pref;     // train.objective: dpo: float64 [kPrefStats]; `loss` and the gradients are then
+                       // already divided by the step's pairs (see forward_backward_pairs)
 };
 
 class Trainer {
@@ -83,6 +87,7 @@ class Trainer {
   std::optional<data::MicroBatches> open_epoch(int epoch, int64_t first);
   StepResult step(data::MicroBatches* batches);
   LocalSums forward_backward(data::MicroBatches* batches);
+  LocalSums forward_backward_pairs(data::MicroBatches* batches);
   StepResult reduce(const LocalSums& sums, double data_wait, const std::vector<at::Tensor>& grads, at::Tensor& norm);
   std::vector<data::Example> examples(data::MicroBatches* batches);
   void lose_data(const std::string& why);
@@ -102,6 +107,7 @@ class Trainer {
   model::CausalLM& m_;  // rt_'s
   const Agreement agree_;
   std::vector<at::Tensor> params_;
+  std::optional<PreferenceObjective> pref_;  // train.objective: dpo
   torch::optim::AdamW opt_;
   dist::GradBuckets sync_;
   Checkpointer ckpt_;
@@ -134,6 +140,9 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       m_(rt_.model),
       agree_(pg_, env.rank, env.world_size, rt_.device),
       params_(model::lora_parameters(m_)),
+      pref_(r.train.objective == recipe::Objective::Dpo
+                ? std::optional<PreferenceObjective>(std::in_place, r, m_, params_)
+                : std::nullopt),
       opt_(params_, torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay)),
       sync_(pg_, params_, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4)),
       ckpt_(r, agree_, m_, model::lora_config_of(r.lora, r.model.path), params_, opt_, rt_.docs->identity(), cuda_),
@@ -264,7 +273,7 @@ StepResult Trainer::step(data::MicroBatches* batches) {
   const double wait0 = waited();
   rejected_here_ = 0;
   rng_at_step_start_ = rng_state(cuda_);  // a step given up for lost data must not move the streams
-  const LocalSums sums = forward_backward(batches);
+  const LocalSums sums = pref_ ? forward_backward_pairs(batches) : forward_backward(batches);
   const double busy = std::chrono::duration<double>(Clock::now() - t0).count();
   sync_.finish();
   std::vector<at::Tensor> grads;
@@ -320,8 +329,47 @@ LocalSums Trainer::forward_backward(data::MicroBatches* batches) {
   return sums;
 }
 
-// The step's figures summed over ranks (StepSums); the gradients divided by the global token
-// count, and their norm.
+// A step of pairs: its micro-batches read first, so that each one's loss can be divided by the
+// pairs (and chosen tokens) of the whole step, every rank's: the loss is a mean over the global
+// batch's pairs, whatever the ranks and accumulation. The gradients accumulate in .grad.
+LocalSums Trainer::forward_backward_pairs(data::MicroBatches* batches) {
+  LocalSums sums;
+  sums.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(rt_.device));
+  sums.pref = at::zeros({kPrefStats}, at::TensorOptions().dtype(at::kDouble).device(rt_.device));
+  std::vector<PairBatch> micro;
+  double mine[2] = {0, 0};
+  for (int a = 0; a < r_.train.gradient_accumulation_steps; ++a) {
+    micro.push_back(collate_pairs(examples(batches), rt_.device));
+    mine[0] += static_cast<double>(micro.back().pairs);
+    mine[1] += static_cast<double>(micro.back().chosen_tokens);
+  }
+  at::Tensor total = at::tensor({mine[0], mine[1]}, at::kDouble).to(rt_.device);
+  agree_.sum(total);
+  total = total.cpu();
+  const double pairs = std::max(total[0].item<double>(), 1.0), chosen = total[1].item<double>();
+  for (size_t a = 0; a < micro.size(); ++a) {
+    if (a + 1 == micro.size()) sync_.arm();
+    const PairBatch& b = micro[a];
+    sums.real += b.rows.real;
+    sums.slots += b.rows.slots;
+    if (b.pairs == 0) {  // the others' reference and policy passes, joined
+      if (m_.base_sharded() && env_.world_size > 1) {
+        m_.idle_pass(false, false);
+        m_.idle_pass(true, false);
+      }
+      continue;
+    }
+    const PreferenceObjective::Result res = pref_->forward(b, pairs, chosen);
+    res.loss.backward();
+    sums.loss += res.loss.detach();
+    sums.pref += res.stats;
+    sums.tokens += b.rows.tokens;
+  }
+  return sums;
+}
+
+// The step's figures summed over ranks (StepSums, then the objective's); the gradients divided by
+// the global token count (unless the objective did), and their norm.
 StepResult Trainer::reduce(const LocalSums& local, double data_wait, const std::vector<at::Tensor>& grads,
                            at::Tensor& norm) {
   StepSums mine{.loss = 0,  // (the device's loss is added on the device: no sync before the all-reduce)
@@ -335,24 +383,27 @@ StepResult Trainer::reduce(const LocalSums& local, double data_wait, const std::
                 .taken_over = sinks_ && sinks_->lost_lease() ? 1.0 : 0.0};
   at::Tensor stats = at::from_blob(&mine, {kStepSums}, at::kDouble).to(rt_.device, /*non_blocking=*/false);
   stats[0].add_(local.loss);
+  const bool normalised = local.pref.defined();
+  if (normalised) stats = at::cat({stats, local.pref});
   agree_.sum(stats);
-  if (!grads.empty()) at::_foreach_div_(grads, stats[1].clamp_min(1.0));
+  if (!grads.empty() && !normalised) at::_foreach_div_(grads, stats[1].clamp_min(1.0));
   norm = grads.empty() ? at::zeros({}, stats.options())
                        : at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2);
   const at::Tensor done = at::cat({stats, norm.to(at::kDouble).view({1})}).cpu();
   StepSums all{};
   std::memcpy(&all, done.data_ptr<double>(), sizeof all);
   StepResult res;
+  if (normalised) res.figures = pref_->figures(done.data_ptr<double>() + kStepSums);
   res.tokens = all.tokens;
   res.rank_tokens = double(local.tokens);
   res.stop = all.stop > 0;
   res.data_wait = all.data_wait / env_.world_size;
-  res.loss = all.loss / std::max(res.tokens, 1.0);  // 0 without tokens, unless non-finite
+  res.loss = normalised ? all.loss : all.loss / std::max(res.tokens, 1.0);  // 0 without tokens, unless non-finite
   res.padding = all.slots > 0 ? 1.0 - all.real / all.slots : 0.0;
   res.rejected = all.rejected;
   res.data_failed = all.data_failed > 0;
   res.taken_over = all.taken_over > 0;
-  res.grad_norm = done.data_ptr<double>()[kStepSums];
+  res.grad_norm = done.data_ptr<double>()[done.numel() - 1];
   rejected_total_ += res.rejected;
   res.lr = r_.train.lr * lr_factor(schedule_, step_, r_.train.warmup_steps, total_steps_);
   return res;
@@ -426,6 +477,7 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
                         {"peak_rss_mb", peak_resident_mib()},
                         {"rss_mb", resident_mib()},
                         {"seconds", s.seconds}};
+  row.update(s.figures);
   if (rt_.shards)  // slices + whole blocks now
     row["base_mb"] = static_cast<double>(m_.base_bytes() + rt_.shards->buffer_bytes()) / (1 << 20);
   sinks_->step(row);
@@ -439,8 +491,9 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
 // before each: the partial evaluation is dropped (nothing logged or steered) and false returned;
 // the state then saved says the evaluation is due, and a resumed run does it first.
 bool Trainer::evaluate(int epoch) {
-  std::optional<nlohmann::json> row = evaluate_split(m_, *rt_.eval, *rt_.builder, r_, agree_, epoch, step_,
-                                                     [this] { return agree_.any(stop_requested()); });
+  std::optional<nlohmann::json> row = evaluate_split(
+      m_, *rt_.eval, *rt_.builder, r_, agree_, epoch, step_, [this] { return agree_.any(stop_requested()); },
+      pref_ ? &*pref_ : nullptr);
   if (!row) {
     if (lead_)
       info(fmt::format("evaluation at step {} stopped on request: it is done again when the run resumes", step_));

@@ -155,6 +155,9 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "data.response_field",
                                 "data.text_field",
                                 "data.messages_field",
+                                "data.prompt_field",
+                                "data.chosen_field",
+                                "data.rejected_field",
                                 "data.chat_format",
                                 "data.chat_template",
                                 "data.chat_template_kwargs",
@@ -185,6 +188,11 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "train.activation_checkpointing",
                                 "train.early_stopping_patience",
                                 "train.early_stopping_min_delta",
+                                "train.objective",
+                                "preference.beta",
+                                "preference.loss_type",
+                                "preference.label_smoothing",
+                                "preference.rpo_alpha",
                                 "checkpoint.output_dir",
                                 "checkpoint.epochs_to_save",
                                 "checkpoint.save_last_epoch_only",
@@ -413,7 +421,8 @@ TEST_CASE("unknown sections name the closest section, or the key they hold") {
   CHECK(error_of(kBase + "learning_rate: 1e-4\n") ==
         "recipe.yaml: unknown key 'learning_rate'; did you mean 'train.lr'?");
   CHECK(error_of(kBase + "zzz: 1\n") ==
-        "recipe.yaml: unknown section 'zzz'; the sections are model, lora, data, train, checkpoint, dist, track, "
+        "recipe.yaml: unknown section 'zzz'; the sections are model, lora, data, train, preference, checkpoint, dist, "
+        "track, "
         "eval");
 }
 
@@ -464,7 +473,7 @@ TEST_CASE("enum keys list their values") {
       {"model.dtype=float32", "model.dtype must be one of bf16|fp16|fp32, got 'float32'"},
       {"model.device=gpu", "model.device must be one of auto|cuda|cpu, got 'gpu'"},
       {"data.source=postgres", "data.source must be one of mongodb|jsonl, got 'postgres'"},
-      {"data.format=alpaca", "data.format must be one of instruction|text|chat, got 'alpaca'"},
+      {"data.format=alpaca", "data.format must be one of instruction|text|chat|preference, got 'alpaca'"},
       {"data.chat_format=vicuna", "data.chat_format must be one of chatml|llama3|mistral|template, got 'vicuna'"},
       {"data.overlong=wrap", "data.overlong must be one of truncate|skip, got 'wrap'"},
       {"data.bad_documents=ignore", "data.bad_documents must be one of skip|fail, got 'ignore'"},
@@ -863,4 +872,29 @@ TEST_CASE("checkpoint.store: mongodb needs track.mongodb and a MongoDB URI") {
         "recipe.yaml (override 'checkpoint.store=mongodb'): checkpoint.store is mongodb but no MongoDB URI is set: set "
         "data.uri or LORARUN_MONGODB_URI (and track.database or data.database), or checkpoint.store: none");
   CHECK_THAT(override_error({"checkpoint.store=gridfs"}), Catch::Contains("none") && Catch::Contains("mongodb"));
+}
+
+TEST_CASE("train.objective: dpo needs pairs, and the preference: keys belong to it") {
+  const std::string pairs = "model: {path: /m}\ndata: {database: d, collection: c, format: preference}\n";
+  const Recipe r = load(pairs, {"train.objective=dpo", "preference.loss_type=hinge", "preference.rpo_alpha=0.5"});
+  CHECK(r.train.objective == Objective::Dpo);
+  CHECK(r.preference.loss_type == PreferenceLoss::Hinge);
+  CHECK(r.preference.rpo_alpha == 0.5);
+  CHECK(r.preference.beta == 0.1);
+  CHECK(r.data.chosen_field == "chosen");
+  CHECK(load(kBase).train.objective == Objective::Sft);
+  CHECK_THAT(error_of(pairs), Catch::Contains("train.objective is sft, but data.format: preference"));
+  CHECK_THAT(override_error({"train.objective=dpo"}),
+             Catch::Contains("train.objective dpo trains on pairs of a chosen and a rejected completion, but "
+                             "data.format is instruction"));
+  CHECK_THAT(override_error({"preference.beta=0.2"}),
+             Catch::Contains("train.objective is sft, but preference: keys are set"));
+  CHECK_THAT(error_of(pairs, {"train.objective=dpo", "preference.loss_type=ipo", "preference.label_smoothing=0.1"}),
+             Catch::Contains("preference.label_smoothing applies to preference.loss_type: sigmoid only"));
+  CHECK_THAT(error_of(pairs, {"train.objective=dpo", "data.packing=true"}), Catch::Contains("does not pack pairs"));
+  CHECK_THAT(error_of(pairs, {"train.objective=dpo", "data.rejected_field=chosen"}),
+             Catch::Contains("data.chosen_field and data.rejected_field are both 'chosen'"));
+  CHECK_THAT(error_of(pairs, {"train.objective=dpo", "preference.beta=0"}),
+             Catch::Contains("preference.beta must be > 0"));
+  CHECK_THAT(error_of(pairs, {"train.objective=orpo"}), Catch::Contains("sft|dpo"));
 }

@@ -145,6 +145,10 @@ TEST_CASE("every key is declared in full") {
     CHECK(!example.empty());
     std::vector<std::string> overrides{std::string(k.name) + "=" + example};
     if (k.name == "train.early_stopping_patience") overrides.push_back("eval.fraction=0.05");  // steers by one
+    if (detail::section_of(k.name) == "preference") {  // (keys of train.objective: dpo only)
+      overrides.push_back("train.objective=dpo");
+      overrides.push_back("data.format=preference");
+    }
     CHECK_NOTHROW(recipe_from_yaml(YAML::Load(base), overrides));
     // The default is within the bound (keys that must be set have none to check).
     if (k.required.empty()) CHECK_NOTHROW(detail::check_declared(k, value, RecipeOrigin{}));

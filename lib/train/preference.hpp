@@ -1,0 +1,77 @@
+// train.objective: dpo: TRL 1.16's DPOTrainer losses (sigmoid, ipo, hinge; RPO's NLL term) over
+// pairs of a chosen and a rejected completion. The reference is the same model with its adapters
+// off, or set to lora.init_from's values: no second model in memory.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "data/collate.hpp"
+#include "data/example.hpp"
+#include "recipe/recipe.hpp"
+
+namespace lorarun::model {
+class CausalLM;
+}
+
+namespace lorarun::train {
+
+// P pairs as 2P rows, the chosen sequences then the rejected (TRL's concatenated batch),
+// right-padded, one sequence a row.
+struct PairBatch {
+  data::Batch rows;
+  at::Tensor seq;       // int64 [N]: the row of each scored position
+  at::Tensor lengths;   // float32 [2P]: each row's completion tokens
+  int64_t pairs = 0;
+  int64_t chosen_tokens = 0;  // scored positions in the chosen rows
+};
+PairBatch collate_pairs(const std::vector<data::Example>& pairs, c10::Device device);
+
+// What a step (or an evaluation) sums over micro-batches and ranks, in this order (float64).
+enum PrefStat : int64_t {
+  kPairs,
+  kLossSum,       // the per-pair losses
+  kNllSum,        // the chosen completions' token losses
+  kChosenTokens,  // their tokens
+  kRewardChosen,  // beta x (log p - log p_ref) of the chosen completions
+  kRewardRejected,
+  kCorrect,  // pairs whose chosen reward is above the rejected one's
+  kLogpChosen,
+  kLogpRejected,
+  kPrefStats
+};
+
+class PreferenceObjective {
+ public:
+  // `params` are the model's LoRA parameters; when lora.init_from gave them values other than the
+  // identity (some B not zero), those values, read now, before any resume, are the reference.
+  PreferenceObjective(const recipe::Recipe& r, model::CausalLM& m, const std::vector<at::Tensor>& params);
+
+  struct Result {
+    at::Tensor loss;   // float32 scalar with gradient: the per-pair losses / `pairs` (+ rpo_alpha x NLL / `chosen`)
+    at::Tensor stats;  // float64 [kPrefStats], detached
+  };
+  // One micro-batch through the policy (with gradient when the model's parameters want it) and the
+  // reference (without); `pairs` and `chosen` are the step's totals over every rank and micro-batch.
+  Result forward(const PairBatch& b, double pairs, double chosen) const;
+
+  // The loss of summed stats: mean per-pair loss, plus rpo_alpha x the chosen tokens' mean NLL.
+  double loss_of(const double* stats) const;
+  // TRL's figures of summed stats: rewards/chosen, rewards/rejected, rewards/accuracies,
+  // rewards/margins, logps/chosen, logps/rejected (and nll_loss with RPO), each name after `prefix`.
+  nlohmann::json figures(const double* stats, const std::string& prefix = "") const;
+
+ private:
+  at::Tensor reference_logps(const PairBatch& b) const;
+  at::Tensor token_losses(const PairBatch& b) const;
+
+  const recipe::PreferenceSection& p_;
+  model::CausalLM& m_;
+  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> reference_;  // the reference's adapter values; empty: the adapters off
+};
+
+}  // namespace lorarun::train

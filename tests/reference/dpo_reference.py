@@ -1,0 +1,140 @@
+"""The preference reference: TRL 1.16's DPOTrainer doing what lora-train does with train.objective: dpo.
+
+usage: dpo_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
+    a fresh PEFT adapter (all-linear; A Kaiming-uniform, B zero: the adapter adds nothing yet)
+       dpo_reference.py check MODEL_DIR INIT_DIR DATA.jsonl OURS_DIR LOSS_TYPE BETA RPO_ALPHA STEPS BATCH LR
+                              MAX_LENGTH [LOSS_TOL WEIGHT_TOL]
+    DATA.jsonl holds {"prompt", "chosen", "rejected"} documents (strings, or lists of {role, content}
+    messages rendered with the model's chat template); RPO_ALPHA is a number or "none". Given a
+    PeftModel, TRL freezes a copy of its starting adapter as the reference ("ref"): the base itself
+    for a fresh adapter (B zero), INIT_DIR's adapter when it was trained.
+    Trains STEPS steps of BATCH pairs in file order from INIT_DIR's adapter (constant LR, AdamW,
+    max_grad_norm 1, no dropout) and compares, step by step, OURS_DIR/metrics.jsonl's loss and
+    TRL's metrics (rewards/*, logps/*; RPO is TRL's loss_type [LOSS_TYPE, "sft"] with loss_weights
+    [1, RPO_ALPHA]), then the adapter OURS_DIR/epoch_0
+    with TRL's; reports match (tests/support/oracle.py) and the differences (default 1e-5 of each
+    figure's largest magnitude over the run, 1e-4 of the largest weight for the adapter).
+"""
+import json
+import math
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import oracle  # noqa: E402  (first: before anything imports bitsandbytes)
+import pyarrow as pa  # noqa: E402
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from datasets.table import InMemoryTable  # noqa: E402
+from peft import PeftModel, get_peft_model_state_dict  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from torch.utils.data import SequentialSampler  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from trl import DPOConfig, DPOTrainer  # noqa: E402
+
+FIGURES = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected"]
+
+
+class InOrder(DPOTrainer):
+    """DPOTrainer reading the pairs in file order (lora-train's data.shuffle: none), its losses kept."""
+
+    losses = []
+
+    def _get_train_sampler(self, train_dataset=None):
+        return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training:
+            self.losses.append((loss[0] if return_outputs else loss).item())
+        return loss
+
+
+class Logged(TrainerCallback):
+    def __init__(self):
+        self.rows = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "rewards/chosen" in logs:
+            self.rows.append(dict(logs))
+
+
+def dataset(path):
+    docs = [json.loads(line) for line in open(path) if line.strip()]
+    columns = {k: [d[k] for d in docs] for k in ("prompt", "chosen", "rejected")}
+    # (from a pyarrow table with a fingerprint given: datasets cannot fingerprint from_list's here)
+    return Dataset(InMemoryTable(pa.table(columns)), fingerprint="lorarun-dpo-reference")
+
+
+def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, lr, max_length, loss_tol=1e-5, weight_tol=1e-4):
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
+    types, weights = [loss_type], [1.0]
+    if rpo != "none":
+        types, weights = [loss_type, "sft"], [1.0, float(rpo)]
+    with tempfile.TemporaryDirectory() as out:
+        args = DPOConfig(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+                         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=steps,
+                         weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to="none", save_strategy="no",
+                         beta=beta, loss_type=types, loss_weights=weights, max_length=max_length, bf16=False,
+                         fp16=False, use_cpu=True, seed=0, dataloader_num_workers=0)
+        logged = Logged()
+        trainer = InOrder(model=model, args=args, train_dataset=dataset(data), processing_class=tok,
+                          callbacks=[logged])
+        InOrder.losses = []
+        trainer.train()
+    rows = [json.loads(line) for line in open(ours + "/metrics.jsonl")]
+    got = [r for r in rows if "loss" in r and "eval_loss" not in r]
+    # Each figure's difference relative to its largest magnitude over the run: a reward margin
+    # that crosses zero has no relative error of its own (float32 cancellation in TRL's mean).
+    series = {"loss": (list(zip([r["loss"] for r in got], InOrder.losses)))}
+    for k in FIGURES:
+        series[k] = [(mine[k], theirs[k]) for mine, theirs in zip(got, logged.rows)]
+    worst, where = 0.0, ""
+    for k, values in series.items():
+        scale = max([1e-6] + [abs(b) for _, b in values])
+        for i, (a, b) in enumerate(values):
+            if abs(a - b) / scale > worst:
+                worst, where = abs(a - b) / scale, f"{k} at step {i + 1}: ours {a!r}, TRL {b!r}"
+    want = {k: v.detach() for k, v in get_peft_model_state_dict(model, adapter_name="default").items()}
+    mine = load_file(f"{ours}/epoch_0/adapter_model.safetensors")
+    largest = max(v.abs().max().item() for v in want.values())
+    worst_w = max((mine[k] - v).abs().max().item() for k, v in want.items() if k in mine) / largest
+    moved = max((v - load_file(init_dir + "/adapter_model.safetensors")[k]).abs().max().item()
+                for k, v in want.items())
+    ok = (len(got) == steps and len(logged.rows) == steps and len(InOrder.losses) == steps and set(mine) == set(want)
+          and worst < loss_tol and worst_w < weight_tol and moved > 1e-4)
+    print(f"{loss_type} beta {beta} rpo {rpo} from {os.path.basename(init_dir)}: steps {len(InOrder.losses)} (ours {len(got)}); "
+          f"loss first {InOrder.losses[0]:.6f} last {InOrder.losses[-1]:.6f}; worst relative figure diff {worst:.2e}"
+          f" ({where}); worst weight diff {worst_w:.2e} of the largest; largest weight change {moved:.2e}")
+    print("match" if ok else "MISMATCH")
+    oracle.report(match=ok, steps=len(InOrder.losses), our_steps=len(got), worst_relative_figure_diff=worst,
+                  worst_relative_weight_diff=worst_w, largest_weight_change=moved,
+                  first_loss=InOrder.losses[0], last_loss=InOrder.losses[-1],
+                  last_accuracy=logged.rows[-1]["rewards/accuracies"] if logged.rows else math.nan)
+    return 0 if ok else 1
+
+
+def init(model_dir, out_dir, r, alpha, seed):
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0)) \
+        .save_pretrained(out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    a = sys.argv[2:]
+    if len(sys.argv) == 7 and sys.argv[1] == "init":
+        sys.exit(init(a[0], a[1], int(a[2]), float(a[3]), int(a[4])))
+    if len(sys.argv) < 13 or sys.argv[1] != "check":
+        sys.exit(__doc__)
+    sys.exit(check(a[0], a[1], a[2], a[3], a[4], float(a[5]), a[6], int(a[7]), int(a[8]), float(a[9]), int(a[10]),
+                   *map(float, a[11:13])))

@@ -1,0 +1,207 @@
+// train.objective: dpo: lora-train step by step against TRL's DPOTrainer (sigmoid, ipo, hinge,
+// RPO, lora.init_from as the reference); the same adapter on 1 and 2 ranks and with accumulation,
+// pairs read from FerretDB; kill -9 and resume; bad pairs counted, bad recipes refused.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "support/oracle.hpp"
+#include "support/runs.hpp"
+#include "support/servers.hpp"
+
+using namespace lorarun::test;
+
+namespace {
+
+// `n` pairs: "Q: add i and 3i+1\nA: " with the right sum chosen over a near miss.
+void write_pairs(const std::string& path, int n, int from = 0) {
+  std::ofstream out(path);
+  for (int i = from; i < from + n; ++i)
+    out << nlohmann::json{{"prompt", fmt::format("Q: add {} and {}\nA: ", i, 3 * i + 1)},
+                          {"chosen", std::to_string(4 * i + 1)},
+                          {"rejected", std::to_string(4 * i + (i % 2 ? 3 : 11))}}
+               .dump()
+        << "\n";
+}
+
+// A DPO recipe on the llama fixture: `dir`/pairs.jsonl (unless `data` names a MongoDB source) in
+// file order, constant LR.
+std::string write_dpo_recipe(const std::string& dir, const std::string& name, const std::string& train,
+                             const std::string& preference, const std::string& data = "") {
+  const std::string path = fmt::format("{}/{}.yaml", dir, name);
+  const std::string jsonl =
+      data.find("source: mongodb") == std::string::npos ? fmt::format("source: jsonl, path: {}/pairs.jsonl, ", dir) : "";
+  std::ofstream(path) << fmt::format(R"(model: {{path: {}/llama, dtype: fp32, device: cpu}}
+lora: {{r: 4, alpha: 8, target_modules: all-linear}}
+data: {{{}format: preference, shuffle: none, max_length: 64{}}}
+train: {{objective: dpo, lr_scheduler: constant, {}}}
+preference: {{{}}}
+checkpoint: {{output_dir: {}/{}}}
+track: {{mongodb: false}}
+)",
+                                     LORARUN_MODEL_FIXTURES, jsonl, data, train, preference, dir, name);
+  return path;
+}
+
+std::vector<nlohmann::json> train_rows(const std::string& run_dir) {
+  std::vector<nlohmann::json> rows;
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto row = nlohmann::json::parse(line);
+    if (row.contains("loss")) rows.push_back(row);
+  }
+  return rows;
+}
+
+}  // namespace
+
+TEST_CASE("dpo: lora-train equals TRL's DPOTrainer step by step: sigmoid, ipo, hinge, RPO, and lora.init_from as the reference",
+          "[e2e][reference][preference]") {
+  const std::string dir = temp_dir("dpo-trl");
+  write_pairs(dir + "/pairs.jsonl", 20);  // 10 steps of 2 pairs
+  const std::string script = fmt::format("'{}' '{}/tests/reference/dpo_reference.py'", LORARUN_PYTHON,
+                                         LORARUN_SOURCE_DIR);
+  REQUIRE(sh(fmt::format("{} init {}/llama {}/fresh 4 8 7", script, LORARUN_MODEL_FIXTURES, dir)).status == 0);
+  // (A and B random: the adapter is a model of its own, and the reference TRL re-trains from)
+  REQUIRE(sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {}/llama {}/trained 4 8 7",
+                         LORARUN_PYTHON, LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir))
+              .status == 0);
+  // (loss type, beta, rpo_alpha, starting adapter: its reference)
+  for (const auto& [loss, beta, rpo, init] : {std::tuple{"sigmoid", "0.1", "none", "fresh"},
+                                              std::tuple{"ipo", "0.5", "none", "fresh"},
+                                              std::tuple{"hinge", "0.2", "none", "fresh"},
+                                              std::tuple{"sigmoid", "0.1", "1.0", "fresh"},
+                                              std::tuple{"sigmoid", "0.3", "none", "trained"}}) {
+    const std::string name = fmt::format("{}-{}-{}", loss, rpo, init);
+    INFO(name);
+    const std::string preference =
+        fmt::format("beta: {}, loss_type: {}{}", beta, loss, std::string(rpo) == "none" ? "" : fmt::format(", rpo_alpha: {}", rpo));
+    const std::string recipe = write_dpo_recipe(dir, name, "epochs: 1, lr: 5.0e-3", preference, ", batch_size: 2");
+    const Result t = sh(fmt::format("{} {} lora.init_from={}/{}", bin("lora-train"), recipe, dir, init));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    const Oracle ref = oracle(fmt::format("{} check {}/llama {}/{} {}/pairs.jsonl {}/{} {} {} {} 10 2 5e-3 64", script,
+                                          LORARUN_MODEL_FIXTURES, dir, init, dir, dir, name, loss, beta, rpo));
+    INFO(ref.run.output);
+    CHECK(ref.run.status == 0);
+    CHECK(ref.fields.value("match", false));
+    WARN(fmt::format("{}: loss {:.6f} -> {:.6f}, worst relative figure difference {:.2e}, adapter {:.2e} of its "
+                     "largest weight",
+                     name, ref.fields.value("first_loss", 0.0), ref.fields.value("last_loss", 0.0),
+                     ref.fields.value("worst_relative_figure_diff", 1.0),
+                     ref.fields.value("worst_relative_weight_diff", 1.0)));
+  }
+}
+
+TEST_CASE("dpo: 1 rank x 4 pairs = 2 ranks x 2 = 1 rank x 2 x accumulation 2, pairs read from FerretDB, and kill -9 then "
+          "resume gives the same adapter",
+          "[e2e][db][preference]") {
+  const std::string dir = temp_dir("dpo-ranks");
+  write_pairs(dir + "/pairs.jsonl", 24);
+  const std::string db = fmt::format("dpo_{}", getpid());
+  const Result imp = sh(fmt::format("{} import {}/pairs.jsonl --uri '{}' --db {} --collection pairs", bin("lora-data"),
+                                    dir, test_uri(), db));
+  INFO(imp.output);
+  REQUIRE(imp.status == 0);
+  const std::string env = fmt::format("LORARUN_MONGODB_URI='{}'", test_uri());
+  const std::string source = fmt::format(", source: mongodb, database: {}, collection: pairs", db);
+  std::vector<nlohmann::json> first;
+  for (const auto& [world, batch, accum] : {std::tuple{1, 4, 1}, std::tuple{2, 2, 1}, std::tuple{1, 2, 2}}) {
+    const std::string name = fmt::format("w{}b{}a{}", world, batch, accum);
+    INFO(name);
+    const std::string recipe =
+        write_dpo_recipe(dir, name, fmt::format("epochs: 2, lr: 5.0e-3, gradient_accumulation_steps: {}", accum),
+                         "beta: 0.2, rpo_alpha: 0.5", fmt::format("{}, batch_size: {}", source, batch));
+    const Result t = sh(fmt::format("{} {} --nproc-per-node {} {}", env, bin("lorarun"), world, recipe));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    const std::vector<nlohmann::json> rows = train_rows(dir + "/" + name);
+    REQUIRE(rows.size() == 12);  // 24 pairs, 4 a step, 2 epochs
+    if (first.empty()) {
+      first = rows;
+      continue;
+    }
+    // Each figure within 1e-6 of its largest magnitude over the run; a reward, beta times the
+    // difference of two float32 log-probabilities (summed over other batch shapes), within 1e-6 of
+    // beta times theirs.
+    for (const std::string key : {"loss", "rewards/chosen", "rewards/margins", "logps/rejected", "nll_loss"}) {
+      INFO(key);
+      const bool reward = key.starts_with("rewards/");
+      double scale = 0, worst = 0;
+      for (const auto& row : first)
+        scale = std::max(scale, reward ? 0.2 * std::abs(row.at("logps/chosen").get<double>())
+                                       : std::abs(row.at(key).get<double>()));
+      for (size_t i = 0; i < rows.size(); ++i)
+        worst = std::max(worst, std::abs(rows[i].at(key).get<double>() - first[i].at(key).get<double>()));
+      CHECK(worst <= 1e-6 * scale);
+    }
+    CHECK(adapter_diff(dir + "/w1b4a1/epoch_1/adapter_model.safetensors",
+                       dir + "/" + name + "/epoch_1/adapter_model.safetensors") < 1e-6);
+  }
+  // Killed (-9) mid-epoch after a state, then the same command: the uninterrupted run's adapter.
+  const std::string recipe = write_dpo_recipe(dir, "k", "epochs: 2, lr: 5.0e-3", "beta: 0.2, rpo_alpha: 0.5",
+                                              fmt::format("{}, batch_size: 4", source));
+  const std::string cmd = fmt::format("{} {} {} checkpoint.state_every_n_steps=2", env, bin("lora-train"), recipe);
+  const Result killed = interrupt(cmd, dir + "/k.log", "epoch 0/2 step 4/6", "kill -9 $pid");
+  INFO(read_file(dir + "/k.log"));
+  REQUIRE_THAT(killed.output, Catch::Contains("exit=137"));
+  REQUIRE_THAT(read_file(dir + "/k.log"), !Catch::Contains("done:"));
+  const Result again = sh(cmd);
+  INFO(again.output);
+  REQUIRE(again.status == 0);
+  CHECK_THAT(again.output, Catch::Contains("resuming at epoch "));
+  CHECK(sh(fmt::format("cmp {}/w1b4a1/epoch_1/adapter_model.safetensors {}/k/epoch_1/adapter_model.safetensors", dir,
+                       dir))
+            .status == 0);
+}
+
+TEST_CASE("dpo: bad pairs are counted and skipped, an eval split reports the preference metrics, bad recipes are one line",
+          "[e2e][preference]") {
+  const std::string dir = temp_dir("dpo-bad");
+  write_pairs(dir + "/pairs.jsonl", 8);
+  {
+    std::ofstream out(dir + "/pairs.jsonl", std::ios::app);
+    out << R"({"prompt": "Q: no rejected\nA: ", "chosen": "1"})" << "\n";
+    out << R"({"prompt": "Q: same\nA: ", "chosen": "2", "rejected": "2"})" << "\n";
+    out << nlohmann::json{{"prompt", std::string(300, 'x')}, {"chosen", "3"}, {"rejected", "4"}}.dump() << "\n";
+  }
+  write_pairs(dir + "/eval.jsonl", 4, 50);
+  const std::string recipe = write_dpo_recipe(dir, "b", "epochs: 1, lr: 5.0e-3", "beta: 0.1", ", batch_size: 2");
+  const Result t = sh(fmt::format("{} {} eval.path={}/eval.jsonl", bin("lora-train"), recipe, dir));
+  INFO(t.output);
+  REQUIRE(t.status == 0);
+  CHECK_THAT(t.output, Catch::Contains("field 'rejected' is missing"));
+  CHECK_THAT(t.output, Catch::Contains("the chosen and the rejected completion are the same"));
+  CHECK_THAT(t.output, Catch::Contains("data.max_length is 64"));
+  CHECK_THAT(t.output, Catch::Contains("3 documents were skipped"));
+  std::vector<nlohmann::json> evals;
+  std::ifstream in(dir + "/b/metrics.jsonl");
+  for (std::string line; std::getline(in, line);)
+    if (auto row = nlohmann::json::parse(line); row.contains("eval_loss")) evals.push_back(row);
+  REQUIRE(evals.size() == 1);
+  CHECK(evals[0].at("eval_documents") == 4);
+  CHECK(evals[0].at("eval_rewards/accuracies").get<double>() >= 0);
+  CHECK(evals[0].contains("eval_rewards/margins"));
+
+  // Recipes that cannot train pairs: one line each, nothing written.
+  for (const auto& [override_, says] :
+       {std::pair{"data.format=instruction 'data.prompt_template=Q: {prompt}'", "train.objective dpo trains on pairs"},
+        std::pair{"train.objective=sft", "train.objective is sft, but data.format: preference"},
+        std::pair{"preference.label_smoothing=0.1 preference.loss_type=ipo", "preference.label_smoothing applies to"},
+        std::pair{"data.packing=true", "does not pack pairs"}}) {
+    INFO(override_);
+    const Result bad = sh(fmt::format("{} {} {} checkpoint.output_dir={}/never", bin("lora-train"), recipe, override_, dir));
+    CHECK(bad.status != 0);
+    CHECK_THAT(bad.output, Catch::Contains(says));
+    CHECK(lines_with(bad.output, "error").size() == 1);
+    CHECK(!std::filesystem::exists(dir + "/never/epoch_0"));
+  }
+}
