@@ -280,7 +280,8 @@ void ExampleBuilder::setup_chat_template() {
   chat_context_["documents"] = nullptr;
   for (const auto& [key, value] : cfg_.chat_template_kwargs.items()) chat_context_[key] = value;
   generation_tags_ = chat::has_generation_tags(chat_template_);
-  if (generation_tags_ || cfg_.train_on_input) return;
+  // (pairs score their completions, found by the prompt's rendering, not by an end-of-turn token)
+  if (generation_tags_ || cfg_.train_on_input || cfg_.format == recipe::Format::Preference) return;
   // The end-of-turn token: the first added token the template writes after an assistant
   // message's content, in a probe conversation (with a system message if it needs one).
   const std::string reply = "lorarun probe reply";

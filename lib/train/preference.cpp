@@ -119,8 +119,8 @@ PreferenceObjective::Result PreferenceObjective::forward(const PairBatch& b, dou
       per_pair = at::relu(1 - beta * (chosen_lr - rejected_lr));
       break;
     case recipe::PreferenceLoss::Ipo: {  // per-token log-ratios (TRL's normalisation)
-      const at::Tensor delta = chosen_lr / b.lengths.narrow(0, 0, P).clamp_min(1) -
-                               rejected_lr / b.lengths.narrow(0, P, P).clamp_min(1);
+      const at::Tensor delta =
+          chosen_lr / b.lengths.narrow(0, 0, P).clamp_min(1) - rejected_lr / b.lengths.narrow(0, P, P).clamp_min(1);
       per_pair = (delta - 1 / (2 * beta)).square();
       break;
     }
@@ -129,12 +129,12 @@ PreferenceObjective::Result PreferenceObjective::forward(const PairBatch& b, dou
   at::Tensor loss = per_pair.sum() / pairs;
   if (p_.rpo_alpha) loss = loss + *p_.rpo_alpha * nll / std::max(chosen, 1.0);
   const at::Tensor rc = beta * chosen_lr.detach(), rr = beta * rejected_lr.detach();
-  const at::Tensor stats = at::stack({at::scalar_tensor(static_cast<double>(P), rc.options()),
-                                      per_pair.detach().sum(), nll.detach(),
-                                      at::scalar_tensor(static_cast<double>(b.chosen_tokens), rc.options()), rc.sum(),
-                                      rr.sum(), (rc > rr).sum().to(rc.scalar_type()),
-                                      logps.detach().narrow(0, 0, P).sum(), logps.detach().narrow(0, P, P).sum()})
-                               .to(at::kDouble);
+  const at::Tensor stats =
+      at::stack({at::scalar_tensor(static_cast<double>(P), rc.options()), per_pair.detach().sum(), nll.detach(),
+                 at::scalar_tensor(static_cast<double>(b.chosen_tokens), rc.options()), rc.sum(), rr.sum(),
+                 (rc > rr).sum().to(rc.scalar_type()), logps.detach().narrow(0, 0, P).sum(),
+                 logps.detach().narrow(0, P, P).sum()})
+          .to(at::kDouble);
   return {loss, stats};
 }
 

@@ -23,8 +23,8 @@ namespace lorarun::train {
 // right-padded, one sequence a row.
 struct PairBatch {
   data::Batch rows;
-  at::Tensor seq;       // int64 [N]: the row of each scored position
-  at::Tensor lengths;   // float32 [2P]: each row's completion tokens
+  at::Tensor seq;      // int64 [N]: the row of each scored position
+  at::Tensor lengths;  // float32 [2P]: each row's completion tokens
   int64_t pairs = 0;
   int64_t chosen_tokens = 0;  // scored positions in the chosen rows
 };

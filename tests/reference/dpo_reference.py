@@ -3,9 +3,9 @@
 usage: dpo_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
     a fresh PEFT adapter (all-linear; A Kaiming-uniform, B zero: the adapter adds nothing yet)
        dpo_reference.py check MODEL_DIR INIT_DIR DATA.jsonl OURS_DIR LOSS_TYPE BETA RPO_ALPHA STEPS BATCH LR
-                              MAX_LENGTH [LOSS_TOL WEIGHT_TOL]
+                              MAX_LENGTH [LOSS_TOL WEIGHT_TOL] [--chat-template=FILE.jinja]
     DATA.jsonl holds {"prompt", "chosen", "rejected"} documents (strings, or lists of {role, content}
-    messages rendered with the model's chat template); RPO_ALPHA is a number or "none". Given a
+    messages rendered with the model's chat template, or FILE.jinja's); RPO_ALPHA is a number or "none". Given a
     PeftModel, TRL freezes a copy of its starting adapter as the reference ("ref"): the base itself
     for a fresh adapter (B zero), INIT_DIR's adapter when it was trained.
     Trains STEPS steps of BATCH pairs in file order from INIT_DIR's adapter (constant LR, AdamW,
@@ -68,9 +68,12 @@ def dataset(path):
     return Dataset(InMemoryTable(pa.table(columns)), fingerprint="lorarun-dpo-reference")
 
 
-def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, lr, max_length, loss_tol=1e-5, weight_tol=1e-4):
+def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, lr, max_length, loss_tol=1e-5,
+          weight_tol=1e-4, chat_template=None):
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir)
+    if chat_template:
+        tok.chat_template = open(chat_template).read()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -91,14 +94,17 @@ def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, l
         trainer.train()
     rows = [json.loads(line) for line in open(ours + "/metrics.jsonl")]
     got = [r for r in rows if "loss" in r and "eval_loss" not in r]
-    # Each figure's difference relative to its largest magnitude over the run: a reward margin
-    # that crosses zero has no relative error of its own (float32 cancellation in TRL's mean).
+    # Each figure's difference relative to its largest magnitude over the run; a reward (beta times
+    # the difference of two float32 log-probability sums) relative to beta times those sums: a
+    # margin that crosses zero has no relative error of its own.
     series = {"loss": (list(zip([r["loss"] for r in got], InOrder.losses)))}
     for k in FIGURES:
         series[k] = [(mine[k], theirs[k]) for mine, theirs in zip(got, logged.rows)]
     worst, where = 0.0, ""
     for k, values in series.items():
         scale = max([1e-6] + [abs(b) for _, b in values])
+        if k.startswith("rewards/"):
+            scale = max([scale] + [beta * abs(r["logps/chosen"]) for r in logged.rows])
         for i, (a, b) in enumerate(values):
             if abs(a - b) / scale > worst:
                 worst, where = abs(a - b) / scale, f"{k} at step {i + 1}: ours {a!r}, TRL {b!r}"
@@ -131,10 +137,12 @@ def init(model_dir, out_dir, r, alpha, seed):
 
 
 if __name__ == "__main__":
+    template = [x.split("=", 1)[1] for x in sys.argv if x.startswith("--chat-template=")]
+    sys.argv = [x for x in sys.argv if not x.startswith("--chat-template=")]
     a = sys.argv[2:]
     if len(sys.argv) == 7 and sys.argv[1] == "init":
         sys.exit(init(a[0], a[1], int(a[2]), float(a[3]), int(a[4])))
     if len(sys.argv) < 13 or sys.argv[1] != "check":
         sys.exit(__doc__)
     sys.exit(check(a[0], a[1], a[2], a[3], a[4], float(a[5]), a[6], int(a[7]), int(a[8]), float(a[9]), int(a[10]),
-                   *map(float, a[11:13])))
+                   *map(float, a[11:13]), chat_template=template[0] if template else None))

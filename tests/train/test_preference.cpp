@@ -37,8 +37,9 @@ void write_pairs(const std::string& path, int n, int from = 0) {
 std::string write_dpo_recipe(const std::string& dir, const std::string& name, const std::string& train,
                              const std::string& preference, const std::string& data = "") {
   const std::string path = fmt::format("{}/{}.yaml", dir, name);
-  const std::string jsonl =
-      data.find("source: mongodb") == std::string::npos ? fmt::format("source: jsonl, path: {}/pairs.jsonl, ", dir) : "";
+  const std::string jsonl = data.find("source: mongodb") == std::string::npos
+                                ? fmt::format("source: jsonl, path: {}/pairs.jsonl, ", dir)
+                                : "";
   std::ofstream(path) << fmt::format(R"(model: {{path: {}/llama, dtype: fp32, device: cpu}}
 lora: {{r: 4, alpha: 8, target_modules: all-linear}}
 data: {{{}format: preference, shuffle: none, max_length: 64{}}}
@@ -63,47 +64,81 @@ std::vector<nlohmann::json> train_rows(const std::string& run_dir) {
 
 }  // namespace
 
-TEST_CASE("dpo: lora-train equals TRL's DPOTrainer step by step: sigmoid, ipo, hinge, RPO, and lora.init_from as the reference",
-          "[e2e][reference][preference]") {
+TEST_CASE(
+    "dpo: lora-train equals TRL's DPOTrainer step by step: sigmoid, ipo, hinge, RPO, lora.init_from as the "
+    "reference, and conversations",
+    "[e2e][reference][preference]") {
   const std::string dir = temp_dir("dpo-trl");
   write_pairs(dir + "/pairs.jsonl", 20);  // 10 steps of 2 pairs
-  const std::string script = fmt::format("'{}' '{}/tests/reference/dpo_reference.py'", LORARUN_PYTHON,
-                                         LORARUN_SOURCE_DIR);
+  {                                       // the same pairs as conversations (TRL's conversational preference format)
+    std::ofstream out(dir + "/conversations.jsonl");
+    std::ifstream in(dir + "/pairs.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto d = nlohmann::json::parse(line);
+      const auto said = [](const std::string& role, const std::string& content) {
+        return nlohmann::json::array({{{"role", role}, {"content", content}}});
+      };
+      out << nlohmann::json{{"prompt", said("user", d["prompt"])},
+                            {"chosen", said("assistant", d["chosen"])},
+                            {"rejected", said("assistant", d["rejected"])}}
+                 .dump()
+          << "\n";
+    }
+  }
+  // lorarun's built-in chatml, as a Jinja template for TRL
+  std::ofstream(dir + "/chatml.jinja")
+      << "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+  const std::string role_tags = std::string(LORARUN_SOURCE_DIR) + "/tests/data/chat_templates/role_tags.jinja";
+  const std::string script =
+      fmt::format("'{}' '{}/tests/reference/dpo_reference.py'", LORARUN_PYTHON, LORARUN_SOURCE_DIR);
   REQUIRE(sh(fmt::format("{} init {}/llama {}/fresh 4 8 7", script, LORARUN_MODEL_FIXTURES, dir)).status == 0);
   // (A and B random: the adapter is a model of its own, and the reference TRL re-trains from)
-  REQUIRE(sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {}/llama {}/trained 4 8 7",
-                         LORARUN_PYTHON, LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir))
+  REQUIRE(sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {}/llama {}/trained 4 8 7", LORARUN_PYTHON,
+                         LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir))
               .status == 0);
-  // (loss type, beta, rpo_alpha, starting adapter: its reference)
-  for (const auto& [loss, beta, rpo, init] : {std::tuple{"sigmoid", "0.1", "none", "fresh"},
-                                              std::tuple{"ipo", "0.5", "none", "fresh"},
-                                              std::tuple{"hinge", "0.2", "none", "fresh"},
-                                              std::tuple{"sigmoid", "0.1", "1.0", "fresh"},
-                                              std::tuple{"sigmoid", "0.3", "none", "trained"}}) {
-    const std::string name = fmt::format("{}-{}-{}", loss, rpo, init);
+  struct Case {
+    std::string loss, beta, rpo, init;                // rpo_alpha or "none"; the starting adapter is the reference
+    std::string data = "pairs", ours = "", trl = "";  // the data file; overrides; dpo_reference.py's options
+  };
+  for (const Case& c : {Case{"sigmoid", "0.1", "none", "fresh"}, Case{"ipo", "0.5", "none", "fresh"},
+                        Case{"hinge", "0.2", "none", "fresh"}, Case{"sigmoid", "0.1", "1.0", "fresh"},
+                        Case{"sigmoid", "0.3", "none", "trained"},
+                        Case{"sigmoid", "0.1", "none", "fresh", "conversations",
+                             fmt::format("data.chat_format=template data.chat_template={}", role_tags),
+                             fmt::format("--chat-template={}", role_tags)},
+                        Case{"sigmoid", "0.1", "none", "fresh", "conversations", "data.chat_format=chatml",
+                             fmt::format("--chat-template={}/chatml.jinja", dir)}}) {
+    const std::string format = c.ours.empty()                               ? ""
+                               : c.ours.find("chatml") != std::string::npos ? "-chatml"
+                                                                            : "-template";
+    const std::string name = fmt::format("{}-{}-{}-{}{}", c.loss, c.rpo, c.init, c.data, format);
     INFO(name);
-    const std::string preference =
-        fmt::format("beta: {}, loss_type: {}{}", beta, loss, std::string(rpo) == "none" ? "" : fmt::format(", rpo_alpha: {}", rpo));
+    const std::string preference = fmt::format("beta: {}, loss_type: {}{}", c.beta, c.loss,
+                                               c.rpo == "none" ? "" : fmt::format(", rpo_alpha: {}", c.rpo));
     const std::string recipe = write_dpo_recipe(dir, name, "epochs: 1, lr: 5.0e-3", preference, ", batch_size: 2");
-    const Result t = sh(fmt::format("{} {} lora.init_from={}/{}", bin("lora-train"), recipe, dir, init));
+    const Result t = sh(fmt::format("{} {} lora.init_from={}/{} data.path={}/{}.jsonl {}", bin("lora-train"), recipe,
+                                    dir, c.init, dir, c.data, c.ours));
     INFO(t.output);
     REQUIRE(t.status == 0);
-    const Oracle ref = oracle(fmt::format("{} check {}/llama {}/{} {}/pairs.jsonl {}/{} {} {} {} 10 2 5e-3 64", script,
-                                          LORARUN_MODEL_FIXTURES, dir, init, dir, dir, name, loss, beta, rpo));
+    const Oracle ref =
+        oracle(fmt::format("{} check {}/llama {}/{} {}/{}.jsonl {}/{} {} {} {} 10 2 5e-3 64 {}", script,
+                           LORARUN_MODEL_FIXTURES, dir, c.init, dir, c.data, dir, name, c.loss, c.beta, c.rpo, c.trl));
     INFO(ref.run.output);
     CHECK(ref.run.status == 0);
     CHECK(ref.fields.value("match", false));
-    WARN(fmt::format("{}: loss {:.6f} -> {:.6f}, worst relative figure difference {:.2e}, adapter {:.2e} of its "
-                     "largest weight",
-                     name, ref.fields.value("first_loss", 0.0), ref.fields.value("last_loss", 0.0),
-                     ref.fields.value("worst_relative_figure_diff", 1.0),
-                     ref.fields.value("worst_relative_weight_diff", 1.0)));
+    WARN(fmt::format(
+        "{}: loss {:.6f} -> {:.6f}, worst relative figure difference {:.2e}, adapter {:.2e} of its "
+        "largest weight",
+        name, ref.fields.value("first_loss", 0.0), ref.fields.value("last_loss", 0.0),
+        ref.fields.value("worst_relative_figure_diff", 1.0), ref.fields.value("worst_relative_weight_diff", 1.0)));
   }
 }
 
-TEST_CASE("dpo: 1 rank x 4 pairs = 2 ranks x 2 = 1 rank x 2 x accumulation 2, pairs read from FerretDB, and kill -9 then "
-          "resume gives the same adapter",
-          "[e2e][db][preference]") {
+TEST_CASE(
+    "dpo: 1 rank x 4 pairs = 2 ranks x 2 = 1 rank x 2 x accumulation 2, pairs read from FerretDB, and kill -9 then "
+    "resume gives the same adapter",
+    "[e2e][db][preference]") {
   const std::string dir = temp_dir("dpo-ranks");
   write_pairs(dir + "/pairs.jsonl", 24);
   const std::string db = fmt::format("dpo_{}", getpid());
@@ -137,8 +172,8 @@ TEST_CASE("dpo: 1 rank x 4 pairs = 2 ranks x 2 = 1 rank x 2 x accumulation 2, pa
       const bool reward = key.starts_with("rewards/");
       double scale = 0, worst = 0;
       for (const auto& row : first)
-        scale = std::max(scale, reward ? 0.2 * std::abs(row.at("logps/chosen").get<double>())
-                                       : std::abs(row.at(key).get<double>()));
+        scale = std::max(
+            scale, reward ? 0.2 * std::abs(row.at("logps/chosen").get<double>()) : std::abs(row.at(key).get<double>()));
       for (size_t i = 0; i < rows.size(); ++i)
         worst = std::max(worst, std::abs(rows[i].at(key).get<double>() - first[i].at(key).get<double>()));
       CHECK(worst <= 1e-6 * scale);
@@ -163,8 +198,9 @@ TEST_CASE("dpo: 1 rank x 4 pairs = 2 ranks x 2 = 1 rank x 2 x accumulation 2, pa
             .status == 0);
 }
 
-TEST_CASE("dpo: bad pairs are counted and skipped, an eval split reports the preference metrics, bad recipes are one line",
-          "[e2e][preference]") {
+TEST_CASE(
+    "dpo: bad pairs are counted and skipped, an eval split reports the preference metrics, bad recipes are one line",
+    "[e2e][preference]") {
   const std::string dir = temp_dir("dpo-bad");
   write_pairs(dir + "/pairs.jsonl", 8);
   {
@@ -198,7 +234,8 @@ TEST_CASE("dpo: bad pairs are counted and skipped, an eval split reports the pre
         std::pair{"preference.label_smoothing=0.1 preference.loss_type=ipo", "preference.label_smoothing applies to"},
         std::pair{"data.packing=true", "does not pack pairs"}}) {
     INFO(override_);
-    const Result bad = sh(fmt::format("{} {} {} checkpoint.output_dir={}/never", bin("lora-train"), recipe, override_, dir));
+    const Result bad =
+        sh(fmt::format("{} {} {} checkpoint.output_dir={}/never", bin("lora-train"), recipe, override_, dir));
     CHECK(bad.status != 0);
     CHECK_THAT(bad.output, Catch::Contains(says));
     CHECK(lines_with(bad.output, "error").size() == 1);
