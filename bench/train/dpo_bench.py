@@ -1,0 +1,130 @@
+"""Preference training on CPU: lora-train's DPO step against an SFT step of the same model and batch
+(time and peak memory: the reference is the same model with its adapters off, never a second copy),
+and against TRL's DPOTrainer on the same pairs, same torch, 2 threads each, in one run, REPEATS times.
+
+usage: .venv/bin/python bench/train/dpo_bench.py BUILD_DIR WORK_DIR [STEPS [REPEATS]]
+
+Config: bench/train/bench.py's random llama (hidden 256, 4 layers, vocab ~2k, fp32), 4 pairs a step,
+prompts of ~96 tokens and completions of ~96 (chosen) and ~64 (rejected), LoRA r=16 alpha=32 on all
+linear layers, constant LR. The SFT run trains the prompt + chosen sequences of the same pairs
+(format: instruction, batch 4). Step time is the median over the steps after the first two;
+peak RSS the process's high-water mark (lora-train: metrics.jsonl's peak_rss_mb; TRL: ru_maxrss of
+its own process). Prints each repeat's figures, then the median and spread (min-max) of each ratio.
+"""
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import make_assets  # noqa: E402  (the same model and vocabulary as bench.py)
+
+BATCH, THREADS = 4, 2
+
+
+def make_pairs(work, n):
+    rng = random.Random(1)
+    words = [line for line in open(os.path.join(work, "data.jsonl"))]
+    text = " ".join(json.loads(w)["text"] for w in words).split()
+    pick = lambda k: " ".join(rng.choice(text) for _ in range(k))  # noqa: E731
+    path = os.path.join(work, "pairs.jsonl")
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"prompt": pick(40) + "\n", "chosen": pick(40), "rejected": pick(26)}) + "\n")
+    return path
+
+
+def ours(build, work, model_dir, pairs, objective, steps):
+    out = os.path.join(work, f"ours-{objective}")
+    recipe = os.path.join(work, f"{objective}.yaml")
+    data = ("format: preference" if objective == "dpo" else
+            'format: instruction, prompt_template: "{prompt}", response_field: chosen')
+    with open(recipe, "w") as f:
+        f.write(f"""model: {{path: {model_dir}, dtype: fp32, device: cpu}}
+lora: {{r: 16, alpha: 32, target_modules: all-linear}}
+data: {{source: jsonl, path: {pairs}, {data}, shuffle: none, batch_size: {BATCH}, max_length: 512}}
+train: {{objective: {objective}, epochs: 1, lr: 1.0e-4, max_steps_per_epoch: {steps}, lr_scheduler: constant}}
+checkpoint: {{output_dir: {out}, resume: never, epochs_to_save: none, overwrite: true}}
+track: {{mongodb: false}}
+""")
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
+    subprocess.run([f"{build}/bin/lora-train", recipe], env=env, check=True, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return statistics.median(r["seconds"] for r in rows[2:]), max(r["peak_rss_mb"] for r in rows)
+
+
+TRL = r"""
+import json, resource, statistics, sys, tempfile, time
+import pyarrow as pa, torch
+from datasets import Dataset
+from datasets.table import InMemoryTable
+from peft import LoraConfig
+from torch.utils.data import SequentialSampler
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import DPOConfig, DPOTrainer
+model_dir, pairs, steps, batch, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+torch.set_num_threads(threads)
+docs = [json.loads(l) for l in open(pairs)]
+ds = Dataset(InMemoryTable(pa.table({k: [d[k] for d in docs] for k in ("prompt", "chosen", "rejected")})),
+             fingerprint="lorarun-dpo-bench")
+tok = AutoTokenizer.from_pretrained(model_dir)
+tok.pad_token = tok.pad_token or tok.eos_token
+class InOrder(DPOTrainer):
+    def _get_train_sampler(self, train_dataset=None):
+        return SequentialSampler(self.train_dataset)
+class Clock(TrainerCallback):
+    times = []
+    def on_step_begin(self, *a, **k): self.t0 = time.perf_counter()
+    def on_step_end(self, *a, **k): self.times.append(time.perf_counter() - self.t0)
+with tempfile.TemporaryDirectory() as out:
+    args = DPOConfig(output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-4,
+                     lr_scheduler_type="constant", report_to="none", save_strategy="no", logging_steps=1000,
+                     max_length=512, bf16=False, fp16=False, use_cpu=True, dataloader_num_workers=0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
+    InOrder(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=peft,
+            callbacks=[Clock()]).train()
+print(json.dumps({"step_s": statistics.median(Clock.times[2:]),
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def trl(model_dir, pairs, steps):
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(TRL)
+    run = subprocess.run([sys.executable, f.name, model_dir, pairs, str(steps), str(BATCH), str(THREADS)],
+                         check=True, capture_output=True, text=True)
+    os.unlink(f.name)
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    return got["step_s"], got["peak_rss_mb"]
+
+
+def main():
+    build, work = sys.argv[1], sys.argv[2]
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    os.makedirs(work, exist_ok=True)
+    model_dir, _ = make_assets(work)
+    pairs = make_pairs(work, steps * BATCH)
+    ratios = {"DPO/SFT step time": [], "DPO/SFT peak RSS": [], "TRL/lora-train DPO step time": [],
+              "TRL/lora-train DPO peak RSS": []}
+    for k in range(repeats):
+        sft_s, sft_rss = ours(build, work, model_dir, pairs, "sft", steps)
+        dpo_s, dpo_rss = ours(build, work, model_dir, pairs, "dpo", steps)
+        trl_s, trl_rss = trl(model_dir, pairs, steps)
+        print(f"repeat {k + 1}: lora-train SFT {sft_s * 1e3:.1f} ms/step {sft_rss:.0f} MB; "
+              f"DPO {dpo_s * 1e3:.1f} ms/step {dpo_rss:.0f} MB; TRL DPO {trl_s * 1e3:.1f} ms/step {trl_rss:.0f} MB",
+              flush=True)
+        ratios["DPO/SFT step time"].append(dpo_s / sft_s)
+        ratios["DPO/SFT peak RSS"].append(dpo_rss / sft_rss)
+        ratios["TRL/lora-train DPO step time"].append(trl_s / dpo_s)
+        ratios["TRL/lora-train DPO peak RSS"].append(trl_rss / dpo_rss)
+    for name, values in ratios.items():
+        print(f"{name:30} median {statistics.median(values):.2f}x (min {min(values):.2f}, max {max(values):.2f})")
+
+
+if __name__ == "__main__":
+    main()
