@@ -76,8 +76,8 @@ bool valid_utf8(std::string_view s) {
 std::string invalid_utf8_reason(std::string_view field) { return fmt::format("field '{}' is not valid UTF-8", field); }
 
 ExampleBuilder::ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer,
-                               std::optional<int32_t> eos)
-    : cfg_(cfg), tok_(tokenizer), eos_(eos ? eos : tokenizer.eos_id()) {
+                               std::optional<int32_t> eos, PairTokens tokens)
+    : cfg_(cfg), tok_(tokenizer), eos_(eos ? eos : tokenizer.eos_id()), pairs_(tokens) {
   const bool pairs = cfg.format == recipe::Format::Preference;
   if (cfg.format == recipe::Format::Instruction || (pairs && !cfg.prompt_template.empty()))
     template_ = recipe::parse_template(cfg.prompt_template);
@@ -563,6 +563,7 @@ std::variant<Example, Rejection> ExampleBuilder::preference(const Document& doc)
   if (t[1] == t[2]) return bad("the chosen and the rejected completion are the same");
   for (const std::string& text : t)
     if (!valid_utf8(text)) return bad("a rendered text is not valid UTF-8");
+  if (pairs_ == PairTokens::Orpo) return orpo_pair(t);
   std::vector<int32_t> ids[3];
   try {
     for (int k = 0; k < 3; ++k) ids[k] = tok_.encode(t[static_cast<size_t>(k)], special);
@@ -586,6 +587,43 @@ std::variant<Example, Rejection> ExampleBuilder::preference(const Document& doc)
     std::fill(labels.begin(), labels.begin() + static_cast<std::ptrdiff_t>(prompt), kIgnoreIndex);
     (k == 1 ? e.ids : e.rejected_ids) = std::move(seq);
     (k == 1 ? e.labels : e.rejected_labels) = std::move(labels);
+  }
+  return e;
+}
+
+std::variant<Example, Rejection> ExampleBuilder::orpo_pair(const std::array<std::string, 3>& t) const {
+  std::vector<int32_t> prompt, seq[2];
+  size_t start[2];
+  try {
+    prompt = tok_.encode(t[0], false);
+    for (int k = 0; k < 2; ++k) seq[k] = tok_.encode(t[static_cast<size_t>(k) + 1], false);
+  } catch (const Error& err) {
+    return bad(err.what());
+  }
+  const auto max = static_cast<size_t>(cfg_.max_length);
+  const std::optional<int32_t> bos = tok_.bos_id();
+  Example e;
+  for (int k = 0; k < 2; ++k) {
+    std::vector<int32_t>& ids = seq[k];
+    start[k] = std::min(prompt.size(), ids.size());
+    if (common_prefix(prompt, ids) < start[k]) start[k] = start[k] > 0 ? start[k] - 1 : 0;
+    if (bos && (start[k] == 0 || ids[0] != *bos)) {
+      ids.insert(ids.begin(), *bos);
+      ++start[k];
+    }
+    if (eos_ && (ids.size() == start[k] || ids.back() != *eos_)) ids.push_back(*eos_);
+    if (start[k] >= max)
+      return Rejection{Rejection::Overlong,
+                       fmt::format("its prompt alone is {} tokens, data.max_length is {}", start[k], max)};
+    if (ids.size() > max && cfg_.overlong == recipe::Overlong::Skip)
+      return Rejection{Rejection::Overlong, fmt::format("{} tokens, data.max_length is {}", ids.size(), max)};
+    e.truncated |= ids.size() > max;
+    if (ids.size() > max) ids.resize(max);
+    if (ids.size() == start[k]) return bad("a completion has no token");
+    std::vector<int32_t> labels = ids;
+    std::fill(labels.begin(), labels.begin() + static_cast<std::ptrdiff_t>(start[k]), kIgnoreIndex);
+    (k == 0 ? e.ids : e.rejected_ids) = std::move(ids);
+    (k == 0 ? e.labels : e.rejected_labels) = std::move(labels);
   }
   return e;
 }

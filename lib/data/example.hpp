@@ -36,13 +36,17 @@ struct Rejection {
   std::string document = {};  // its _id (or "#position" in a JSONL file) when the reader knows it
 };
 
+// How a preference pair is tokenised: as TRL's DPOTrainer does, or as its ORPOTrainer does.
+enum class PairTokens { Dpo, Orpo };
+
 class ExampleBuilder {
  public:
   // `eos` ends every response; the tokenizer's EOS when not given. With chat_format: template,
   // throws lorarun::Error (one line) when there is no chat template (or data.chat_template
   // cannot be read), or when the template has no {% generation %} tags and no end-of-turn token
   // can be found after an assistant message.
-  ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer, std::optional<int32_t> eos = {});
+  ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer, std::optional<int32_t> eos = {},
+                 PairTokens pairs = PairTokens::Dpo);
 
   std::variant<Example, Rejection> build(const Document& doc) const;
   // The top-level fields build() reads (template fields + response, text or messages): the
@@ -59,8 +63,12 @@ class ExampleBuilder {
   // rendered by data.chat_format, the prompt with the generation prompt); the completions start
   // where the prompt's ids and both sequences' part. Truncation: data.overlong truncate keeps the
   // start of each sequence (a pair whose prompt alone fills data.max_length is rejected as
-  // overlong); skip rejects a pair with a sequence past it.
+  // overlong); skip rejects a pair with a sequence past it. PairTokens::Orpo: as TRL's
+  // ORPOTrainer: the three texts tokenised without special tokens, each completion starting after
+  // the prompt's ids (one token earlier when the last prompt token merges), BOS before each prompt
+  // and EOS after each completion unless there, the completions cut to fit data.max_length.
   std::variant<Example, Rejection> preference(const Document& doc) const;
+  std::variant<Example, Rejection> orpo_pair(const std::array<std::string, 3>& texts) const;
   // The texts of prompt, prompt + chosen, prompt + rejected, and whether to add special tokens.
   std::variant<std::array<std::string, 3>, Rejection> preference_texts(const Document& doc, bool& special) const;
   // data.prompt_template with the document's fields, or why it cannot be filled.
@@ -84,6 +92,7 @@ class ExampleBuilder {
   const recipe::DataSection& cfg_;
   const tok::Tokenizer& tok_;
   std::optional<int32_t> eos_;
+  PairTokens pairs_;
   std::vector<recipe::TemplatePart> template_;
   std::string chat_template_;                        // chat_format: template: the Jinja text
   std::optional<chat::Template> compiled_template_;  // ... compiled once

@@ -33,7 +33,7 @@ enum class Scheduler { Cosine, Linear, Constant };
 enum class Resume { Auto, Never };
 enum class DistBackend { Auto, Nccl, Gloo };
 enum class Store { None, MongoDB };
-enum class Objective { Sft, Dpo };
+enum class Objective { Sft, Dpo, Orpo };
 enum class PreferenceLoss { Sigmoid, Ipo, Hinge };
 
 // The YAML spelling of each enum value; the first entry is the key's default.
@@ -106,8 +106,8 @@ struct EnumNames<Store> {
 
 template <>
 struct EnumNames<Objective> {
-  static constexpr std::array<std::pair<std::string_view, Objective>, 2> values{
-      {{"sft", Objective::Sft}, {"dpo", Objective::Dpo}}};
+  static constexpr std::array<std::pair<std::string_view, Objective>, 3> values{
+      {{"sft", Objective::Sft}, {"dpo", Objective::Dpo}, {"orpo", Objective::Orpo}}};
 };
 template <>
 struct EnumNames<PreferenceLoss> {
@@ -214,7 +214,7 @@ struct EpochsToSave {
   bool operator==(const EpochsToSave&) const = default;
 };
 
-// train.objective: dpo: the preference loss, TRL's DPOTrainer's formulas.
+// train.objective: dpo and orpo: the preference losses, TRL's DPOTrainer's and ORPOTrainer's formulas.
 struct PreferenceSection {
   double beta = 0.1;
   PreferenceLoss loss_type = PreferenceLoss::Sigmoid;

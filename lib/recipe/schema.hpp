@@ -261,13 +261,14 @@ void for_each_key(R& r, V&& v) {
         .meaning = "an evaluation improves when it lowers the best eval loss so far by more than this"},
     r.train.early_stopping_min_delta);
   v(Key{.name = "train.objective",
-        .meaning = "sft: the trained tokens' loss; dpo: a preference loss over chosen/rejected pairs (data.format: "
-                   "preference, the preference: keys)"},
+        .meaning = "sft: the trained tokens' loss; dpo, orpo: preference losses over chosen/rejected pairs "
+                   "(data.format: preference)"},
     r.train.objective);
 
   v(Key{.name = "preference.beta",
         .bound = above(0),
-        .meaning = "DPO's beta: how far from the reference the policy may move (rewards are beta × log-ratio)"},
+        .meaning = "DPO's beta (rewards are beta × log-ratio to the reference); orpo: lambda, the weight of the "
+                   "odds-ratio term"},
     r.preference.beta);
   v(Key{.name = "preference.loss_type",
         .meaning = "TRL's DPO losses: sigmoid (DPO), ipo (IPO, per-token log-ratios), hinge (SLiC)"},

@@ -154,9 +154,14 @@ constexpr Rule kRules[] = {
               "data.format of single documents");
        if (r.train.objective == Objective::Sft && r.preference != PreferenceSection{})
          fail(o, "train.objective",
-              "is sft, but preference: keys are set; they apply to train.objective: dpo only: remove them or set "
-              "train.objective: dpo");
+              "is sft, but preference: keys are set; they apply to train.objective: dpo or orpo only: remove them "
+              "or set train.objective: dpo");
        if (r.train.objective == Objective::Sft) return;
+       if (r.train.objective == Objective::Orpo && (r.preference.loss_type != PreferenceLoss::Sigmoid ||
+                                                    r.preference.label_smoothing > 0 || r.preference.rpo_alpha))
+         fail(o, "train.objective",
+              "is orpo, which has no reference and its own loss: of the preference: keys only beta (ORPO's lambda) "
+              "applies; remove loss_type, label_smoothing and rpo_alpha");
        if (!pairs)
          fail(o, "train.objective",
               fmt::format("{} trains on pairs of a chosen and a rejected completion, but data.format is {}: set "

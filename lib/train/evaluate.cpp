@@ -87,7 +87,7 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
     }
     sums.documents += static_cast<int64_t>(batch.size());
     if (pref) {
-      const PairBatch pb = collate_pairs(batch, device);
+      const PairBatch pb = collate_pairs(batch, device, pref->whole_chosen());
       if (pb.pairs == 0) {
         if (join) m.idle_pass(false, false);  // (the reference's pass and the policy's, each a gather)
         if (join) m.idle_pass(false, false);

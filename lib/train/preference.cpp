@@ -8,30 +8,36 @@
 
 namespace lorarun::train {
 
-PairBatch collate_pairs(const std::vector<data::Example>& pairs, c10::Device device) {
+PairBatch collate_pairs(const std::vector<data::Example>& pairs, c10::Device device, bool whole_chosen) {
   PairBatch b;
   b.pairs = static_cast<int64_t>(pairs.size());
   if (pairs.empty()) return b;
   std::vector<data::Example> rows(2 * pairs.size());
   for (size_t i = 0; i < pairs.size(); ++i) {
     rows[i].ids = pairs[i].ids;
-    rows[i].labels = pairs[i].labels;
+    rows[i].labels = whole_chosen ? pairs[i].ids : pairs[i].labels;
     rows[pairs.size() + i].ids = pairs[i].rejected_ids;
     rows[pairs.size() + i].labels = pairs[i].rejected_labels;
   }
   b.rows = data::collate(rows, false, 0, device);
   const int64_t T = b.rows.ids.size(1);
   b.seq = at::floor_divide(b.rows.rows, T);
-  std::vector<float> lengths;
+  // (scored positions: a label after the first token, in the order collate lists its targets)
+  std::vector<float> lengths, completion;
   for (size_t k = 0; k < rows.size(); ++k) {
-    const auto& l = rows[k].labels;
-    // (scored positions: a label after the first token, as the collated targets)
-    const auto n = std::count_if(l.begin() + std::min<size_t>(1, l.size()), l.end(),
-                                 [](int32_t x) { return x != data::kIgnoreIndex; });
-    lengths.push_back(static_cast<float>(n));
-    if (k < pairs.size()) b.chosen_tokens += n;
+    const std::vector<int32_t>& own = k < pairs.size() ? pairs[k].labels : rows[k].labels;
+    float n = 0;
+    for (size_t j = 1; j < rows[k].labels.size(); ++j) {
+      if (rows[k].labels[j] == data::kIgnoreIndex) continue;
+      const bool scored = own[j] != data::kIgnoreIndex;
+      completion.push_back(scored ? 1.0f : 0.0f);
+      n += scored ? 1.0f : 0.0f;
+      if (k < pairs.size()) ++b.chosen_tokens;
+    }
+    lengths.push_back(n);
   }
   b.lengths = at::tensor(lengths, at::kFloat).to(device);
+  b.completion = at::tensor(completion, at::kFloat).to(device);
   return b;
 }
 
@@ -48,8 +54,8 @@ bool identity(const std::vector<at::Tensor>& params) {
 
 PreferenceObjective::PreferenceObjective(const recipe::Recipe& r, model::CausalLM& m,
                                          const std::vector<at::Tensor>& params)
-    : p_(r.preference), m_(m), params_(params) {
-  if (r.lora.init_from.empty() || identity(params)) return;
+    : p_(r.preference), objective_(r.train.objective), m_(m), params_(params) {
+  if (objective_ == recipe::Objective::Orpo || r.lora.init_from.empty() || identity(params)) return;
   c10::NoGradGuard no_grad;
   for (const at::Tensor& t : params) reference_.push_back(t.detach().clone());
 }
@@ -99,48 +105,82 @@ at::Tensor PreferenceObjective::reference_logps(const PairBatch& b) const {
   return at::zeros({2 * b.pairs}, b.lengths.options()).index_add_(0, b.seq, token_losses(b).neg());
 }
 
+namespace {
+
+// log(1 - exp(x)) for x < 0, as TRL computes it (branching at -ln 2).
+at::Tensor log1mexp(const at::Tensor& x) {
+  return at::where(x < -0.6931471805599453, at::log1p(-at::exp(x)), at::log(-at::expm1(x)));
+}
+
+}  // namespace
+
 PreferenceObjective::Result PreferenceObjective::forward(const PairBatch& b, double pairs, double chosen) const {
   const int64_t P = b.pairs;
-  const at::Tensor ref = reference_logps(b);
+  const bool orpo = objective_ == recipe::Objective::Orpo;
+  // (the reference first: it sets the parameters' values in place, which the policy's graph must not see)
+  const at::Tensor ref = orpo ? at::Tensor() : reference_logps(b);
   const at::Tensor tok = token_losses(b);
-  const at::Tensor logps = at::zeros({2 * P}, tok.options()).index_add(0, b.seq, tok.neg());
-  const at::Tensor chosen_lr = logps.narrow(0, 0, P) - ref.narrow(0, 0, P);
-  const at::Tensor rejected_lr = logps.narrow(0, P, P) - ref.narrow(0, P, P);
-  const double beta = p_.beta;
-  at::Tensor per_pair;
-  switch (p_.loss_type) {
-    case recipe::PreferenceLoss::Sigmoid: {
-      const at::Tensor z = beta * (chosen_lr - rejected_lr);
-      const double eps = p_.label_smoothing;
-      per_pair = -at::log_sigmoid(z) * (1 - eps) - at::log_sigmoid(-z) * eps;
-      break;
-    }
-    case recipe::PreferenceLoss::Hinge:
-      per_pair = at::relu(1 - beta * (chosen_lr - rejected_lr));
-      break;
-    case recipe::PreferenceLoss::Ipo: {  // per-token log-ratios (TRL's normalisation)
-      const at::Tensor delta =
-          chosen_lr / b.lengths.narrow(0, 0, P).clamp_min(1) - rejected_lr / b.lengths.narrow(0, P, P).clamp_min(1);
-      per_pair = (delta - 1 / (2 * beta)).square();
-      break;
-    }
-  }
+  at::Tensor logps = at::zeros({2 * P}, tok.options()).index_add(0, b.seq, tok.neg() * b.completion);
+  if (orpo) logps = logps / b.lengths.clamp_min(1);  // (ORPO's log-probs are means over the completion)
   const at::Tensor nll = tok.masked_fill(b.seq >= P, 0).sum();
+  const double beta = p_.beta;
+  at::Tensor per_pair, rc, rr, extra;
+  if (orpo) {
+    const at::Tensor c = logps.narrow(0, 0, P), r = logps.narrow(0, P, P);
+    const at::Tensor log_odds = (c - r) - (log1mexp(c) - log1mexp(r));
+    const at::Tensor ratio = at::log_sigmoid(log_odds);
+    per_pair = -beta * ratio;
+    rc = beta * c.detach();
+    rr = beta * r.detach();
+    extra = at::stack({ratio.detach().sum(), log_odds.detach().sum()});
+  } else {
+    const at::Tensor chosen_lr = logps.narrow(0, 0, P) - ref.narrow(0, 0, P);
+    const at::Tensor rejected_lr = logps.narrow(0, P, P) - ref.narrow(0, P, P);
+    per_pair = dpo_loss(chosen_lr, rejected_lr, b);
+    rc = beta * chosen_lr.detach();
+    rr = beta * rejected_lr.detach();
+    extra = at::zeros({2}, rc.options());
+  }
   at::Tensor loss = per_pair.sum() / pairs;
-  if (p_.rpo_alpha) loss = loss + *p_.rpo_alpha * nll / std::max(chosen, 1.0);
-  const at::Tensor rc = beta * chosen_lr.detach(), rr = beta * rejected_lr.detach();
+  const std::optional<double> nll_weight = orpo ? std::optional(1.0) : p_.rpo_alpha;
+  if (nll_weight) loss = loss + *nll_weight * nll / std::max(chosen, 1.0);
+  const auto count = [&](double v) { return at::scalar_tensor(v, rc.options()); };
   const at::Tensor stats =
-      at::stack({at::scalar_tensor(static_cast<double>(P), rc.options()), per_pair.detach().sum(), nll.detach(),
-                 at::scalar_tensor(static_cast<double>(b.chosen_tokens), rc.options()), rc.sum(), rr.sum(),
-                 (rc > rr).sum().to(rc.scalar_type()), logps.detach().narrow(0, 0, P).sum(),
-                 logps.detach().narrow(0, P, P).sum()})
+      at::cat({at::stack({count(static_cast<double>(P)), per_pair.detach().sum(), nll.detach(),
+                          count(static_cast<double>(b.chosen_tokens)), rc.sum(), rr.sum(),
+                          (rc > rr).sum().to(rc.scalar_type()), logps.detach().narrow(0, 0, P).sum(),
+                          logps.detach().narrow(0, P, P).sum()}),
+               extra})
           .to(at::kDouble);
   return {loss, stats};
 }
 
+// TRL's DPO losses of each pair, from the log-ratios to the reference.
+at::Tensor PreferenceObjective::dpo_loss(const at::Tensor& chosen_lr, const at::Tensor& rejected_lr,
+                                         const PairBatch& b) const {
+  const double beta = p_.beta;
+  const int64_t P = b.pairs;
+  switch (p_.loss_type) {
+    case recipe::PreferenceLoss::Sigmoid: {
+      const at::Tensor z = beta * (chosen_lr - rejected_lr);
+      const double eps = p_.label_smoothing;
+      return -at::log_sigmoid(z) * (1 - eps) - at::log_sigmoid(-z) * eps;
+    }
+    case recipe::PreferenceLoss::Hinge:
+      return at::relu(1 - beta * (chosen_lr - rejected_lr));
+    case recipe::PreferenceLoss::Ipo: {  // per-token log-ratios (TRL's normalisation)
+      const at::Tensor delta =
+          chosen_lr / b.lengths.narrow(0, 0, P).clamp_min(1) - rejected_lr / b.lengths.narrow(0, P, P).clamp_min(1);
+      return (delta - 1 / (2 * beta)).square();
+    }
+  }
+  return {};
+}
+
 double PreferenceObjective::loss_of(const double* s) const {
   const double pairs = std::max(s[kPairs], 1.0);
-  return s[kLossSum] / pairs + (p_.rpo_alpha ? *p_.rpo_alpha * s[kNllSum] / std::max(s[kChosenTokens], 1.0) : 0.0);
+  const std::optional<double> nll_weight = objective_ == recipe::Objective::Orpo ? std::optional(1.0) : p_.rpo_alpha;
+  return s[kLossSum] / pairs + (nll_weight ? *nll_weight * s[kNllSum] / std::max(s[kChosenTokens], 1.0) : 0.0);
 }
 
 nlohmann::json PreferenceObjective::figures(const double* s, const std::string& prefix) const {
@@ -151,7 +191,12 @@ nlohmann::json PreferenceObjective::figures(const double* s, const std::string& 
                         {prefix + "rewards/margins", (s[kRewardChosen] - s[kRewardRejected]) / pairs},
                         {prefix + "logps/chosen", s[kLogpChosen] / pairs},
                         {prefix + "logps/rejected", s[kLogpRejected] / pairs}};
-  if (p_.rpo_alpha) out[prefix + "nll_loss"] = s[kNllSum] / std::max(s[kChosenTokens], 1.0);
+  const bool orpo = objective_ == recipe::Objective::Orpo;
+  if (orpo || p_.rpo_alpha) out[prefix + "nll_loss"] = s[kNllSum] / std::max(s[kChosenTokens], 1.0);
+  if (orpo) {
+    out[prefix + "log_odds_ratio"] = s[kLogOddsRatio] / pairs;
+    out[prefix + "log_odds_chosen"] = s[kLogOdds] / pairs;
+  }
   return out;
 }
 

@@ -1,6 +1,8 @@
 // train.objective: dpo: TRL 1.16's DPOTrainer losses (sigmoid, ipo, hinge; RPO's NLL term) over
 // pairs of a chosen and a rejected completion. The reference is the same model with its adapters
-// off, or set to lora.init_from's values: no second model in memory.
+// off, or set to lora.init_from's values: no second model in memory. train.objective: orpo:
+// TRL's ORPOTrainer (no reference): the chosen sequences' NLL minus beta x log sigmoid of the
+// log odds ratio of the mean completion log-probs.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -20,27 +22,31 @@ class CausalLM;
 namespace lorarun::train {
 
 // P pairs as 2P rows, the chosen sequences then the rejected (TRL's concatenated batch),
-// right-padded, one sequence a row.
+// right-padded, one sequence a row. With `whole_chosen` (ORPO's NLL) every position of a chosen
+// row is a target, its prompt's too.
 struct PairBatch {
   data::Batch rows;
-  at::Tensor seq;      // int64 [N]: the row of each scored position
-  at::Tensor lengths;  // float32 [2P]: each row's completion tokens
+  at::Tensor seq;         // int64 [N]: the row of each target
+  at::Tensor completion;  // float32 [N]: 1 where the target is a completion token
+  at::Tensor lengths;     // float32 [2P]: each row's completion tokens
   int64_t pairs = 0;
-  int64_t chosen_tokens = 0;  // scored positions in the chosen rows
+  int64_t chosen_tokens = 0;  // targets in the chosen rows
 };
-PairBatch collate_pairs(const std::vector<data::Example>& pairs, c10::Device device);
+PairBatch collate_pairs(const std::vector<data::Example>& pairs, c10::Device device, bool whole_chosen = false);
 
 // What a step (or an evaluation) sums over micro-batches and ranks, in this order (float64).
 enum PrefStat : int64_t {
   kPairs,
   kLossSum,       // the per-pair losses
-  kNllSum,        // the chosen completions' token losses
+  kNllSum,        // the chosen completions' token losses (orpo: the whole chosen sequences')
   kChosenTokens,  // their tokens
-  kRewardChosen,  // beta x (log p - log p_ref) of the chosen completions
+  kRewardChosen,  // beta x (log p - log p_ref) of the chosen completions (orpo: beta x mean token log p)
   kRewardRejected,
   kCorrect,  // pairs whose chosen reward is above the rejected one's
   kLogpChosen,
   kLogpRejected,
+  kLogOddsRatio,  // orpo: log sigmoid of the log odds ratio
+  kLogOdds,       // orpo: the log odds ratio
   kPrefStats
 };
 
@@ -58,6 +64,9 @@ class PreferenceObjective {
   // reference (without); `pairs` and `chosen` are the step's totals over every rank and micro-batch.
   Result forward(const PairBatch& b, double pairs, double chosen) const;
 
+  // Whether its batches score the chosen rows whole (collate_pairs' whole_chosen): ORPO's NLL.
+  bool whole_chosen() const { return objective_ == recipe::Objective::Orpo; }
+
   // The loss of summed stats: mean per-pair loss, plus rpo_alpha x the chosen tokens' mean NLL.
   double loss_of(const double* stats) const;
   // TRL's figures of summed stats: rewards/chosen, rewards/rejected, rewards/accuracies,
@@ -66,9 +75,11 @@ class PreferenceObjective {
 
  private:
   at::Tensor reference_logps(const PairBatch& b) const;
+  at::Tensor dpo_loss(const at::Tensor& chosen_lr, const at::Tensor& rejected_lr, const PairBatch& b) const;
   at::Tensor token_losses(const PairBatch& b) const;
 
   const recipe::PreferenceSection& p_;
+  const recipe::Objective objective_;  // dpo or orpo (no reference)
   model::CausalLM& m_;
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> reference_;  // the reference's adapter values; empty: the adapters off

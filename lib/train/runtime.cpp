@@ -98,7 +98,9 @@ Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const Runtim
       tokenizer(model::load_tokenizer(model.dir())) {
   model.check_tokenizer(tokenizer);
   model.check_length(r.data.max_length, fmt::format("data.max_length {}", r.data.max_length));
-  builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer);
+  builder = std::make_unique<data::ExampleBuilder>(
+      r.data, tokenizer, std::nullopt,
+      r.train.objective == recipe::Objective::Orpo ? data::PairTokens::Orpo : data::PairTokens::Dpo);
   docs = std::make_unique<data::Documents>(r.data, data::Holdout::training(r.eval.fraction));
   if (!o.eval_split || !r.eval.enabled(r.data.source)) return;
   // Read and built as training data is (the same builder); never a document training reads.

@@ -140,7 +140,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       m_(rt_.model),
       agree_(pg_, env.rank, env.world_size, rt_.device),
       params_(model::lora_parameters(m_)),
-      pref_(r.train.objective == recipe::Objective::Dpo
+      pref_(r.train.objective != recipe::Objective::Sft
                 ? std::optional<PreferenceObjective>(std::in_place, r, m_, params_)
                 : std::nullopt),
       opt_(params_, torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay)),
@@ -339,7 +339,7 @@ LocalSums Trainer::forward_backward_pairs(data::MicroBatches* batches) {
   std::vector<PairBatch> micro;
   double mine[2] = {0, 0};
   for (int a = 0; a < r_.train.gradient_accumulation_steps; ++a) {
-    micro.push_back(collate_pairs(examples(batches), rt_.device));
+    micro.push_back(collate_pairs(examples(batches), rt_.device, pref_->whole_chosen()));
     mine[0] += static_cast<double>(micro.back().pairs);
     mine[1] += static_cast<double>(micro.back().chosen_tokens);
   }

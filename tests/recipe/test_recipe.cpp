@@ -896,5 +896,8 @@ TEST_CASE("train.objective: dpo needs pairs, and the preference: keys belong to 
              Catch::Contains("data.chosen_field and data.rejected_field are both 'chosen'"));
   CHECK_THAT(error_of(pairs, {"train.objective=dpo", "preference.beta=0"}),
              Catch::Contains("preference.beta must be > 0"));
-  CHECK_THAT(error_of(pairs, {"train.objective=orpo"}), Catch::Contains("sft|dpo"));
+  CHECK(load(pairs, {"train.objective=orpo", "preference.beta=0.2"}).train.objective == Objective::Orpo);
+  CHECK_THAT(error_of(pairs, {"train.objective=orpo", "preference.loss_type=ipo"}),
+             Catch::Contains("train.objective is orpo, which has no reference and its own loss"));
+  CHECK_THAT(error_of(pairs, {"train.objective=ppo"}), Catch::Contains("sft|dpo|orpo"));
 }

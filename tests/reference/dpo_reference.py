@@ -1,4 +1,5 @@
-"""The preference reference: TRL 1.16's DPOTrainer doing what lora-train does with train.objective: dpo.
+"""The preference reference: TRL 1.16's DPOTrainer (and its experimental ORPOTrainer) doing what
+lora-train does with train.objective: dpo (orpo).
 
 usage: dpo_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
     a fresh PEFT adapter (all-linear; A Kaiming-uniform, B zero: the adapter adds nothing yet)
@@ -8,6 +9,7 @@ usage: dpo_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
     messages rendered with the model's chat template, or FILE.jinja's); RPO_ALPHA is a number or "none". Given a
     PeftModel, TRL freezes a copy of its starting adapter as the reference ("ref"): the base itself
     for a fresh adapter (B zero), INIT_DIR's adapter when it was trained.
+    LOSS_TYPE "orpo" trains ORPOTrainer instead (BETA its lambda; RPO_ALPHA "none").
     Trains STEPS steps of BATCH pairs in file order from INIT_DIR's adapter (constant LR, AdamW,
     max_grad_norm 1, no dropout) and compares, step by step, OURS_DIR/metrics.jsonl's loss and
     TRL's metrics (rewards/*, logps/*; RPO is TRL's loss_type [LOSS_TYPE, "sft"] with loss_weights
@@ -32,13 +34,14 @@ from safetensors.torch import load_file  # noqa: E402
 from torch.utils.data import SequentialSampler  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
+from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # noqa: E402
 
 FIGURES = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected"]
 
 
-class InOrder(DPOTrainer):
-    """DPOTrainer reading the pairs in file order (lora-train's data.shuffle: none), its losses kept."""
+class InOrderMixin:
+    """A trainer reading the pairs in file order (lora-train's data.shuffle: none), its losses kept."""
 
     losses = []
 
@@ -48,8 +51,16 @@ class InOrder(DPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if model.training:
-            self.losses.append((loss[0] if return_outputs else loss).item())
+            InOrderMixin.losses.append((loss[0] if return_outputs else loss).item())
         return loss
+
+
+class InOrder(InOrderMixin, DPOTrainer):
+    pass
+
+
+class InOrderOrpo(InOrderMixin, ORPOTrainer):
+    pass
 
 
 class Logged(TrainerCallback):
@@ -78,33 +89,37 @@ def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, l
         tok.pad_token = tok.eos_token
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
-    types, weights = [loss_type], [1.0]
-    if rpo != "none":
-        types, weights = [loss_type, "sft"], [1.0, float(rpo)]
+    common = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=1, learning_rate=lr,
+                  lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, weight_decay=0.0, max_grad_norm=1.0,
+                  logging_steps=1, report_to="none", save_strategy="no", beta=beta, max_length=max_length,
+                  bf16=False, fp16=False, use_cpu=True, seed=0, dataloader_num_workers=0)
     with tempfile.TemporaryDirectory() as out:
-        args = DPOConfig(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-                         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=steps,
-                         weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to="none", save_strategy="no",
-                         beta=beta, loss_type=types, loss_weights=weights, max_length=max_length, bf16=False,
-                         fp16=False, use_cpu=True, seed=0, dataloader_num_workers=0)
+        if loss_type == "orpo":
+            args, cls = ORPOConfig(output_dir=out, **common), InOrderOrpo
+        else:
+            types, weights = [loss_type], [1.0]
+            if rpo != "none":
+                types, weights = [loss_type, "sft"], [1.0, float(rpo)]
+            args, cls = DPOConfig(output_dir=out, loss_type=types, loss_weights=weights, **common), InOrder
         logged = Logged()
-        trainer = InOrder(model=model, args=args, train_dataset=dataset(data), processing_class=tok,
-                          callbacks=[logged])
-        InOrder.losses = []
+        trainer = cls(model=model, args=args, train_dataset=dataset(data), processing_class=tok, callbacks=[logged])
+        InOrderMixin.losses = []
         trainer.train()
     rows = [json.loads(line) for line in open(ours + "/metrics.jsonl")]
     got = [r for r in rows if "loss" in r and "eval_loss" not in r]
     # Each figure's difference relative to its largest magnitude over the run; a reward (beta times
-    # the difference of two float32 log-probability sums) relative to beta times those sums: a
-    # margin that crosses zero has no relative error of its own.
-    series = {"loss": (list(zip([r["loss"] for r in got], InOrder.losses)))}
-    for k in FIGURES:
+    # the difference of two float32 log-probability sums) relative to beta times those sums, and
+    # ORPO's log odds to the log-probabilities: a margin that crosses zero has no relative error of
+    # its own.
+    series = {"loss": (list(zip([r["loss"] for r in got], InOrderMixin.losses)))}
+    for k in FIGURES + (["nll_loss", "log_odds_ratio", "log_odds_chosen"] if loss_type == "orpo" else []):
         series[k] = [(mine[k], theirs[k]) for mine, theirs in zip(got, logged.rows)]
     worst, where = 0.0, ""
     for k, values in series.items():
         scale = max([1e-6] + [abs(b) for _, b in values])
-        if k.startswith("rewards/"):
-            scale = max([scale] + [beta * abs(r["logps/chosen"]) for r in logged.rows])
+        if k.startswith("rewards/") or k == "log_odds_chosen":  # (ORPO's log odds: log-probs' differences too)
+            weight = 1.0 if k == "log_odds_chosen" else beta
+            scale = max([scale] + [weight * abs(r["logps/chosen"]) for r in logged.rows])
         for i, (a, b) in enumerate(values):
             if abs(a - b) / scale > worst:
                 worst, where = abs(a - b) / scale, f"{k} at step {i + 1}: ours {a!r}, TRL {b!r}"
@@ -114,15 +129,15 @@ def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, l
     worst_w = max((mine[k] - v).abs().max().item() for k, v in want.items() if k in mine) / largest
     moved = max((v - load_file(init_dir + "/adapter_model.safetensors")[k]).abs().max().item()
                 for k, v in want.items())
-    ok = (len(got) == steps and len(logged.rows) == steps and len(InOrder.losses) == steps and set(mine) == set(want)
+    ok = (len(got) == steps and len(logged.rows) == steps and len(InOrderMixin.losses) == steps and set(mine) == set(want)
           and worst < loss_tol and worst_w < weight_tol and moved > 1e-4)
-    print(f"{loss_type} beta {beta} rpo {rpo} from {os.path.basename(init_dir)}: steps {len(InOrder.losses)} (ours {len(got)}); "
-          f"loss first {InOrder.losses[0]:.6f} last {InOrder.losses[-1]:.6f}; worst relative figure diff {worst:.2e}"
+    print(f"{loss_type} beta {beta} rpo {rpo} from {os.path.basename(init_dir)}: steps {len(InOrderMixin.losses)} (ours {len(got)}); "
+          f"loss first {InOrderMixin.losses[0]:.6f} last {InOrderMixin.losses[-1]:.6f}; worst relative figure diff {worst:.2e}"
           f" ({where}); worst weight diff {worst_w:.2e} of the largest; largest weight change {moved:.2e}")
     print("match" if ok else "MISMATCH")
-    oracle.report(match=ok, steps=len(InOrder.losses), our_steps=len(got), worst_relative_figure_diff=worst,
+    oracle.report(match=ok, steps=len(InOrderMixin.losses), our_steps=len(got), worst_relative_figure_diff=worst,
                   worst_relative_weight_diff=worst_w, largest_weight_change=moved,
-                  first_loss=InOrder.losses[0], last_loss=InOrder.losses[-1],
+                  first_loss=InOrderMixin.losses[0], last_loss=InOrderMixin.losses[-1],
                   last_accuracy=logged.rows[-1]["rewards/accuracies"] if logged.rows else math.nan)
     return 0 if ok else 1
 

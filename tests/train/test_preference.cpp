@@ -65,8 +65,8 @@ std::vector<nlohmann::json> train_rows(const std::string& run_dir) {
 }  // namespace
 
 TEST_CASE(
-    "dpo: lora-train equals TRL's DPOTrainer step by step: sigmoid, ipo, hinge, RPO, lora.init_from as the "
-    "reference, and conversations",
+    "dpo and orpo: lora-train equals TRL's DPOTrainer and ORPOTrainer step by step: sigmoid, ipo, hinge, RPO, "
+    "lora.init_from as the reference, and conversations",
     "[e2e][reference][preference]") {
   const std::string dir = temp_dir("dpo-trl");
   write_pairs(dir + "/pairs.jsonl", 20);  // 10 steps of 2 pairs
@@ -108,17 +108,22 @@ TEST_CASE(
                              fmt::format("data.chat_format=template data.chat_template={}", role_tags),
                              fmt::format("--chat-template={}", role_tags)},
                         Case{"sigmoid", "0.1", "none", "fresh", "conversations", "data.chat_format=chatml",
+                             fmt::format("--chat-template={}/chatml.jinja", dir)},
+                        Case{"orpo", "0.1", "none", "trained"},
+                        Case{"orpo", "0.2", "none", "trained", "conversations", "data.chat_format=chatml",
                              fmt::format("--chat-template={}/chatml.jinja", dir)}}) {
     const std::string format = c.ours.empty()                               ? ""
                                : c.ours.find("chatml") != std::string::npos ? "-chatml"
                                                                             : "-template";
     const std::string name = fmt::format("{}-{}-{}-{}{}", c.loss, c.rpo, c.init, c.data, format);
     INFO(name);
-    const std::string preference = fmt::format("beta: {}, loss_type: {}{}", c.beta, c.loss,
-                                               c.rpo == "none" ? "" : fmt::format(", rpo_alpha: {}", c.rpo));
+    const bool orpo = c.loss == "orpo";  // (TRL's ORPOTrainer: beta is its lambda, no loss type)
+    const std::string preference = orpo ? fmt::format("beta: {}", c.beta)
+                                        : fmt::format("beta: {}, loss_type: {}{}", c.beta, c.loss,
+                                                      c.rpo == "none" ? "" : fmt::format(", rpo_alpha: {}", c.rpo));
     const std::string recipe = write_dpo_recipe(dir, name, "epochs: 1, lr: 5.0e-3", preference, ", batch_size: 2");
-    const Result t = sh(fmt::format("{} {} lora.init_from={}/{} data.path={}/{}.jsonl {}", bin("lora-train"), recipe,
-                                    dir, c.init, dir, c.data, c.ours));
+    const Result t = sh(fmt::format("{} {} lora.init_from={}/{} data.path={}/{}.jsonl {} {}", bin("lora-train"), recipe,
+                                    dir, c.init, dir, c.data, c.ours, orpo ? "train.objective=orpo" : ""));
     INFO(t.output);
     REQUIRE(t.status == 0);
     const Oracle ref =
