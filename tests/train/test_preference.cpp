@@ -247,3 +247,40 @@ TEST_CASE(
     CHECK(!std::filesystem::exists(dir + "/never/epoch_0"));
   }
 }
+
+TEST_CASE("dpo composes: activation checkpointing and dist.shard_base on 2 ranks give the same run, QLoRA trains",
+          "[e2e][preference]") {
+  const std::string dir = temp_dir("dpo-compose");
+  write_pairs(dir + "/pairs.jsonl", 16);
+  REQUIRE(sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {}/llama {}/trained 4 8 7", LORARUN_PYTHON,
+                         LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir))
+              .status == 0);
+  const std::string recipe =
+      write_dpo_recipe(dir, "plain", "epochs: 1, lr: 5.0e-3", "beta: 0.3, rpo_alpha: 0.5", ", batch_size: 2");
+  const auto run = [&](const std::string& name, int ranks, const std::string& overrides = "") {
+    const Result t =
+        sh(fmt::format("{} --nproc-per-node {} {} lora.init_from={}/trained checkpoint.output_dir={}/{} {}",
+                       bin("lorarun"), ranks, recipe, dir, dir, name, overrides));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    return train_rows(dir + "/" + name);
+  };
+  const std::vector<nlohmann::json> plain = run("plain", 1);
+  const std::vector<nlohmann::json> recompute = run("recompute", 1, "train.activation_checkpointing=true");
+  const std::vector<nlohmann::json> sharded = run("sharded", 2, "dist.shard_base=true data.batch_size=1");
+  const std::vector<nlohmann::json> qlora = run("qlora", 1, "lora.quantize_base=true");
+  REQUIRE(plain.size() == 8);
+  REQUIRE(sharded.size() == 8);
+  for (size_t i = 0; i < plain.size(); ++i) {
+    CHECK(recompute[i].at("loss") == plain[i].at("loss"));
+    CHECK(recompute[i].at("rewards/margins") == plain[i].at("rewards/margins"));
+    CHECK(sharded[i].at("loss").get<double>() == Approx(plain[i].at("loss").get<double>()).epsilon(1e-6));
+  }
+  CHECK(adapter_diff(dir + "/plain/epoch_0/adapter_model.safetensors",
+                     dir + "/recompute/epoch_0/adapter_model.safetensors") == 0);
+  CHECK(adapter_diff(dir + "/plain/epoch_0/adapter_model.safetensors",
+                     dir + "/sharded/epoch_0/adapter_model.safetensors") < 1e-6);
+  REQUIRE(qlora.size() == 8);
+  CHECK(qlora.back().at("loss").get<double>() != plain.back().at("loss").get<double>());  // (an NF4 base)
+  CHECK(std::isfinite(qlora.back().at("rewards/margins").get<double>()));
+}
