@@ -326,13 +326,24 @@ void print_preview(const Dataset& d, int64_t position, const data::Found& doc, c
   fmt::print("── {}  {} tokens, {} trained{}\n{}\n\n", where(position, doc), e.ids.size(), trained_tokens(e),
              e.truncated ? fmt::format(" (truncated to data.max_length {})", d.recipe.data.max_length) : "",
              render(d.tokenizer, e, colour));
+  if (!e.pair()) return;
+  data::Example rejected;
+  rejected.ids = e.rejected_ids;
+  rejected.labels = e.rejected_labels;
+  fmt::print("── {}  rejected: {} tokens, {} scored\n{}\n\n", where(position, doc), rejected.ids.size(),
+             trained_tokens(rejected), render(d.tokenizer, rejected, colour));
 }
 
 // {"position", "ids", "labels"} or {"position", "rejected"}, keys in that order.
 nlohmann::ordered_json preview_json(int64_t position, const data::Built& built) {
   if (const auto* r = std::get_if<data::Rejection>(&built)) return {{"position", position}, {"rejected", r->reason}};
   const auto& e = std::get<data::Example>(built);
-  return {{"position", position}, {"ids", e.ids}, {"labels", e.labels}};
+  nlohmann::ordered_json out = {{"position", position}, {"ids", e.ids}, {"labels", e.labels}};
+  if (e.pair()) {  // (a preference pair: ids and labels are prompt + chosen)
+    out["rejected_ids"] = e.rejected_ids;
+    out["rejected_labels"] = e.rejected_labels;
+  }
+  return out;
 }
 
 void preview(int64_t n, const RecipeArgs& a) {

@@ -29,6 +29,7 @@
 #include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "train/evaluate.hpp"
+#include "train/preference.hpp"
 #include "train/runtime.hpp"
 
 namespace {
@@ -98,6 +99,30 @@ void report(int64_t documents, int64_t tokens, double mean, int64_t skipped, boo
              std::exp(mean), skipped ? fmt::format(" ({} documents with no token to score skipped)", skipped) : "");
 }
 
+// A preference recipe's reference for the adapter `m` holds: lora.init_from's values (loaded over
+// the adapter's, copied out, the adapter's put back), or none (the adapters off) without it.
+std::vector<at::Tensor> reference_values(model::CausalLM& m, const recipe::Recipe& r) {
+  if (r.lora.init_from.empty()) return {};
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> evaluated;
+  for (const at::Tensor& p : model::lora_parameters(m)) evaluated.push_back(p.detach().clone());
+  model::load_adapter(m, r.lora.init_from, evaluated.empty() ? at::kFloat : evaluated[0].scalar_type());
+  const std::vector<at::Tensor> now = model::lora_parameters(m);
+  bool same = now.size() == evaluated.size();
+  for (size_t i = 0; same && i < now.size(); ++i) same = now[i].sizes() == evaluated[i].sizes();
+  if (!same)
+    throw Error(
+        fmt::format("lora.init_from {} (the preference reference) adapts other layers or ranks than the "
+                    "adapter evaluated: give the recipe its training run used",
+                    r.lora.init_from));
+  std::vector<at::Tensor> reference;
+  for (size_t i = 0; i < now.size(); ++i) {
+    reference.push_back(now[i].detach().clone());
+    now[i].detach().copy_(evaluated[i]);
+  }
+  return reference;
+}
+
 // --recipe: what lora-eval needs besides the recipe.
 struct RecipeEval {
   std::string recipe, adapter, split = "eval", per_doc;
@@ -125,11 +150,17 @@ int eval_recipe(const RecipeEval& a) {
   const auto per_doc = [&](const std::string& id, int64_t tokens, double loss) {
     lines += nlohmann::json{{"id", id}, {"tokens", tokens}, {"loss", loss / static_cast<double>(tokens)}}.dump() + "\n";
   };
-  const train::EvalSums mine = train::eval_shard(rt.model, docs, *rt.builder, r, env.rank, env.world_size, rt.device,
-                                                 a.per_doc.empty() ? train::PerDocument{} : per_doc);
-  at::Tensor sums =
-      at::tensor({mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)}, at::kDouble)
-          .to(rt.device);
+  std::optional<train::PreferenceObjective> pref;
+  if (r.train.objective != recipe::Objective::Sft) {
+    if (!a.per_doc.empty()) throw Error("--per-doc scores documents, not preference pairs: drop it");
+    pref.emplace(r, rt.model, model::lora_parameters(rt.model), reference_values(rt.model, r));
+  }
+  const train::EvalSums mine =
+      train::eval_shard(rt.model, docs, *rt.builder, r, env.rank, env.world_size, rt.device,
+                        a.per_doc.empty() ? train::PerDocument{} : per_doc, {}, pref ? &*pref : nullptr);
+  std::vector<double> all = {mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)};
+  all.insert(all.end(), mine.pref.begin(), mine.pref.end());
+  at::Tensor sums = at::tensor(all, at::kDouble).to(rt.device);
   if (env.world_size > 1) {
     dist::ProcessGroup pg(env, dist::backend_of(r.dist.backend, train::uses_cuda(r)),
                           std::chrono::seconds(r.dist.timeout_s));
@@ -144,8 +175,24 @@ int eval_recipe(const RecipeEval& a) {
                     "data.overlong and the documents' fields)",
                     rt.eval ? rt.eval->describe() : rt.docs->describe(), static_cast<int64_t>(t[3]), docs.size()));
   if (!a.per_doc.empty()) io::write_file_atomic(a.per_doc, lines);
-  if (env.rank == 0)
-    report(static_cast<int64_t>(t[2]), static_cast<int64_t>(t[1]), t[0] / t[1], static_cast<int64_t>(t[3]), a.as_json);
+  if (env.rank != 0) return 0;
+  if (pref) {  // the preference loss and TRL's figures
+    const nlohmann::json figures = pref->figures(t + 4);
+    nlohmann::json row = figures;
+    row["loss"] = pref->loss_of(t + 4);
+    row["pairs"] = static_cast<int64_t>(t[4 + train::kPairs]);
+    row["skipped"] = static_cast<int64_t>(t[3]);
+    if (a.as_json) {
+      fmt::print("{}\n", row.dump());
+    } else {
+      std::string line = fmt::format("pairs {}, {} loss {:.6f}", row["pairs"].get<int64_t>(),
+                                     recipe::name(r.train.objective), row["loss"].get<double>());
+      for (const auto& [key, value] : figures.items()) line += fmt::format(", {} {:.6f}", key, value.get<double>());
+      fmt::print("{}{}\n", line, t[3] > 0 ? fmt::format(" ({} pairs skipped)", static_cast<int64_t>(t[3])) : "");
+    }
+    return 0;
+  }
+  report(static_cast<int64_t>(t[2]), static_cast<int64_t>(t[1]), t[0] / t[1], static_cast<int64_t>(t[3]), a.as_json);
   return 0;
 }
 

@@ -53,11 +53,15 @@ bool identity(const std::vector<at::Tensor>& params) {
 }  // namespace
 
 PreferenceObjective::PreferenceObjective(const recipe::Recipe& r, model::CausalLM& m,
-                                         const std::vector<at::Tensor>& params)
+                                         const std::vector<at::Tensor>& params,
+                                         const std::optional<std::vector<at::Tensor>>& reference)
     : p_(r.preference), objective_(r.train.objective), m_(m), params_(params) {
-  if (objective_ == recipe::Objective::Orpo || r.lora.init_from.empty() || identity(params)) return;
+  const std::vector<at::Tensor>& values = reference                  ? *reference
+                                          : r.lora.init_from.empty() ? std::vector<at::Tensor>{}
+                                                                     : params;
+  if (objective_ == recipe::Objective::Orpo || values.empty() || identity(values)) return;
   c10::NoGradGuard no_grad;
-  for (const at::Tensor& t : params) reference_.push_back(t.detach().clone());
+  for (const at::Tensor& t : values) reference_.push_back(t.detach().clone());
 }
 
 // [N] -log p of each scored token, with gradient when the model's parameters want it.

@@ -8,6 +8,7 @@
 #include <c10/core/Device.h>
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,7 +55,9 @@ class PreferenceObjective {
  public:
   // `params` are the model's LoRA parameters; when lora.init_from gave them values other than the
   // identity (some B not zero), those values, read now, before any resume, are the reference.
-  PreferenceObjective(const recipe::Recipe& r, model::CausalLM& m, const std::vector<at::Tensor>& params);
+  // `reference`, when given, are the reference's values instead (none: the adapters off).
+  PreferenceObjective(const recipe::Recipe& r, model::CausalLM& m, const std::vector<at::Tensor>& params,
+                      const std::optional<std::vector<at::Tensor>>& reference = std::nullopt);
 
   struct Result {
     at::Tensor loss;   // float32 scalar with gradient: the per-pair losses / `pairs` (+ rpo_alpha x NLL / `chosen`)

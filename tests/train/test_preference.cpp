@@ -231,6 +231,16 @@ TEST_CASE(
   CHECK(evals[0].at("eval_documents") == 4);
   CHECK(evals[0].at("eval_rewards/accuracies").get<double>() >= 0);
   CHECK(evals[0].contains("eval_rewards/margins"));
+  // lora-eval --recipe scores the epoch's adapter on the same split: the figures of that evaluation.
+  const Result scored = sh(fmt::format("{} --recipe {} --adapter {}/b/epoch_0 --json eval.path={}/eval.jsonl",
+                                       bin("lora-eval"), recipe, dir, dir));
+  INFO(scored.output);
+  REQUIRE(scored.status == 0);
+  const auto got = nlohmann::json::parse(lines_with(scored.output, "\"pairs\"").at(0));
+  CHECK(got.at("pairs") == 4);
+  CHECK(got.at("loss").get<double>() == Approx(evals[0].at("eval_loss").get<double>()).epsilon(1e-9));
+  for (const char* key : {"rewards/accuracies", "rewards/margins", "logps/chosen"})
+    CHECK(got.at(key).get<double>() == Approx(evals[0].at(std::string("eval_") + key).get<double>()).epsilon(1e-9));
 
   // Recipes that cannot train pairs: one line each, nothing written.
   for (const auto& [override_, says] :
