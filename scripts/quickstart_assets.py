@@ -12,6 +12,9 @@ usage: quickstart_assets.py OUT_DIR
   OUT_DIR/heldout_chat.jsonl the same 48 questions as chat documents: the recipe's eval split
   OUT_DIR/prompt_N.txt   three held-out prompts (ChatML) for lora-generate, N = 0, 1, 2, and
   OUT_DIR/prompt_N.expected their right answers
+  OUT_DIR/pairs.jsonl    {"prompt": [user], "chosen": [assistant: the code], "rejected": [assistant: a near
+                         miss]}: configs/smollm2-dpo.yaml's preference pairs (scripts/preference-example)
+  OUT_DIR/heldout_pairs.jsonl the held-out questions as pairs, their near misses drawn alike
 """
 import itertools
 import json
@@ -41,6 +44,31 @@ def order(rng, pairs):
     return " and ".join(words), "LQ-" + "+".join(codes)
 
 
+def near_miss(rng, code):
+    """The code with one thing wrong: an item's colour or item code swapped for another, or its quantity."""
+    items = code[3:].split("+")
+    k = rng.randrange(len(items))
+    n, colour_item = items[k][0], items[k][1:]
+    colour, item = colour_item.split("-")
+    what = rng.choice(("colour", "item", "quantity"))
+    if what == "colour":
+        colour = rng.choice([c for c in COLOURS.values() if c != colour])
+    elif what == "item":
+        item = rng.choice([i for i in ITEMS.values() if i != item])
+    else:
+        n = str(rng.choice([q for q in range(1, 10) if str(q) != n]))
+    items[k] = f"{n}{colour}-{item}"
+    return "LQ-" + "+".join(items)
+
+
+def write_pairs(path, rng, questions):
+    with open(path, "w") as f:
+        for question, code in questions:
+            f.write(json.dumps({"prompt": [{"role": "user", "content": question}],
+                                "chosen": [{"role": "assistant", "content": code}],
+                                "rejected": [{"role": "assistant", "content": near_miss(rng, code)}]}) + "\n")
+
+
 def chatml_prompt(question):
     return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -52,10 +80,12 @@ def main():
     pairs = list(itertools.product(COLOURS, ITEMS))
     rng.shuffle(pairs)
     held_pairs, train_pairs = pairs[:8], pairs[8:]  # 8 colour/item pairs never seen in training
+    trained = []
     with open(os.path.join(out, "train.jsonl"), "w") as f:
         for _ in range(480):
             words, code = order(rng, train_pairs)
             question = rng.choice(ASKS).format(words)
+            trained.append((question, code))
             f.write(json.dumps({"messages": [{"role": "user", "content": question},
                                              {"role": "assistant", "content": code}]}) + "\n")
     held = []
@@ -69,6 +99,9 @@ def main():
         for question, code in held:
             f.write(json.dumps({"messages": [{"role": "user", "content": question},
                                              {"role": "assistant", "content": code}]}) + "\n")
+    # (their own generator: the files above stay as they were)
+    write_pairs(os.path.join(out, "pairs.jsonl"), random.Random(11), trained)
+    write_pairs(os.path.join(out, "heldout_pairs.jsonl"), random.Random(12), held)
     for i, (question, code) in enumerate(held[:3]):
         with open(os.path.join(out, f"prompt_{i}.txt"), "w") as f:
             f.write(chatml_prompt(question))

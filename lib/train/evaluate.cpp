@@ -89,7 +89,7 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
     if (pref) {
       const PairBatch pb = collate_pairs(batch, device, pref->whole_chosen());
       if (pb.pairs == 0) {
-        if (join) m.idle_pass(false, false);  // (the reference's pass and the policy's, each a gather)
+        if (join && pref->has_reference()) m.idle_pass(false, false);  // (the reference's pass, then the policy's)
         if (join) m.idle_pass(false, false);
         continue;
       }

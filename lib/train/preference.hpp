@@ -69,6 +69,8 @@ class PreferenceObjective {
 
   // Whether its batches score the chosen rows whole (collate_pairs' whole_chosen): ORPO's NLL.
   bool whole_chosen() const { return objective_ == recipe::Objective::Orpo; }
+  // Whether forward() runs a reference pass before the policy's (DPO; ORPO has none).
+  bool has_reference() const { return objective_ == recipe::Objective::Dpo; }
 
   // The loss of summed stats: mean per-pair loss, plus rpo_alpha x the chosen tokens' mean NLL.
   double loss_of(const double* stats) const;

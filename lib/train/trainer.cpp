@@ -62,7 +62,7 @@ struct StepResult {
   bool stop = false;         // some rank was asked to stop
   bool data_failed = false;  // some rank lost its data source: nothing of this step was applied
   bool taken_over = false;   // another process holds the run record's lease now: stop, writing nothing
-  nlohmann::json figures = nlohmann::json::object();  // the objective's own (train.objective: dpo)
+  nlohmann::json figures = nlohmann::json::object();  // the objective's own (train.objective: dpo, orpo)
 };
 
 // What this rank's micro-batches of one step added up to, before the ranks compare.
@@ -71,7 +71,7 @@ struct LocalSums {
   int64_t tokens = 0;  // trained tokens
   int64_t real = 0;    // document tokens
   int64_t slots = 0;   // row slots (padding included)
-  at::Tensor pref;     // train.objective: dpo: float64 [kPrefStats]; `loss` and the gradients are then
+  at::Tensor pref;     // train.objective: dpo, orpo: float64 [kPrefStats]; `loss` and the gradients are then
                        // already divided by the step's pairs (see forward_backward_pairs)
 };
 
@@ -107,7 +107,7 @@ class Trainer {
   model::CausalLM& m_;  // rt_'s
   const Agreement agree_;
   std::vector<at::Tensor> params_;
-  std::optional<PreferenceObjective> pref_;  // train.objective: dpo
+  std::optional<PreferenceObjective> pref_;  // train.objective: dpo, orpo
   torch::optim::AdamW opt_;
   dist::GradBuckets sync_;
   Checkpointer ckpt_;
@@ -354,7 +354,7 @@ LocalSums Trainer::forward_backward_pairs(data::MicroBatches* batches) {
     sums.slots += b.rows.slots;
     if (b.pairs == 0) {  // the others' reference and policy passes, joined
       if (m_.base_sharded() && env_.world_size > 1) {
-        m_.idle_pass(false, false);
+        if (pref_->has_reference()) m_.idle_pass(false, false);
         m_.idle_pass(true, false);
       }
       continue;

@@ -1,7 +1,7 @@
 """The preference reference: TRL 1.16's DPOTrainer (and its experimental ORPOTrainer) doing what
 lora-train does with train.objective: dpo (orpo).
 
-usage: dpo_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
+usage: dpo_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED          (MODEL_DIR may be a .gguf file)
     a fresh PEFT adapter (all-linear; A Kaiming-uniform, B zero: the adapter adds nothing yet)
        dpo_reference.py check MODEL_DIR INIT_DIR DATA.jsonl OURS_DIR LOSS_TYPE BETA RPO_ALPHA STEPS BATCH LR
                               MAX_LENGTH [LOSS_TOL WEIGHT_TOL] [--chat-template=FILE.jinja]
@@ -72,6 +72,17 @@ class Logged(TrainerCallback):
             self.rows.append(dict(logs))
 
 
+def load(model_dir):
+    """(transformers' model in float32, its tokenizer) of a HF directory or a .gguf file."""
+    if model_dir.endswith(".gguf"):
+        where, name = os.path.dirname(os.path.abspath(model_dir)), os.path.basename(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+        # (its tensors are dequantised to float32: the GGUF mark only makes Trainer refuse to train it)
+        model.hf_quantizer, model.is_quantized = None, False
+        return model, AutoTokenizer.from_pretrained(where, gguf_file=name)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(model_dir)
+
+
 def dataset(path):
     docs = [json.loads(line) for line in open(path) if line.strip()]
     columns = {k: [d[k] for d in docs] for k in ("prompt", "chosen", "rejected")}
@@ -82,12 +93,11 @@ def dataset(path):
 def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, lr, max_length, loss_tol=1e-5,
           weight_tol=1e-4, chat_template=None):
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    base, tok = load(model_dir)
     if chat_template:
         tok.chat_template = open(chat_template).read()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
     common = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=1, learning_rate=lr,
                   lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, weight_decay=0.0, max_grad_norm=1.0,
@@ -145,7 +155,7 @@ def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, l
 def init(model_dir, out_dir, r, alpha, seed):
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base, _ = load(model_dir)
     get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0)) \
         .save_pretrained(out_dir)
     return 0

@@ -294,3 +294,37 @@ TEST_CASE("dpo composes: activation checkpointing and dist.shard_base on 2 ranks
   CHECK(qlora.back().at("loss").get<double>() != plain.back().at("loss").get<double>());  // (an NF4 base)
   CHECK(std::isfinite(qlora.back().at("rewards/margins").get<double>()));
 }
+
+TEST_CASE("dpo on SmolLM2 from its GGUF equals TRL's DPOTrainer step by step, from a trained adapter as the reference",
+          "[e2e][reference][preference][gguf]") {
+  const std::string smollm2 =
+      std::string(LORARUN_SOURCE_DIR) + "/.fixtures/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!std::filesystem::exists(smollm2)) FAIL(smollm2 << " is missing: run scripts/setup (or scripts/fetch-models)");
+  const std::string dir = temp_dir("dpo-smollm2");
+  write_pairs(dir + "/pairs.jsonl", 10);  // 5 steps of 2 pairs
+  REQUIRE(sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {} {}/trained 4 8 7", LORARUN_PYTHON,
+                         LORARUN_SOURCE_DIR, smollm2, dir))
+              .status == 0);
+  const std::string recipe =
+      write_dpo_recipe(dir, "s", "epochs: 1, lr: 1.0e-4", "beta: 0.1, rpo_alpha: 0.5", ", batch_size: 2");
+  const Result t =
+      sh(fmt::format("{} {} model.path={} lora.init_from={}/trained", bin("lora-train"), recipe, smollm2, dir));
+  INFO(t.output);
+  REQUIRE(t.status == 0);
+  // Every figure within 1e-5; the adapter within 2e-3 of its largest weight: AdamW moves a weight
+  // whose gradient is rounding noise by about lr either way (measured here: figures 2.8e-6, adapter
+  // 7.8e-4 at lr 1e-4 and 7.7e-3 at lr 1e-3, in proportion to lr), where a wrong gradient would show
+  // in the figures of the steps after it.
+  const Oracle ref =
+      oracle(fmt::format("'{}' '{}/tests/reference/dpo_reference.py' check {} {}/trained {}/pairs.jsonl "
+                         "{}/s sigmoid 0.1 0.5 5 2 1e-4 64 1e-5 2e-3",
+                         LORARUN_PYTHON, LORARUN_SOURCE_DIR, smollm2, dir, dir, dir));
+  INFO(ref.run.output);
+  CHECK(ref.run.status == 0);
+  CHECK(ref.fields.value("match", false));
+  WARN(fmt::format(
+      "SmolLM2 DPO + RPO: loss {:.6f} -> {:.6f}, worst relative figure difference {:.2e}, adapter {:.2e} of "
+      "its largest weight",
+      ref.fields.value("first_loss", 0.0), ref.fields.value("last_loss", 0.0),
+      ref.fields.value("worst_relative_figure_diff", 1.0), ref.fields.value("worst_relative_weight_diff", 1.0)));
+}
