@@ -62,6 +62,18 @@ std::vector<nlohmann::json> train_rows(const std::string& run_dir) {
   return rows;
 }
 
+// Runs the TRL oracle `cmd`, requires its match and shows what it measured for `name`.
+void check_against_trl(const std::string& cmd, const std::string& name) {
+  const Oracle ref = oracle(cmd);
+  INFO(ref.run.output);
+  CHECK(ref.run.status == 0);
+  CHECK(ref.fields.value("match", false));
+  WARN(fmt::format(
+      "{}: loss {:.6f} -> {:.6f}, worst relative figure difference {:.2e}, adapter {:.2e} of its largest weight", name,
+      ref.fields.value("first_loss", 0.0), ref.fields.value("last_loss", 0.0),
+      ref.fields.value("worst_relative_figure_diff", 1.0), ref.fields.value("worst_relative_weight_diff", 1.0)));
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -126,17 +138,10 @@ TEST_CASE(
                                     dir, c.init, dir, c.data, c.ours, orpo ? "train.objective=orpo" : ""));
     INFO(t.output);
     REQUIRE(t.status == 0);
-    const Oracle ref =
-        oracle(fmt::format("{} check {}/llama {}/{} {}/{}.jsonl {}/{} {} {} {} 10 2 5e-3 64 {}", script,
-                           LORARUN_MODEL_FIXTURES, dir, c.init, dir, c.data, dir, name, c.loss, c.beta, c.rpo, c.trl));
-    INFO(ref.run.output);
-    CHECK(ref.run.status == 0);
-    CHECK(ref.fields.value("match", false));
-    WARN(fmt::format(
-        "{}: loss {:.6f} -> {:.6f}, worst relative figure difference {:.2e}, adapter {:.2e} of its "
-        "largest weight",
-        name, ref.fields.value("first_loss", 0.0), ref.fields.value("last_loss", 0.0),
-        ref.fields.value("worst_relative_figure_diff", 1.0), ref.fields.value("worst_relative_weight_diff", 1.0)));
+    check_against_trl(
+        fmt::format("{} check {}/llama {}/{} {}/{}.jsonl {}/{} {} {} {} 10 2 5e-3 64 {}", script,
+                    LORARUN_MODEL_FIXTURES, dir, c.init, dir, c.data, dir, name, c.loss, c.beta, c.rpo, c.trl),
+        name);
   }
 }
 
@@ -315,16 +320,8 @@ TEST_CASE("dpo on SmolLM2 from its GGUF equals TRL's DPOTrainer step by step, fr
   // whose gradient is rounding noise by about lr either way (measured here: figures 2.8e-6, adapter
   // 7.8e-4 at lr 1e-4 and 7.7e-3 at lr 1e-3, in proportion to lr), where a wrong gradient would show
   // in the figures of the steps after it.
-  const Oracle ref =
-      oracle(fmt::format("'{}' '{}/tests/reference/dpo_reference.py' check {} {}/trained {}/pairs.jsonl "
-                         "{}/s sigmoid 0.1 0.5 5 2 1e-4 64 1e-5 2e-3",
-                         LORARUN_PYTHON, LORARUN_SOURCE_DIR, smollm2, dir, dir, dir));
-  INFO(ref.run.output);
-  CHECK(ref.run.status == 0);
-  CHECK(ref.fields.value("match", false));
-  WARN(fmt::format(
-      "SmolLM2 DPO + RPO: loss {:.6f} -> {:.6f}, worst relative figure difference {:.2e}, adapter {:.2e} of "
-      "its largest weight",
-      ref.fields.value("first_loss", 0.0), ref.fields.value("last_loss", 0.0),
-      ref.fields.value("worst_relative_figure_diff", 1.0), ref.fields.value("worst_relative_weight_diff", 1.0)));
+  check_against_trl(fmt::format("'{}' '{}/tests/reference/dpo_reference.py' check {} {}/trained {}/pairs.jsonl "
+                                "{}/s sigmoid 0.1 0.5 5 2 1e-4 64 1e-5 2e-3",
+                                LORARUN_PYTHON, LORARUN_SOURCE_DIR, smollm2, dir, dir, dir),
+                    "SmolLM2 DPO + RPO");
 }
