@@ -12,6 +12,7 @@
 #include <set>
 
 #include "io/files.hpp"
+#include "model/dora.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
 #include "recipe/recipe.hpp"
@@ -69,6 +70,7 @@ void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::Scal
         at::zeros({out, cfg.r}, at::TensorOptions().dtype(dtype).device(model.device())).set_requires_grad(true);
     l->scaling = cfg.scaling();
     l->dropout = cfg.dropout;
+    if (cfg.use_dora) attach_dora(*l);
     ++matched;
   }
   if (matched == 0) {
@@ -84,7 +86,10 @@ void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::Scal
 std::vector<at::Tensor> lora_parameters(const CausalLM& model) {
   std::vector<at::Tensor> out;
   for (const Linear* l : model.linears())
-    if (l->adapted()) out.insert(out.end(), {l->lora_a, l->lora_b});
+    if (l->adapted()) {
+      out.insert(out.end(), {l->lora_a, l->lora_b});
+      if (l->dora()) out.push_back(l->magnitude);
+    }
   return out;
 }
 
@@ -94,6 +99,7 @@ std::vector<std::pair<std::string, at::Tensor>> lora_state(const CausalLM& model
     if (l->adapted()) {
       out.emplace_back(kPrefix + l->name + ".lora_A.weight", l->lora_a);
       out.emplace_back(kPrefix + l->name + ".lora_B.weight", l->lora_b);
+      if (l->dora()) out.emplace_back(kPrefix + l->name + ".lora_magnitude_vector", l->magnitude);
     }
   return out;
 }
@@ -137,7 +143,7 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
       {"revision", nullptr},
       {"target_modules", targets},
       {"task_type", "CAUSAL_LM"},
-      {"use_dora", false},
+      {"use_dora", cfg.use_dora},
       {"use_rslora", cfg.use_rslora},
   };
   fs::create_directories(dir);
@@ -171,7 +177,6 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
   };
   if (field("peft_type") != "LORA")
     throw Error(fmt::format("{}: peft_type {} is not LORA", where, j["peft_type"].dump()));
-  if (j.value("use_dora", false)) throw Error(fmt::format("{}: DoRA adapters are not supported", where));
   for (const char* key : {"rank_pattern", "alpha_pattern"})
     if (j.contains(key) && j[key].is_object() && !j[key].empty())
       throw Error(fmt::format("{}: {} is not supported (one r and alpha for all layers)", where, key));
@@ -181,6 +186,7 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
     cfg.alpha = field("lora_alpha").get<double>();
     cfg.dropout = j.value("lora_dropout", 0.0);
     cfg.use_rslora = j.value("use_rslora", false);
+    cfg.use_dora = j.value("use_dora", false);
     cfg.base_model_name_or_path = j.value("base_model_name_or_path", nlohmann::json("")).is_string()
                                       ? j["base_model_name_or_path"].get<std::string>()
                                       : "";
@@ -195,14 +201,15 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
   const WeightFiles files = WeightFiles::open_file(weights_path.string());
   std::map<std::string, Linear*> by_name;
   for (Linear* l : model.linears()) by_name[l->name] = l;
-  const std::regex key_re(R"(base_model\.model\.(.+)\.lora_(A|B)\.weight)");
+  const std::regex key_re(R"(base_model\.model\.(.+)\.lora_(A\.weight|B\.weight|magnitude_vector))");
   std::map<Linear*, int> seen;
   for (const std::string& key : files.names()) {
     std::smatch m;
     if (!std::regex_match(key, m, key_re))
       throw Error(
           fmt::format("{}: key '{}' is not a LoRA weight of the form "
-                      "base_model.model.<module>.lora_A.weight",
+                      "base_model.model.<module>.lora_A.weight (or lora_B.weight, or DoRA's "
+                      "lora_magnitude_vector)",
                       weights_path.string(), key));
     const auto it = by_name.find(m[1].str());
     if (it == by_name.end())
@@ -211,9 +218,12 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
                       "another base model",
                       weights_path.string(), m[1].str(), model.config().model_type));
     Linear* l = it->second;
-    const bool is_a = m[2] == "A";
-    const std::vector<int64_t> want =
-        is_a ? std::vector<int64_t>{cfg.r, l->in_features()} : std::vector<int64_t>{l->out_features(), cfg.r};
+    const int part = m[2] == "A.weight" ? 1 : m[2] == "B.weight" ? 2 : 4;
+    if (part == 4 && !cfg.use_dora)
+      throw Error(fmt::format("{}: '{}' is DoRA's but {} says use_dora: false", weights_path.string(), key, where));
+    const std::vector<int64_t> want = part == 1   ? std::vector<int64_t>{cfg.r, l->in_features()}
+                                      : part == 2 ? std::vector<int64_t>{l->out_features(), cfg.r}
+                                                  : std::vector<int64_t>{l->out_features()};
     at::Tensor t;
     try {
       t = files.load(key, dtype, model.device(), want).clone();  // owned: it will be trained
@@ -228,13 +238,20 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
           "{}: '{}' holds non-finite values (NaN or infinity, in {}): the adapter is damaged or its training "
           "diverged; use an earlier checkpoint",
           weights_path.string(), key, c10::toString(dtype)));
-    (is_a ? l->lora_a : l->lora_b) = t.set_requires_grad(true);
+    (part == 1 ? l->lora_a : part == 2 ? l->lora_b : l->magnitude) = t.set_requires_grad(true);
     l->scaling = cfg.scaling();
     l->dropout = cfg.dropout;
-    seen[l] |= is_a ? 1 : 2;
+    seen[l] |= part;
   }
-  for (const auto& [l, bits] : seen)
-    if (bits != 3) throw Error(fmt::format("{}: '{}' has only one of lora_A / lora_B", weights_path.string(), l->name));
+  const int whole = cfg.use_dora ? 7 : 3;
+  for (const auto& [l, bits] : seen) {
+    if (bits != whole)
+      throw Error(fmt::format("{}: '{}' lacks {}", weights_path.string(), l->name,
+                              (bits & 1) == 0   ? "lora_A"
+                              : (bits & 2) == 0 ? "lora_B"
+                                                : "lora_magnitude_vector (DoRA)"));
+    if (cfg.use_dora) prepare_dora(*l);
+  }
   if (seen.empty()) throw Error(fmt::format("{} holds no LoRA weights", weights_path.string()));
   return cfg;
 }
@@ -248,10 +265,16 @@ void merge_lora(CausalLM& model) {
           fmt::format("{} holds NF4 weights: merge into a base loaded without quantisation (lora-merge "
                       "--qlora rounds it through NF4 first)",
                       l->name));
-    const at::Tensor delta = at::matmul(l->lora_b.to(at::kFloat), l->lora_a.to(at::kFloat)) * l->scaling;
-    l->weight.add_(delta.to(l->weight.scalar_type()));
+    if (l->dora()) {
+      l->weight.copy_(dora_merged_weight(*l));
+    } else {
+      const at::Tensor delta = at::matmul(l->lora_b.to(at::kFloat), l->lora_a.to(at::kFloat)) * l->scaling;
+      l->weight.add_(delta.to(l->weight.scalar_type()));
+    }
     l->lora_a = at::Tensor();
     l->lora_b = at::Tensor();
+    l->magnitude = at::Tensor();
+    l->base_sq = at::Tensor();
   }
 }
 
@@ -261,6 +284,7 @@ LoraConfig lora_config_of(const recipe::LoraSection& lora, const std::string& ba
   cfg.alpha = lora.alpha;
   cfg.dropout = lora.dropout;
   cfg.use_rslora = lora.use_rslora;
+  cfg.use_dora = lora.use_dora;
   cfg.target_modules = lora.target_modules;
   cfg.base_model_name_or_path = base_model;
   return cfg;

@@ -18,6 +18,7 @@ struct LoraConfig {
   double alpha = 16;
   double dropout = 0.0;
   bool use_rslora = false;
+  bool use_dora = false;  // DoRA: a learnt magnitude per output row of each adapted layer
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};  // or {"all-linear"}
   std::string base_model_name_or_path = {};
 
@@ -36,7 +37,7 @@ bool matches_target(const std::string& module_name, const LoraConfig& cfg);
 // Throws lorarun::Error, listing the model's layer names, when nothing matches.
 void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::ScalarType dtype = at::kFloat);
 
-// The trainable tensors, A then B for each adapted layer in model order.
+// The trainable tensors, A, B (and DoRA's magnitude) for each adapted layer in model order.
 std::vector<at::Tensor> lora_parameters(const CausalLM& model);
 // PEFT's state-dict names and tensors: "base_model.model.<module>.lora_A.weight", …
 std::vector<std::pair<std::string, at::Tensor>> lora_state(const CausalLM& model);
@@ -53,7 +54,8 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
 // file, a non-LoRA or unsupported config, unknown keys, or shapes made for another base model.
 LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType dtype = at::kFloat);
 
-// Folds every adapter into its base weight (W += scaling * B A) and drops the adapters. Throws
+// Folds every adapter into its base weight (W += scaling * B A; DoRA: W = m/||W + s·BA|| ⊙ (W + s·BA))
+// and drops the adapters. Throws
 // lorarun::Error for an NF4 weight.
 void merge_lora(CausalLM& model);
 

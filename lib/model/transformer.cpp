@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 
+#include "model/dora.hpp"
 #include "model/gguf_weights.hpp"
 #include "model/recompute.hpp"
 #include "model/resolve.hpp"
@@ -25,6 +26,7 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
                  : nf4   ? nf4_linear(x, *nf4, bias)
                          : at::linear(x, weight, bias);
   if (!adapted() || adapter_off) return y;
+  if (dora()) return dora_forward(*this, x, y, training);
   // As PEFT: the adapter path runs in the adapters' dtype (fp32 master weights under a bf16 or
   // fp16 base); the sum is cast back to the base output's dtype.
   at::Tensor xd = training && dropout > 0 ? at::dropout(x, dropout, true) : x;

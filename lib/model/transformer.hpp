@@ -28,7 +28,8 @@ at::ScalarType dtype_of(recipe::Dtype d);
 
 // A frozen linear layer, y = x W^T + b, plus an optional LoRA adapter:
 //   y += scaling * B A dropout(x),  A [r, in], B [out, r]   (PEFT's LoraLayer)
-// W is either `weight` or, for QLoRA, `nf4` (dequantised on the fly).
+// W is either `weight` or, for QLoRA, `nf4` (dequantised on the fly). With DoRA (a magnitude)
+// the adapted rows are rescaled: see dora.hpp.
 struct Linear {
   std::string name;   // the HF module name, e.g. "model.layers.0.self_attn.q_proj"
   at::Tensor weight;  // [out, in], frozen; undefined when the weight is in NF4 or sharded
@@ -38,12 +39,15 @@ struct Linear {
   bool conv1d = false;                   // GPT-2 Conv1D: the file stores the weight as [in, out]
   at::Tensor lora_a;                     // [r, in]; defined when adapted
   at::Tensor lora_b;                     // [out, r]
+  at::Tensor magnitude;                  // DoRA: [out], the learnt row norms (lora_magnitude_vector)
+  at::Tensor base_sq;                    // DoRA: [out] float32, the squared row norms of the frozen W
   double scaling = 0.0;
   double dropout = 0.0;
   bool adapter_off = false;  // the adapter skipped: the base layer alone (a preference loss's reference)
 
   at::Tensor forward(const at::Tensor& x, bool training) const;
   bool adapted() const { return lora_a.defined(); }
+  bool dora() const { return magnitude.defined(); }
   bool defined() const { return weight.defined() || nf4 || sharded; }  // families leave some empty
   int64_t out_features() const { return sharded ? sharded->shape[0] : nf4 ? nf4->shape[0] : weight.size(0); }
   int64_t in_features() const { return sharded ? sharded->shape[1] : nf4 ? nf4->shape[1] : weight.size(1); }

@@ -140,6 +140,7 @@ struct LoraSection {
   // {"all-linear"} for all-linear.
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};
   bool use_rslora = false;
+  bool use_dora = false;
   bool quantize_base = false;
   bool double_quant = true;
   std::string init_from;

@@ -81,6 +81,10 @@ void for_each_key(R& r, V&& v) {
     r.lora.target_modules);
   v(Key{.name = "lora.use_rslora", .meaning = "rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r"},
     r.lora.use_rslora);
+  v(Key{.name = "lora.use_dora",
+        .meaning = "DoRA (PEFT's use_dora): each adapted weight's rows rescaled to a learnt magnitude, "
+                   "saved as lora_magnitude_vector"},
+    r.lora.use_dora);
   v(Key{.name = "lora.quantize_base",
         .meaning = "QLoRA: hold the base weights of the linear layers LoRA may adapt in NF4, as bitsandbytes does"},
     r.lora.quantize_base);

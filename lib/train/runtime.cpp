@@ -18,7 +18,7 @@ namespace lorarun::train {
 namespace {
 
 // lora.init_from: the adapter's weights, under the recipe's LoRA keys. Keys that change what the
-// weights compute (r, alpha, use_rslora, the adapted layers) must agree, or the saved
+// weights compute (r, alpha, use_rslora, use_dora, the adapted layers) must agree, or the saved
 // adapter_config.json would describe other weights; dropout is the recipe's to choose.
 void start_from_adapter(model::CausalLM& m, const model::LoraConfig& cfg, const std::string& from_dir, bool lead) {
   const model::LoraConfig from = model::load_adapter(m, from_dir);
@@ -31,6 +31,8 @@ void start_from_adapter(model::CausalLM& m, const model::LoraConfig& cfg, const 
     differ("lora.alpha", fmt::format("lora_alpha={}", from.alpha), fmt::format("{}", cfg.alpha));
   if (from.use_rslora != cfg.use_rslora)
     differ("lora.use_rslora", fmt::format("use_rslora={}", from.use_rslora), cfg.use_rslora ? "true" : "false");
+  if (from.use_dora != cfg.use_dora)
+    differ("lora.use_dora", fmt::format("use_dora={}", from.use_dora), cfg.use_dora ? "true" : "false");
   std::vector<std::string> adapted;
   std::vector<std::string> wanted;
   for (model::Linear* l : m.linears()) {

@@ -60,77 +60,97 @@ TEST_CASE("logits of every family equal transformers' on a padded batch", "[refe
   }
 }
 
-TEST_CASE("an adapter PEFT saved loads and gives PEFT's logits", "[reference]") {
-  for (const std::string& family : families()) {
-    INFO(family);
-    const Reference ref(family);
-    CausalLM m = load(family);
-    load_adapter(m, kFixtures + "/" + family + "/peft_adapter");
-    c10::NoGradGuard no_grad;
-    const at::Tensor logits = m.forward(ref["input_ids"], ref["attention_mask"]);
-    const double diff = max_diff_on_tokens(logits, ref["peft_logits"], ref["attention_mask"]);
-    fmt::print("reference: {} + PEFT's adapter: max |logit diff| vs PEFT {:.2g}\n", family, diff);
-    CHECK(diff <= 1e-4);
-  }
-}
+// The fixtures' two PEFT adapters: plain LoRA, and DoRA (reference values under "dora_").
+struct Variant {
+  const char* adapter;
+  const char* prefix;
+};
+constexpr Variant kVariants[] = {{"peft_adapter", ""}, {"peft_dora_adapter", "dora_"}};
 
-TEST_CASE("loss and LoRA gradients after one backward equal PEFT's", "[reference]") {
-  for (const std::string& family : families()) {
-    INFO(family);
-    const Reference ref(family);
-    CausalLM m = load(family);
-    load_adapter(m, kFixtures + "/" + family + "/peft_adapter");
-    m.training = true;
-    const LossSum l = causal_lm_loss(m.forward(ref["input_ids"], ref["attention_mask"]), ref["labels"]);
-    const at::Tensor loss = l.sum / l.count;
-    loss.backward();
-    const double loss_rel = std::abs(loss.item<double>() - ref["loss"].item<double>()) / ref["loss"].item<double>();
-    CHECK(loss_rel <= 1e-5);
-    int compared = 0;
-    double worst = 0;
-    for (const auto& [name, param] : lora_state(m)) {
-      INFO(name);
-      const at::Tensor& want = ref["grad." + name];
-      REQUIRE(param.grad().defined());
-      const double rel = (param.grad() - want).abs().max().item<double>() / want.abs().max().item<double>();
-      CHECK(rel <= 1e-4);
-      worst = std::max(worst, rel);
-      ++compared;
+TEST_CASE("an adapter PEFT saved (LoRA, DoRA) loads and gives PEFT's logits, merged too", "[reference]") {
+  for (const Variant& v : kVariants)
+    for (const std::string& family : families()) {
+      INFO(family << " " << v.adapter);
+      const Reference ref(family);
+      CausalLM m = load(family);
+      load_adapter(m, kFixtures + "/" + family + "/" + v.adapter);
+      c10::NoGradGuard no_grad;
+      const at::Tensor logits = m.forward(ref["input_ids"], ref["attention_mask"]);
+      const double diff = max_diff_on_tokens(logits, ref[v.prefix + std::string("peft_logits")], ref["attention_mask"]);
+      merge_lora(m);
+      const at::Tensor merged = m.forward(ref["input_ids"], ref["attention_mask"]);
+      const double merged_diff =
+          max_diff_on_tokens(merged, ref[v.prefix + std::string("merged_logits")], ref["attention_mask"]);
+      fmt::print("reference: {} + PEFT's {}: max |logit diff| vs PEFT {:.2g}, merged {:.2g}\n", family, v.adapter, diff,
+                 merged_diff);
+      CHECK(diff <= 1e-4);
+      CHECK(merged_diff <= 1e-4);
     }
-    fmt::print("reference: {} loss rel diff {:.2g}, worst of {} LoRA gradients rel diff {:.2g}\n", family, loss_rel,
-               compared, worst);
-    CHECK(compared == static_cast<int>(std::count_if(ref.t.begin(), ref.t.end(),
-                                                     [](auto& kv) { return kv.first.rfind("grad.", 0) == 0; })));
-  }
 }
 
-TEST_CASE("PEFT loads the adapter we save and gives our logits", "[reference]") {
+TEST_CASE("loss and LoRA (and DoRA) gradients after one backward equal PEFT's", "[reference]") {
+  for (const Variant& v : kVariants)
+    for (const std::string& family : families()) {
+      INFO(family << " " << v.adapter);
+      const Reference ref(family);
+      CausalLM m = load(family);
+      load_adapter(m, kFixtures + "/" + family + "/" + v.adapter);
+      m.training = true;
+      const LossSum l = causal_lm_loss(m.forward(ref["input_ids"], ref["attention_mask"]), ref["labels"]);
+      const at::Tensor loss = l.sum / l.count;
+      loss.backward();
+      const double want_loss = ref[v.prefix + std::string("loss")].item<double>();
+      const double loss_rel = std::abs(loss.item<double>() - want_loss) / want_loss;
+      CHECK(loss_rel <= 1e-5);
+      const std::string grad = v.prefix + std::string("grad.");
+      int compared = 0;
+      double worst = 0;
+      for (const auto& [name, param] : lora_state(m)) {
+        INFO(name);
+        const at::Tensor& want = ref[grad + name];
+        REQUIRE(param.grad().defined());
+        const double rel = (param.grad() - want).abs().max().item<double>() / want.abs().max().item<double>();
+        CHECK(rel <= 1e-4);
+        worst = std::max(worst, rel);
+        ++compared;
+      }
+      fmt::print("reference: {} {} loss rel diff {:.2g}, worst of {} gradients rel diff {:.2g}\n", family, v.adapter,
+                 loss_rel, compared, worst);
+      CHECK(compared == static_cast<int>(std::count_if(ref.t.begin(), ref.t.end(),
+                                                       [&](auto& kv) { return kv.first.rfind(grad, 0) == 0; })));
+    }
+}
+
+TEST_CASE("PEFT loads the adapter we save (LoRA, DoRA) and gives our logits", "[reference]") {
   const std::string out = test::temp_dir("ours-adapter");
-  for (const std::string& family : families()) {
-    INFO(family);
-    const Reference ref(family);
-    CausalLM m = load(family);
-    LoraConfig cfg;
-    cfg.r = 8;
-    cfg.alpha = 32;
-    cfg.target_modules = {"all-linear"};
-    attach_lora(m, cfg, 7);
-    {
-      c10::NoGradGuard no_grad;  // make B non-zero so the adapter matters
-      for (auto& [name, p] : lora_state(m)) p.normal_(0, 0.05);
+  for (const bool dora : {false, true})
+    for (const std::string& family : families()) {
+      INFO(family << (dora ? " DoRA" : ""));
+      const Reference ref(family);
+      CausalLM m = load(family);
+      LoraConfig cfg;
+      cfg.r = 8;
+      cfg.alpha = 32;
+      cfg.target_modules = {"all-linear"};
+      cfg.use_dora = dora;
+      attach_lora(m, cfg, 7);
+      {
+        c10::NoGradGuard no_grad;  // make B non-zero so the adapter matters, and magnitudes not W's norms
+        for (auto& [name, p] : lora_state(m))
+          name.ends_with("lora_magnitude_vector") ? p.mul_(1 + 0.1 * at::randn_like(p)) : p.normal_(0, 0.05);
+      }
+      const std::string dir = out + "/" + family + (dora ? "-dora" : "");
+      save_adapter(m, cfg, dir);
+      c10::NoGradGuard no_grad;
+      const at::Tensor logits = m.forward(ref["input_ids"], ref["attention_mask"]);
+      save_tensors(dir + "/expected.safetensors",
+                   {{"input_ids", ref["input_ids"]}, {"attention_mask", ref["attention_mask"]}, {"logits", logits}});
+      const test::Result r =
+          test::sh(fmt::format("'{}' '{}/tests/reference/check.py' adapter '{}/{}' '{}' '{}/expected.safetensors'",
+                               LORARUN_PYTHON, LORARUN_SOURCE_DIR, kFixtures, family, dir, dir));
+      INFO(r.output);
+      CHECK(r.status == 0);
     }
-    const std::string dir = out + "/" + family;
-    save_adapter(m, cfg, dir);
-    c10::NoGradGuard no_grad;
-    const at::Tensor logits = m.forward(ref["input_ids"], ref["attention_mask"]);
-    save_tensors(dir + "/expected.safetensors",
-                 {{"input_ids", ref["input_ids"]}, {"attention_mask", ref["attention_mask"]}, {"logits", logits}});
-    const test::Result r =
-        test::sh(fmt::format("'{}' '{}/tests/reference/check.py' adapter '{}/{}' '{}' '{}/expected.safetensors'",
-                             LORARUN_PYTHON, LORARUN_SOURCE_DIR, kFixtures, family, dir, dir));
-    INFO(r.output);
-    CHECK(r.status == 0);
-  }
 }
 
 TEST_CASE("trainable summary counts like PEFT") {

@@ -2,7 +2,8 @@
 
 For each family: a tiny random model saved in real HF format, a right-padded batch, and what
 the reference computes on it: logits of the base model, of base + a PEFT LoRA adapter, of the
-merged model, and the loss and LoRA gradients after one backward pass.
+merged model, and the loss and LoRA gradients after one backward pass; the same for a PEFT DoRA
+adapter (random A and B, magnitudes away from the base's row norms), under "dora_" names.
 
 usage: make_models.py OUT_DIR
 """
@@ -120,7 +121,37 @@ def make_tokenizer(d):
 
 
 def peft_key(name):
-    return name.replace(".default", "")
+    """PEFT's parameter name as its saved key (DoRA's magnitude is saved without ".weight")."""
+    return name.replace(".default", "").replace("lora_magnitude_vector.weight", "lora_magnitude_vector")
+
+
+def adapter_reference(model, lcfg, seed, ids, mask, labels, adapter_dir, prefix, ref):
+    """Random adapter weights on `model` (B != 0; a DoRA magnitude scaled by 1 +- 0.1 per row), saved
+    to adapter_dir; its eval logits, train-mode loss and gradients, and the merged model's logits
+    into ref under `prefix`."""
+    peft = get_peft_model(model, lcfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_magnitude_vector" in n:
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    peft.save_pretrained(adapter_dir)
+    peft.eval()
+    with torch.no_grad():
+        ref[prefix + "peft_logits"] = peft(input_ids=ids, attention_mask=mask).logits
+    peft.train()
+    out_ = peft(input_ids=ids, attention_mask=mask, labels=labels)
+    out_.loss.backward()
+    ref[prefix + "loss"] = out_.loss.detach().reshape(1)
+    for n, p in peft.named_parameters():
+        if p.grad is not None:
+            ref[prefix + "grad." + peft_key(n)] = p.grad
+    peft.eval()
+    with torch.no_grad():
+        merged = peft.merge_and_unload()
+        ref[prefix + "merged_logits"] = merged(input_ids=ids, attention_mask=mask).logits
 
 
 def make(out, name, cls, config, targets, rslora, seed):
@@ -144,29 +175,11 @@ def make(out, name, cls, config, targets, rslora, seed):
     with torch.no_grad():
         ref["logits"] = model(input_ids=ids, attention_mask=mask).logits
 
-    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
-                      task_type="CAUSAL_LM")
-    peft = get_peft_model(model, lcfg)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # B != 0 so that the adapter changes the output
-        for n, p in peft.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    peft.save_pretrained(os.path.join(d, "peft_adapter"))
-    peft.eval()
-    with torch.no_grad():
-        ref["peft_logits"] = peft(input_ids=ids, attention_mask=mask).logits
-    peft.train()
-    out_ = peft(input_ids=ids, attention_mask=mask, labels=labels)
-    out_.loss.backward()
-    ref["loss"] = out_.loss.detach().reshape(1)
-    for n, p in peft.named_parameters():
-        if p.grad is not None:
-            ref["grad." + peft_key(n)] = p.grad
-    peft.eval()
-    with torch.no_grad():
-        merged = peft.merge_and_unload()
-        ref["merged_logits"] = merged(input_ids=ids, attention_mask=mask).logits
+    for prefix, dora in (("", False), ("dora_", True)):
+        lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
+                          use_dora=dora, task_type="CAUSAL_LM")
+        adapter_reference(cls.from_pretrained(d).eval(), lcfg, seed + 1, ids, mask, labels,
+                          os.path.join(d, "peft_dora_adapter" if dora else "peft_adapter"), prefix, ref)
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(d, "reference.safetensors"))
 
 

@@ -1,8 +1,9 @@
 """The training reference: transformers + PEFT + torch AdamW doing what lora-train does, step by step.
 
-usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
+usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED [dora]
            a PEFT adapter (all-linear) whose lora_A and lora_B are both random, so that every
-           LoRA weight gets a gradient from the first step on
+           LoRA weight gets a gradient from the first step on; with dora a DoRA adapter, its
+           magnitudes 1 +- 0.1 times the base's row norms
        train_reference.py check MODEL_DIR INIT_DIR DATA.jsonl OURS_DIR WORLD BATCH ACCUM EPOCHS LR WARMUP
                                 [LOSS_TOL WEIGHT_TOL]
            replays lora-train's run (instruction documents {"instruction", "output"}, template
@@ -59,15 +60,23 @@ def load_tokenizer(model_dir):
         "eos_token_id")
 
 
-def init(model_dir, out_dir, r, alpha, seed):
+def init(model_dir, out_dir, r, alpha, seed, variant=""):
     torch.manual_seed(seed)
     base = load_base(model_dir)
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0))
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0,
+                                            use_dora=variant == "dora"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.02)
+            elif "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
     model.save_pretrained(out_dir)
+
+
+def saved_key(name):
+    """A PEFT state-dict name as the key PEFT saves it under (DoRA's magnitude without ".weight")."""
+    return name.replace(".default", "").replace("lora_magnitude_vector.weight", "lora_magnitude_vector")
 
 
 def held_out(line, fraction):
@@ -156,7 +165,7 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
 
     got = [json.loads(line)["loss"] for line in open(ours + "/metrics.jsonl")]
     worst_loss = max(abs(a - b) / max(1e-6, abs(b)) for a, b in zip(got, losses)) if got else math.inf
-    want = {k.replace(".default", ""): v.detach() for k, v in model.state_dict().items() if "lora_" in k}
+    want = {saved_key(k): v.detach() for k, v in model.state_dict().items() if "lora_" in k}
     mine = load_file(f"{ours}/epoch_{epochs - 1}/adapter_model.safetensors")
     worst_w = max((mine[k] - v).abs().max().item() / max(1e-6, v.abs().max().item()) for k, v in want.items())
     moved = max((v - load_file(init_dir + "/adapter_model.safetensors")[k]).abs().max().item() for k, v in want.items())
@@ -194,7 +203,7 @@ def evaluate(model_dir, adapter_dir, data, fraction):
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "init":
-        init(args[0], args[1], int(args[2]), float(args[3]), int(args[4]))
+        init(args[0], args[1], int(args[2]), float(args[3]), int(args[4]), *args[5:6])
     elif cmd == "check":
         sys.exit(check(args[0], args[1], args[2], args[3], int(args[4]), int(args[5]), int(args[6]), int(args[7]),
                        float(args[8]), int(args[9]), *map(float, args[10:12])))

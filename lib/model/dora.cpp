@@ -1,0 +1,86 @@
+#include "model/dora.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+
+#include "model/transformer.hpp"
+#include "util/error.hpp"
+
+namespace lorarun::model {
+namespace {
+
+constexpr int64_t kRows = 2048;  // rows of W cast to float32 at a time
+
+// W [out, in] as held (NF4 dequantised whole, as bitsandbytes' dequantize does for PEFT).
+at::Tensor base_weight(const Linear& l) { return l.nf4 ? l.nf4->dequantize() : l.weight; }
+
+// f(rows of W as float32 [c, in]) for consecutive row ranges, concatenated along dim 0.
+template <class F>
+at::Tensor by_rows(const at::Tensor& w, F f) {
+  std::vector<at::Tensor> parts;
+  for (int64_t i = 0; i < w.size(0); i += kRows) parts.push_back(f(w.narrow(0, i, std::min(kRows, w.size(0) - i)).to(at::kFloat)));
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
+}
+
+void require_dense(const Linear& l) {
+  if (l.sharded)
+    throw Error(fmt::format("{}: lora.use_dora does not work with dist.shard_base yet (DoRA needs each row of the "
+                            "whole weight): set dist.shard_base: false",
+                            l.name));
+}
+
+}  // namespace
+
+void prepare_dora(Linear& l) {
+  require_dense(l);
+  c10::NoGradGuard no_grad;
+  l.base_sq = by_rows(base_weight(l), [](const at::Tensor& w) { return w.square().sum(1); });
+}
+
+void attach_dora(Linear& l) {
+  prepare_dora(l);
+  c10::NoGradGuard no_grad;
+  // PEFT: ||W + s·BA||_row from the weight whole, as it starts (B = 0 unless init says otherwise).
+  const at::Tensor a = l.lora_a.to(at::kFloat), b = l.lora_b.to(at::kFloat);
+  const at::Tensor w = base_weight(l);
+  at::Tensor m = at::empty({w.size(0)}, a.options());
+  for (int64_t i = 0; i < w.size(0); i += kRows) {
+    const int64_t c = std::min(kRows, w.size(0) - i);
+    m.narrow(0, i, c).copy_(at::linalg_vector_norm(w.narrow(0, i, c).to(at::kFloat) + l.scaling * b.narrow(0, i, c).mm(a), 2, 1));
+  }
+  l.magnitude = m.to(l.lora_a.scalar_type()).set_requires_grad(true);
+}
+
+at::Tensor dora_norms(const Linear& l) {
+  c10::NoGradGuard no_grad;
+  const at::Tensor a = l.lora_a.to(at::kFloat), b = l.lora_b.to(at::kFloat);
+  const double s = l.scaling;
+  const at::Tensor wa = by_rows(base_weight(l), [&](const at::Tensor& w) { return w.mm(a.t()); });  // [out, r]
+  const at::Tensor n2 = l.base_sq + (2 * s) * (b * wa).sum(1) + (s * s) * (b.mm(a.mm(a.t())) * b).sum(1);
+  return n2.clamp_min(0).sqrt().to(l.lora_a.scalar_type());
+}
+
+at::Tensor dora_forward(const Linear& l, const at::Tensor& x, const at::Tensor& y, bool training) {
+  // As PEFT: x in the adapters' dtype; without dropout the base output is reused (less its
+  // bias), with it the base runs again on the dropped-out input.
+  const bool drop = training && l.dropout > 0;
+  at::Tensor xd = drop ? at::dropout(x, l.dropout, true) : x;
+  if (xd.scalar_type() != l.lora_a.scalar_type()) xd = xd.to(l.lora_a.scalar_type());
+  const at::Tensor scale = l.magnitude / dora_norms(l);  // [out]; the gradient reaches m only
+  const at::Tensor lora = at::linear(at::linear(xd, l.lora_a), l.lora_b);
+  const at::Tensor base = drop               ? at::linear(xd, base_weight(l).to(xd.scalar_type()))
+                          : l.bias.defined() ? y - l.bias
+                                             : y;
+  return (y + ((scale - 1) * base + scale * lora * l.scaling)).to(y.scalar_type());
+}
+
+at::Tensor dora_merged_weight(const Linear& l) {
+  c10::NoGradGuard no_grad;
+  const at::Tensor w = base_weight(l);
+  const at::Tensor merged = w.to(at::kFloat) + at::matmul(l.lora_b.to(at::kFloat), l.lora_a.to(at::kFloat)) * l.scaling;
+  const at::Tensor factor = l.magnitude.to(at::kFloat) / at::linalg_vector_norm(merged, 2, 1);
+  return (factor.view({-1, 1}) * merged).to(w.scalar_type());
+}
+
+}  // namespace lorarun::model
