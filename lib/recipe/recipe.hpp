@@ -141,6 +141,7 @@ struct LoraSection {
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};
   bool use_rslora = false;
   bool use_dora = false;
+  std::optional<double> plus_lr_ratio;  // LoRA+: B's learning rate is lr × this
   bool quantize_base = false;
   bool double_quant = true;
   std::string init_from;

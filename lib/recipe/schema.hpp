@@ -85,6 +85,12 @@ void for_each_key(R& r, V&& v) {
         .meaning = "DoRA (PEFT's use_dora): each adapted weight's rows rescaled to a learnt magnitude, "
                    "saved as lora_magnitude_vector"},
     r.lora.use_dora);
+  v(Key{.name = "lora.plus_lr_ratio",
+        .bound = above(0),
+        .null_means = "one learning rate for every adapter tensor",
+        .meaning = "LoRA+: B's (and DoRA's magnitudes') learning rate is the schedule's × this, as PEFT's "
+                   "create_loraplus_optimizer sets it"},
+    r.lora.plus_lr_ratio);
   v(Key{.name = "lora.quantize_base",
         .meaning = "QLoRA: hold the base weights of the linear layers LoRA may adapt in NF4, as bitsandbytes does"},
     r.lora.quantize_base);

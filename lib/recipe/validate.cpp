@@ -145,6 +145,13 @@ constexpr Rule kRules[] = {
                           r.data.chosen_field));
      }},
     // A preference objective trains on pairs; the supervised one on single documents.
+    {"lora.use_dora",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (r.lora.use_dora && r.dist.shard_base)
+         fail(o, "lora.use_dora",
+              "does not work with dist.shard_base yet (DoRA takes the norm of every whole row of each weight, which "
+              "no rank holds): set dist.shard_base: false, or lora.use_dora: false");
+     }},
     {"train.objective",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        const bool pairs = r.data.format == Format::Preference;

@@ -128,6 +128,20 @@ class Trainer {
   int64_t steps_this_process_ = 0;
 };
 
+namespace {
+
+// AdamW's parameter groups: all adapter tensors, or with LoRA+ (lora.plus_lr_ratio) A's in the
+// first and B's and the 1-D ones (DoRA's magnitudes) in a second, as PEFT's
+// create_loraplus_optimizer groups them.
+std::vector<torch::optim::OptimizerParamGroup> adamw_groups(const model::CausalLM& m, std::optional<double> ratio) {
+  if (!ratio) return {torch::optim::OptimizerParamGroup(model::lora_parameters(m))};
+  std::vector<at::Tensor> a, b;
+  for (const auto& [name, t] : model::lora_state(m)) (name.ends_with(".lora_A.weight") ? a : b).push_back(t);
+  return {torch::optim::OptimizerParamGroup(a), torch::optim::OptimizerParamGroup(b)};
+}
+
+}  // namespace
+
 // The process group and the runtime first; AdamW over the LoRA parameters, their gradient buckets.
 Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
     : r_(r),
@@ -143,7 +157,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       pref_(r.train.objective != recipe::Objective::Sft
                 ? std::optional<PreferenceObjective>(std::in_place, r, m_, params_)
                 : std::nullopt),
-      opt_(params_, torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay)),
+      opt_(adamw_groups(m_, r.lora.plus_lr_ratio), torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay)),
       sync_(pg_, params_, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4)),
       ckpt_(r, agree_, m_, model::lora_config_of(r.lora, r.model.path), params_, opt_, rt_.docs->identity(), cuda_),
       schedule_(schedule_of(r.train.lr_scheduler)),
@@ -298,7 +312,9 @@ StepResult Trainer::step(data::MicroBatches* batches) {
                     step_ + 1, res.loss, res.grad_norm, r_.train.lr));
   if (r_.train.max_grad_norm && !grads.empty())  // torch's clip_grad_norm_
     at::_foreach_mul_(grads, (*r_.train.max_grad_norm / (grad_norm + 1e-6)).clamp_max(1.0));
-  for (auto& group : opt_.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(res.lr);
+  for (size_t g = 0; g < opt_.param_groups().size(); ++g)  // LoRA+: the second group is B's
+    static_cast<torch::optim::AdamWOptions&>(opt_.param_groups()[g].options())
+        .lr(g == 0 ? res.lr : res.lr * *r_.lora.plus_lr_ratio);
   opt_.step();
   opt_.zero_grad();
   res.seconds = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -140,6 +140,8 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "lora.dropout",
                                 "lora.target_modules",
                                 "lora.use_rslora",
+                                "lora.use_dora",
+                                "lora.plus_lr_ratio",
                                 "lora.quantize_base",
                                 "lora.double_quant",
                                 "lora.init_from",
@@ -900,4 +902,19 @@ TEST_CASE("train.objective: dpo needs pairs, and the preference: keys belong to 
   CHECK_THAT(error_of(pairs, {"train.objective=orpo", "preference.loss_type=ipo"}),
              Catch::Contains("train.objective is orpo, which has no reference and its own loss"));
   CHECK_THAT(error_of(pairs, {"train.objective=ppo"}), Catch::Contains("sft|dpo|orpo"));
+}
+
+TEST_CASE("lora.use_dora and lora.plus_lr_ratio: their defaults, and what they refuse in one line") {
+  const Recipe plain = load(kBase);
+  CHECK_FALSE(plain.lora.use_dora);
+  CHECK_FALSE(plain.lora.plus_lr_ratio);
+  const Recipe r = load(kBase, {"lora.use_dora=true", "lora.plus_lr_ratio=16"});
+  CHECK(r.lora.use_dora);
+  CHECK(r.lora.plus_lr_ratio == 16.0);
+  for (const char* bad : {"lora.plus_lr_ratio=0", "lora.plus_lr_ratio=-2"})
+    CHECK_THAT(override_error({bad}), Catch::Contains("lora.plus_lr_ratio must be > 0"));
+  const std::string e = override_error({"lora.use_dora=true", "dist.shard_base=true"});
+  CHECK_THAT(e, Catch::Contains("lora.use_dora does not work with dist.shard_base") &&
+                    Catch::Contains("set dist.shard_base: false"));
+  CHECK(e.find('\n') == std::string::npos);
 }

@@ -4,14 +4,15 @@ usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED [dora]
            a PEFT adapter (all-linear) whose lora_A and lora_B are both random, so that every
            LoRA weight gets a gradient from the first step on; with dora a DoRA adapter, its
            magnitudes 1 +- 0.1 times the base's row norms
-       train_reference.py check MODEL_DIR INIT_DIR DATA.jsonl OURS_DIR WORLD BATCH ACCUM EPOCHS LR WARMUP
-                                [LOSS_TOL WEIGHT_TOL]
+       train_reference.py check [--loraplus=RATIO] MODEL_DIR INIT_DIR DATA.jsonl OURS_DIR WORLD BATCH ACCUM
+                                EPOCHS LR WARMUP [LOSS_TOL WEIGHT_TOL]
            replays lora-train's run (instruction documents {"instruction", "output"}, template
            "Q: {instruction}\\nA: ", shuffle none, cosine schedule, max_grad_norm 1.0) and compares
            the loss of every step (OURS_DIR/metrics.jsonl) and the final adapter
            (OURS_DIR/epoch_<EPOCHS-1>); reports match (tests/support/oracle.py) and the measured
            differences, and exits 1 when they differ beyond the tolerances (relative; default 1e-4
-           for the losses, 1e-3 for the weights).
+           for the losses, 1e-3 for the weights). --loraplus: the optimizer is PEFT's
+           create_loraplus_optimizer(AdamW, loraplus_lr_ratio=RATIO).
        train_reference.py eval MODEL_DIR ADAPTER_DIR DATA.jsonl FRACTION
            lora-train's evaluation with eval.fraction FRACTION (> 0; else the whole file, as eval.path):
            the held-out lines (held_out below), rendered as the training documents, through the
@@ -122,7 +123,8 @@ def collate(batch):
     return ids, labels, mask
 
 
-def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warmup, loss_tol=1e-4, weight_tol=1e-3):
+def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warmup, loss_tol=1e-4, weight_tol=1e-3,
+          loraplus=None):
     exs = examples(model_dir, data)
     n = len(exs)
     per_rank = math.ceil(n / world)
@@ -135,7 +137,11 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
     model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if loraplus is None:
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    else:
+        from peft.optimizers import create_loraplus_optimizer
+        opt = create_loraplus_optimizer(model, torch.optim.AdamW, lr=lr, loraplus_lr_ratio=loraplus, weight_decay=0.0)
     sched = get_cosine_schedule_with_warmup(opt, warmup, steps_per_epoch * epochs)
     losses = []
     for _ in range(epochs):
@@ -201,12 +207,13 @@ def evaluate(model_dir, adapter_dir, data, fraction):
 
 
 if __name__ == "__main__":
-    cmd, args = sys.argv[1], sys.argv[2:]
+    cmd, args = sys.argv[1], [a for a in sys.argv[2:] if not a.startswith("--loraplus=")]
+    loraplus = next((float(a.split("=", 1)[1]) for a in sys.argv[2:] if a.startswith("--loraplus=")), None)
     if cmd == "init":
         init(args[0], args[1], int(args[2]), float(args[3]), int(args[4]), *args[5:6])
     elif cmd == "check":
         sys.exit(check(args[0], args[1], args[2], args[3], int(args[4]), int(args[5]), int(args[6]), int(args[7]),
-                       float(args[8]), int(args[9]), *map(float, args[10:12])))
+                       float(args[8]), int(args[9]), *map(float, args[10:12]), loraplus=loraplus))
     elif cmd == "eval":
         sys.exit(evaluate(args[0], args[1], args[2], float(args[3])))
     else:

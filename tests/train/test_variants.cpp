@@ -1,5 +1,5 @@
 // Adapter variants trained by lora-train against transformers + PEFT + torch AdamW on the same
-// start: DoRA (fp32 and on the NF4 base).
+// start: DoRA (fp32 and on the NF4 base), LoRA+ (alone, with DoRA, across a stop and resume).
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <string>
@@ -33,7 +33,8 @@ Result train(const std::string& dir, const std::string& name, const std::string&
 // a wrapper of it.
 Oracle reference(const std::string& dir, const std::string& name, const std::string& script = "train_reference.py",
                  const std::string& mode = "check") {
-  return oracle(fmt::format("'{}' '{}/tests/reference/{}' {} {} {}/init {}/data.jsonl {}/{} 2 2 1 2 5e-3 2",
+  // (mode may carry options: "check --loraplus=16"). Tolerances: losses 1e-5, adapters 2e-4 relative.
+  return oracle(fmt::format("'{}' '{}/tests/reference/{}' {} {} {}/init {}/data.jsonl {}/{} 2 2 1 2 5e-3 2 1e-5 2e-4",
                             LORARUN_PYTHON, LORARUN_SOURCE_DIR, script, mode, kLlama, dir, dir, dir, name));
 }
 
@@ -77,4 +78,49 @@ TEST_CASE("DoRA on the NF4 base (QLoRA) trains as PEFT's DoRA does on the same d
   CHECK(ref.fields.value("match", false));
   fmt::print("dora + qlora: 20 steps vs PEFT: worst relative loss diff {:.2g}, adapter {:.2g}\n",
              ref.fields.value("worst_relative_loss_diff", -1.0), ref.fields.value("worst_relative_weight_diff", -1.0));
+}
+
+TEST_CASE("LoRA+ (plus_lr_ratio 16) trains as PEFT's create_loraplus_optimizer does, with DoRA too", "[e2e][reference]") {
+  for (const std::string variant : {"", "dora"}) {
+    INFO("variant " << variant);
+    const std::string dir = temp_dir("loraplus-" + variant);
+    write_data(dir + "/data.jsonl", 40);
+    init_adapter(dir, variant);
+    const Result t = train(dir, "plus", fmt::format(", plus_lr_ratio: 16, use_dora: {}", variant == "dora"));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    const Oracle ref = reference(dir, "plus", "train_reference.py", "check --loraplus=16");
+    INFO(ref.run.output);
+    CHECK(ref.run.status == 0);
+    CHECK(ref.fields.value("match", false));
+    fmt::print("lora+ {}: 20 steps vs PEFT: worst relative loss diff {:.2g}, adapter {:.2g}\n", variant,
+               ref.fields.value("worst_relative_loss_diff", -1.0), ref.fields.value("worst_relative_weight_diff", -1.0));
+    // the ratio matters: the same run without it ends elsewhere
+    const Result one = train(dir, "one", fmt::format(", use_dora: {}", variant == "dora"));
+    REQUIRE(one.status == 0);
+    CHECK(adapter_diff(dir + "/plus/epoch_1/adapter_model.safetensors", dir + "/one/epoch_1/adapter_model.safetensors") >
+          1e-3);
+  }
+}
+
+TEST_CASE("LoRA+ with DoRA stopped by SIGTERM mid-epoch resumes to the adapter of a run never stopped", "[e2e]") {
+  const std::string dir = temp_dir("loraplus-resume");
+  write_data(dir + "/data.jsonl", 40);
+  init_adapter(dir, "dora");
+  const std::string lora = fmt::format(", init_from: {}/init, use_dora: true, plus_lr_ratio: 16", dir);
+  for (const char* name : {"full", "cut"})
+    write_recipe(dir, name, "epochs: 2, lr: 5.0e-3, warmup_steps: 2", lora, ", shuffle: none, batch_size: 1");
+  const Result a = sh(fmt::format("{} --nproc-per-node 2 {}/full.yaml", bin("lorarun"), dir));
+  INFO(a.output);
+  REQUIRE(a.status == 0);
+  const std::string cmd = fmt::format("{} --nproc-per-node 2 {}/cut.yaml", bin("lorarun"), dir);
+  const Result b = interrupt(cmd, dir + "/cut.log", "epoch 0/2 step 8/20", "kill -TERM $pid");
+  INFO(read_file(dir + "/cut.log"));
+  CHECK_THAT(b.output, Catch::Contains("exit=75"));
+  const Result c = sh(cmd);
+  INFO(c.output);
+  REQUIRE(c.status == 0);
+  CHECK_THAT(c.output, Catch::Contains("resuming at epoch"));
+  CHECK(adapter_diff(dir + "/full/epoch_1/adapter_model.safetensors", dir + "/cut/epoch_1/adapter_model.safetensors") ==
+        0.0);
 }

@@ -1,0 +1,93 @@
+"""DoRA's cost on CPU: lora-train with lora.use_dora against plain LoRA, and against transformers +
+PEFT with use_dora (and PEFT's plain LoRA), same torch, same model and batches, 2 threads each, in
+one run, REPEATS times.
+
+usage: .venv/bin/python bench/train/dora_bench.py BUILD_DIR WORK_DIR [STEPS [REPEATS]]
+
+Config: bench/train/bench.py's (random llama, hidden 256, 4 layers, vocab ~2k, fp32, 4 sequences of
+256 tokens a step, LoRA r=16 alpha=32 on all linear layers, AdamW, clipping at 1.0, 1 process x 2
+threads). Step time is the median over the steps after the first two; peak RSS the process's
+high-water mark. Prints each repeat's figures, then the median and spread (min-max) of each ratio.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import GLOBAL_BATCH, SEQ, THREADS, make_assets  # noqa: E402
+
+
+def ours(build, work, model_dir, data, dora, steps):
+    out = os.path.join(work, f"ours-dora{int(dora)}")
+    recipe = os.path.join(work, f"dora{int(dora)}.yaml")
+    with open(recipe, "w") as f:
+        f.write(f"""model: {{path: {model_dir}, dtype: fp32, device: cpu}}
+lora: {{r: 16, alpha: 32, target_modules: all-linear, use_dora: {str(dora).lower()}}}
+data: {{source: jsonl, path: {data}, format: text, max_length: {SEQ}, batch_size: {GLOBAL_BATCH}}}
+train: {{epochs: 1, lr: 1.0e-4, max_steps_per_epoch: {steps}, lr_scheduler: constant}}
+checkpoint: {{output_dir: {out}, resume: never, epochs_to_save: none, overwrite: true}}
+track: {{mongodb: false}}
+""")
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
+    subprocess.run([f"{build}/bin/lorarun", "--nproc-per-node", "1", recipe], env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return statistics.median(r["seconds"] for r in rows[2:]), max(r["peak_rss_mb"] for r in rows)
+
+
+def reference(model_dir, data, dora, steps):
+    """(median step seconds, peak RSS MB) of PEFT in a process of its own."""
+    code = f"""
+import json, resource, statistics, time, torch
+from peft import LoraConfig, get_peft_model
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
+torch.set_num_threads({THREADS})
+tok = Tokenizer.from_file({os.path.join(model_dir, "tokenizer.json")!r})
+seqs = [tok.encode(json.loads(line)["text"]).ids[:{SEQ}] for line in open({data!r})]
+model = get_peft_model(AutoModelForCausalLM.from_pretrained({model_dir!r}, dtype=torch.float32),
+                       LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0, use_dora={dora}))
+model.train()
+params = [p for p in model.parameters() if p.requires_grad]
+opt = torch.optim.AdamW(params, lr=1e-4)
+times = []
+for s in range({steps}):
+    ids = torch.tensor(seqs[s * {GLOBAL_BATCH}:(s + 1) * {GLOBAL_BATCH}])
+    t0 = time.perf_counter()
+    model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad()
+    times.append(time.perf_counter() - t0)
+print(json.dumps([statistics.median(times[2:]), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return tuple(json.loads(out.strip().splitlines()[-1]))
+
+
+def main():
+    build, work = sys.argv[1], sys.argv[2]
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    os.makedirs(work, exist_ok=True)
+    model_dir, data = make_assets(work)
+    ratios = {k: [] for k in ("dora/lora time", "dora/lora RSS", "PEFT dora/ours dora time", "PEFT dora/ours dora RSS",
+                              "PEFT dora/PEFT lora time")}
+    for rep in range(repeats):
+        (lt, lr), (dt, dr) = ours(build, work, model_dir, data, False, steps), ours(build, work, model_dir, data, True, steps)
+        (plt, _), (pdt, pdr) = reference(model_dir, data, False, steps), reference(model_dir, data, True, steps)
+        print(f"repeat {rep}: step s: ours lora {lt:.3f} dora {dt:.3f}, PEFT lora {plt:.3f} dora {pdt:.3f}; "
+              f"peak RSS MB: ours lora {lr:.0f} dora {dr:.0f}, PEFT dora {pdr:.0f}")
+        for k, v in zip(ratios, (dt / lt, dr / lr, pdt / dt, pdr / dr, pdt / plt)):
+            ratios[k].append(v)
+    for k, v in ratios.items():
+        print(f"{k:28} median {statistics.median(v):.2f}x  (spread {min(v):.2f}-{max(v):.2f})")
+
+
+if __name__ == "__main__":
+    main()
