@@ -19,15 +19,17 @@ at::Tensor base_weight(const Linear& l) { return l.nf4 ? l.nf4->dequantize() : l
 template <class F>
 at::Tensor by_rows(const at::Tensor& w, F f) {
   std::vector<at::Tensor> parts;
-  for (int64_t i = 0; i < w.size(0); i += kRows) parts.push_back(f(w.narrow(0, i, std::min(kRows, w.size(0) - i)).to(at::kFloat)));
+  for (int64_t i = 0; i < w.size(0); i += kRows)
+    parts.push_back(f(w.narrow(0, i, std::min(kRows, w.size(0) - i)).to(at::kFloat)));
   return parts.size() == 1 ? parts[0] : at::cat(parts);
 }
 
 void require_dense(const Linear& l) {
   if (l.sharded)
-    throw Error(fmt::format("{}: lora.use_dora does not work with dist.shard_base yet (DoRA needs each row of the "
-                            "whole weight): set dist.shard_base: false",
-                            l.name));
+    throw Error(
+        fmt::format("{}: lora.use_dora does not work with dist.shard_base yet (DoRA needs each row of the "
+                    "whole weight): set dist.shard_base: false",
+                    l.name));
 }
 
 }  // namespace
@@ -47,7 +49,8 @@ void attach_dora(Linear& l) {
   at::Tensor m = at::empty({w.size(0)}, a.options());
   for (int64_t i = 0; i < w.size(0); i += kRows) {
     const int64_t c = std::min(kRows, w.size(0) - i);
-    m.narrow(0, i, c).copy_(at::linalg_vector_norm(w.narrow(0, i, c).to(at::kFloat) + l.scaling * b.narrow(0, i, c).mm(a), 2, 1));
+    m.narrow(0, i, c).copy_(
+        at::linalg_vector_norm(w.narrow(0, i, c).to(at::kFloat) + l.scaling * b.narrow(0, i, c).mm(a), 2, 1));
   }
   l.magnitude = m.to(l.lora_a.scalar_type()).set_requires_grad(true);
 }

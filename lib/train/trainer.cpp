@@ -157,7 +157,8 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       pref_(r.train.objective != recipe::Objective::Sft
                 ? std::optional<PreferenceObjective>(std::in_place, r, m_, params_)
                 : std::nullopt),
-      opt_(adamw_groups(m_, r.lora.plus_lr_ratio), torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay)),
+      opt_(adamw_groups(m_, r.lora.plus_lr_ratio),
+           torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay)),
       sync_(pg_, params_, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4)),
       ckpt_(r, agree_, m_, model::lora_config_of(r.lora, r.model.path), params_, opt_, rt_.docs->identity(), cuda_),
       schedule_(schedule_of(r.train.lr_scheduler)),

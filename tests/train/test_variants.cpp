@@ -80,7 +80,8 @@ TEST_CASE("DoRA on the NF4 base (QLoRA) trains as PEFT's DoRA does on the same d
              ref.fields.value("worst_relative_loss_diff", -1.0), ref.fields.value("worst_relative_weight_diff", -1.0));
 }
 
-TEST_CASE("LoRA+ (plus_lr_ratio 16) trains as PEFT's create_loraplus_optimizer does, with DoRA too", "[e2e][reference]") {
+TEST_CASE("LoRA+ (plus_lr_ratio 16) trains as PEFT's create_loraplus_optimizer does, with DoRA too",
+          "[e2e][reference]") {
   for (const std::string variant : {"", "dora"}) {
     INFO("variant " << variant);
     const std::string dir = temp_dir("loraplus-" + variant);
@@ -94,12 +95,13 @@ TEST_CASE("LoRA+ (plus_lr_ratio 16) trains as PEFT's create_loraplus_optimizer d
     CHECK(ref.run.status == 0);
     CHECK(ref.fields.value("match", false));
     fmt::print("lora+ {}: 20 steps vs PEFT: worst relative loss diff {:.2g}, adapter {:.2g}\n", variant,
-               ref.fields.value("worst_relative_loss_diff", -1.0), ref.fields.value("worst_relative_weight_diff", -1.0));
+               ref.fields.value("worst_relative_loss_diff", -1.0),
+               ref.fields.value("worst_relative_weight_diff", -1.0));
     // the ratio matters: the same run without it ends elsewhere
     const Result one = train(dir, "one", fmt::format(", use_dora: {}", variant == "dora"));
     REQUIRE(one.status == 0);
-    CHECK(adapter_diff(dir + "/plus/epoch_1/adapter_model.safetensors", dir + "/one/epoch_1/adapter_model.safetensors") >
-          1e-3);
+    CHECK(adapter_diff(dir + "/plus/epoch_1/adapter_model.safetensors",
+                       dir + "/one/epoch_1/adapter_model.safetensors") > 1e-3);
   }
 }
 
