@@ -54,9 +54,8 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
 // file, a non-LoRA or unsupported config, unknown keys, or shapes made for another base model.
 LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType dtype = at::kFloat);
 
-// Folds every adapter into its base weight (W += scaling * B A; DoRA: W = m/||W + s·BA|| ⊙ (W + s·BA))
-// and drops the adapters. Throws
-// lorarun::Error for an NF4 weight.
+// Folds every adapter into its base weight (W += s·BA; DoRA: W = m/||W + s·BA||_row ⊙ (W + s·BA))
+// and drops the adapters. Throws lorarun::Error for an NF4 weight.
 void merge_lora(CausalLM& model);
 
 }  // namespace lorarun::model

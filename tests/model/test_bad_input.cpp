@@ -6,7 +6,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
+#include "io/files.hpp"
 #include "io/safetensors.hpp"
 #include "model/lora.hpp"
 #include "model/transformer.hpp"
@@ -120,25 +122,40 @@ TEST_CASE("adapters for another base, unknown keys, and targets that match nothi
   CHECK_THROWS_WITH(model::attach_lora(llama, cfg, 0),
                     Catch::Contains("match no layer of this llama model; its linear layers are: down_proj, "
                                     "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"));
+  // A DoRA adapter whose config says it is none, and a plain one whose config says DoRA.
+  const std::string dir = test::temp_dir("adapter-dora-mismatch");
+  for (const auto& [from, use_dora] : {std::pair{"peft_dora_adapter", false}, {"peft_adapter", true}}) {
+    const std::string to = dir + "/" + from;
+    fs::copy(kFixtures + "/llama/" + from, to);
+    nlohmann::json j = nlohmann::json::parse(io::read_file(to + "/adapter_config.json"));
+    j["use_dora"] = use_dora;
+    io::write_file_atomic(to + "/adapter_config.json", j.dump());
+  }
+  model::CausalLM fresh = model::CausalLM::load(kFixtures + "/llama", at::kFloat, at::kCPU);
+  CHECK_THROWS_WITH(model::load_adapter(fresh, dir + "/peft_dora_adapter"),
+                    Catch::Contains("lora_magnitude_vector' is DoRA's but") && Catch::Contains("use_dora: false"));
+  CHECK_THROWS_WITH(model::load_adapter(fresh, dir + "/peft_adapter"),
+                    Catch::Contains("lacks lora_magnitude_vector (DoRA)"));
 }
 
-TEST_CASE("lora-merge output loads in transformers and gives PEFT's merged logits", "[e2e][reference]") {
+TEST_CASE("lora-merge output (LoRA, DoRA) loads in transformers and gives PEFT's merged logits", "[e2e][reference]") {
   const std::string out = test::temp_dir("merge");
-  for (const std::string family : {"llama", "gpt2", "opt", "mistral", "qwen3", "gemma2", "gemma3", "phi3"}) {
-    INFO(family);
-    const std::string base = kFixtures + "/" + family;
-    const test::Result r =
-        test::sh(fmt::format("{} --model {} --adapter {}/peft_adapter --out {}/{} --max-shard-size 40KB",
-                             test::bin("lora-merge"), base, base, out, family));
-    INFO(r.output);
-    REQUIRE(r.status == 0);
-    CHECK(fs::exists(out + "/" + family + "/model.safetensors.index.json"));  // sharded at 40KB
-    const test::Result check =
-        test::sh(fmt::format("'{}' '{}/tests/reference/check.py' model {}/{} {}/reference.safetensors merged_logits",
-                             LORARUN_PYTHON, LORARUN_SOURCE_DIR, out, family, base));
-    INFO(check.output);
-    CHECK(check.status == 0);
-  }
+  for (const std::string family : {"llama", "gpt2", "opt", "mistral", "qwen3", "gemma2", "gemma3", "phi3"})
+    for (const std::string variant : {"", "dora_"}) {
+      INFO(family << " " << variant);
+      const std::string base = kFixtures + "/" + family, to = out + "/" + variant + family;
+      const test::Result r =
+          test::sh(fmt::format("{} --model {} --adapter {}/peft_{}adapter --out {} --max-shard-size 40KB",
+                               test::bin("lora-merge"), base, base, variant, to));
+      INFO(r.output);
+      REQUIRE(r.status == 0);
+      CHECK(fs::exists(to + "/model.safetensors.index.json"));  // sharded at 40KB
+      const test::Result check =
+          test::sh(fmt::format("'{}' '{}/tests/reference/check.py' model {} {}/reference.safetensors {}merged_logits",
+                               LORARUN_PYTHON, LORARUN_SOURCE_DIR, to, base, variant));
+      INFO(check.output);
+      CHECK(check.status == 0);
+    }
 }
 
 TEST_CASE("lora-merge with bad input: one line, non-zero, nothing written", "[e2e]") {
