@@ -29,13 +29,20 @@ Result train(const std::string& dir, const std::string& name, const std::string&
   return sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
 }
 
-// The step-by-step check of DIR/NAME (reports match): `script` `mode`, train_reference.py's check or
-// a wrapper of it.
-Oracle reference(const std::string& dir, const std::string& name, const std::string& script = "train_reference.py",
-                 const std::string& mode = "check") {
-  // (mode may carry options: "check --loraplus=16"). Tolerances: losses 1e-5, adapters 2e-4 relative.
-  return oracle(fmt::format("'{}' '{}/tests/reference/{}' {} {} {}/init {}/data.jsonl {}/{} 2 2 1 2 5e-3 2 1e-5 2e-4",
-                            LORARUN_PYTHON, LORARUN_SOURCE_DIR, script, mode, kLlama, dir, dir, dir, name));
+// The step-by-step check of DIR/NAME's 20 steps by `script` `mode` (train_reference.py's check, or a
+// wrapper of it; mode may carry options: "check --loraplus=16"), which must match; shows its figures
+// as `what`. Tolerances: losses 1e-5, adapters 2e-4 relative.
+void check_reference(const std::string& dir, const std::string& name, const std::string& what,
+                     const std::string& script = "train_reference.py", const std::string& mode = "check") {
+  const Oracle ref =
+      oracle(fmt::format("'{}' '{}/tests/reference/{}' {} {} {}/init {}/data.jsonl {}/{} 2 2 1 2 5e-3 2 1e-5 2e-4",
+                         LORARUN_PYTHON, LORARUN_SOURCE_DIR, script, mode, kLlama, dir, dir, dir, name));
+  INFO(ref.run.output);
+  CHECK(ref.run.status == 0);
+  CHECK(ref.fields.value("match", false));
+  CHECK(ref.fields.value("steps", 0) == 20);
+  fmt::print("{}: 20 steps vs PEFT: worst relative loss diff {:.2g}, adapter {:.2g}\n", what,
+             ref.fields.value("worst_relative_loss_diff", -1.0), ref.fields.value("worst_relative_weight_diff", -1.0));
 }
 
 }  // namespace
@@ -48,13 +55,7 @@ TEST_CASE("DoRA trains as transformers + PEFT do for 20 steps on 2 ranks, the sa
   const Result t = train(dir, "dora", ", use_dora: true");
   INFO(t.output);
   REQUIRE(t.status == 0);
-  const Oracle ref = reference(dir, "dora");
-  INFO(ref.run.output);
-  CHECK(ref.run.status == 0);
-  CHECK(ref.fields.value("match", false));
-  CHECK(ref.fields.value("steps", 0) == 20);
-  fmt::print("dora: 20 steps vs PEFT: worst relative loss diff {:.2g}, adapter {:.2g}\n",
-             ref.fields.value("worst_relative_loss_diff", -1.0), ref.fields.value("worst_relative_weight_diff", -1.0));
+  check_reference(dir, "dora", "dora");
 
   const Result ckpt = train(dir, "dora-ckpt", ", use_dora: true", ", activation_checkpointing: true");
   INFO(ckpt.output);
@@ -72,12 +73,7 @@ TEST_CASE("DoRA on the NF4 base (QLoRA) trains as PEFT's DoRA does on the same d
   INFO(t.output);
   REQUIRE(t.status == 0);
   CHECK_THAT(t.output, Catch::Contains("base linears in NF4"));
-  const Oracle ref = reference(dir, "qdora", "nf4_check.py", "train 1");
-  INFO(ref.run.output);
-  CHECK(ref.run.status == 0);
-  CHECK(ref.fields.value("match", false));
-  fmt::print("dora + qlora: 20 steps vs PEFT: worst relative loss diff {:.2g}, adapter {:.2g}\n",
-             ref.fields.value("worst_relative_loss_diff", -1.0), ref.fields.value("worst_relative_weight_diff", -1.0));
+  check_reference(dir, "qdora", "dora + qlora", "nf4_check.py", "train 1");
 }
 
 TEST_CASE("LoRA+ (plus_lr_ratio 16) trains as PEFT's create_loraplus_optimizer does, with DoRA too",
@@ -90,13 +86,7 @@ TEST_CASE("LoRA+ (plus_lr_ratio 16) trains as PEFT's create_loraplus_optimizer d
     const Result t = train(dir, "plus", fmt::format(", plus_lr_ratio: 16, use_dora: {}", variant == "dora"));
     INFO(t.output);
     REQUIRE(t.status == 0);
-    const Oracle ref = reference(dir, "plus", "train_reference.py", "check --loraplus=16");
-    INFO(ref.run.output);
-    CHECK(ref.run.status == 0);
-    CHECK(ref.fields.value("match", false));
-    fmt::print("lora+ {}: 20 steps vs PEFT: worst relative loss diff {:.2g}, adapter {:.2g}\n", variant,
-               ref.fields.value("worst_relative_loss_diff", -1.0),
-               ref.fields.value("worst_relative_weight_diff", -1.0));
+    check_reference(dir, "plus", "lora+ " + variant, "train_reference.py", "check --loraplus=16");
     // the ratio matters: the same run without it ends elsewhere
     const Result one = train(dir, "one", fmt::format(", use_dora: {}", variant == "dora"));
     REQUIRE(one.status == 0);
