@@ -15,12 +15,12 @@ constexpr int64_t kRows = 2048;  // rows of W cast to float32 at a time
 // W [out, in] as held (NF4 dequantised whole, as bitsandbytes' dequantize does for PEFT).
 at::Tensor base_weight(const Linear& l) { return l.nf4 ? l.nf4->dequantize() : l.weight; }
 
-// f(rows of W as float32 [c, in]) for consecutive row ranges, concatenated along dim 0.
+// f(first row i, rows i.. of W as float32 [c, in]) for consecutive row ranges, concatenated along dim 0.
 template <class F>
 at::Tensor by_rows(const at::Tensor& w, F f) {
   std::vector<at::Tensor> parts;
   for (int64_t i = 0; i < w.size(0); i += kRows)
-    parts.push_back(f(w.narrow(0, i, std::min(kRows, w.size(0) - i)).to(at::kFloat)));
+    parts.push_back(f(i, w.narrow(0, i, std::min(kRows, w.size(0) - i)).to(at::kFloat)));
   return parts.size() == 1 ? parts[0] : at::cat(parts);
 }
 
@@ -37,7 +37,7 @@ void require_dense(const Linear& l) {
 void prepare_dora(Linear& l) {
   require_dense(l);
   c10::NoGradGuard no_grad;
-  l.base_sq = by_rows(base_weight(l), [](const at::Tensor& w) { return w.square().sum(1); });
+  l.base_sq = by_rows(base_weight(l), [](int64_t, const at::Tensor& w) { return w.square().sum(1); });
 }
 
 void attach_dora(Linear& l) {
@@ -45,13 +45,9 @@ void attach_dora(Linear& l) {
   c10::NoGradGuard no_grad;
   // PEFT: ||W + s·BA||_row from the weight whole, as it starts (B = 0 unless init says otherwise).
   const at::Tensor a = l.lora_a.to(at::kFloat), b = l.lora_b.to(at::kFloat);
-  const at::Tensor w = base_weight(l);
-  at::Tensor m = at::empty({w.size(0)}, a.options());
-  for (int64_t i = 0; i < w.size(0); i += kRows) {
-    const int64_t c = std::min(kRows, w.size(0) - i);
-    m.narrow(0, i, c).copy_(
-        at::linalg_vector_norm(w.narrow(0, i, c).to(at::kFloat) + l.scaling * b.narrow(0, i, c).mm(a), 2, 1));
-  }
+  const at::Tensor m = by_rows(base_weight(l), [&](int64_t i, const at::Tensor& w) {
+    return at::linalg_vector_norm(w + l.scaling * b.narrow(0, i, w.size(0)).mm(a), 2, 1);
+  });
   l.magnitude = m.to(l.lora_a.scalar_type()).set_requires_grad(true);
 }
 
@@ -59,7 +55,7 @@ at::Tensor dora_norms(const Linear& l) {
   c10::NoGradGuard no_grad;
   const at::Tensor a = l.lora_a.to(at::kFloat), b = l.lora_b.to(at::kFloat);
   const double s = l.scaling;
-  const at::Tensor wa = by_rows(base_weight(l), [&](const at::Tensor& w) { return w.mm(a.t()); });  // [out, r]
+  const at::Tensor wa = by_rows(base_weight(l), [&](int64_t, const at::Tensor& w) { return w.mm(a.t()); });  // [out, r]
   const at::Tensor n2 = l.base_sq + (2 * s) * (b * wa).sum(1) + (s * s) * (b.mm(a.mm(a.t())) * b).sum(1);
   return n2.clamp_min(0).sqrt().to(l.lora_a.scalar_type());
 }

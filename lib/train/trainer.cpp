@@ -128,8 +128,6 @@ class Trainer {
   int64_t steps_this_process_ = 0;
 };
 
-namespace {
-
 // AdamW's parameter groups: all adapter tensors, or with LoRA+ (lora.plus_lr_ratio) A's in the
 // first and B's and the 1-D ones (DoRA's magnitudes) in a second, as PEFT's
 // create_loraplus_optimizer groups them.
@@ -139,8 +137,6 @@ std::vector<torch::optim::OptimizerParamGroup> adamw_groups(const model::CausalL
   for (const auto& [name, t] : model::lora_state(m)) (name.ends_with(".lora_A.weight") ? a : b).push_back(t);
   return {torch::optim::OptimizerParamGroup(a), torch::optim::OptimizerParamGroup(b)};
 }
-
-}  // namespace
 
 // The process group and the runtime first; AdamW over the LoRA parameters, their gradient buckets.
 Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
