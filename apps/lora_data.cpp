@@ -32,6 +32,7 @@
 #include "app_main.hpp"
 #include "data/mongo.hpp"
 #include "data/source.hpp"
+#include "model/lora.hpp"
 #include "model/resolve.hpp"
 #include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
@@ -351,6 +352,7 @@ void preview(int64_t n, const RecipeArgs& a) {
   const Dataset d(a);
   const data::ExampleBuilder builder(d.recipe.data, d.tokenizer);
   const bool colour = !a.as_json && isatty(STDOUT_FILENO) && !std::getenv("NO_COLOR");
+  if (!a.as_json) fmt::print("── trains: {}\n\n", lorarun::model::describe_adapter(d.recipe.lora));
   for_each_document(d, std::min(n, d.docs.size()), [&](int64_t position, const data::Found& doc) {
     const data::Built built = build(builder, doc, d.recipe.data.source);
     if (a.as_json)

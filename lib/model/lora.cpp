@@ -13,11 +13,13 @@
 
 #include "io/files.hpp"
 #include "model/dora.hpp"
+#include "model/lora_init.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
 #include "recipe/recipe.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::model {
 namespace {
@@ -41,6 +43,29 @@ std::string with_commas(int64_t n) {
   return out;
 }
 
+// PEFT's state dict; with `for_original_base`, PiSSA/OLoRA layers made to load on the original
+// base (PEFT's subtract_mutated_init: BA - B0A0 = [B | -B0] [A; A0]).
+std::vector<std::pair<std::string, at::Tensor>> state_of(const CausalLM& model, bool for_original_base) {
+  c10::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const Linear* l : model.linears()) {
+    if (!l->adapted()) continue;
+    const bool start = for_original_base && l->lora_a0.defined();
+    out.emplace_back(kPrefix + l->name + ".lora_A.weight",
+                     start ? at::cat({l->lora_a, l->lora_a0.to(l->lora_a.scalar_type())}, 0) : l->lora_a);
+    out.emplace_back(kPrefix + l->name + ".lora_B.weight",
+                     start ? at::cat({l->lora_b, -l->lora_b0.to(l->lora_b.scalar_type())}, 1) : l->lora_b);
+    if (l->dora()) out.emplace_back(kPrefix + l->name + ".lora_magnitude_vector", l->magnitude);
+  }
+  return out;
+}
+
+bool converted_for_original_base(const CausalLM& model) {
+  for (const Linear* l : model.linears())
+    if (l->lora_a0.defined()) return true;
+  return false;
+}
+
 }  // namespace
 
 double LoraConfig::scaling() const { return use_rslora ? alpha / std::sqrt(double(r)) : alpha / double(r); }
@@ -58,16 +83,16 @@ bool matches_target(const std::string& module_name, const LoraConfig& cfg) {
 
 void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::ScalarType dtype) {
   if (cfg.r <= 0) throw Error(fmt::format("lora.r must be positive, got {}", cfg.r));
+  const std::optional<InitMethod> how = parse_init(cfg.init);
+  if (!how)
+    throw Error(fmt::format("lora.init '{}' is not one of default, gaussian, pissa, pissa_niter_N, olora", cfg.init));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   int matched = 0;
   for (Linear* l : model.linears()) {
     if (!matches_target(l->name, cfg)) continue;
-    const int64_t in = l->in_features(), out = l->out_features();
-    const double bound = 1.0 / std::sqrt(static_cast<double>(in));  // kaiming_uniform_(a=sqrt(5))
-    at::Tensor a = at::empty({cfg.r, in}, at::kFloat).uniform_(-bound, bound, gen);
-    l->lora_a = a.to(model.device(), dtype).set_requires_grad(true);
-    l->lora_b =
-        at::zeros({out, cfg.r}, at::TensorOptions().dtype(dtype).device(model.device())).set_requires_grad(true);
+    init_adapter(*l, cfg.r, cfg.scaling(), *how, gen);
+    l->lora_a = l->lora_a.to(model.device(), dtype).set_requires_grad(true);
+    l->lora_b = l->lora_b.to(model.device(), dtype).set_requires_grad(true);
     l->scaling = cfg.scaling();
     l->dropout = cfg.dropout;
     if (cfg.use_dora) attach_dora(*l);
@@ -93,16 +118,7 @@ std::vector<at::Tensor> lora_parameters(const CausalLM& model) {
   return out;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> lora_state(const CausalLM& model) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const Linear* l : model.linears())
-    if (l->adapted()) {
-      out.emplace_back(kPrefix + l->name + ".lora_A.weight", l->lora_a);
-      out.emplace_back(kPrefix + l->name + ".lora_B.weight", l->lora_b);
-      if (l->dora()) out.emplace_back(kPrefix + l->name + ".lora_magnitude_vector", l->magnitude);
-    }
-  return out;
-}
+std::vector<std::pair<std::string, at::Tensor>> lora_state(const CausalLM& model) { return state_of(model, false); }
 
 std::string trainable_summary(const CausalLM& model) {
   int64_t trainable = 0;
@@ -122,6 +138,9 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
   std::set<std::string> targets;
   for (const Linear* l : model.linears())
     if (l->adapted()) targets.insert(short_name(l->name));
+  // PiSSA/OLoRA: twice the rank at the same scaling, as PEFT's conversion writes it.
+  const bool doubled = converted_for_original_base(model);
+  const double alpha = !doubled ? cfg.alpha : cfg.use_rslora ? cfg.alpha * std::sqrt(2.0) : cfg.alpha * 2;
   // The fields PEFT writes, so PEFT, transformers and vLLM read it as their own.
   const nlohmann::ordered_json config = {
       {"alpha_pattern", nlohmann::json::object()},
@@ -131,14 +150,14 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
       {"bias", "none"},
       {"fan_in_fan_out", model.config().family == Family::Gpt2},
       {"inference_mode", true},
-      {"init_lora_weights", true},
+      {"init_lora_weights", cfg.init == "gaussian" ? nlohmann::json("gaussian") : nlohmann::json(true)},
       {"layers_pattern", nullptr},
       {"layers_to_transform", nullptr},
-      {"lora_alpha", cfg.alpha},
+      {"lora_alpha", alpha},
       {"lora_dropout", cfg.dropout},
       {"modules_to_save", nullptr},
       {"peft_type", "LORA"},
-      {"r", cfg.r},
+      {"r", doubled ? 2 * cfg.r : cfg.r},
       {"rank_pattern", nlohmann::json::object()},
       {"revision", nullptr},
       {"target_modules", targets},
@@ -148,7 +167,7 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
   };
   fs::create_directories(dir);
   io::write_file_atomic((fs::path(dir) / "adapter_config.json").string(), config.dump(2) + "\n");
-  save_tensors((fs::path(dir) / "adapter_model.safetensors").string(), lora_state(model));
+  save_tensors((fs::path(dir) / "adapter_model.safetensors").string(), state_of(model, true));
 }
 
 LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType dtype) {
@@ -197,6 +216,12 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
     throw Error(fmt::format("{}: a field has the wrong type ({})", where, e.what()));
   }
   if (cfg.r <= 0) throw Error(fmt::format("{}: r must be positive", where));
+  // PEFT saves PiSSA/OLoRA adapters unconverted unless asked: they hold the adapter of a residual base.
+  if (const auto init = j.find("init_lora_weights"); init != j.end() && init->is_string() && *init != "gaussian")
+    warn(
+        fmt::format("{}: init_lora_weights is '{}': such an adapter is right only on its residual base (PEFT saves "
+                    "one for the original base with save_pretrained(path_initial_model_for_weight_conversion=…))",
+                    where, printable(init->get<std::string>())));
 
   const WeightFiles files = WeightFiles::open_file(weights_path.string());
   std::map<std::string, Linear*> by_name;
@@ -285,9 +310,27 @@ LoraConfig lora_config_of(const recipe::LoraSection& lora, const std::string& ba
   cfg.dropout = lora.dropout;
   cfg.use_rslora = lora.use_rslora;
   cfg.use_dora = lora.use_dora;
+  cfg.init = lora.init;
   cfg.target_modules = lora.target_modules;
   cfg.base_model_name_or_path = base_model;
   return cfg;
+}
+
+std::string describe_adapter(const recipe::LoraSection& lora) {
+  const LoraConfig cfg = lora_config_of(lora, "");
+  std::string out = fmt::format("LoRA r {}, alpha {} (scale {:.4g}{}) on {}", cfg.r, cfg.alpha, cfg.scaling(),
+                                cfg.use_rslora ? ", rsLoRA" : "", fmt::join(cfg.target_modules, ", "));
+  if (lora.quantize_base) out += "; QLoRA: base linears in NF4";
+  if (cfg.use_dora) out += "; DoRA: a learnt magnitude per output row";
+  if (lora.plus_lr_ratio) out += fmt::format("; LoRA+: B learns at lr x {}", *lora.plus_lr_ratio);
+  if (cfg.init == "gaussian") out += "; init gaussian: A ~ N(0, 1/r)";
+  if (cfg.init.starts_with("pissa") || cfg.init == "olora")
+    out += fmt::format(
+        "; init {}: A and B from the base weights, trained on the residual, saved as rank {} for the "
+        "original base",
+        cfg.init, 2 * cfg.r);
+  if (!lora.init_from.empty()) out += fmt::format("; started from {}", printable(lora.init_from));
+  return out;
 }
 
 std::string nf4_summary(const CausalLM& model) {

@@ -18,7 +18,8 @@ struct LoraConfig {
   double alpha = 16;
   double dropout = 0.0;
   bool use_rslora = false;
-  bool use_dora = false;  // DoRA: a learnt magnitude per output row of each adapted layer
+  bool use_dora = false;         // DoRA: a learnt magnitude per output row of each adapted layer
+  std::string init = "default";  // PEFT's init_lora_weights: default | gaussian | pissa | pissa_niter_N | olora
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};  // or {"all-linear"}
   std::string base_model_name_or_path = {};
 
@@ -28,13 +29,18 @@ struct LoraConfig {
 // The recipe's lora.* keys as the adapter's config, for the base model at `base_model`.
 LoraConfig lora_config_of(const recipe::LoraSection& lora, const std::string& base_model);
 
+// One line naming the recipe's adapter variant for --dry-run and lora-data preview:
+// "LoRA r 8, alpha 16 (scale 2) on q_proj, v_proj; DoRA; LoRA+ …; init pissa …".
+std::string describe_adapter(const recipe::LoraSection& lora);
+
 // PEFT's rule: a listed name matches a module whose full name equals it or ends with ".name";
 // "all-linear" matches every linear layer but the output projection.
 bool matches_target(const std::string& module_name, const LoraConfig& cfg);
 
-// Adds adapters to the matching layers with PEFT's init: A ~ Kaiming-uniform(a=sqrt(5)),
-// i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0. Adapters are float32 unless `dtype` says otherwise.
-// Throws lorarun::Error, listing the model's layer names, when nothing matches.
+// Adds adapters to the matching layers, started as cfg.init says (lora_init.hpp; PEFT's default:
+// A ~ Kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0), drawing from one
+// generator seeded with `seed`, layer by layer in model order. Adapters are float32 unless `dtype`
+// says otherwise. Throws lorarun::Error, listing the model's layer names, when nothing matches.
 void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::ScalarType dtype = at::kFloat);
 
 // The trainable tensors, A, B (and DoRA's magnitude) for each adapted layer in model order.
@@ -48,6 +54,9 @@ std::string trainable_summary(const CausalLM& model);
 std::string nf4_summary(const CausalLM& model);
 
 // Writes adapter_config.json + adapter_model.safetensors into `dir` (created; files atomic).
+// Layers started by PiSSA or OLoRA are saved for the original base, as PEFT's
+// save_pretrained(path_initial_model_for_weight_conversion=…) does: A' = [A; A0], B' = [B, -B0],
+// r' = 2r and alpha' = 2·alpha (sqrt(2)·alpha with rsLoRA), so W + s·B'A' = (W - s·B0A0) + s·BA.
 void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::string& dir);
 
 // Reads a PEFT LoRA adapter directory and attaches it. Throws lorarun::Error for a missing

@@ -41,6 +41,7 @@ struct Linear {
   at::Tensor lora_b;                     // [out, r]
   at::Tensor magnitude;                  // DoRA: [out], the learnt row norms (lora_magnitude_vector)
   at::Tensor base_sq;                    // DoRA: [out] float32, the squared row norms of the frozen W
+  at::Tensor lora_a0, lora_b0;  // PiSSA/OLoRA: A and B at the start, float32, taken out of W (see lora_init.hpp)
   double scaling = 0.0;
   double dropout = 0.0;
   bool adapter_off = false;  // the adapter skipped: the base layer alone (a preference loss's reference)

@@ -144,6 +144,7 @@ struct LoraSection {
   std::optional<double> plus_lr_ratio;  // LoRA+: B's learning rate is lr × this
   bool quantize_base = false;
   bool double_quant = true;
+  std::string init = "default";  // PEFT's init_lora_weights: default | gaussian | pissa | pissa_niter_N | olora
   std::string init_from;
   bool all_linear() const { return target_modules == std::vector<std::string>{"all-linear"}; }
   bool operator==(const LoraSection&) const = default;

@@ -97,6 +97,11 @@ void for_each_key(R& r, V&& v) {
   v(Key{.name = "lora.double_quant",
         .meaning = "QLoRA: quantise the NF4 block scales to 8 bits too (bitsandbytes' `compress_statistics`)"},
     r.lora.double_quant);
+  v(Key{.name = "lora.init",
+        .example = "pissa",
+        .meaning = "how fresh adapters start (PEFT's init_lora_weights): default, gaussian, pissa, pissa_niter_N "
+                   "(randomised SVD) or olora"},
+    r.lora.init);
   v(Key{.name = "lora.init_from",
         .meaning = "a PEFT adapter directory to start from; empty: fresh adapters (A Kaiming-uniform, B zero)"},
     r.lora.init_from);

@@ -10,6 +10,7 @@
 #include "recipe/schema.hpp"
 #include "util/error.hpp"
 #include "util/secrets.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::recipe {
 namespace detail {
@@ -151,6 +152,47 @@ constexpr Rule kRules[] = {
          fail(o, "lora.use_dora",
               "does not work with dist.shard_base yet (DoRA takes the norm of every whole row of each weight, which "
               "no rank holds): set dist.shard_base: false, or lora.use_dora: false");
+     }},
+    {"lora.init",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       const std::string& init = r.lora.init;
+       const std::string n = init.starts_with("pissa_niter_") ? init.substr(12) : "";
+       const bool count =
+           !n.empty() && n.size() <= 6 && std::all_of(n.begin(), n.end(), [](char c) { return c >= '0' && c <= '9'; });
+       if (count && std::stol(n) == 0)
+         fail(o, "lora.init",
+              "is pissa_niter_0, but N counts the randomised SVD's subspace iterations and must be at least 1: "
+              "pissa_niter_4, say, or pissa for the exact SVD");
+       if (!count && init != "default" && init != "gaussian" && init != "pissa" && init != "olora")
+         fail(o, "lora.init",
+              fmt::format("'{}' is not one of default, gaussian, pissa, pissa_niter_N (N >= 1) or olora",
+                          printable(init)));
+       if (init == "default") return;
+       if (!r.lora.init_from.empty())
+         fail(o, "lora.init",
+              fmt::format("is {} but lora.init_from starts the adapters from a saved one: set one of them", init));
+       if (init == "gaussian") return;
+       const std::string what = fmt::format(
+           "is {}, which starts A and B from the base weights and trains on the "
+           "residual W - s·BA,",
+           init);
+       if (r.lora.use_dora)
+         fail(o, "lora.init",
+              what +
+                  " and with lora.use_dora the adapter could not be saved for the original base (PEFT's "
+                  "conversion drops the magnitudes): set lora.use_dora: false or lora.init: default");
+       if (r.dist.shard_base)
+         fail(o, "lora.init", what + " whole, which dist.shard_base splits across ranks: set dist.shard_base: false");
+       if (r.lora.quantize_base && init != "olora")
+         fail(o, "lora.init",
+              what +
+                  " in float, and lora.quantize_base holds them in NF4 (PEFT refuses this too): drop "
+                  "quantize_base, or use lora.init: olora");
+       if (r.train.objective == Objective::Dpo)
+         fail(o, "lora.init",
+              what +
+                  " and DPO's reference is the base with the adapter off, which would be that residual: use "
+                  "lora.init: default with train.objective: dpo");
      }},
     {"train.objective",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {

@@ -14,7 +14,9 @@ MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_ba
   const std::shared_ptr<model::BaseShards> shards = shard_base ? base_shards(r, 0, world, nullptr) : nullptr;
   model::CausalLM m =
       model::CausalLM::load(r.model.path, model::dtype_of(r.model.dtype), at::kCPU, load_options(r, shards, true));
-  model::attach_lora(m, model::lora_config_of(r.lora, r.model.path), 0);
+  model::LoraConfig cfg = model::lora_config_of(r.lora, r.model.path);
+  cfg.init = "default";  // shapes only: no weights to decompose (PiSSA/OLoRA keep A and B's start below)
+  model::attach_lora(m, cfg, 0);
   m.training = true;
   m.recompute_activations = r.train.activation_checkpointing;
   MemoryEstimate e;
@@ -22,7 +24,11 @@ MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_ba
   e.shard_base = shards != nullptr;
   e.base = m.base_bytes();
   e.gathered = shards ? shards->block_buffer_bytes() : 0;
-  for (const at::Tensor& p : model::lora_parameters(m)) e.lora += p.numel() * 16;
+  const int64_t start = r.lora.init.starts_with("pissa") || r.lora.init == "olora" ? 4 : 0;
+  for (const at::Tensor& p : model::lora_parameters(m)) {
+    e.trainable += p.numel();
+    e.lora += p.numel() * (16 + start);
+  }
   e.activations = m.activation_bytes(r.data.batch_size, r.data.max_length);
   return e;
 }
@@ -41,7 +47,9 @@ std::string memory_report(const recipe::Recipe& r, int world) {
     out += fmt::format("#   {:<28} {:>9.2f} {:>11.3f} {:>12.2f} {:>9.2f}{}\n", what, gib(e.base + e.gathered),
                        gib(e.lora), gib(e.activations), gib(e.total()), chosen ? "   <- this run" : "");
   };
-  row("whole base, any ranks", estimate_memory(r, 1, false), !r.dist.shard_base);
+  const MemoryEstimate whole = estimate_memory(r, 1, false);
+  out = fmt::format("# adapter: {}; {} trainable parameters\n", model::describe_adapter(r.lora), whole.trainable) + out;
+  row("whole base, any ranks", whole, !r.dist.shard_base);
   for (const int w : worlds)
     row(fmt::format("dist.shard_base, {} rank{}", w, w == 1 ? "" : "s"), estimate_memory(r, w, true),
         r.dist.shard_base && w == world);

@@ -144,6 +144,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "lora.plus_lr_ratio",
                                 "lora.quantize_base",
                                 "lora.double_quant",
+                                "lora.init",
                                 "lora.init_from",
                                 "data.source",
                                 "data.uri",
@@ -917,4 +918,24 @@ TEST_CASE("lora.use_dora and lora.plus_lr_ratio: their defaults, and what they r
   CHECK_THAT(e, Catch::Contains("lora.use_dora does not work with dist.shard_base") &&
                     Catch::Contains("set dist.shard_base: false"));
   CHECK(e.find('\n') == std::string::npos);
+}
+
+TEST_CASE("lora.init: PEFT's names, and what each refuses in one line") {
+  CHECK(load(kBase).lora.init == "default");
+  for (const char* ok : {"gaussian", "pissa", "pissa_niter_4", "pissa_niter_16", "olora"})
+    CHECK(load(kBase, {std::string("lora.init=") + ok}).lora.init == ok);
+  const auto refused = [](std::vector<std::string> overrides, const std::string& says) {
+    const std::string e = override_error(overrides);
+    INFO(e);
+    CHECK_THAT(e, Catch::Contains(says));
+    CHECK(e.find('\n') == std::string::npos);
+  };
+  refused({"lora.init=pissa_niter_0"}, "lora.init is pissa_niter_0, but N counts");
+  for (const char* bad : {"loftq", "pissa_niter_", "pissa_niter_x", "pissa_niter_-1"})
+    refused({std::string("lora.init=") + bad}, "is not one of default, gaussian, pissa, pissa_niter_N (N >= 1)");
+  refused({"lora.init=pissa", "lora.use_dora=true"}, "set lora.use_dora: false or lora.init: default");
+  refused({"lora.init=olora", "dist.shard_base=true"}, "set dist.shard_base: false");
+  refused({"lora.init=pissa", "lora.quantize_base=true"}, "(PEFT refuses this too): drop quantize_base");
+  CHECK(load(kBase, {"lora.init=olora", "lora.quantize_base=true"}).lora.quantize_base);  // PEFT re-quantises
+  refused({"lora.init=gaussian", "lora.init_from=/tmp/adapter"}, "but lora.init_from starts the adapters");
 }

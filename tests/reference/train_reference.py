@@ -4,15 +4,21 @@ usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED [dora]
            a PEFT adapter (all-linear) whose lora_A and lora_B are both random, so that every
            LoRA weight gets a gradient from the first step on; with dora a DoRA adapter, its
            magnitudes 1 +- 0.1 times the base's row norms
-       train_reference.py check [--loraplus=RATIO] MODEL_DIR INIT_DIR DATA.jsonl OURS_DIR WORLD BATCH ACCUM
-                                EPOCHS LR WARMUP [LOSS_TOL WEIGHT_TOL]
+       train_reference.py check [--loraplus=RATIO] [--init=NAME,R,ALPHA,SEED] MODEL_DIR INIT_DIR DATA.jsonl
+                                OURS_DIR WORLD BATCH ACCUM EPOCHS LR WARMUP [LOSS_TOL WEIGHT_TOL]
            replays lora-train's run (instruction documents {"instruction", "output"}, template
            "Q: {instruction}\\nA: ", shuffle none, cosine schedule, max_grad_norm 1.0) and compares
            the loss of every step (OURS_DIR/metrics.jsonl) and the final adapter
            (OURS_DIR/epoch_<EPOCHS-1>); reports match (tests/support/oracle.py) and the measured
            differences, and exits 1 when they differ beyond the tolerances (relative; default 1e-4
            for the losses, 1e-3 for the weights). --loraplus: the optimizer is PEFT's
-           create_loraplus_optimizer(AdamW, loraplus_lr_ratio=RATIO).
+           create_loraplus_optimizer(AdamW, loraplus_lr_ratio=RATIO). --init: no INIT_DIR is read;
+           PEFT starts a fresh all-linear adapter with init_lora_weights=NAME (gaussian, pissa,
+           pissa_niter_N, olora), its random draws from lorarun's stream (our_stream); for pissa and
+           olora INIT_DIR receives the start and the trained adapter is converted for the original
+           base as PEFT's save_pretrained(path_initial_model_for_weight_conversion=INIT_DIR) does, which
+           OURS_DIR's must equal, and, loaded by PEFT on the original base, it must give the trained
+           (residual) model's logits (original_base_logits_diff, relative, <= 1e-4).
        train_reference.py eval MODEL_DIR ADAPTER_DIR DATA.jsonl FRACTION
            lora-train's evaluation with eval.fraction FRACTION (> 0; else the whole file, as eval.path):
            the held-out lines (held_out below), rendered as the training documents, through the
@@ -26,6 +32,7 @@ r+2W, … (DistributedSampler with shuffle=False); each optimizer step takes ACC
 BATCH from every rank. The loss is summed over
 trained tokens and divided by the step's token count over all ranks and micro-batches.
 """
+import contextlib
 import json
 import math
 import os
@@ -73,6 +80,34 @@ def init(model_dir, out_dir, r, alpha, seed, variant=""):
             elif "lora_magnitude_vector" in name:
                 p.mul_(1 + 0.1 * torch.randn_like(p))
     model.save_pretrained(out_dir)
+
+
+@contextlib.contextmanager
+def our_stream(seed):
+    """lorarun's draws while PEFT initialises: one CPU generator seeded with train.seed serves the init's
+    own draws (gaussian's normal_, svd_lowrank's test matrices) layer by layer, as lib/model/lora_init.cpp
+    draws them; PEFT's other draws (the nn.Linear it builds and then overwrites) use the global stream."""
+    import peft.tuners.lora.layer as layer
+    gen = torch.Generator().manual_seed(seed)
+    normal, lowrank = torch.nn.init.normal_, layer.svd_lowrank
+
+    def ours_normal(t, mean=0.0, std=1.0, generator=None):
+        return normal(t, mean, std, generator=gen)
+
+    def ours_lowrank(a, q, niter):
+        saved = torch.get_rng_state()
+        torch.set_rng_state(gen.get_state())
+        try:
+            return lowrank(a, q, niter=niter)
+        finally:
+            gen.set_state(torch.get_rng_state())
+            torch.set_rng_state(saved)
+
+    torch.nn.init.normal_, layer.svd_lowrank = ours_normal, ours_lowrank
+    try:
+        yield
+    finally:
+        torch.nn.init.normal_, layer.svd_lowrank = normal, lowrank
 
 
 def saved_key(name):
@@ -124,7 +159,7 @@ def collate(batch):
 
 
 def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warmup, loss_tol=1e-4, weight_tol=1e-3,
-          loraplus=None):
+          loraplus=None, init_spec=None):
     exs = examples(model_dir, data)
     n = len(exs)
     per_rank = math.ceil(n / world)
@@ -134,7 +169,19 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
     steps_per_epoch = math.ceil(per_rank / (batch * accum))
 
     base = load_base(model_dir)
-    model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
+    converted = False
+    if init_spec is None:
+        model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
+    else:
+        name, r, alpha, seed = init_spec.split(",")
+        with our_stream(int(seed)):
+            model = get_peft_model(base, LoraConfig(r=int(r), lora_alpha=float(alpha), target_modules="all-linear",
+                                                    lora_dropout=0.0, init_lora_weights=name))
+        converted = name != "gaussian"
+        if converted:  # PEFT's recipe: the start saved as a plain LoRA adapter, for the conversion at the end
+            model.peft_config["default"].init_lora_weights = True
+            model.save_pretrained(init_dir)
+    at_start = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if loraplus is None:
@@ -171,18 +218,37 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
 
     got = [json.loads(line)["loss"] for line in open(ours + "/metrics.jsonl")]
     worst_loss = max(abs(a - b) / max(1e-6, abs(b)) for a, b in zip(got, losses)) if got else math.inf
-    want = {saved_key(k): v.detach() for k, v in model.state_dict().items() if "lora_" in k}
-    mine = load_file(f"{ours}/epoch_{epochs - 1}/adapter_model.safetensors")
-    worst_w = max((mine[k] - v).abs().max().item() / max(1e-6, v.abs().max().item()) for k, v in want.items())
-    moved = max((v - load_file(init_dir + "/adapter_model.safetensors")[k]).abs().max().item() for k, v in want.items())
+    moved = max((v.detach() - at_start[k]).abs().max().item() for k, v in model.state_dict().items() if k in at_start)
+    mine_dir = f"{ours}/epoch_{epochs - 1}"
+    mine = load_file(mine_dir + "/adapter_model.safetensors")
+    if converted:
+        model.save_pretrained(ours + "/peft-converted", path_initial_model_for_weight_conversion=init_dir)
+        want = load_file(ours + "/peft-converted/adapter_model.safetensors")
+    else:
+        want = {saved_key(k): v.detach() for k, v in model.state_dict().items() if "lora_" in k}
+    same = set(mine) == set(want) and all(mine[k].shape == v.shape for k, v in want.items())
+    worst_w = max((mine[k] - v).abs().max().item() / max(1e-6, v.abs().max().item())
+                  for k, v in want.items()) if same else math.inf
+    logits_diff = 0.0
+    if converted:  # ours on the original base computes what PEFT's trained residual model computes
+        model.eval()
+        ids, _, mask = collate(exs[:4])
+        with torch.no_grad():
+            trained = model(input_ids=ids, attention_mask=mask).logits
+            on_original = PeftModel.from_pretrained(load_base(model_dir), mine_dir)(input_ids=ids,
+                                                                                    attention_mask=mask).logits
+        logits_diff = (on_original - trained).abs().max().item() / trained.abs().max().item()
     print(f"steps {len(losses)} (ours {len(got)}); loss first {losses[0]:.6f} last {losses[-1]:.6f}; "
           f"worst relative loss diff {worst_loss:.2e}; worst relative weight diff {worst_w:.2e}; "
-          f"largest weight change {moved:.2e}; tensors {len(want)} (ours {len(mine)})")
-    ok = len(got) == len(losses) and set(mine) == set(want) and worst_loss < loss_tol and worst_w < weight_tol and moved > 1e-3
+          f"largest weight change {moved:.2e}; tensors {len(want)} (ours {len(mine)})"
+          + (f"; ours on the original base vs PEFT's trained logits {logits_diff:.2e}" if converted else ""))
+    ok = (len(got) == len(losses) and same and worst_loss < loss_tol and worst_w < weight_tol and moved > 1e-3
+          and logits_diff <= 1e-4)
     print("match" if ok else "MISMATCH")
     oracle.report(match=ok, steps=len(losses), our_steps=len(got), worst_relative_loss_diff=worst_loss,
                   relative_loss_diffs=[abs(a - b) / max(1e-6, abs(b)) for a, b in zip(got, losses)],
-                  worst_relative_weight_diff=worst_w, largest_weight_change=moved)
+                  worst_relative_weight_diff=worst_w, largest_weight_change=moved,
+                  original_base_logits_diff=logits_diff if converted else None)
     return 0 if ok else 1
 
 
@@ -207,13 +273,15 @@ def evaluate(model_dir, adapter_dir, data, fraction):
 
 
 if __name__ == "__main__":
-    cmd, args = sys.argv[1], [a for a in sys.argv[2:] if not a.startswith("--loraplus=")]
-    loraplus = next((float(a.split("=", 1)[1]) for a in sys.argv[2:] if a.startswith("--loraplus=")), None)
+    cmd, args = sys.argv[1], [a for a in sys.argv[2:] if not a.startswith("--")]
+    options = dict(a[2:].split("=", 1) for a in sys.argv[2:] if a.startswith("--"))
+    loraplus = float(options["loraplus"]) if "loraplus" in options else None
     if cmd == "init":
         init(args[0], args[1], int(args[2]), float(args[3]), int(args[4]), *args[5:6])
     elif cmd == "check":
         sys.exit(check(args[0], args[1], args[2], args[3], int(args[4]), int(args[5]), int(args[6]), int(args[7]),
-                       float(args[8]), int(args[9]), *map(float, args[10:12]), loraplus=loraplus))
+                       float(args[8]), int(args[9]), *map(float, args[10:12]), loraplus=loraplus,
+                       init_spec=options.get("init")))
     elif cmd == "eval":
         sys.exit(evaluate(args[0], args[1], args[2], float(args[3])))
     else:

@@ -1,5 +1,6 @@
 // Adapter variants trained by lora-train against transformers + PEFT + torch AdamW on the same
-// start: DoRA (fp32 and on the NF4 base), LoRA+ (alone, with DoRA, across a stop and resume).
+// start: DoRA (fp32 and on the NF4 base), LoRA+ (alone, with DoRA, across a stop and resume), and
+// lorarun's own starts (lora.init: gaussian, pissa, pissa_niter_N, olora) against PEFT's.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <string>
@@ -41,8 +42,12 @@ void check_reference(const std::string& dir, const std::string& name, const std:
   CHECK(ref.run.status == 0);
   CHECK(ref.fields.value("match", false));
   CHECK(ref.fields.value("steps", 0) == 20);
-  fmt::print("{}: 20 steps vs PEFT: worst relative loss diff {:.2g}, adapter {:.2g}\n", what,
-             ref.fields.value("worst_relative_loss_diff", -1.0), ref.fields.value("worst_relative_weight_diff", -1.0));
+  const auto logits = ref.fields.find("original_base_logits_diff");
+  const bool on_original = logits != ref.fields.end() && logits->is_number();
+  if (on_original) CHECK(logits->get<double>() <= 1e-4);
+  fmt::print("{}: 20 steps vs PEFT: worst relative loss diff {:.2g}, adapter {:.2g}{}\n", what,
+             ref.fields.value("worst_relative_loss_diff", -1.0), ref.fields.value("worst_relative_weight_diff", -1.0),
+             on_original ? fmt::format("; on the original base, logits {:.2g}", logits->get<double>()) : "");
 }
 
 }  // namespace
@@ -95,24 +100,67 @@ TEST_CASE("LoRA+ (plus_lr_ratio 16) trains as PEFT's create_loraplus_optimizer d
   }
 }
 
-TEST_CASE("LoRA+ with DoRA stopped by SIGTERM mid-epoch resumes to the adapter of a run never stopped", "[e2e]") {
-  const std::string dir = temp_dir("loraplus-resume");
-  write_data(dir + "/data.jsonl", 40);
-  init_adapter(dir, "dora");
-  const std::string lora = fmt::format(", init_from: {}/init, use_dora: true, plus_lr_ratio: 16", dir);
-  for (const char* name : {"full", "cut"})
-    write_recipe(dir, name, "epochs: 2, lr: 5.0e-3, warmup_steps: 2", lora, ", shuffle: none, batch_size: 1");
-  const Result a = sh(fmt::format("{} --nproc-per-node 2 {}/full.yaml", bin("lorarun"), dir));
-  INFO(a.output);
-  REQUIRE(a.status == 0);
-  const std::string cmd = fmt::format("{} --nproc-per-node 2 {}/cut.yaml", bin("lorarun"), dir);
-  const Result b = interrupt(cmd, dir + "/cut.log", "epoch 0/2 step 8/20", "kill -TERM $pid");
-  INFO(read_file(dir + "/cut.log"));
-  CHECK_THAT(b.output, Catch::Contains("exit=75"));
-  const Result c = sh(cmd);
-  INFO(c.output);
-  REQUIRE(c.status == 0);
-  CHECK_THAT(c.output, Catch::Contains("resuming at epoch"));
-  CHECK(adapter_diff(dir + "/full/epoch_1/adapter_model.safetensors", dir + "/cut/epoch_1/adapter_model.safetensors") ==
-        0.0);
+TEST_CASE(
+    "LoRA+ with DoRA, and a PiSSA start, stopped by SIGTERM mid-epoch resume to the adapter of a run never "
+    "stopped",
+    "[e2e]") {
+  for (const std::string variant : {"dora", "pissa"}) {
+    INFO("variant " << variant);
+    const std::string dir = temp_dir("resume-" + variant);
+    write_data(dir + "/data.jsonl", 40);
+    std::string lora = ", plus_lr_ratio: 16, init: pissa";  // the residual base is remade on resume
+    if (variant == "dora") {
+      init_adapter(dir, "dora");
+      lora = fmt::format(", init_from: {}/init, use_dora: true, plus_lr_ratio: 16", dir);
+    }
+    for (const char* name : {"full", "cut"})
+      write_recipe(dir, name, "epochs: 2, lr: 5.0e-3, warmup_steps: 2", lora, ", shuffle: none, batch_size: 1");
+    const Result a = sh(fmt::format("{} --nproc-per-node 2 {}/full.yaml", bin("lorarun"), dir));
+    INFO(a.output);
+    REQUIRE(a.status == 0);
+    const std::string cmd = fmt::format("{} --nproc-per-node 2 {}/cut.yaml", bin("lorarun"), dir);
+    const Result b = interrupt(cmd, dir + "/cut.log", "epoch 0/2 step 8/20", "kill -TERM $pid");
+    INFO(read_file(dir + "/cut.log"));
+    CHECK_THAT(b.output, Catch::Contains("exit=75"));
+    const Result c = sh(cmd);
+    INFO(c.output);
+    REQUIRE(c.status == 0);
+    CHECK_THAT(c.output, Catch::Contains("resuming at epoch"));
+    CHECK(adapter_diff(dir + "/full/epoch_1/adapter_model.safetensors",
+                       dir + "/cut/epoch_1/adapter_model.safetensors") == 0.0);
+  }
+}
+
+TEST_CASE(
+    "lora.init pissa, pissa_niter_2, olora and gaussian train as PEFT's inits do; PiSSA/OLoRA adapters load on "
+    "the original base",
+    "[e2e][reference]") {
+  for (const std::string init : {"pissa", "pissa_niter_2", "olora", "gaussian"}) {
+    INFO("lora.init " << init);
+    const std::string dir = temp_dir("init-" + init);
+    write_data(dir + "/data.jsonl", 40);
+    const std::string recipe =
+        write_recipe(dir, "run", "epochs: 2, lr: 5.0e-3, warmup_steps: 2, lr_scheduler: cosine, seed: 7",
+                     ", init: " + init, ", shuffle: none, batch_size: 2");
+    if (init == "pissa")  // the plan names the variant
+      for (const std::string& cmd : {fmt::format("{} --dry-run {}", bin("lora-train"), recipe),
+                                     fmt::format("{} preview 1 {}", bin("lora-data"), recipe)}) {
+        const Result plan = sh(cmd);
+        INFO(plan.output);
+        CHECK(plan.status == 0);
+        CHECK_THAT(plan.output, Catch::Contains("LoRA r 4, alpha 8 (scale 2) on all-linear; init pissa: A and B from "
+                                                "the base weights, trained on the residual, saved as rank 8"));
+      }
+    const Result t = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    // saved for the original base: twice the rank at the same scaling, a plain LoRA start
+    const std::string config = read_file(dir + "/run/epoch_1/adapter_config.json");
+    const bool converted = init != "gaussian";
+    CHECK_THAT(config, Catch::Contains(converted ? "\"r\": 8" : "\"r\": 4"));
+    CHECK_THAT(config, Catch::Contains(converted ? "\"lora_alpha\": 16" : "\"lora_alpha\": 8"));
+    CHECK_THAT(config,
+               Catch::Contains(converted ? "\"init_lora_weights\": true" : "\"init_lora_weights\": \"gaussian\""));
+    check_reference(dir, "run", init, "train_reference.py", fmt::format("check --init={},4,8,7", init));
+  }
 }
