@@ -43,6 +43,89 @@ std::string with_commas(int64_t n) {
   return out;
 }
 
+// PEFT's rule for modules_to_save: the module's full name, or a suffix after a '.'.
+bool names_module(const std::string& module, const std::string& name) {
+  return module == name ||
+         (module.ends_with(name) && module.size() > name.size() && module[module.size() - name.size() - 1] == '.');
+}
+
+// modules_to_save's copies and trainable_token_indices' rows, taken from the frozen tables.
+void attach_tables(CausalLM& model, const LoraConfig& cfg, at::ScalarType dtype) {
+  c10::NoGradGuard no_grad;
+  TrainedTables& t = model.tables;
+  const auto copy = [&](const at::Tensor& w) { return w.to(dtype).clone().set_requires_grad(true); };
+  for (const std::string& name : cfg.modules_to_save) {
+    if (names_module(model.embedding_name(), name))
+      t.embed = copy(model.frozen_embedding());
+    else if (name == "lm_head")
+      t.head = copy(model.frozen_lm_head());
+    else
+      throw Error(
+          fmt::format("lora.modules_to_save '{}' is neither this {} model's embedding ({}) nor its output "
+                      "head (lm_head), the modules it trains whole",
+                      printable(name), model.config().model_type, short_name(model.embedding_name())));
+  }
+  if (cfg.trainable_token_indices.empty()) return;
+  if (t.embed.defined())
+    throw Error(
+        fmt::format("lora.trainable_token_indices trains rows of {}, which lora.modules_to_save trains whole: "
+                    "use one of them (PEFT refuses both too)",
+                    short_name(model.embedding_name())));
+  const int64_t vocab = model.frozen_embedding().size(0);
+  if (std::set<int64_t>(cfg.trainable_token_indices.begin(), cfg.trainable_token_indices.end()).size() !=
+      cfg.trainable_token_indices.size())
+    throw Error("lora.trainable_token_indices lists a token twice: list each once");
+  for (const int64_t id : cfg.trainable_token_indices)
+    if (id < 0 || id >= vocab)
+      throw Error(
+          fmt::format("lora.trainable_token_indices has {}, but the embedding has rows 0 to {}: add the "
+                      "token to the base model first (resize its embedding)",
+                      id, vocab - 1));
+  const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(model.device());
+  t.token_ids = at::tensor(cfg.trainable_token_indices, at::TensorOptions().dtype(at::kLong)).to(model.device());
+  t.token_rows = copy(model.frozen_embedding().index_select(0, t.token_ids));
+  t.token_slot = at::full({vocab}, -1, longs).index_put_({t.token_ids}, at::arange(t.token_ids.size(0), longs));
+  t.head_tokens = model.head_tied();  // PEFT ties the head's rows to the embedding's
+}
+
+// The attached tables under the names PEFT saves them by.
+std::vector<std::pair<std::string, at::Tensor*>> table_slots(CausalLM& model) {
+  TrainedTables& t = model.tables;
+  std::vector<std::pair<std::string, at::Tensor*>> out;
+  if (t.embed.defined()) out.emplace_back(kPrefix + model.embedding_name() + ".weight", &t.embed);
+  if (t.head.defined()) out.emplace_back(std::string(kPrefix) + "lm_head.weight", &t.head);
+  if (t.token_rows.defined())
+    out.emplace_back(kPrefix + model.embedding_name() + ".token_adapter.trainable_tokens_delta", &t.token_rows);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> table_state(const CausalLM& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& [name, t] : table_slots(const_cast<CausalLM&>(model))) out.emplace_back(name, *t);
+  return out;
+}
+
+// adapter_config.json's modules_to_save and trainable_token_indices (a list, or PEFT's per-layer
+// mapping where it names the embedding, and a tied head with the same rows).
+void read_tables(const nlohmann::json& j, const CausalLM& model, LoraConfig& cfg, const std::string& where) {
+  if (const auto m = j.find("modules_to_save"); m != j.end() && !m->is_null())
+    cfg.modules_to_save = m->get<std::vector<std::string>>();
+  const auto tt = j.find("trainable_token_indices");
+  if (tt == j.end() || tt->is_null()) return;
+  if (tt->is_array()) {
+    cfg.trainable_token_indices = tt->get<std::vector<int64_t>>();
+    return;
+  }
+  for (const auto& [name, ids] : tt->items()) {
+    const auto rows = ids.get<std::vector<int64_t>>();
+    if (names_module(model.embedding_name(), name))
+      cfg.trainable_token_indices = rows;
+    else if (!(name == "lm_head" && model.head_tied()))
+      throw Error(fmt::format("{}: trainable_token_indices of '{}': lorarun trains tokens of the embedding ({}) only",
+                              where, printable(name), short_name(model.embedding_name())));
+  }
+}
+
 // PEFT's state dict; with `for_original_base`, PiSSA/OLoRA layers made to load on the original
 // base (PEFT's subtract_mutated_init: BA - B0A0 = [B | -B0] [A; A0]).
 std::vector<std::pair<std::string, at::Tensor>> state_of(const CausalLM& model, bool for_original_base) {
@@ -57,6 +140,7 @@ std::vector<std::pair<std::string, at::Tensor>> state_of(const CausalLM& model, 
                      start ? at::cat({l->lora_b, -l->lora_b0.to(l->lora_b.scalar_type())}, 1) : l->lora_b);
     if (l->dora()) out.emplace_back(kPrefix + l->name + ".lora_magnitude_vector", l->magnitude);
   }
+  for (auto& entry : table_state(model)) out.push_back(std::move(entry));
   return out;
 }
 
@@ -106,6 +190,7 @@ void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::Scal
                     "are: {} (or use all-linear)",
                     fmt::join(cfg.target_modules, ", "), model.config().model_type, fmt::join(names, ", ")));
   }
+  attach_tables(model, cfg, dtype);
 }
 
 std::vector<at::Tensor> lora_parameters(const CausalLM& model) {
@@ -115,6 +200,7 @@ std::vector<at::Tensor> lora_parameters(const CausalLM& model) {
       out.insert(out.end(), {l->lora_a, l->lora_b});
       if (l->dora()) out.push_back(l->magnitude);
     }
+  for (const auto& [name, t] : table_state(model)) out.push_back(t);
   return out;
 }
 
@@ -155,13 +241,15 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
       {"layers_to_transform", nullptr},
       {"lora_alpha", alpha},
       {"lora_dropout", cfg.dropout},
-      {"modules_to_save", nullptr},
+      {"modules_to_save", cfg.modules_to_save.empty() ? nlohmann::json(nullptr) : nlohmann::json(cfg.modules_to_save)},
       {"peft_type", "LORA"},
       {"r", doubled ? 2 * cfg.r : cfg.r},
       {"rank_pattern", nlohmann::json::object()},
       {"revision", nullptr},
       {"target_modules", targets},
       {"task_type", "CAUSAL_LM"},
+      {"trainable_token_indices",
+       cfg.trainable_token_indices.empty() ? nlohmann::json(nullptr) : nlohmann::json(cfg.trainable_token_indices)},
       {"use_dora", cfg.use_dora},
       {"use_rslora", cfg.use_rslora},
   };
@@ -212,6 +300,7 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
     const auto& tm = field("target_modules");
     cfg.target_modules =
         tm.is_string() ? std::vector<std::string>{tm.get<std::string>()} : tm.get<std::vector<std::string>>();
+    read_tables(j, model, cfg, where);
   } catch (const nlohmann::json::exception& e) {
     throw Error(fmt::format("{}: a field has the wrong type ({})", where, e.what()));
   }
@@ -228,7 +317,33 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
   for (Linear* l : model.linears()) by_name[l->name] = l;
   const std::regex key_re(R"(base_model\.model\.(.+)\.lora_(A\.weight|B\.weight|magnitude_vector))");
   std::map<Linear*, int> seen;
+  // A tensor of the file, checked: its shape, its values; owned and trainable.
+  const auto load = [&](const std::string& key, const std::vector<int64_t>& want) {
+    at::Tensor t;
+    try {
+      t = files.load(key, dtype, model.device(), want).clone();
+    } catch (const Error&) {
+      throw Error(fmt::format(
+          "{}: '{}' has shape [{}] but this base model and r={} need [{}]: the adapter "
+          "was made for another base model",
+          weights_path.string(), key, fmt::join(files.info(key).shape, ", "), cfg.r, fmt::join(want, ", ")));
+    }
+    if (!at::isfinite(t).all().item<bool>())  // merged, evaluated or trained on, it would only spread
+      throw Error(fmt::format(
+          "{}: '{}' holds non-finite values (NaN or infinity, in {}): the adapter is damaged or its training "
+          "diverged; use an earlier checkpoint",
+          weights_path.string(), key, c10::toString(dtype)));
+    return t.set_requires_grad(true);
+  };
+  attach_tables(model, cfg, dtype);  // modules_to_save / trainable tokens: filled from the file below
+  std::map<std::string, at::Tensor*> tables;
+  for (const auto& [name, slot] : table_slots(model)) tables[name] = slot;
   for (const std::string& key : files.names()) {
+    if (const auto table = tables.find(key); table != tables.end()) {
+      *table->second = load(key, table->second->sizes().vec());
+      tables.erase(table);
+      continue;
+    }
     std::smatch m;
     if (!std::regex_match(key, m, key_re))
       throw Error(
@@ -249,21 +364,8 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
     const std::vector<int64_t> want = part == 1   ? std::vector<int64_t>{cfg.r, l->in_features()}
                                       : part == 2 ? std::vector<int64_t>{l->out_features(), cfg.r}
                                                   : std::vector<int64_t>{l->out_features()};
-    at::Tensor t;
-    try {
-      t = files.load(key, dtype, model.device(), want).clone();  // owned: it will be trained
-    } catch (const Error&) {
-      throw Error(fmt::format(
-          "{}: '{}' has shape [{}] but this base model and r={} need [{}]: the adapter "
-          "was made for another base model",
-          weights_path.string(), key, fmt::join(files.info(key).shape, ", "), cfg.r, fmt::join(want, ", ")));
-    }
-    if (!at::isfinite(t).all().item<bool>())  // merged, evaluated or trained on, it would only spread
-      throw Error(fmt::format(
-          "{}: '{}' holds non-finite values (NaN or infinity, in {}): the adapter is damaged or its training "
-          "diverged; use an earlier checkpoint",
-          weights_path.string(), key, c10::toString(dtype)));
-    (part == 1 ? l->lora_a : part == 2 ? l->lora_b : l->magnitude) = t.set_requires_grad(true);
+    const at::Tensor t = load(key, want);
+    (part == 1 ? l->lora_a : part == 2 ? l->lora_b : l->magnitude) = t;
     l->scaling = cfg.scaling();
     l->dropout = cfg.dropout;
     seen[l] |= part;
@@ -278,6 +380,9 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
     if (cfg.use_dora) prepare_dora(*l);
   }
   if (seen.empty()) throw Error(fmt::format("{} holds no LoRA weights", weights_path.string()));
+  if (!tables.empty())
+    throw Error(fmt::format("{}: '{}' is missing, though {} lists modules_to_save or trainable_token_indices",
+                            weights_path.string(), tables.begin()->first, where));
   return cfg;
 }
 
@@ -301,6 +406,7 @@ void merge_lora(CausalLM& model) {
     l->magnitude = at::Tensor();
     l->base_sq = at::Tensor();
   }
+  model.fold_tables();
 }
 
 LoraConfig lora_config_of(const recipe::LoraSection& lora, const std::string& base_model) {
@@ -311,6 +417,8 @@ LoraConfig lora_config_of(const recipe::LoraSection& lora, const std::string& ba
   cfg.use_rslora = lora.use_rslora;
   cfg.use_dora = lora.use_dora;
   cfg.init = lora.init;
+  cfg.modules_to_save = lora.modules_to_save;
+  cfg.trainable_token_indices = lora.trainable_token_indices;
   cfg.target_modules = lora.target_modules;
   cfg.base_model_name_or_path = base_model;
   return cfg;

@@ -20,6 +20,8 @@ struct LoraConfig {
   bool use_rslora = false;
   bool use_dora = false;         // DoRA: a learnt magnitude per output row of each adapted layer
   std::string init = "default";  // PEFT's init_lora_weights: default | gaussian | pissa | pissa_niter_N | olora
+  std::vector<std::string> modules_to_save = {};      // the embedding and/or "lm_head", trained whole (copies)
+  std::vector<int64_t> trainable_token_indices = {};  // embedding rows trained alone (PEFT's TrainableTokens)
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};  // or {"all-linear"}
   std::string base_model_name_or_path = {};
 
@@ -43,9 +45,12 @@ bool matches_target(const std::string& module_name, const LoraConfig& cfg);
 // says otherwise. Throws lorarun::Error, listing the model's layer names, when nothing matches.
 void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::ScalarType dtype = at::kFloat);
 
-// The trainable tensors, A, B (and DoRA's magnitude) for each adapted layer in model order.
+// The trainable tensors, A, B (and DoRA's magnitude) for each adapted layer in model order, then
+// the trained tables (modules_to_save's embedding and head copies, trainable tokens' rows).
 std::vector<at::Tensor> lora_parameters(const CausalLM& model);
-// PEFT's state-dict names and tensors: "base_model.model.<module>.lora_A.weight", …
+// PEFT's state-dict names and tensors: "base_model.model.<module>.lora_A.weight", …, and for the
+// tables "base_model.model.<embedding>.weight", "base_model.model.lm_head.weight",
+// "base_model.model.<embedding>.token_adapter.trainable_tokens_delta".
 std::vector<std::pair<std::string, at::Tensor>> lora_state(const CausalLM& model);
 
 // "trainable params: 1,024 || all params: 9,999 || trainable%: 10.2410", like PEFT's summary.
@@ -64,7 +69,8 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
 LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType dtype = at::kFloat);
 
 // Folds every adapter into its base weight (W += s·BA; DoRA: W = m/||W + s·BA||_row ⊙ (W + s·BA))
-// and drops the adapters. Throws lorarun::Error for an NF4 weight.
+// and the trained tables into the embedding and head, and drops them. Throws lorarun::Error for an
+// NF4 weight, and for tables that would untie a tied head.
 void merge_lora(CausalLM& model);
 
 }  // namespace lorarun::model

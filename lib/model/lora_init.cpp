@@ -70,25 +70,28 @@ void init_adapter(Linear& l, int64_t r, double scaling, const InitMethod& how, a
   const int64_t in = l.in_features(), out = l.out_features();
   const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
   if (!how.decomposes()) {
-    l.lora_a = how.kind == LoraInit::Gaussian ? at::empty({r, in}, f32).normal_(0.0, 1.0 / double(r), gen)
-                                              : at::empty({r, in}, f32).uniform_(-1.0 / std::sqrt(double(in)),
-                                                                                 1.0 / std::sqrt(double(in)), gen);
+    l.lora_a = how.kind == LoraInit::Gaussian
+                   ? at::empty({r, in}, f32).normal_(0.0, 1.0 / double(r), gen)
+                   : at::empty({r, in}, f32).uniform_(-1.0 / std::sqrt(double(in)), 1.0 / std::sqrt(double(in)), gen);
     l.lora_b = at::zeros({out, r}, f32);
     return;
   }
   const char* what = how.kind == LoraInit::Pissa ? "pissa" : "olora";
   if (l.sharded)
-    throw Error(fmt::format("lora.init {} needs {}'s whole weight, which dist.shard_base splits: set "
-                            "dist.shard_base: false",
-                            what, l.name));
+    throw Error(
+        fmt::format("lora.init {} needs {}'s whole weight, which dist.shard_base splits: set "
+                    "dist.shard_base: false",
+                    what, l.name));
   if (l.nf4 && how.kind == LoraInit::Pissa)
-    throw Error(fmt::format("lora.init pissa needs {}'s weight in float, and lora.quantize_base holds it in NF4 (PEFT "
-                            "refuses this too): drop quantize_base, or use lora.init olora",
-                            l.name));
+    throw Error(
+        fmt::format("lora.init pissa needs {}'s weight in float, and lora.quantize_base holds it in NF4 (PEFT "
+                    "refuses this too): drop quantize_base, or use lora.init olora",
+                    l.name));
   if (l.conv1d && how.kind == LoraInit::Olora)
-    throw Error(fmt::format("lora.init olora does not fit GPT-2's Conv1D layer {} (PEFT takes the QR of the stored "
-                            "[in, out] weight, which gives A and B the wrong shapes): use lora.init pissa",
-                            l.name));
+    throw Error(
+        fmt::format("lora.init olora does not fit GPT-2's Conv1D layer {} (PEFT takes the QR of the stored "
+                    "[in, out] weight, which gives A and B the wrong shapes): use lora.init pissa",
+                    l.name));
   c10::NoGradGuard no_grad;
   const at::Tensor w = (l.nf4 ? l.nf4->dequantize() : l.weight).to(at::kFloat);
   at::Tensor a, b;

@@ -35,17 +35,25 @@ at::Tensor per_sequence_loss(const at::Tensor& logits, const at::Tensor& labels)
 namespace lorarun::model {
 namespace {
 
+// d loss / d z of one chunk's logits z [n, V] given their log_softmax (overwritten): softmax - one-hot,
+// through the soft cap's derivative when there is one.
+at::Tensor logit_grad(at::Tensor& logp, const at::Tensor& t, const at::Tensor& capped, double softcap) {
+  logp.exp_().scatter_add_(1, t, at::full_like(t, -1.0, at::kFloat));  // softmax - one-hot
+  if (softcap > 0) logp.mul_(1 - capped.to(at::kFloat).square());      // d(cap tanh(z/cap))/dz
+  return logp;
+}
+
 // Fused output projection + cross-entropy over rows of hidden states, chunked over rows.
 // forward: h [N, H], W [V, H], targets [N] -> sum of -log softmax(z)[target] (float32), where
-// z = h W^T, or cap * tanh(h W^T / cap) with a soft cap (softcap > 0).
+// z = h W^T, or cap * tanh(h W^T / cap) with a soft cap (softcap > 0). Gradients: h's always (when
+// it needs one), computed here; W's when it is trained (modules_to_save, trainable tokens of a tied
+// head): float32 [V, H] summed here, or for per-row losses recomputed in backward, where each row's
+// weight is known.
 struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
-  // per_row: the [N] losses of the rows instead of their sum (each row's gradient is its own).
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
-                            const at::Tensor& targets, int64_t chunk_rows, bool need_grad, double softcap,
-                            bool per_row) {
-    at::Tensor loss =
-        per_row ? at::empty({h.size(0)}, h.options().dtype(at::kFloat)) : at::zeros({}, h.options().dtype(at::kFloat));
-    at::Tensor grad = need_grad ? at::empty_like(h) : at::Tensor();
+  // Each chunk's logits and log_softmax, handed to `each(s, n, t, logp, capped)`.
+  template <class F>
+  static void chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, int64_t chunk_rows,
+                     double softcap, F&& each) {
     for (int64_t s = 0; s < h.size(0); s += chunk_rows) {
       const int64_t n = std::min(chunk_rows, h.size(0) - s);
       const at::Tensor t = targets.narrow(0, s, n).unsqueeze(1);
@@ -57,31 +65,65 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
         z = capped * softcap;
       }
       at::Tensor logp = at::log_softmax(z.to(at::kFloat), 1);
-      if (per_row)
-        loss.narrow(0, s, n).copy_(logp.gather(1, t).squeeze(1).neg());
-      else
-        loss -= logp.gather(1, t).sum();
-      if (!need_grad) continue;
-      logp.exp_().scatter_add_(1, t, at::full_like(t, -1.0, at::kFloat));  // softmax - one-hot
-      if (softcap > 0) logp.mul_(1 - capped.to(at::kFloat).square());      // d(cap tanh(z/cap))/dz
-      at::Tensor rows = grad.narrow(0, s, n);
-      at::mm_out(rows, logp.to(w.scalar_type()), w);
+      each(s, n, t, logp, capped);
     }
-    ctx->save_for_backward({grad});
+  }
+
+  // per_row: the [N] losses of the rows instead of their sum (each row's gradient is its own).
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
+                            const at::Tensor& targets, int64_t chunk_rows, bool need_grad, double softcap,
+                            bool per_row) {
+    at::Tensor loss =
+        per_row ? at::empty({h.size(0)}, h.options().dtype(at::kFloat)) : at::zeros({}, h.options().dtype(at::kFloat));
+    at::Tensor grad = need_grad ? at::empty_like(h) : at::Tensor();
+    const bool need_w = w.requires_grad();
+    at::Tensor grad_w = need_w && !per_row ? at::zeros(w.sizes(), w.options().dtype(at::kFloat)) : at::Tensor();
+    chunks(h, w, targets, chunk_rows, softcap,
+           [&](int64_t s, int64_t n, const at::Tensor& t, at::Tensor& logp, const at::Tensor& capped) {
+             if (per_row)
+               loss.narrow(0, s, n).copy_(logp.gather(1, t).squeeze(1).neg());
+             else
+               loss -= logp.gather(1, t).sum();
+             if (!need_grad && !grad_w.defined()) return;
+             const at::Tensor dz = logit_grad(logp, t, capped, softcap);
+             if (need_grad) {
+               at::Tensor rows = grad.narrow(0, s, n);
+               at::mm_out(rows, dz.to(w.scalar_type()), w);
+             }
+             if (grad_w.defined()) grad_w.addmm_(dz.t(), h.narrow(0, s, n).to(at::kFloat));
+           });
+    ctx->save_for_backward({grad, grad_w});
+    if (need_w && per_row) ctx->saved_data["inputs"] = std::vector<at::Tensor>{h.detach(), w.detach(), targets};
     ctx->saved_data["per_row"] = per_row;
+    ctx->saved_data["chunk_rows"] = chunk_rows;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
     return loss;
   }
+
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
-    const at::Tensor grad = ctx->get_saved_variables()[0];
-    const at::Tensor g = grad_out[0].to(grad.scalar_type());
-    return {ctx->saved_data["per_row"].toBool() ? grad * g.unsqueeze(1) : grad * g,
-            at::Tensor(),
-            at::Tensor(),
-            at::Tensor(),
-            at::Tensor(),
-            at::Tensor(),
-            at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& grad = saved[0];
+    const bool per_row = ctx->saved_data["per_row"].toBool();
+    at::Tensor gh, gw;
+    if (grad.defined()) {
+      const at::Tensor g = grad_out[0].to(grad.scalar_type());
+      gh = per_row ? grad * g.unsqueeze(1) : grad * g;
+    }
+    if (saved[1].defined()) gw = saved[1] * grad_out[0].to(at::kFloat);
+    if (ctx->saved_data.count("inputs")) {  // per-row losses: W's gradient weighs each row by its own
+      const auto in = ctx->saved_data["inputs"].toTensorVector();
+      const at::Tensor g = grad_out[0].to(at::kFloat);
+      gw = at::zeros(in[1].sizes(), in[1].options().dtype(at::kFloat));
+      chunks(in[0], in[1], in[2], ctx->saved_data["chunk_rows"].toInt(), ctx->saved_data["softcap"].toDouble(),
+             [&](int64_t s, int64_t n, const at::Tensor& t, at::Tensor& logp, const at::Tensor& capped) {
+               const at::Tensor dz = logit_grad(logp, t, capped, ctx->saved_data["softcap"].toDouble());
+               gw.addmm_((dz * g.narrow(0, s, n).unsqueeze(1)).t(), in[0].narrow(0, s, n).to(at::kFloat));
+             });
+    }
+    if (gw.defined()) gw = gw.to(static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
+    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

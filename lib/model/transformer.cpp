@@ -41,6 +41,15 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
 
 namespace {
 
+// ids [..] -> [.., E]: rows of the embedding, or of its trained copy; trainable tokens' rows from
+// token_rows (gathered, not a patched [vocab, E] copy per call, which PEFT makes).
+at::Tensor embed(const TrainedTables& t, const at::Tensor& table, const at::Tensor& ids, at::ScalarType dtype) {
+  at::Tensor h = at::embedding(t.embed.defined() ? t.embed.to(dtype) : table, ids);
+  if (!t.token_ids.defined()) return h;
+  const at::Tensor slot = t.token_slot.index_select(0, ids.flatten()).view(ids.sizes());
+  return at::where(slot.ge(0).unsqueeze(-1), at::embedding(t.token_rows.to(dtype), slot.clamp_min(0)), h);
+}
+
 // The linears a block has (a family leaves some empty), in a fixed order.
 std::vector<Linear*> block_linears(Block& b) {
   std::vector<Linear*> out;
@@ -224,6 +233,7 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
 
   if (c.family == Family::Llama) {
     m.embed_tokens_ = L.get("model.embed_tokens.weight", {V, H});
+    m.embedding_name_ = "model.embed_tokens";
     const auto rotated = static_cast<int64_t>(c.head_dim * c.partial_rotary);
     const bool longrope = c.rope.type == "longrope";
     m.inv_freq_ = rope_inv_freq(c.rope, c.rope_theta, rotated, longrope ? &c.rope.short_factor : nullptr).to(device_);
@@ -267,6 +277,7 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
     const int64_t E = c.word_embed_proj_dim;
     const bool bias = c.enable_bias;
     m.embed_tokens_ = L.get("model.decoder.embed_tokens.weight", {V, E});
+    m.embedding_name_ = "model.decoder.embed_tokens";
     m.embed_positions_ = L.get("model.decoder.embed_positions.weight", {c.max_positions + 2, H});
     if (E != H) {
       m.project_in_ = L.linear("model.decoder.project_in", E, H, false);
@@ -290,6 +301,7 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
   } else {  // gpt2; older checkpoints have no "transformer." prefix
     const std::string t = files.contains("transformer.wte.weight") ? "transformer." : "";
     m.embed_tokens_ = L.get(t + "wte.weight", {V, H});
+    m.embedding_name_ = "transformer.wte";
     m.embed_positions_ = L.get(t + "wpe.weight", {c.max_positions, H});
     for (int64_t i = 0; i < c.num_layers; ++i) {
       const std::string p = fmt::format("{}h.{}.", t, i);
@@ -443,7 +455,7 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
     positions = at::arange(past, past + T, long_opts).unsqueeze(0).expand({B, T});
   }
 
-  at::Tensor h = at::embedding(embed_tokens_, input_ids.to(device_));
+  at::Tensor h = embed(tables, embed_tokens_, input_ids.to(device_), dtype_);
   at::Tensor cos[2], sin[2];  // [0] every layer's, [1] gemma3's windowed layers' when they differ
   if (c.family == Family::Llama) {
     if (c.gemma)  // sqrt(hidden) rounded to the model's dtype first, as HF
@@ -510,8 +522,28 @@ std::pair<at::Tensor, at::Tensor> CausalLM::rope_tables(const at::Tensor& positi
   return {cos.to(dtype_).unsqueeze(1), sin.to(dtype_).unsqueeze(1)};  // [B, 1, T, rot]
 }
 
+at::Tensor CausalLM::lm_head() const {
+  if (tables.head.defined()) return tables.head.to(dtype_);
+  if (tables.head_tokens) return lm_head_.index_copy(0, tables.token_ids, tables.token_rows.to(dtype_));
+  return lm_head_;
+}
+
+void CausalLM::fold_tables() {
+  c10::NoGradGuard no_grad;
+  if (head_tied() && (tables.embed.defined() || tables.head.defined()))
+    throw Error(fmt::format(
+        "the adapter trains {} apart from the output head tied to it (modules_to_save): a merged model would need "
+        "tie_word_embeddings: false; serve the adapter with PEFT (or vLLM) instead of merging it",
+        tables.embed.defined() ? embedding_name_ : "lm_head"));
+  if (tables.embed.defined()) embed_tokens_.copy_(tables.embed);
+  if (tables.head.defined()) lm_head_.copy_(tables.head);
+  if (tables.token_ids.defined())  // a tied head shares the rows
+    embed_tokens_.index_copy_(0, tables.token_ids, tables.token_rows.to(dtype_));
+  tables = {};
+}
+
 at::Tensor CausalLM::logits(const at::Tensor& hidden) const {
-  const at::Tensor z = at::linear(hidden, lm_head_);
+  const at::Tensor z = at::linear(hidden, lm_head());
   if (!config_.logit_softcap) return z;
   return at::tanh(z / *config_.logit_softcap) * *config_.logit_softcap;  // gemma2, in the model's dtype as HF
 }

@@ -67,6 +67,17 @@ struct Block {
   Linear gate, up, gate_up, down;    // opt: up=fc1, down=fc2; gpt2: up=c_fc, down=c_proj; gate_up: phi3's
 };
 
+// PEFT's modules_to_save and trainable_token_indices: trained stand-ins for the frozen embedding
+// and output head, used by forward in their place (attached by attach_lora; see lora.hpp).
+struct TrainedTables {
+  at::Tensor embed;          // modules_to_save: the embedding's copy [vocab, E], in the adapters' dtype
+  at::Tensor head;           // modules_to_save: the output head's copy [vocab, E]
+  at::Tensor token_ids;      // trainable_token_indices [n] int64
+  at::Tensor token_rows;     // [n, E]: those embedding rows, trained (PEFT's trainable_tokens_delta)
+  at::Tensor token_slot;     // [vocab] int64: k where token_ids[k] is the id, else -1
+  bool head_tokens = false;  // the head is tied to the embedding: its rows of token_ids are token_rows too
+};
+
 // Keys and values of past positions, for generation.
 struct KVCache {
   std::vector<at::Tensor> k, v;  // per layer [B, kv_heads, past, head_dim]
@@ -118,7 +129,17 @@ class CausalLM {
                            bool packed = false) const;
   // hidden [.., H'] -> logits [.., vocab]
   at::Tensor logits(const at::Tensor& hidden) const;
-  const at::Tensor& lm_head() const { return lm_head_; }  // [vocab, H'], frozen
+  // The output projection [vocab, H'] as forward uses it: the frozen one, or what `tables` make of it.
+  at::Tensor lm_head() const;
+  const at::Tensor& frozen_embedding() const { return embed_tokens_; }  // [vocab, E]
+  const at::Tensor& frozen_lm_head() const { return lm_head_; }
+  bool head_tied() const { return lm_head_.is_same(embed_tokens_); }  // tie_word_embeddings
+  // The embedding's HF module name: "model.embed_tokens", "model.decoder.embed_tokens" (opt), "transformer.wte".
+  const std::string& embedding_name() const { return embedding_name_; }
+  // Writes `tables` into the frozen embedding and head and drops them (a merge). Throws lorarun::Error
+  // when they would untie a tied head.
+  void fold_tables();
+  TrainedTables tables;
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask) const {
     return logits(hidden_states(input_ids, attention_mask));
   }
@@ -167,6 +188,7 @@ class CausalLM {
   bool base_sharded_ = false;
   at::ScalarType dtype_ = at::kFloat;
   at::Device device_{at::kCPU};
+  std::string embedding_name_;
   at::Tensor embed_tokens_;          // [vocab, E]
   at::Tensor embed_positions_;       // opt/gpt2 learned positions
   at::Tensor inv_freq_;              // llama rope, float32 [rotated dims/2]

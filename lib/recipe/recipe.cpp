@@ -233,8 +233,17 @@ void read(const YAML::Node& n, T& out, Field f) {
                                                                   : "a mapping",
                  n, false);
     out = yaml_to_json(n, f);
-  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {  // lora.target_modules
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {  // lora.target_modules, modules_to_save
     read_modules(n, out, f);
+  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {  // lora.trainable_token_indices
+    out.clear();
+    if (n.IsNull()) return;
+    if (!n.IsSequence()) f.expected("a list of token ids", n);
+    for (const YAML::Node& item : n) {
+      const auto i = item.IsScalar() ? parse_int(item.Scalar()) : std::nullopt;
+      if (!i) f.expected("a list of token ids (whole numbers)", n);
+      out.push_back(*i);
+    }
   } else {
     static_assert(std::is_same_v<T, EpochsToSave>);
     read_epochs(n, out, f);
@@ -460,7 +469,7 @@ nlohmann::json to_json(const Recipe& r, bool redact_secrets) {
     } else if constexpr (detail::IsOptional<T>::value) {
       slot = value ? nlohmann::json(*value) : nlohmann::json(nullptr);
     } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
-      slot = shown.lora.all_linear() ? nlohmann::json("all-linear") : nlohmann::json(value);
+      slot = value == std::vector<std::string>{"all-linear"} ? nlohmann::json("all-linear") : nlohmann::json(value);
     } else if constexpr (std::is_same_v<T, EpochsToSave>) {
       slot = value.mode == EpochsToSave::Mode::List ? nlohmann::json(value.epochs)
                                                     : nlohmann::json(detail::yaml_text(value));

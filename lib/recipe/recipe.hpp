@@ -141,7 +141,9 @@ struct LoraSection {
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};
   bool use_rslora = false;
   bool use_dora = false;
-  std::optional<double> plus_lr_ratio;  // LoRA+: B's learning rate is lr × this
+  std::optional<double> plus_lr_ratio;           // LoRA+: B's learning rate is lr × this
+  std::vector<std::string> modules_to_save;      // embed_tokens, lm_head: trained whole (PEFT's)
+  std::vector<int64_t> trainable_token_indices;  // embedding rows trained alone (PEFT's TrainableTokens)
   bool quantize_base = false;
   bool double_quant = true;
   std::string init = "default";  // PEFT's init_lora_weights: default | gaussian | pissa | pissa_niter_N | olora

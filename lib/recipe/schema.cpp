@@ -144,7 +144,8 @@ void check_bound(const Key& k, double value, bool nullable, const RecipeOrigin& 
 }
 
 void check_names(const Key& k, const std::vector<std::string>& names, const RecipeOrigin& origin) {
-  if (names.empty()) fail(origin, k.name, "must name at least one module or be all-linear" + hint(k.name));
+  if (names.empty() && !k.may_be_empty)
+    fail(origin, k.name, "must name at least one module or be all-linear" + hint(k.name));
   std::set<std::string> seen;
   for (const std::string& m : names) {
     if (m.empty()) fail(origin, k.name, "has an empty module name; remove it");
@@ -176,6 +177,8 @@ std::string type_text() {
     return "mapping";
   } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
     return "list of names, or all-linear";
+  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+    return "list of integers";
   } else {
     static_assert(std::is_same_v<T, EpochsToSave>);
     return "all, none, or list of integers";
@@ -199,7 +202,9 @@ std::string allowed_text(const Key& k) {
   } else if constexpr (std::is_same_v<T, std::string>) {
     if (!k.required.empty()) parts.push_back("not empty");
   } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
-    parts.push_back("at least one, each once");
+    parts.push_back(k.may_be_empty ? "each once" : "at least one, each once");
+  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+    parts.push_back("token ids, each once");
   } else if constexpr (std::is_same_v<T, EpochsToSave>) {
     parts.push_back("epochs in [0, train.epochs), each once");
   }

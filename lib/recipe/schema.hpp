@@ -41,6 +41,7 @@ struct Key {
   std::string_view required{};    // non-empty: the key must be set; "must be set <required>"
   std::string_view null_means{};  // nullable keys: what null does, for messages and the docs
   std::string_view meaning{};     // one line, for docs/recipe.md
+  bool may_be_empty = false;      // a list key that may be [] (lora.modules_to_save)
   // Visitors may take the name alone: v(std::string_view key, auto& member).
   constexpr operator std::string_view() const { return name; }
 };
@@ -91,6 +92,16 @@ void for_each_key(R& r, V&& v) {
         .meaning = "LoRA+: B's (and DoRA's magnitudes') learning rate is the schedule's × this, as PEFT's "
                    "create_loraplus_optimizer sets it"},
     r.lora.plus_lr_ratio);
+  v(Key{.name = "lora.modules_to_save",
+        .example = "[embed_tokens, lm_head]",
+        .meaning = "PEFT's modules_to_save: the embedding and/or output head trained whole, as copies saved in the "
+                   "adapter",
+        .may_be_empty = true},
+    r.lora.modules_to_save);
+  v(Key{.name = "lora.trainable_token_indices",
+        .example = "[128000, 128001]",
+        .meaning = "PEFT's TrainableTokens: only these embedding rows train (with a tied output head, its rows too)"},
+    r.lora.trainable_token_indices);
   v(Key{.name = "lora.quantize_base",
         .meaning = "QLoRA: hold the base weights of the linear layers LoRA may adapt in NF4, as bitsandbytes does"},
     r.lora.quantize_base);
@@ -464,6 +475,10 @@ std::string yaml_text(const T& v) {
     if (v == std::vector<std::string>{"all-linear"}) return "all-linear";
     std::string out = "[";
     for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + quote_string(v[i]);
+    return out + "]";
+  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {  // lora.trainable_token_indices
+    std::string out = "[";
+    for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
     return out + "]";
   } else {
     static_assert(std::is_same_v<T, EpochsToSave>);

@@ -153,6 +153,44 @@ constexpr Rule kRules[] = {
               "does not work with dist.shard_base yet (DoRA takes the norm of every whole row of each weight, which "
               "no rank holds): set dist.shard_base: false, or lora.use_dora: false");
      }},
+    // Trained tables: the embedding and head whole, or some embedding rows.
+    {"lora.modules_to_save",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       const auto& targets = r.lora.target_modules;
+       for (const std::string& m : r.lora.modules_to_save) {
+         if (m == "embed_tokens" || m == "wte" || m == "lm_head") continue;
+         const bool adapted = r.lora.all_linear() || std::find(targets.begin(), targets.end(), m) != targets.end();
+         fail(o, "lora.modules_to_save",
+              fmt::format("lists '{}'{}: it takes the embedding (embed_tokens; wte for gpt2) and the output head "
+                          "(lm_head), which it trains whole",
+                          printable(m), adapted ? ", which lora.target_modules adapts" : ""));
+       }
+       if (!r.lora.modules_to_save.empty() && r.lora.plus_lr_ratio)
+         fail(o, "lora.modules_to_save",
+              "with lora.plus_lr_ratio: PEFT's LoRA+ gives embeddings a learning rate of their own "
+              "(loraplus_lr_embedding), which lorarun does not offer yet: drop one of them");
+     }},
+    {"lora.trainable_token_indices",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       const auto& ids = r.lora.trainable_token_indices;
+       if (ids.empty()) return;
+       std::set<int64_t> seen;
+       for (const int64_t id : ids) {
+         if (id < 0) fail(o, "lora.trainable_token_indices", fmt::format("has {}: token ids are 0 or more", id));
+         if (!seen.insert(id).second)
+           fail(o, "lora.trainable_token_indices", fmt::format("lists {} twice: list each token once", id));
+       }
+       for (const std::string& m : r.lora.modules_to_save)
+         if (m == "embed_tokens" || m == "wte")
+           fail(o, "lora.trainable_token_indices",
+                fmt::format("trains rows of the embedding, which lora.modules_to_save lists ({}) to train whole: "
+                            "use one of them (PEFT refuses both too)",
+                            m));
+       if (r.lora.plus_lr_ratio)
+         fail(o, "lora.trainable_token_indices",
+              "with lora.plus_lr_ratio: PEFT's LoRA+ gives embeddings a learning rate of their own "
+              "(loraplus_lr_embedding), which lorarun does not offer yet: drop one of them");
+     }},
     {"lora.init",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        const std::string& init = r.lora.init;

@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 #include <malloc.h>
 #include <torch/cuda.h>
+#include <algorithm>
 
 #include "dist/process_group.hpp"
 #include "model/lora.hpp"
@@ -18,7 +19,7 @@ namespace lorarun::train {
 namespace {
 
 // lora.init_from: the adapter's weights, under the recipe's LoRA keys. Keys that change what the
-// weights compute (r, alpha, use_rslora, use_dora, the adapted layers) must agree, or the saved
+// weights compute (r, alpha, use_rslora, use_dora, the trained tables, the adapted layers) must agree, or the saved
 // adapter_config.json would describe other weights; dropout is the recipe's to choose.
 void start_from_adapter(model::CausalLM& m, const model::LoraConfig& cfg, const std::string& from_dir, bool lead) {
   const model::LoraConfig from = model::load_adapter(m, from_dir);
@@ -33,6 +34,17 @@ void start_from_adapter(model::CausalLM& m, const model::LoraConfig& cfg, const 
     differ("lora.use_rslora", fmt::format("use_rslora={}", from.use_rslora), cfg.use_rslora ? "true" : "false");
   if (from.use_dora != cfg.use_dora)
     differ("lora.use_dora", fmt::format("use_dora={}", from.use_dora), cfg.use_dora ? "true" : "false");
+  const auto sorted = [](std::vector<std::string> v) {
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  if (sorted(from.modules_to_save) != sorted(cfg.modules_to_save))
+    differ("lora.modules_to_save", fmt::format("modules_to_save [{}]", fmt::join(from.modules_to_save, ", ")),
+           fmt::format("[{}]", fmt::join(cfg.modules_to_save, ", ")));
+  if (from.trainable_token_indices != cfg.trainable_token_indices)
+    differ("lora.trainable_token_indices",
+           fmt::format("trainable_token_indices [{}]", fmt::join(from.trainable_token_indices, ", ")),
+           fmt::format("[{}]", fmt::join(cfg.trainable_token_indices, ", ")));
   std::vector<std::string> adapted;
   std::vector<std::string> wanted;
   for (model::Linear* l : m.linears()) {

@@ -278,3 +278,32 @@ TEST_CASE("dist.shard_base gathers each block once per pass, none that is still 
     CHECK(step(true) == (prefetch ? 2 * L - 4 : 2 * L - 2));
   }
 }
+
+TEST_CASE("the chunked loss gives a trained output head (modules_to_save) its gradient, per-row losses too",
+          "[memory]") {
+  for (const std::string& family : families()) {
+    INFO(family);
+    auto ref = reference(family);
+    CausalLM m = with_adapter(family);
+    m.tables.head = m.frozen_lm_head().clone().set_requires_grad(true);
+    const auto [rows, targets] = trained_rows(ref["labels"]);
+    const auto cap = m.config().logit_softcap;
+    const int64_t chunk_bytes = 3 * m.lm_head().size(0) * 4 * (cap ? 3 : 2);  // 3 rows a chunk
+    const Result full = backward(m, causal_lm_loss(m.forward(ref["input_ids"], ref["attention_mask"]), ref["labels"]));
+    const Result split = backward(m, lm_head_loss(m.hidden_states(ref["input_ids"], ref["attention_mask"]), m.lm_head(),
+                                                  rows, targets, cap, chunk_bytes));
+    CHECK(grad_diff(split, full) <= 1e-5);
+    CHECK(full.grads.back().abs().max().item<double>() > 0);  // the head's
+
+    // per-row losses, each weighed differently (as a preference loss weighs them)
+    const at::Tensor weights = at::linspace(0.5, 2.0, rows.size(0), at::kFloat);
+    const at::Tensor logits = m.forward(ref["input_ids"], ref["attention_mask"]);
+    const at::Tensor all = at::cross_entropy_loss(
+        logits.reshape({-1, logits.size(-1)}).index_select(0, rows).to(at::kFloat), targets, {}, at::Reduction::None);
+    const Result full_rows = backward(m, {(all * weights).sum(), at::scalar_tensor(rows.size(0))});
+    const at::Tensor per_row = lm_head_token_losses(m.hidden_states(ref["input_ids"], ref["attention_mask"]),
+                                                    m.lm_head(), rows, targets, cap, chunk_bytes);
+    const Result split_rows = backward(m, {(per_row * weights).sum(), at::scalar_tensor(rows.size(0))});
+    CHECK(grad_diff(split_rows, full_rows) <= 1e-5);
+  }
+}

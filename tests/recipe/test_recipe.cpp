@@ -142,6 +142,8 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "lora.use_rslora",
                                 "lora.use_dora",
                                 "lora.plus_lr_ratio",
+                                "lora.modules_to_save",
+                                "lora.trainable_token_indices",
                                 "lora.quantize_base",
                                 "lora.double_quant",
                                 "lora.init",
@@ -938,4 +940,29 @@ TEST_CASE("lora.init: PEFT's names, and what each refuses in one line") {
   refused({"lora.init=pissa", "lora.quantize_base=true"}, "(PEFT refuses this too): drop quantize_base");
   CHECK(load(kBase, {"lora.init=olora", "lora.quantize_base=true"}).lora.quantize_base);  // PEFT re-quantises
   refused({"lora.init=gaussian", "lora.init_from=/tmp/adapter"}, "but lora.init_from starts the adapters");
+}
+
+TEST_CASE("lora.modules_to_save and lora.trainable_token_indices: PEFT's, and what they refuse in one line") {
+  const Recipe plain = load(kBase);
+  CHECK(plain.lora.modules_to_save.empty());
+  CHECK(plain.lora.trainable_token_indices.empty());
+  const Recipe r = load(kBase, {"lora.modules_to_save=[embed_tokens, lm_head]"});
+  CHECK(r.lora.modules_to_save == Strings{"embed_tokens", "lm_head"});
+  CHECK(load(kBase, {"lora.trainable_token_indices=[5, 9]"}).lora.trainable_token_indices ==
+        std::vector<int64_t>{5, 9});
+  const auto refused = [](const Strings& overrides, const std::string& says) {
+    const std::string e = override_error(overrides);
+    INFO(e);
+    CHECK_THAT(e, Catch::Contains(says));
+    CHECK(e.find('\n') == std::string::npos);
+  };
+  refused({"lora.modules_to_save=[q_proj]"}, "lora.modules_to_save lists 'q_proj', which lora.target_modules adapts");
+  refused({"lora.target_modules=all-linear", "lora.modules_to_save=[down_proj]"}, "which lora.target_modules adapts");
+  refused({"lora.modules_to_save=[norm]"}, "lists 'norm': it takes the embedding (embed_tokens");
+  refused({"lora.modules_to_save=[lm_head, lm_head]"}, "lists 'lm_head' twice");
+  refused({"lora.modules_to_save=[lm_head]", "lora.plus_lr_ratio=16"}, "loraplus_lr_embedding");
+  refused({"lora.trainable_token_indices=[3, -1]"}, "has -1: token ids are 0 or more");
+  refused({"lora.trainable_token_indices=[3, 3]"}, "lists 3 twice");
+  refused({"lora.trainable_token_indices=[3]", "lora.modules_to_save=[embed_tokens]"}, "(PEFT refuses both too)");
+  refused({"lora.trainable_token_indices=[a]"}, "must be a list of token ids");
 }

@@ -1,9 +1,10 @@
 """The training reference: transformers + PEFT + torch AdamW doing what lora-train does, step by step.
 
-usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED [dora]
+usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED [VARIANT]
            a PEFT adapter (all-linear) whose lora_A and lora_B are both random, so that every
-           LoRA weight gets a gradient from the first step on; with dora a DoRA adapter, its
-           magnitudes 1 +- 0.1 times the base's row norms
+           LoRA weight gets a gradient from the first step on; VARIANT dora: a DoRA adapter, its
+           magnitudes 1 +- 0.1 times the base's row norms; save=M1+M2: modules_to_save [M1, M2];
+           tokens=I1+I2: trainable_token_indices [I1, I2] (their start: the base's rows, as PEFT's)
        train_reference.py check [--loraplus=RATIO] [--init=NAME,R,ALPHA,SEED] MODEL_DIR INIT_DIR DATA.jsonl
                                 OURS_DIR WORLD BATCH ACCUM EPOCHS LR WARMUP [LOSS_TOL WEIGHT_TOL]
            replays lora-train's run (instruction documents {"instruction", "output"}, template
@@ -19,6 +20,9 @@ usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED [dora]
            base as PEFT's save_pretrained(path_initial_model_for_weight_conversion=INIT_DIR) does, which
            OURS_DIR's must equal, and, loaded by PEFT on the original base, it must give the trained
            (residual) model's logits (original_base_logits_diff, relative, <= 1e-4).
+       train_reference.py merged MODEL_DIR ADAPTER_DIR MERGED_DIR DATA.jsonl
+           MERGED_DIR (lora-merge's output) loaded by transformers against PEFT's model of ADAPTER_DIR on
+           MODEL_DIR, on the file's first 4 documents: reports logits_diff (relative to the largest logit)
        train_reference.py eval MODEL_DIR ADAPTER_DIR DATA.jsonl FRACTION
            lora-train's evaluation with eval.fraction FRACTION (> 0; else the whole file, as eval.path):
            the held-out lines (held_out below), rendered as the training documents, through the
@@ -41,7 +45,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 import oracle  # noqa: E402  (first: before anything imports bitsandbytes)
 import torch  # noqa: E402
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup  # noqa: E402
@@ -71,8 +75,11 @@ def load_tokenizer(model_dir):
 def init(model_dir, out_dir, r, alpha, seed, variant=""):
     torch.manual_seed(seed)
     base = load_base(model_dir)
+    kind, _, names = variant.partition("=")
+    tables = ({"modules_to_save": names.split("+")} if kind == "save"
+              else {"trainable_token_indices": [int(i) for i in names.split("+")]} if kind == "tokens" else {})
     model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0,
-                                            use_dora=variant == "dora"))
+                                            use_dora=variant == "dora", **tables))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -108,11 +115,6 @@ def our_stream(seed):
         yield
     finally:
         torch.nn.init.normal_, layer.svd_lowrank = normal, lowrank
-
-
-def saved_key(name):
-    """A PEFT state-dict name as the key PEFT saves it under (DoRA's magnitude without ".weight")."""
-    return name.replace(".default", "").replace("lora_magnitude_vector.weight", "lora_magnitude_vector")
 
 
 def held_out(line, fraction):
@@ -224,8 +226,8 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
     if converted:
         model.save_pretrained(ours + "/peft-converted", path_initial_model_for_weight_conversion=init_dir)
         want = load_file(ours + "/peft-converted/adapter_model.safetensors")
-    else:
-        want = {saved_key(k): v.detach() for k, v in model.state_dict().items() if "lora_" in k}
+    else:  # as PEFT saves it: tables under their module names, magnitudes without ".weight"
+        want = {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
     same = set(mine) == set(want) and all(mine[k].shape == v.shape for k, v in want.items())
     worst_w = max((mine[k] - v).abs().max().item() / max(1e-6, v.abs().max().item())
                   for k, v in want.items()) if same else math.inf
@@ -250,6 +252,18 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
                   worst_relative_weight_diff=worst_w, largest_weight_change=moved,
                   original_base_logits_diff=logits_diff if converted else None)
     return 0 if ok else 1
+
+
+def merged(model_dir, adapter_dir, merged_dir, data):
+    ids, _, mask = collate(examples(model_dir, data)[:4])
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(load_base(model_dir), adapter_dir).eval()(input_ids=ids,
+                                                                                  attention_mask=mask).logits
+        got = load_base(merged_dir).eval()(input_ids=ids, attention_mask=mask).logits
+    diff = (got - want).abs().max().item() / want.abs().max().item()
+    print(f"merged vs PEFT logits: {diff:.2e}")
+    oracle.report(logits_diff=diff)
+    return 0
 
 
 def evaluate(model_dir, adapter_dir, data, fraction):
@@ -282,6 +296,8 @@ if __name__ == "__main__":
         sys.exit(check(args[0], args[1], args[2], args[3], int(args[4]), int(args[5]), int(args[6]), int(args[7]),
                        float(args[8]), int(args[9]), *map(float, args[10:12]), loraplus=loraplus,
                        init_spec=options.get("init")))
+    elif cmd == "merged":
+        sys.exit(merged(*args[:4]))
     elif cmd == "eval":
         sys.exit(evaluate(args[0], args[1], args[2], float(args[3])))
     else:

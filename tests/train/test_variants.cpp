@@ -3,7 +3,9 @@
 // lorarun's own starts (lora.init: gaussian, pissa, pissa_niter_N, olora) against PEFT's.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
+#include <filesystem>
 #include <string>
+#include <vector>
 
 #include "support/oracle.hpp"
 #include "support/runs.hpp"
@@ -162,5 +164,48 @@ TEST_CASE(
     CHECK_THAT(config,
                Catch::Contains(converted ? "\"init_lora_weights\": true" : "\"init_lora_weights\": \"gaussian\""));
     check_reference(dir, "run", init, "train_reference.py", fmt::format("check --init={},4,8,7", init));
+  }
+}
+
+TEST_CASE(
+    "modules_to_save (embedding and head, or the tied embedding alone) and trainable_token_indices train as "
+    "PEFT's do",
+    "[e2e][reference]") {
+  // (the fixture llama ties its head to the embedding; 16..25 are its digits, 33 "A", 298 "dd")
+  const std::vector<std::pair<std::string, std::string>> variants = {
+      {"save=embed_tokens+lm_head", ", modules_to_save: [embed_tokens, lm_head]"},
+      {"save=embed_tokens", ", modules_to_save: [embed_tokens]"},
+      {"tokens=16+18+20+23+33+298+383", ", trainable_token_indices: [16, 18, 20, 23, 33, 298, 383]"}};
+  for (const auto& [variant, lora] : variants) {
+    INFO("variant " << variant);
+    const std::string dir = temp_dir("tables");
+    write_data(dir + "/data.jsonl", 40);
+    init_adapter(dir, variant);
+    const Result t = train(dir, "run", lora);
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    check_reference(dir, "run", variant);
+
+    // lora-merge folds trained rows into the (tied) embedding; copies that untie it are refused
+    const Result m =
+        sh(fmt::format("{} --model {} --adapter {}/run/epoch_1 --out {}/merged", bin("lora-merge"), kLlama, dir, dir),
+           Capture::StderrOnly);
+    INFO(m.output);
+    if (variant == "save=embed_tokens+lm_head" || variant == "save=embed_tokens") {
+      CHECK(m.status == 1);
+      CHECK(count_lines(m.output) == 1);
+      CHECK_THAT(m.output, Catch::Contains("apart from the output head tied to it"));
+      CHECK_FALSE(std::filesystem::exists(dir + "/merged"));
+      continue;
+    }
+    REQUIRE(m.status == 0);
+    const Oracle merged =
+        oracle(fmt::format("'{}' '{}/tests/reference/train_reference.py' merged {} {}/run/epoch_1 "
+                           "{}/merged {}/data.jsonl",
+                           LORARUN_PYTHON, LORARUN_SOURCE_DIR, kLlama, dir, dir, dir));
+    INFO(merged.run.output);
+    CHECK(merged.fields.value("logits_diff", 1.0) <= 1e-5);
+    fmt::print("{}: lora-merge output vs PEFT's model of the adapter, logits {:.2g}\n", variant,
+               merged.fields.value("logits_diff", -1.0));
   }
 }
