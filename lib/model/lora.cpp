@@ -81,17 +81,24 @@ void attach_tables(CausalLM& model, const LoraConfig& cfg, at::ScalarType dtype)
           fmt::format("lora.trainable_token_indices has {}, but the embedding has rows 0 to {}: add the "
                       "token to the base model first (resize its embedding)",
                       id, vocab - 1));
-  const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(model.device());
-  t.token_ids = at::tensor(cfg.trainable_token_indices, at::TensorOptions().dtype(at::kLong)).to(model.device());
-  t.token_rows = copy(model.frozen_embedding().index_select(0, t.token_ids));
-  t.token_slot = at::full({vocab}, -1, longs).index_put_({t.token_ids}, at::arange(t.token_ids.size(0), longs));
+  const at::Tensor& table = model.frozen_embedding();
+  const at::TensorOptions longs = table.options().dtype(at::kLong);
+  const int64_t n = static_cast<int64_t>(cfg.trainable_token_indices.size());
+  t.token_ids = at::tensor(cfg.trainable_token_indices, at::TensorOptions().dtype(at::kLong)).to(table.device());
+  if (table.is_meta()) {  // shapes only (a memory estimate): nothing to gather
+    t.token_rows = at::empty({n, table.size(1)}, table.options().dtype(dtype)).set_requires_grad(true);
+  } else {
+    t.token_rows = copy(table.index_select(0, t.token_ids));
+    t.token_slot = at::full({vocab}, -1, longs).index_put_({t.token_ids}, at::arange(n, longs));
+  }
   t.head_tokens = model.head_tied();  // PEFT ties the head's rows to the embedding's
 }
 
-// The attached tables under the names PEFT saves them by.
-std::vector<std::pair<std::string, at::Tensor*>> table_slots(CausalLM& model) {
-  TrainedTables& t = model.tables;
-  std::vector<std::pair<std::string, at::Tensor*>> out;
+// The attached tables under the names PEFT saves them by (M: CausalLM or const CausalLM).
+template <class M>
+auto table_slots(M& model) {
+  auto& t = model.tables;
+  std::vector<std::pair<std::string, decltype(&t.embed)>> out;
   if (t.embed.defined()) out.emplace_back(kPrefix + model.embedding_name() + ".weight", &t.embed);
   if (t.head.defined()) out.emplace_back(std::string(kPrefix) + "lm_head.weight", &t.head);
   if (t.token_rows.defined())
@@ -101,7 +108,7 @@ std::vector<std::pair<std::string, at::Tensor*>> table_slots(CausalLM& model) {
 
 std::vector<std::pair<std::string, at::Tensor>> table_state(const CausalLM& model) {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& [name, t] : table_slots(const_cast<CausalLM&>(model))) out.emplace_back(name, *t);
+  for (const auto& [name, t] : table_slots(model)) out.emplace_back(name, *t);
   return out;
 }
 
@@ -169,7 +176,8 @@ void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::Scal
   if (cfg.r <= 0) throw Error(fmt::format("lora.r must be positive, got {}", cfg.r));
   const std::optional<InitMethod> how = parse_init(cfg.init);
   if (!how)
-    throw Error(fmt::format("lora.init '{}' is not one of default, gaussian, pissa, pissa_niter_N, olora", cfg.init));
+    throw Error(fmt::format("lora.init '{}' is not one of default, gaussian, pissa, pissa_niter_N, olora",
+                            printable(cfg.init)));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   int matched = 0;
   for (Linear* l : model.linears()) {
@@ -437,6 +445,10 @@ std::string describe_adapter(const recipe::LoraSection& lora) {
         "; init {}: A and B from the base weights, trained on the residual, saved as rank {} for the "
         "original base",
         cfg.init, 2 * cfg.r);
+  if (!cfg.modules_to_save.empty())
+    out += fmt::format("; trained whole: {}", printable(fmt::format("{}", fmt::join(cfg.modules_to_save, ", "))));
+  if (!cfg.trainable_token_indices.empty())
+    out += fmt::format("; trainable tokens: {} embedding rows", cfg.trainable_token_indices.size());
   if (!lora.init_from.empty()) out += fmt::format("; started from {}", printable(lora.init_from));
   return out;
 }

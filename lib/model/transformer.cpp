@@ -44,6 +44,7 @@ namespace {
 // ids [..] -> [.., E]: rows of the embedding, or of its trained copy; trainable tokens' rows from
 // token_rows (gathered, not a patched [vocab, E] copy per call, which PEFT makes).
 at::Tensor embed(const TrainedTables& t, const at::Tensor& table, const at::Tensor& ids, at::ScalarType dtype) {
+  if (t.off) return at::embedding(table, ids);
   at::Tensor h = at::embedding(t.embed.defined() ? t.embed.to(dtype) : table, ids);
   if (!t.token_ids.defined()) return h;
   const at::Tensor slot = t.token_slot.index_select(0, ids.flatten()).view(ids.sizes());
@@ -523,6 +524,7 @@ std::pair<at::Tensor, at::Tensor> CausalLM::rope_tables(const at::Tensor& positi
 }
 
 at::Tensor CausalLM::lm_head() const {
+  if (tables.off) return lm_head_;
   if (tables.head.defined()) return tables.head.to(dtype_);
   if (tables.head_tokens) return lm_head_.index_copy(0, tables.token_ids, tables.token_rows.to(dtype_));
   return lm_head_;

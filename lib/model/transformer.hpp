@@ -76,6 +76,7 @@ struct TrainedTables {
   at::Tensor token_rows;     // [n, E]: those embedding rows, trained (PEFT's trainable_tokens_delta)
   at::Tensor token_slot;     // [vocab] int64: k where token_ids[k] is the id, else -1
   bool head_tokens = false;  // the head is tied to the embedding: its rows of token_ids are token_rows too
+  bool off = false;          // skipped: the frozen tables alone (a preference loss's reference)
 };
 
 // Keys and values of past positions, for generation.

@@ -165,8 +165,9 @@ constexpr Rule kRules[] = {
                           "(lm_head), which it trains whole",
                           printable(m), adapted ? ", which lora.target_modules adapts" : ""));
        }
-       if (!r.lora.modules_to_save.empty() && r.lora.plus_lr_ratio)
-         fail(o, "lora.modules_to_save",
+       const bool tables = !r.lora.modules_to_save.empty() || !r.lora.trainable_token_indices.empty();
+       if (tables && r.lora.plus_lr_ratio)
+         fail(o, r.lora.modules_to_save.empty() ? "lora.trainable_token_indices" : "lora.modules_to_save",
               "with lora.plus_lr_ratio: PEFT's LoRA+ gives embeddings a learning rate of their own "
               "(loraplus_lr_embedding), which lorarun does not offer yet: drop one of them");
      }},
@@ -186,10 +187,6 @@ constexpr Rule kRules[] = {
                 fmt::format("trains rows of the embedding, which lora.modules_to_save lists ({}) to train whole: "
                             "use one of them (PEFT refuses both too)",
                             m));
-       if (r.lora.plus_lr_ratio)
-         fail(o, "lora.trainable_token_indices",
-              "with lora.plus_lr_ratio: PEFT's LoRA+ gives embeddings a learning rate of their own "
-              "(loraplus_lr_embedding), which lorarun does not offer yet: drop one of them");
      }},
     {"lora.init",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include "model/lora.hpp"
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
 
@@ -43,10 +44,16 @@ PairBatch collate_pairs(const std::vector<data::Example>& pairs, c10::Device dev
 
 namespace {
 
-// Whether every lora_B is zero: the adapters then add nothing, and switching them off is the same.
-bool identity(const std::vector<at::Tensor>& params) {
-  for (size_t i = 1; i < params.size(); i += 2)  // (A then B for each layer)
-    if (params[i].count_nonzero().item<int64_t>() != 0) return false;
+// Whether `values` (of lora_parameters(m)) add nothing to the base: plain LoRA pairs whose B are all
+// zero. Then switching the adapters off is the same. (A DoRA magnitude or a trained table may differ
+// from the base's values: those are kept as the reference.)
+bool identity(const std::vector<at::Tensor>& values, const model::CausalLM& m) {
+  const auto names = model::lora_state(m);
+  for (size_t i = 0; i < values.size(); ++i) {
+    const std::string& name = names[i].first;
+    if (name.ends_with(".lora_B.weight") && values[i].count_nonzero().item<int64_t>() != 0) return false;
+    if (!name.ends_with(".lora_A.weight") && !name.ends_with(".lora_B.weight")) return false;
+  }
   return true;
 }
 
@@ -59,7 +66,7 @@ PreferenceObjective::PreferenceObjective(const recipe::Recipe& r, model::CausalL
   const std::vector<at::Tensor>& values = reference                  ? *reference
                                           : r.lora.init_from.empty() ? std::vector<at::Tensor>{}
                                                                      : params;
-  if (objective_ == recipe::Objective::Orpo || values.empty() || identity(values)) return;
+  if (objective_ == recipe::Objective::Orpo || values.empty() || identity(values, m)) return;
   c10::NoGradGuard no_grad;
   for (const at::Tensor& t : values) reference_.push_back(t.detach().clone());
 }
@@ -78,8 +85,10 @@ class AsReference {
   AsReference(model::CausalLM& m, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& values)
       : m_(m), params_(params), was_training_(m.training) {
     m.training = false;
-    if (values.empty())
+    if (values.empty()) {
       for (model::Linear* l : m.linears()) l->adapter_off = true;
+      m.tables.off = true;
+    }
     for (size_t i = 0; i < values.size(); ++i) {
       saved_.push_back(params[i].detach().clone());
       params[i].detach().copy_(values[i]);
@@ -87,6 +96,7 @@ class AsReference {
   }
   ~AsReference() {
     for (model::Linear* l : m_.linears()) l->adapter_off = false;
+    m_.tables.off = false;
     for (size_t i = 0; i < saved_.size(); ++i) params_[i].detach().copy_(saved_[i]);
     m_.training = was_training_;
   }

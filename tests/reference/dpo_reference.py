@@ -1,8 +1,9 @@
 """The preference reference: TRL 1.16's DPOTrainer (and its experimental ORPOTrainer) doing what
 lora-train does with train.objective: dpo (orpo).
 
-usage: dpo_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED          (MODEL_DIR may be a .gguf file)
-    a fresh PEFT adapter (all-linear; A Kaiming-uniform, B zero: the adapter adds nothing yet)
+usage: dpo_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED [M1+M2]  (MODEL_DIR may be a .gguf file)
+    a fresh PEFT adapter (all-linear; A Kaiming-uniform, B zero: the adapter adds nothing yet), with
+    modules_to_save [M1, M2] when given
        dpo_reference.py check MODEL_DIR INIT_DIR DATA.jsonl OURS_DIR LOSS_TYPE BETA RPO_ALPHA STEPS BATCH LR
                               MAX_LENGTH [LOSS_TOL WEIGHT_TOL] [--chat-template=FILE.jinja]
     DATA.jsonl holds {"prompt", "chosen", "rejected"} documents (strings, or lists of {role, content}
@@ -152,11 +153,12 @@ def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, l
     return 0 if ok else 1
 
 
-def init(model_dir, out_dir, r, alpha, seed):
+def init(model_dir, out_dir, r, alpha, seed, modules_to_save=None):
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
     base, _ = load(model_dir)
-    get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0)) \
+    get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0,
+                                    modules_to_save=modules_to_save.split("+") if modules_to_save else None)) \
         .save_pretrained(out_dir)
     return 0
 
@@ -165,8 +167,8 @@ if __name__ == "__main__":
     template = [x.split("=", 1)[1] for x in sys.argv if x.startswith("--chat-template=")]
     sys.argv = [x for x in sys.argv if not x.startswith("--chat-template=")]
     a = sys.argv[2:]
-    if len(sys.argv) == 7 and sys.argv[1] == "init":
-        sys.exit(init(a[0], a[1], int(a[2]), float(a[3]), int(a[4])))
+    if len(sys.argv) in (7, 8) and sys.argv[1] == "init":
+        sys.exit(init(a[0], a[1], int(a[2]), float(a[3]), int(a[4]), *a[5:6]))
     if len(sys.argv) < 13 or sys.argv[1] != "check":
         sys.exit(__doc__)
     sys.exit(check(a[0], a[1], a[2], a[3], a[4], float(a[5]), a[6], int(a[7]), int(a[8]), float(a[9]), int(a[10]),

@@ -11,8 +11,10 @@ usage: nf4_check.py quant OUT.safetensors
            must give the same logits within 1e-4
        nf4_check.py merge MODEL_DIR ADAPTER MERGED_DIR QUANT_DTYPE DQ
            lora-merge --qlora's output against PEFT's merge_and_unload on the NF4 round-tripped base
-       nf4_check.py train DQ <train_reference.py check arguments>
-           train_reference.py's step-by-step check on the NF4 round-tripped base (reports match), then
+       nf4_check.py train DQ <train_reference.py check arguments and options>
+           train_reference.py's step-by-step check on the NF4 round-tripped base (reports match; with
+           --init=olora,… each adapted weight's residual is round-tripped through NF4 again, as
+           bitsandbytes re-quantises what PEFT's OLoRA leaves of a 4-bit weight), then
            PEFT loads the final adapter onto transformers' own 4-bit model and runs it; where
            bitsandbytes' CPU path is the reference's, its logits must equal the reference's within 1e-4
            (reports peft_4bit: compared, loaded or skipped; a warning says why it was not compared)
@@ -83,6 +85,17 @@ def qlora_base(model_dir, dq, dtype=torch.float32):
             m = modules[name]
             m.weight.copy_(w.float().t() if type(m).__name__ == "Conv1D" else w.float())
     return model
+
+
+def requantize_residuals(model):
+    """PEFT's olora_init on a Linear4bit: the residual W - s·BA (float32) quantised again by Params4bit."""
+    with torch.no_grad():
+        for mod in model.modules():
+            if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):
+                w = mod.base_layer.weight
+                packed, state = F.quantize_4bit(w.data.float(), blocksize=64, quant_type="nf4",
+                                                compress_statistics=QloraAuto.dq)
+                w.copy_(bnb_cpu.dequantize_nf4(packed, state).float())
 
 
 class QloraAuto:
@@ -236,8 +249,12 @@ def main():
     if mode == "train":
         import train_reference
         train_reference.AutoModelForCausalLM = QloraAuto
+        options = dict(a[2:].split("=", 1) for a in args if a.startswith("--"))
+        args = [a for a in args if not a.startswith("--")]
+        if options.get("init", "").startswith("olora"):
+            train_reference.after_init = requantize_residuals
         status = train_reference.check(args[1], args[2], args[3], args[4], int(args[5]), int(args[6]), int(args[7]),
-                                       int(args[8]), float(args[9]), int(args[10]))
+                                       int(args[8]), float(args[9]), int(args[10]), init_spec=options.get("init"))
         return status | peft_on_4bit(args[1], f"{args[4]}/epoch_{int(args[8]) - 1}", QloraAuto.dq)
     if mode == "eval":
         import check

@@ -105,6 +105,9 @@ TEST_CASE(
   const std::string script =
       fmt::format("'{}' '{}/tests/reference/dpo_reference.py'", LORARUN_PYTHON, LORARUN_SOURCE_DIR);
   REQUIRE(sh(fmt::format("{} init {}/llama {}/fresh 4 8 7", script, LORARUN_MODEL_FIXTURES, dir)).status == 0);
+  // (a trained head of its own: the per-row losses' gradient for the head, a reference that keeps the start's head)
+  REQUIRE(sh(fmt::format("{} init {}/llama {}/fresh-head 4 8 7 lm_head", script, LORARUN_MODEL_FIXTURES, dir)).status ==
+          0);
   // (A and B random: the adapter is a model of its own, and the reference TRL re-trains from)
   REQUIRE(sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {}/llama {}/trained 4 8 7", LORARUN_PYTHON,
                          LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir))
@@ -116,6 +119,7 @@ TEST_CASE(
   for (const Case& c : {Case{"sigmoid", "0.1", "none", "fresh"}, Case{"ipo", "0.5", "none", "fresh"},
                         Case{"hinge", "0.2", "none", "fresh"}, Case{"sigmoid", "0.1", "1.0", "fresh"},
                         Case{"sigmoid", "0.3", "none", "trained"},
+                        Case{"sigmoid", "0.1", "none", "fresh-head", "pairs", "lora.modules_to_save=[lm_head]"},
                         Case{"sigmoid", "0.1", "none", "fresh", "conversations",
                              fmt::format("data.chat_format=template data.chat_template={}", role_tags),
                              fmt::format("--chat-template={}", role_tags)},
@@ -124,9 +128,9 @@ TEST_CASE(
                         Case{"orpo", "0.1", "none", "trained"},
                         Case{"orpo", "0.2", "none", "trained", "conversations", "data.chat_format=chatml",
                              fmt::format("--chat-template={}/chatml.jinja", dir)}}) {
-    const std::string format = c.ours.empty()                               ? ""
-                               : c.ours.find("chatml") != std::string::npos ? "-chatml"
-                                                                            : "-template";
+    const std::string format = c.ours.empty() || c.ours.starts_with("lora.") ? ""
+                               : c.ours.find("chatml") != std::string::npos  ? "-chatml"
+                                                                             : "-template";
     const std::string name = fmt::format("{}-{}-{}-{}{}", c.loss, c.rpo, c.init, c.data, format);
     INFO(name);
     const bool orpo = c.loss == "orpo";  // (TRL's ORPOTrainer: beta is its lambda, no loss type)

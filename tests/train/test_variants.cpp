@@ -134,7 +134,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "lora.init pissa, pissa_niter_2, olora and gaussian train as PEFT's inits do; PiSSA/OLoRA adapters load on "
+    "lora.init pissa, pissa_niter_2, olora and gaussian train as PEFT's inits do, and PiSSA/OLoRA adapters load on "
     "the original base",
     "[e2e][reference]") {
   for (const std::string init : {"pissa", "pissa_niter_2", "olora", "gaussian"}) {
@@ -185,6 +185,12 @@ TEST_CASE(
     INFO(t.output);
     REQUIRE(t.status == 0);
     check_reference(dir, "run", variant);
+    // the plan counts the tables and estimates their memory from the shapes alone
+    const Result plan = sh(fmt::format("{} --dry-run {}/run.yaml", bin("lora-train"), dir));
+    INFO(plan.output);
+    CHECK_THAT(plan.output, Catch::Contains(variant.starts_with("tokens") ? "trainable tokens: 7 embedding rows"
+                                                                          : "; trained whole: embed_tokens"));
+    CHECK_THAT(plan.output, Catch::Contains("# memory per rank"));
 
     // lora-merge folds trained rows into the (tied) embedding; copies that untie it are refused
     const Result m =
@@ -208,4 +214,18 @@ TEST_CASE(
     fmt::print("{}: lora-merge output vs PEFT's model of the adapter, logits {:.2g}\n", variant,
                merged.fields.value("logits_diff", -1.0));
   }
+}
+
+TEST_CASE("lora.init olora on the NF4 base trains as PEFT's OLoRA does on a 4-bit base (the residual re-quantised)",
+          "[e2e][reference]") {
+  const std::string dir = temp_dir("olora-qlora");
+  write_data(dir + "/data.jsonl", 40);
+  const std::string recipe =
+      write_recipe(dir, "run", "epochs: 2, lr: 5.0e-3, warmup_steps: 2, lr_scheduler: cosine, seed: 7",
+                   ", init: olora, quantize_base: true", ", shuffle: none, batch_size: 2");
+  const Result t = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
+  INFO(t.output);
+  REQUIRE(t.status == 0);
+  CHECK_THAT(t.output, Catch::Contains("base linears in NF4"));
+  check_reference(dir, "run", "olora + qlora", "nf4_check.py", "train 1 --init=olora,4,8,7");
 }
