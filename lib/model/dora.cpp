@@ -2,18 +2,26 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <fmt/format.h>
 
+#include "model/recompute.hpp"
 #include "model/transformer.hpp"
-#include "util/error.hpp"
 
 namespace lorarun::model {
 namespace {
 
 constexpr int64_t kRows = 2048;  // rows of W cast to float32 at a time
 
-// W [out, in] as held (NF4 dequantised whole, as bitsandbytes' dequantize does for PEFT).
-at::Tensor base_weight(const Linear& l) { return l.nf4 ? l.nf4->dequantize() : l.weight; }
+// W [out, in] whole: NF4 dequantised (as bitsandbytes' dequantize does for PEFT), a sharded one
+// gathered (in forward its block is whole already: no collective of its own).
+at::Tensor base_weight(const Linear& l) {
+  return l.sharded ? l.sharded->whole() : l.nf4 ? l.nf4->dequantize() : l.weight;
+}
+
+// A memory estimate's layer: shapes only, nothing to gather or compute.
+bool shapes_only(const Linear& l) {
+  if (l.sharded) return (l.sharded->nf4 ? l.sharded->packed.shard : l.sharded->dense.shard).is_meta();
+  return l.nf4 ? l.nf4->packed.is_meta() : l.weight.is_meta();
+}
 
 // f(first row i, rows i.. of W as float32 [c, in]) for consecutive row ranges, concatenated along dim 0.
 template <class F>
@@ -24,19 +32,14 @@ at::Tensor by_rows(const at::Tensor& w, F f) {
   return parts.size() == 1 ? parts[0] : at::cat(parts);
 }
 
-void require_dense(const Linear& l) {
-  if (l.sharded)
-    throw Error(
-        fmt::format("{}: lora.use_dora does not work with dist.shard_base yet (DoRA needs each row of the "
-                    "whole weight): set dist.shard_base: false",
-                    l.name));
-}
-
 }  // namespace
 
 void prepare_dora(Linear& l) {
-  require_dense(l);
   c10::NoGradGuard no_grad;
+  if (shapes_only(l)) {
+    l.base_sq = at::empty({l.out_features()}, l.lora_a.options().dtype(at::kFloat));
+    return;
+  }
   l.base_sq = by_rows(base_weight(l), [](int64_t, const at::Tensor& w) { return w.square().sum(1); });
 }
 
@@ -45,6 +48,10 @@ void attach_dora(Linear& l) {
   c10::NoGradGuard no_grad;
   // PEFT: ||W + s·BA||_row from the weight whole, as it starts (B = 0 unless init says otherwise).
   const at::Tensor a = l.lora_a.to(at::kFloat), b = l.lora_b.to(at::kFloat);
+  if (shapes_only(l)) {
+    l.magnitude = at::empty({l.out_features()}, l.lora_a.options()).set_requires_grad(true);
+    return;
+  }
   const at::Tensor m = by_rows(base_weight(l), [&](int64_t i, const at::Tensor& w) {
     return at::linalg_vector_norm(w + l.scaling * b.narrow(0, i, w.size(0)).mm(a), 2, 1);
   });
@@ -68,9 +75,12 @@ at::Tensor dora_forward(const Linear& l, const at::Tensor& x, const at::Tensor& 
   if (xd.scalar_type() != l.lora_a.scalar_type()) xd = xd.to(l.lora_a.scalar_type());
   const at::Tensor scale = l.magnitude / dora_norms(l);  // [out]; the gradient reaches m only
   const at::Tensor lora = at::linear(at::linear(xd, l.lora_a), l.lora_b);
-  const at::Tensor base = drop               ? at::linear(xd, base_weight(l).to(xd.scalar_type()))
-                          : l.bias.defined() ? y - l.bias
-                                             : y;
+  // (a sharded W is gathered again for backward, not kept: its block's buffers move on)
+  const auto dtype = xd.scalar_type();
+  const at::Tensor base =
+      !drop       ? (l.bias.defined() ? y - l.bias : y)
+      : l.sharded ? remade_weight_linear(xd, {}, l.out_features(), [&l, dtype] { return base_weight(l).to(dtype); })
+                  : at::linear(xd, base_weight(l).to(dtype));
   return (y + ((scale - 1) * base + scale * lora * l.scaling)).to(y.scalar_type());
 }
 

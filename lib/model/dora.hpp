@@ -8,8 +8,9 @@ namespace lorarun::model {
 
 struct Linear;
 
-// Makes `l` (adapted, not sharded) a DoRA layer: m = n at B's current value, the base rows'
-// squared norms kept for every later n. Throws lorarun::Error for a sharded base.
+// Makes `l` (adapted) a DoRA layer: m = n at B's current value, the base rows' squared norms kept
+// for every later n. A sharded W is gathered whole for it: a collective, in the same order on
+// every rank (attach_lora's).
 void attach_dora(Linear& l);
 // The same for a magnitude read from an adapter: only the base rows' squared norms are computed.
 void prepare_dora(Linear& l);

@@ -145,14 +145,6 @@ constexpr Rule kRules[] = {
               fmt::format("and data.rejected_field are both '{}': name the two completions' fields",
                           r.data.chosen_field));
      }},
-    // A preference objective trains on pairs; the supervised one on single documents.
-    {"lora.use_dora",
-     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
-       if (r.lora.use_dora && r.dist.shard_base)
-         fail(o, "lora.use_dora",
-              "does not work with dist.shard_base yet (DoRA takes the norm of every whole row of each weight, which "
-              "no rank holds): set dist.shard_base: false, or lora.use_dora: false");
-     }},
     // Trained tables: the embedding and head whole, or some embedding rows.
     {"lora.modules_to_save",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
@@ -229,6 +221,7 @@ constexpr Rule kRules[] = {
                   " and DPO's reference is the base with the adapter off, which would be that residual: use "
                   "lora.init: default with train.objective: dpo");
      }},
+    // A preference objective trains on pairs; the supervised one on single documents.
     {"train.objective",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        const bool pairs = r.data.format == Format::Preference;

@@ -25,10 +25,11 @@ void init_adapter(const std::string& dir, const std::string& variant) {
 }
 
 // 40 documents on 2 ranks, 2 a rank a step, 2 epochs: 20 optimizer steps from DIR/init.
-Result train(const std::string& dir, const std::string& name, const std::string& lora, const std::string& train = "") {
+Result train(const std::string& dir, const std::string& name, const std::string& lora, const std::string& train = "",
+             const std::string& extra = "") {
   const std::string recipe =
       write_recipe(dir, name, "epochs: 2, lr: 5.0e-3, warmup_steps: 2, lr_scheduler: cosine" + train,
-                   fmt::format(", init_from: {}/init{}", dir, lora), ", shuffle: none, batch_size: 2");
+                   fmt::format(", init_from: {}/init{}", dir, lora), ", shuffle: none, batch_size: 2", extra);
   return sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
 }
 
@@ -54,8 +55,10 @@ void check_reference(const std::string& dir, const std::string& name, const std:
 
 }  // namespace
 
-TEST_CASE("DoRA trains as transformers + PEFT do for 20 steps on 2 ranks, the same with activation checkpointing",
-          "[e2e][reference]") {
+TEST_CASE(
+    "DoRA trains as transformers + PEFT do for 20 steps on 2 ranks, the same with activation checkpointing "
+    "and with dist.shard_base",
+    "[e2e][reference]") {
   const std::string dir = temp_dir("dora-train");
   write_data(dir + "/data.jsonl", 40);
   init_adapter(dir, "dora");
@@ -63,12 +66,35 @@ TEST_CASE("DoRA trains as transformers + PEFT do for 20 steps on 2 ranks, the sa
   INFO(t.output);
   REQUIRE(t.status == 0);
   check_reference(dir, "dora", "dora");
+  const Result plan = sh(fmt::format("{} --dry-run {}/dora.yaml", bin("lora-train"), dir));
+  INFO(plan.output);
+  CHECK_THAT(plan.output, Catch::Contains("DoRA: a learnt magnitude per output row"));
+  CHECK_THAT(plan.output, Catch::Contains("dist.shard_base, 2 ranks"));  // estimated with sharded weights too
 
   const Result ckpt = train(dir, "dora-ckpt", ", use_dora: true", ", activation_checkpointing: true");
   INFO(ckpt.output);
   REQUIRE(ckpt.status == 0);
   CHECK(adapter_diff(dir + "/dora/epoch_1/adapter_model.safetensors",
                      dir + "/dora-ckpt/epoch_1/adapter_model.safetensors") == 0);
+
+  // each rank holding half of every base weight, with dropout (the base then runs again, gathered
+  // again in backward): the adapter of the same run on whole weights
+  const std::vector<std::string> variants = {"dropout: 0.0", "dropout: 0.1", "quantize_base: true"};
+  for (size_t i = 0; i < variants.size(); ++i) {
+    const std::string& variant = variants[i];
+    INFO(variant);
+    const std::string lora = ", use_dora: true, " + variant, name = std::to_string(i);
+    const Result whole = train(dir, "whole-" + name, lora);
+    const Result cut = train(dir, "sharded-" + name, lora, "", "dist: {shard_base: true}");
+    INFO(whole.output << cut.output);
+    REQUIRE(whole.status == 0);
+    REQUIRE(cut.status == 0);
+    CHECK_THAT(cut.output, Catch::Contains("dist.shard_base: base weights on this rank"));
+    const double diff = adapter_diff(fmt::format("{}/whole-{}/epoch_1/adapter_model.safetensors", dir, name),
+                                     fmt::format("{}/sharded-{}/epoch_1/adapter_model.safetensors", dir, name));
+    CHECK(diff <= 1e-6);
+    fmt::print("dora with dist.shard_base ({}): adapter {:.2g} from the whole-weight run's\n", variant, diff);
+  }
 }
 
 TEST_CASE("DoRA on the NF4 base (QLoRA) trains as PEFT's DoRA does on the same dequantised weights",
