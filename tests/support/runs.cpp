@@ -74,4 +74,17 @@ Result interrupt(const std::string& cmd, const std::string& log, const std::stri
                   log, cmd, marker, act));
 }
 
+Result stop_and_resume(const std::string& cmd, const std::string& output_dir, const std::string& marker) {
+  const std::string log = output_dir + ".log";
+  const Result stopped = interrupt(cmd, log, marker, "kill -TERM $pid");
+  INFO(read_file(log));
+  CHECK_THAT(stopped.output, Catch::Contains("exit=75"));
+  CHECK(std::filesystem::exists(output_dir + "/resume_state/state.json"));
+  const Result resumed = sh(cmd);
+  INFO(resumed.output);
+  REQUIRE(resumed.status == 0);
+  CHECK_THAT(resumed.output, Catch::Contains("resuming at epoch"));
+  return resumed;
+}
+
 }  // namespace lorarun::test

@@ -32,4 +32,9 @@ std::string run_id_in(const std::string& output, const std::string& db);
 // ($pid: the command, $log: its output); waits for the command and prints exit=<status>.
 Result interrupt(const std::string& cmd, const std::string& log, const std::string& marker, const std::string& act);
 
+// `cmd` (a training run into `output_dir`) stopped by SIGTERM once its output shows `marker`: it
+// must exit 75 with its resumable state saved; then `cmd` again, which must resume and finish.
+// Checks both (Catch) and returns the second run.
+Result stop_and_resume(const std::string& cmd, const std::string& output_dir, const std::string& marker);
+
 }  // namespace lorarun::test

@@ -81,14 +81,8 @@ TEST_CASE("dist.shard_base: SIGTERM mid-epoch, and the same command resumes to t
   INFO(a.output);
   REQUIRE(a.status == 0);
 
-  const std::string cmd = fmt::format("{} --nproc-per-node 2 {} dist.shard_base=true", bin("lorarun"), cut);
-  const Result b = interrupt(cmd, dir + "/cut.log", "epoch 0/2 step 20/40", "kill -TERM $pid");
-  INFO(read_file(dir + "/cut.log"));
-  CHECK_THAT(b.output, Catch::Contains("exit=75"));
-  REQUIRE(std::filesystem::exists(dir + "/cut/resume_state/state.json"));
-  const Result c = sh(cmd);
-  INFO(c.output);
-  REQUIRE(c.status == 0);
+  const Result c = stop_and_resume(fmt::format("{} --nproc-per-node 2 {} dist.shard_base=true", bin("lorarun"), cut),
+                                   dir + "/cut", "epoch 0/2 step 20/40");
   CHECK_THAT(c.output, Catch::Contains("resuming at epoch 0"));
   for (const char* epoch : {"epoch_0", "epoch_1"})
     CHECK(adapter_diff(fmt::format("{}/whole/{}/adapter_model.safetensors", dir, epoch),

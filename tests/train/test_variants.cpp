@@ -146,14 +146,8 @@ TEST_CASE(
     const Result a = sh(fmt::format("{} --nproc-per-node 2 {}/full.yaml", bin("lorarun"), dir));
     INFO(a.output);
     REQUIRE(a.status == 0);
-    const std::string cmd = fmt::format("{} --nproc-per-node 2 {}/cut.yaml", bin("lorarun"), dir);
-    const Result b = interrupt(cmd, dir + "/cut.log", "epoch 0/2 step 8/20", "kill -TERM $pid");
-    INFO(read_file(dir + "/cut.log"));
-    CHECK_THAT(b.output, Catch::Contains("exit=75"));
-    const Result c = sh(cmd);
-    INFO(c.output);
-    REQUIRE(c.status == 0);
-    CHECK_THAT(c.output, Catch::Contains("resuming at epoch"));
+    stop_and_resume(fmt::format("{} --nproc-per-node 2 {}/cut.yaml", bin("lorarun"), dir), dir + "/cut",
+                    "epoch 0/2 step 8/20");
     CHECK(adapter_diff(dir + "/full/epoch_1/adapter_model.safetensors",
                        dir + "/cut/epoch_1/adapter_model.safetensors") == 0.0);
   }
