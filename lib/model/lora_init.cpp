@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
@@ -92,6 +93,12 @@ void init_adapter(Linear& l, int64_t r, double scaling, const InitMethod& how, a
         fmt::format("lora.init olora does not fit GPT-2's Conv1D layer {} (PEFT takes the QR of the stored "
                     "[in, out] weight, which gives A and B the wrong shapes): use lora.init pissa",
                     l.name));
+  // (a decomposition has min(out, in) directions: a larger r would give A and B of another rank)
+  if (r > std::min(in, out))
+    throw Error(
+        fmt::format("lora.init {} takes r directions of each weight, but {} is [{}, {}] and lora.r is {}: "
+                    "set lora.r to at most {}",
+                    what, l.name, out, in, r, std::min(in, out)));
   c10::NoGradGuard no_grad;
   const at::Tensor w = (l.nf4 ? l.nf4->dequantize() : l.weight).to(at::kFloat);
   at::Tensor a, b;

@@ -28,7 +28,8 @@ std::optional<InitMethod> parse_init(const std::string& name);
 //   olora     W = Q R: B = Q_r, A = R_r
 // With pissa and olora W becomes W - s·BA in its own dtype (NF4 re-quantised from float32, as PEFT
 // does), and lora_a0 / lora_b0 keep the start. `scaling` is s. Throws lorarun::Error for a sharded
-// weight, pissa on NF4 and olora on GPT-2's Conv1D layers (PEFT takes QR of the stored [in, out]).
+// weight, pissa on NF4, olora on GPT-2's Conv1D layers (PEFT takes QR of the stored [in, out]) and
+// r > min(out, in).
 void init_adapter(Linear& l, int64_t r, double scaling, const InitMethod& how, at::Generator& gen);
 
 }  // namespace lorarun::model

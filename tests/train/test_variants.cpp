@@ -164,6 +164,15 @@ TEST_CASE(
     const std::string recipe =
         write_recipe(dir, "run", "epochs: 2, lr: 5.0e-3, warmup_steps: 2, lr_scheduler: cosine, seed: 7",
                      ", init: " + init, ", shuffle: none, batch_size: 2");
+    if (init != "gaussian") {  // a rank the weights do not have: one line, nothing written
+      const Result big = sh(fmt::format("{} {} lora.r=65 checkpoint.output_dir={}/big", bin("lora-train"), recipe, dir),
+                            Capture::StderrOnly);
+      INFO(big.output);
+      CHECK(big.status != 0);
+      CHECK(count_lines(big.output) == 1);
+      CHECK_THAT(big.output, Catch::Contains("is [96, 64] and lora.r is 65: set lora.r to at most 64"));
+      CHECK_FALSE(std::filesystem::exists(dir + "/big/epoch_0"));
+    }
     if (init == "pissa")  // the plan names the variant
       for (const std::string& cmd : {fmt::format("{} --dry-run {}", bin("lora-train"), recipe),
                                      fmt::format("{} preview 1 {}", bin("lora-data"), recipe)}) {
