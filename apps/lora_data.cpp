@@ -30,6 +30,7 @@
 #include <string>
 
 #include "app_main.hpp"
+#include "data/mixture.hpp"
 #include "data/mongo.hpp"
 #include "data/source.hpp"
 #include "model/lora.hpp"
@@ -39,6 +40,7 @@
 #include "track/plot.hpp"
 #include "util/error.hpp"
 #include "util/secrets.hpp"
+#include "util/untrusted.hpp"
 
 namespace {
 
@@ -183,7 +185,7 @@ std::string where(int64_t position, const data::Found& found) {
   return fmt::format("#{} (_id {})", position, text);
 }
 
-int64_t trained_tokens(const data::Example& e) {
+int64_t labelled_tokens(const data::Example& e) {
   return std::count_if(e.labels.begin(), e.labels.end(), [](int32_t l) { return l != data::kIgnoreIndex; });
 }
 
@@ -228,7 +230,7 @@ Stats collect(const Dataset& d) {
     }
     if (auto* e = std::get_if<data::Example>(&built)) {
       ++s.examples;
-      s.trained += trained_tokens(*e);
+      s.trained += labelled_tokens(*e);
     } else if (const auto& r = std::get<data::Rejection>(built); r.kind == data::Rejection::BadDocument) {
       s.reject(r.reason, position, doc);  // e.g. nothing left to train on after truncation
     }
@@ -288,7 +290,97 @@ void print_stats(const Dataset& d, const Stats& s) {
   row("trained tokens", fmt::format("{}", s.trained));
 }
 
+// ---- data.sources -------------------------------------------------------------------------
+
+void print_preview(const tok::Tokenizer& tokenizer, int max_length, int64_t position, const data::Found& doc,
+                   const data::Built& built, bool colour);
+nlohmann::ordered_json preview_json(int64_t position, const data::Built& built);
+
+// A recipe with data.sources, its tokenizer and its mixture (the training side of eval.fraction).
+struct Mixed {
+  explicit Mixed(recipe::Recipe r)
+      : recipe(std::move(r)),
+        tokenizer(lorarun::model::load_tokenizer(recipe.model.path)),
+        mix(recipe, tokenizer,
+            recipe.train.objective == recipe::Objective::Orpo ? data::PairTokens::Orpo : data::PairTokens::Dpo,
+            data::Holdout::training(recipe.eval.fraction)) {}
+  const recipe::Recipe recipe;
+  const tok::Tokenizer tokenizer;
+  data::Mixture mix;
+};
+
+// The planned epoch: per source its selected documents, its documents per epoch (repeats), and its
+// share of the epoch's documents and of its trained tokens (each source's mean over a sample).
+void mixture_stats(Mixed& m, bool as_json) {
+  m.mix.measure_tokens();
+  const auto& sources = m.mix.sources();
+  double tokens = 0;
+  for (const data::MixSource& s : sources) tokens += double(s.per_epoch) * s.tokens_per_document;
+  nlohmann::ordered_json out = {{"documents_per_epoch", m.mix.size()},
+                                {"mix_by", recipe::name(m.recipe.data.mix_by)},
+                                {"sources", nlohmann::ordered_json::array()}};
+  if (!as_json)
+    fmt::print("{} documents per epoch, mixed by {}\n{:<20}{:>10}{:>11}{:>9}{:>8}{:>10}{:>14}{:>9}\n", m.mix.size(),
+               recipe::name(m.recipe.data.mix_by), "source", "selected", "per epoch", "repeats", "weight", "share",
+               "tokens/doc", "tokens");
+  for (const data::MixSource& s : sources) {
+    const double doc_share = double(s.per_epoch) / double(m.mix.size());
+    const double token_share = double(s.per_epoch) * s.tokens_per_document / tokens;
+    const int64_t repeats = std::max<int64_t>(0, s.per_epoch - s.docs->size());
+    out["sources"].push_back({{"name", s.spec.name},
+                              {"selection", s.docs->describe()},
+                              {"documents", s.docs->size()},
+                              {"per_epoch", s.per_epoch},
+                              {"repeats", repeats},
+                              {"weight", s.spec.weight},
+                              {"document_share", doc_share},
+                              {"tokens_per_document", s.tokens_per_document},
+                              {"sampled", s.sampled},
+                              {"token_share", token_share}});
+    if (!as_json)
+      fmt::print("{:<20}{:>10}{:>11}{:>9}{:>8g}{:>9.1f}%{:>14.1f}{:>8.1f}%\n", lorarun::printable(s.spec.name, 19),
+                 s.docs->size(), s.per_epoch, repeats, s.spec.weight, 100 * doc_share, s.tokens_per_document,
+                 100 * token_share);
+  }
+  if (as_json) fmt::print("{}\n", out.dump());
+}
+
+// The first n documents of epoch 0's mixed order, each with its source.
+void mixture_preview(const Mixed& m, int64_t n, bool as_json) {
+  const bool colour = !as_json && isatty(STDOUT_FILENO) && !std::getenv("NO_COLOR");
+  std::vector<data::Pick> picks = m.mix.order(static_cast<uint64_t>(m.recipe.train.seed), 0);
+  picks.resize(static_cast<size_t>(std::min<int64_t>(n, static_cast<int64_t>(picks.size()))));
+  if (!as_json) fmt::print("── trains: {}\n\n", lorarun::model::describe_adapter(m.recipe.lora));
+  const std::vector<data::Found> found = m.mix.fetch(picks);
+  for (size_t i = 0; i < found.size(); ++i) {
+    const data::MixSource& s = m.mix.sources()[static_cast<size_t>(picks[i].source)];
+    const data::Built built = data::build_found(*s.builder, found[i]);
+    if (as_json) {
+      nlohmann::ordered_json j = {{"source", s.spec.name}};
+      j.update(preview_json(picks[i].position, built));
+      fmt::print("{}\n", j.dump());
+      continue;
+    }
+    fmt::print("── source {}:\n", s.spec.name);
+    print_preview(m.tokenizer, s.config->max_length, picks[i].position, found[i], built, colour);
+  }
+}
+
+// The recipe of `a` when it mixes data.sources (stats and preview then show the mixture).
+std::optional<recipe::Recipe> mixing(const RecipeArgs& a) {
+  recipe::Recipe r = recipe::load_recipe(a.recipe, a.overrides);
+  if (r.data.sources.empty()) return std::nullopt;
+  if (a.split == "eval")
+    throw Error(fmt::format(
+        "{}: with data.sources, stats and preview show the mixture training reads: drop --split eval", a.recipe));
+  return r;
+}
+
 void stats(const RecipeArgs& a) {
+  if (std::optional<recipe::Recipe> r = mixing(a)) {
+    Mixed m(std::move(*r));
+    return mixture_stats(m, a.as_json);
+  }
   const Dataset d(a);
   const Stats s = collect(d);
   if (a.as_json)
@@ -318,21 +410,22 @@ std::string render(const tok::Tokenizer& tokenizer, const data::Example& e, bool
   return out;
 }
 
-void print_preview(const Dataset& d, int64_t position, const data::Found& doc, const data::Built& built, bool colour) {
+void print_preview(const tok::Tokenizer& tokenizer, int max_length, int64_t position, const data::Found& doc,
+                   const data::Built& built, bool colour) {
   if (const auto* r = std::get_if<data::Rejection>(&built)) {
     fmt::print("── {}  rejected: {}\n\n", where(position, doc), r->reason);
     return;
   }
   const auto& e = std::get<data::Example>(built);
-  fmt::print("── {}  {} tokens, {} trained{}\n{}\n\n", where(position, doc), e.ids.size(), trained_tokens(e),
-             e.truncated ? fmt::format(" (truncated to data.max_length {})", d.recipe.data.max_length) : "",
-             render(d.tokenizer, e, colour));
+  fmt::print("── {}  {} tokens, {} trained{}\n{}\n\n", where(position, doc), e.ids.size(), labelled_tokens(e),
+             e.truncated ? fmt::format(" (truncated to data.max_length {})", max_length) : "",
+             render(tokenizer, e, colour));
   if (!e.pair()) return;
   data::Example rejected;
   rejected.ids = e.rejected_ids;
   rejected.labels = e.rejected_labels;
   fmt::print("── {}  rejected: {} tokens, {} scored\n{}\n\n", where(position, doc), rejected.ids.size(),
-             trained_tokens(rejected), render(d.tokenizer, rejected, colour));
+             labelled_tokens(rejected), render(tokenizer, rejected, colour));
 }
 
 // {"position", "ids", "labels"} or {"position", "rejected"}, keys in that order.
@@ -349,6 +442,7 @@ nlohmann::ordered_json preview_json(int64_t position, const data::Built& built) 
 
 void preview(int64_t n, const RecipeArgs& a) {
   if (n < 0) throw Error(fmt::format("preview {}: N must be a count of documents, 0 or more", n));
+  if (std::optional<recipe::Recipe> r = mixing(a)) return mixture_preview(Mixed(std::move(*r)), n, a.as_json);
   const Dataset d(a);
   const data::ExampleBuilder builder(d.recipe.data, d.tokenizer);
   const bool colour = !a.as_json && isatty(STDOUT_FILENO) && !std::getenv("NO_COLOR");
@@ -358,7 +452,7 @@ void preview(int64_t n, const RecipeArgs& a) {
     if (a.as_json)
       fmt::print("{}\n", preview_json(position, built).dump());
     else
-      print_preview(d, position, doc, built, colour);
+      print_preview(d.tokenizer, d.recipe.data.max_length, position, doc, built, colour);
   });
 }
 

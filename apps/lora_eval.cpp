@@ -143,6 +143,11 @@ int eval_recipe(const RecipeEval& a) {
         fmt::format("{} has no eval: split: set eval.fraction or {} (e.g. as an override), or give "
                     "--split train",
                     a.recipe, r.data.source == recipe::Source::MongoDB ? "eval.filter" : "eval.path"));
+  if (!r.data.sources.empty() && !(eval_split && r.eval.fraction <= 0))
+    throw Error(
+        fmt::format("{} mixes data.sources, and lora-eval --recipe scores one selection: give it eval.filter with "
+                    "eval.collection (or eval.path), or evaluate a source alone (data.sources=[] data.collection=…)",
+                    a.recipe));
   train::Runtime rt(r, env, {.train = false, .adapter = a.adapter, .eval_split = eval_split});
   const data::Documents& docs = rt.eval ? rt.eval->docs() : *rt.docs;
 

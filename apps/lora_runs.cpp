@@ -134,16 +134,17 @@ void show(const Common& c, const std::string& ref) {
   const RunArg run = parse_run(ref, c.db);
   data::Client client(uri_of(c), kTimeout, {kOrigin});
   const json doc = find_run(client, run);
-  const json out = {{"id", run.id},
-                    {"database", run.db},
-                    {"status", doc.value("status", "")},
-                    {"started_at", date_text(doc.value("started_at", json()))},
-                    {"ended_at", date_text(doc.value("ended_at", json()))},
-                    {"error", doc.value("error", json())},
-                    {"recipe", doc.value("recipe", json())},
-                    {"final_metrics", doc.value("final_metrics", json())},
-                    {"checkpoints", doc.value("checkpoints", json::array())},
-                    {"artifacts", doc.value("artifacts", json::array())}};
+  json out = {{"id", run.id},
+              {"database", run.db},
+              {"status", doc.value("status", "")},
+              {"started_at", date_text(doc.value("started_at", json()))},
+              {"ended_at", date_text(doc.value("ended_at", json()))},
+              {"error", doc.value("error", json())},
+              {"recipe", doc.value("recipe", json())},
+              {"final_metrics", doc.value("final_metrics", json())},
+              {"checkpoints", doc.value("checkpoints", json::array())},
+              {"artifacts", doc.value("artifacts", json::array())}};
+  if (doc.contains("mixture")) out["mixture"] = doc["mixture"];  // data.sources: the planned epoch
   std::cout << scrub(out.dump(2)) << "\n";
 }
 

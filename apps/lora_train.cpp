@@ -145,13 +145,24 @@ int run(int argc, char** argv) {
     fmt::print("{}", recipe::to_yaml(r));
     fmt::print("# epoch checkpoints kept at the end: [{}]\n",
                fmt::join(train::epochs_kept(r.checkpoint, r.train.epochs), ", "));
-    if (r.data.source == recipe::Source::MongoDB) {  // the server's verdict on data.filter, if one answers
+    if (r.data.source == recipe::Source::MongoDB && r.data.sources.empty()) {  // the server's verdict, if one answers
       const data::Selection s = data::check_selection(r.data);
       if (s.warning.empty())
         fmt::print("# documents selected: {}\n", s.count);
       else
         warn(s.warning);
     }
+    for (const recipe::DataSource& source : r.data.sources) {
+      if (r.data.source != recipe::Source::MongoDB) break;
+      const data::Selection s = data::check_selection(r.data.of_source(source));
+      if (s.warning.empty())
+        fmt::print("# data.sources '{}': {} documents selected (weight {:g})\n", source.name, s.count, source.weight);
+      else
+        warn(fmt::format("data.sources '{}': {}", source.name, s.warning));
+    }
+    if (!r.data.sources.empty())
+      fmt::print("# the mixture of an epoch: lora-data stats {} (documents, tokens and repeats per source)\n",
+                 a.recipe.empty() ? "RECIPE" : a.recipe);
     if (const recipe::EvalSection& e = r.eval; e.enabled(r.data.source))
       fmt::print("# evaluation: {}{}, at each epoch end{}\n",
                  e.fraction > 0 ? fmt::format("eval.fraction {} held out of data's selection", e.fraction)

@@ -1,12 +1,15 @@
 // Documents/s one rank's ShardReader fetches, renders and tokenizes from MongoDB (driven by
 // bench/data/data_bench.py, which times pymongo + HF tokenizers on the same collection).
 //   data_bench URI DB COLLECTION TOKENIZER_DIR [global|stream|none] [prefetch]
+// COLLECTION may list several (a,b,c): then they are data.sources of weight 1 each, mixed.
 // Prints {"documents": n, "examples": e, "tokens": t, "seconds": s}.
 #include <fmt/format.h>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <string>
 
+#include "data/mixture.hpp"
 #include "data/source.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "util/error.hpp"
@@ -29,10 +32,30 @@ int main(int argc, char** argv) try {
   d.prefetch = argc > 6 ? std::stoi(argv[6]) : 4;
   d.timeout_s = 30;
   const tok::Tokenizer tok = tok::Tokenizer::from_dir(argv[4]);
+  recipe::Recipe r;  // several collections: data.sources
+  r.data = d;
+  for (size_t at = 0; d.collection.find(',') != std::string::npos && at <= d.collection.size();) {
+    const size_t end = std::min(d.collection.find(',', at), d.collection.size());
+    recipe::DataSource& s = r.data.sources.emplace_back();
+    s.name = s.collection = d.collection.substr(at, end - at);
+    at = end + 1;
+  }
+  if (!r.data.sources.empty()) r.data.collection.clear();
   const data::ExampleBuilder builder(d, tok);
   const auto t0 = std::chrono::steady_clock::now();
-  const data::Documents docs(d);  // listing the ids is part of the work
-  data::ShardReader reader(docs, builder, {1, 0, 42, 0, d.shuffle});
+  // listing the ids (and, mixed, planning the epoch) is part of the work
+  std::unique_ptr<data::Documents> docs;
+  std::unique_ptr<data::Mixture> mix;
+  std::unique_ptr<data::ShardReader> shard;
+  const data::ShardSpec spec{1, 0, 42, 0, d.shuffle};
+  if (r.data.sources.empty()) {
+    docs = std::make_unique<data::Documents>(d);
+    shard = std::make_unique<data::ShardReader>(*docs, builder, spec);
+  } else {
+    mix = std::make_unique<data::Mixture>(r, tok, data::PairTokens::Dpo, data::Holdout{});
+    shard = std::make_unique<data::ShardReader>(*mix, spec);
+  }
+  data::ShardReader& reader = *shard;
   int64_t n = 0, examples = 0, tokens = 0;
   for (auto batch = reader.next(64); !batch.empty(); batch = reader.next(64))
     for (const auto& b : batch) {

@@ -8,6 +8,10 @@ Both: list the sorted _ids, permute, fetch 256 at a time by {_id: {$in: …}} wi
 the template's fields, render the Alpaca prompt, tokenize prompt and response (labels masked),
 append EOS. HF runs encode_batch per chunk with RAYON_NUM_THREADS=1 (ours is one thread too).
 
+With --mixture, instead: the same documents as 1 collection and as data.sources of 3 collections
+(50/30/20% of them, weight 1 each), lorarun's pipeline on each, 5 runs alternating: documents/s,
+medians and spread, and the ratio 3 sources / 1 source.
+
 With --train-bin, also what training consumes from the same collection: lora-train (1 rank, 2
 threads) on a random llama with the same tokenizer (hidden 512, 4 layers, fp32, LoRA r=16
 all-linear, batch 8, max_length 1024), documents/s over 8 steps after the first, and each
@@ -106,6 +110,35 @@ track: {{mongodb: false}}
     return 8 / seconds, max(r["data_wait_share"] for r in rows[1:])
 
 
+def mixture(a, env):
+    """1 collection vs the same documents in 3 collections mixed (data.sources), lorarun only."""
+    from pymongo import MongoClient
+    db = "lorarun_bench"
+    make_collection(a.uri, db, "alpaca", a.documents)
+    c = MongoClient(a.uri)[db]
+    docs = list(c["alpaca"].find({}))
+    cut = [0, a.documents // 2, a.documents * 8 // 10, a.documents]
+    for i in range(3):
+        c[f"part{i}"].drop()
+        part = docs[cut[i]:cut[i + 1]]
+        for s in range(0, len(part), 5000):
+            c[f"part{i}"].insert_many(part[s:s + 5000])
+    rates = {"1 source": [], "3 sources": []}
+    for _ in range(5):
+        for name, coll in (("1 source", "alpaca"), ("3 sources", "part0,part1,part2")):
+            out = subprocess.run([a.bench_bin, a.uri, db, coll, a.tokenizer, "global", "4"],
+                                 capture_output=True, text=True, check=True, env=env)
+            r = json.loads(out.stdout)
+            rates[name].append(r["documents"] / r["seconds"])
+    med = {k: sorted(v)[2] for k, v in rates.items()}
+    print(f"{a.documents} documents, one rank, shuffle global, prefetch 4, 5 runs each (docs/s)")
+    for k, v in rates.items():
+        print(f"{k:10} median {med[k]:8.0f}  min {min(v):8.0f}  max {max(v):8.0f}")
+    ratios = sorted(x / y for x, y in zip(rates["3 sources"], rates["1 source"]))
+    print(f"3 sources / 1 source: median {med['3 sources'] / med['1 source']:.2f}x "
+          f"(per run {ratios[0]:.2f}x to {ratios[-1]:.2f}x)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bench-bin", required=True)
@@ -114,7 +147,10 @@ def main():
     ap.add_argument("--tokenizer", default=os.path.join(ROOT, ".fixtures", "tokenizers", "llama3"))
     ap.add_argument("--train-bin", help="lora-train: also measure what training consumes")
     ap.add_argument("--work", default="/tmp/lorarun-data-bench")
+    ap.add_argument("--mixture", action="store_true", help="1 collection vs 3 collections as data.sources")
     a = ap.parse_args()
+    if a.mixture:
+        return mixture(a, dict(os.environ, RAYON_NUM_THREADS="1"))
     db, coll = "lorarun_bench", "alpaca"
     make_collection(a.uri, db, coll, a.documents)
     env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="true")

@@ -9,9 +9,16 @@ namespace lorarun::data {
 
 MicroBatches::MicroBatches(const Documents& docs, const ExampleBuilder& builder, const ShardSpec& spec,
                            const BatchPlan& plan, int64_t first_step)
+    : MicroBatches(plan, first_step,
+                   [&](int64_t start) { return std::make_unique<ShardReader>(docs, builder, spec, start); }) {}
+
+MicroBatches::MicroBatches(const Mixture& mix, const ShardSpec& spec, const BatchPlan& plan, int64_t first_step)
+    : MicroBatches(plan, first_step, [&](int64_t start) { return std::make_unique<ShardReader>(mix, spec, start); }) {}
+
+MicroBatches::MicroBatches(const BatchPlan& plan, int64_t first_step,
+                           const std::function<std::unique_ptr<ShardReader>(int64_t)>& open)
     : plan_(plan), window_index_(first_step / plan.window) {
-  const int64_t per_window = plan.window * plan.accum * plan.batch;
-  reader_ = std::make_unique<ShardReader>(docs, builder, spec, window_index_ * per_window);
+  reader_ = open(window_index_ * plan.window * plan.accum * plan.batch);
   fill_window();
   next_ = static_cast<size_t>((first_step % plan.window) * plan.accum);  // a resume mid-window
 }

@@ -1,6 +1,7 @@
 // How one rank's examples of an epoch become micro-batches, and how a micro-batch becomes rows.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -26,11 +27,16 @@ class MicroBatches {
  public:
   MicroBatches(const Documents& docs, const ExampleBuilder& builder, const ShardSpec& spec, const BatchPlan& plan,
                int64_t first_step);
+  // data.sources: the mixture's epoch, batched alike.
+  MicroBatches(const Mixture& mix, const ShardSpec& spec, const BatchPlan& plan, int64_t first_step);
   // The next micro-batch (its examples and the rejections met while reading it).
   std::vector<Built> next();
   const ShardReader& reader() const { return *reader_; }
 
  private:
+  // `open(start)`: the rank's reader from document `start` of its order on.
+  MicroBatches(const BatchPlan& plan, int64_t first_step,
+               const std::function<std::unique_ptr<ShardReader>(int64_t start)>& open);
   void fill_window();
   BatchPlan plan_;
   std::unique_ptr<ShardReader> reader_;

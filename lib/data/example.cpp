@@ -628,4 +628,9 @@ std::variant<Example, Rejection> ExampleBuilder::orpo_pair(const std::array<std:
   return e;
 }
 
+int64_t trained_tokens(const Example& e) {
+  return std::count_if(e.labels.begin() + (e.labels.empty() ? 0 : 1), e.labels.end(),
+                       [](int32_t l) { return l != kIgnoreIndex; });
+}
+
 }  // namespace lorarun::data

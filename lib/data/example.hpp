@@ -26,8 +26,13 @@ struct Example {
   // data.format: preference: ids/labels are prompt + chosen completion (the completion labelled),
   // these prompt + rejected; empty otherwise.
   std::vector<int32_t> rejected_ids, rejected_labels;
+  int32_t source = 0;  // data.sources: the index of the source it came from
   bool pair() const { return !rejected_ids.empty(); }
 };
+
+// The tokens of `e` the loss scores: those after the first whose label is trained (what collate
+// counts as the batch's tokens).
+int64_t trained_tokens(const Example& e);
 
 // A document that yields no example, and why (data.bad_documents / data.overlong decide).
 struct Rejection {

@@ -51,6 +51,7 @@ struct Found {
   std::string id;
   Document doc;
   std::string invalid_utf8 = {};
+  int32_t source = 0;  // data.sources: the index of the source it was read from
 };
 
 // A document as the server sends it (`size` bytes of BSON) as a Found, checked for UTF-8 by

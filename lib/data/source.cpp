@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "data/mixture.hpp"
 #include "data/mongo.hpp"
 #include "data/shard.hpp"
 #include "util/error.hpp"
@@ -243,8 +244,8 @@ std::string eval_key(const recipe::Recipe& r) {
 
 }  // namespace
 
-EvalSplit::EvalSplit(const recipe::Recipe& r, const Documents* train)
-    : key_(eval_key(r)), data_(r.data), fraction_(r.eval.fraction) {
+EvalSplit::EvalSplit(const recipe::Recipe& r, const Documents* train, const recipe::DataSection* data)
+    : key_(eval_key(r)), data_(data ? *data : r.data), fraction_(r.eval.fraction) {
   const recipe::EvalSection& e = r.eval;
   data_.shuffle = recipe::Shuffle::None;  // every id listed, in position order
   if (fraction_ <= 0) {
@@ -262,12 +263,15 @@ EvalSplit::EvalSplit(const recipe::Recipe& r, const Documents* train)
     if (std::string_view(err.what()).starts_with("eval.")) throw;
     throw Error(fmt::format("the evaluation documents ({}): {}", key_, err.what()));
   }
-  if (!train) return;
-  if (const std::optional<std::string> both = train->shared_with(*docs_))
+  if (train) refuse_overlap(*train);
+}
+
+void EvalSplit::refuse_overlap(const Documents& train) const {
+  if (const std::optional<std::string> both = train.shared_with(*docs_))
     throw Error(fmt::format(
         "{} selects {}, which training reads too ({}): evaluation documents are never trained on; make the "
         "selections disjoint (e.g. data.filter {{split: train}}, eval.filter {{split: eval}}) or use eval.fraction",
-        describe(), *both, train->describe()));
+        describe(), *both, train.describe()));
 }
 
 std::string EvalSplit::describe() const {
@@ -345,6 +349,19 @@ struct ShardReader::Plan {
 
 namespace {
 
+// The next kChunk of `items` from `next` on, fetched by `fetch` through `retry`; `next` moves only
+// after success, so a retry re-reads the same documents. Empty at the end.
+template <class T, class F>
+std::vector<Found> next_chunk_of(const std::vector<T>& items, size_t& next, const Retry& retry, F fetch) {
+  const size_t end = std::min(items.size(), next + static_cast<size_t>(kChunk));
+  const std::vector<T> chunk(items.begin() + static_cast<std::ptrdiff_t>(next),
+                             items.begin() + static_cast<std::ptrdiff_t>(end));
+  if (chunk.empty()) return {};
+  std::vector<Found> out = retry([&] { return fetch(chunk); });
+  next = end;
+  return out;
+}
+
 // global and none: this rank's positions (shard_positions), fetched by id, kChunk at a time.
 class PositionPlan : public ShardReader::Plan {
  public:
@@ -355,13 +372,8 @@ class PositionPlan : public ShardReader::Plan {
     next_ = static_cast<size_t>(start);
   }
   std::vector<Found> next_chunk() override {
-    const size_t end = std::min(order_.size(), next_ + static_cast<size_t>(kChunk));
-    const std::vector<int64_t> positions(order_.begin() + static_cast<std::ptrdiff_t>(next_),
-                                         order_.begin() + static_cast<std::ptrdiff_t>(end));
-    if (positions.empty()) return {};
-    std::vector<Found> out = retry_([&] { return docs_.fetch_found(positions, fields_); });
-    next_ = end;  // only after success: a retry re-reads the same ids
-    return out;
+    return next_chunk_of(order_, next_, retry_,
+                         [&](const auto& positions) { return docs_.fetch_found(positions, fields_); });
   }
 
  private:
@@ -484,6 +496,27 @@ class StreamPlan : public ShardReader::Plan {
   size_t ready_next_ = 0;
 };
 
+// data.sources: this rank's share of the mixture's epoch order (every W-th pick, padded as
+// shard_positions pads), fetched kChunk at a time.
+class MixPlan : public ShardReader::Plan {
+ public:
+  MixPlan(const Mixture& mix, const ShardSpec& s, int64_t start, Retry retry) : mix_(mix), retry_(std::move(retry)) {
+    const std::vector<Pick> all = mix.order(s.seed, s.epoch);
+    for (int64_t i : shard_positions(static_cast<int64_t>(all.size()), s.world, s.rank, 0, 0, Order::Sorted))
+      picks_.push_back(all[static_cast<size_t>(i)]);
+    next_ = static_cast<size_t>(start);
+  }
+  std::vector<Found> next_chunk() override {
+    return next_chunk_of(picks_, next_, retry_, [&](const auto& chunk) { return mix_.fetch(chunk); });
+  }
+
+ private:
+  const Mixture& mix_;
+  const Retry retry_;
+  std::vector<Pick> picks_;
+  size_t next_ = 0;
+};
+
 // {"_id": {"$oid": "65f…"}} → {"$oid":"65f…"}, {"_id": {"$numberInt": "7"}} → 7; "#12" stays.
 std::string shown_id(const std::string& id) { return id.empty() || id[0] == '#' ? id : relaxed_id(id); }
 
@@ -495,13 +528,14 @@ Built build_found(const ExampleBuilder& builder, const Found& f) {
             : f.doc.is_null()       ? Rejection{Rejection::BadDocument, "no longer in the collection"}
                                     : builder.build(f.doc);
   if (auto* r = std::get_if<Rejection>(&b)) r->document = shown_id(f.id);
+  if (auto* e = std::get_if<Example>(&b)) e->source = f.source;
   return b;
 }
 
 // ---------------------------------------------------------------------------------- ShardReader
 
 ShardReader::ShardReader(const Documents& docs, const ExampleBuilder& builder, const ShardSpec& s, int64_t start)
-    : builder_(builder), stop_requested_(s.stop), depth_(static_cast<size_t>(std::max(0, docs.config().prefetch))) {
+    : builders_{&builder}, stop_requested_(s.stop), depth_(static_cast<size_t>(std::max(0, docs.config().prefetch))) {
   if (s.world < 1 || s.rank < 0 || s.rank >= s.world)
     throw Error(fmt::format("rank {} of world size {} is not a valid shard", s.rank, s.world));
   const recipe::DataSection& d = docs.config();
@@ -512,6 +546,23 @@ ShardReader::ShardReader(const Documents& docs, const ExampleBuilder& builder, c
     plan_ = std::make_unique<StreamPlan>(docs, builder.fields(), s, delivered_, std::move(retry));
   else
     plan_ = std::make_unique<PositionPlan>(docs, builder.fields(), s, delivered_, std::move(retry));
+  start_thread();
+}
+
+ShardReader::ShardReader(const Mixture& mix, const ShardSpec& s, int64_t start)
+    : stop_requested_(s.stop), depth_(static_cast<size_t>(std::max(0, mix.sources().front().config->prefetch))) {
+  if (s.world < 1 || s.rank < 0 || s.rank >= s.world)
+    throw Error(fmt::format("rank {} of world size {} is not a valid shard", s.rank, s.world));
+  for (const MixSource& source : mix.sources()) builders_.push_back(source.builder.get());
+  const recipe::DataSection& d = *mix.sources().front().config;
+  size_ = examples_per_rank(mix.size(), s.world);
+  delivered_ = std::clamp<int64_t>(start, 0, size_);
+  plan_ = std::make_unique<MixPlan>(
+      mix, s, delivered_, Retry{mix.server(), d.retries, d.retry_backoff_s, [this](double t) { return pause(t); }});
+  start_thread();
+}
+
+void ShardReader::start_thread() {
   if (depth_ > 0) thread_ = std::thread([this] { run(); });
 }
 
@@ -555,7 +606,7 @@ std::vector<Built> ShardReader::produce() {
   std::vector<Found> docs = plan_->next_chunk();
   std::vector<Built> out;
   out.reserve(docs.size());
-  for (const Found& f : docs) out.push_back(build_found(builder_, f));
+  for (const Found& f : docs) out.push_back(build_found(*builders_[static_cast<size_t>(f.source)], f));
   return out;
 }
 

@@ -25,6 +25,7 @@ namespace lorarun::data {
 
 class Client;
 struct Found;
+class Mixture;
 
 // The data went away while training read it and did not come back: the reader's retries
 // (data.retries, data.retry_backoff_s) ran out, or ShardSpec::stop was set while it waited to
@@ -105,12 +106,15 @@ class Documents {
 // documents are never trained on. Errors name the eval key they come from.
 class EvalSplit {
  public:
-  EvalSplit(const recipe::Recipe& r, const Documents* train);
+  // `data`: the data keys to select by instead of r.data's (a source of data.sources).
+  EvalSplit(const recipe::Recipe& r, const Documents* train, const recipe::DataSection* data = nullptr);
   EvalSplit(const EvalSplit&) = delete;  // docs_ refers to data_
   EvalSplit& operator=(const EvalSplit&) = delete;
   const Documents& docs() const { return *docs_; }
   // "eval.filter {…} on db.coll", "eval.path x.jsonl", "eval.fraction 0.05 of …": for logs.
   std::string describe() const;
+  // Throws Error naming a document both this split and `train` select (none is ever trained on).
+  void refuse_overlap(const Documents& train) const;
 
  private:
   std::string key_;  // the eval key that selects: "eval.filter", "eval.path", "eval.fraction"
@@ -169,6 +173,10 @@ Built build_found(const ExampleBuilder& builder, const Found& f);
 class ShardReader {
  public:
   ShardReader(const Documents& docs, const ExampleBuilder& builder, const ShardSpec& spec, int64_t start = 0);
+  // data.sources: the mixture's order of the epoch (Mixture::order), sharded as `global` and
+  // `none` shard one selection (every W-th from the rank's own, padded alike); each document
+  // built by its source's builder. Example::source says which.
+  ShardReader(const Mixture& mix, const ShardSpec& spec, int64_t start = 0);
   ~ShardReader();  // stops the thread; waits for at most the request in flight
   ShardReader(const ShardReader&) = delete;
   ShardReader& operator=(const ShardReader&) = delete;
@@ -191,8 +199,9 @@ class ShardReader {
   void run();                    // the prefetch thread
   Waited pause(double seconds);  // a backoff, cut short by the destructor or spec.stop
   void count(const Built& b);
+  void start_thread();
 
-  const ExampleBuilder& builder_;
+  std::vector<const ExampleBuilder*> builders_;  // by Found::source
   const std::atomic<bool>* stop_requested_;
   std::unique_ptr<Plan> plan_;
   int64_t size_ = 0, delivered_ = 0;

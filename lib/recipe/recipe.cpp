@@ -17,6 +17,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "recipe/schema.hpp"
 #include "recipe/suggest.hpp"
@@ -178,6 +179,66 @@ void read_epochs(const YAML::Node& n, EpochsToSave& out, const Field& f) {
   }
 }
 
+template <class T>
+void read(const YAML::Node& n, T& out, Field f);
+
+// data.sources: a list of mappings, each of source_keys(); a data.* key that cannot differ per
+// source is named as such.
+void read_sources(const YAML::Node& n, std::vector<DataSource>& out, const Field& f) {
+  out.clear();
+  if (n.IsNull()) return;
+  if (!n.IsSequence()) f.expected("a list of sources such as [{name: chat, collection: chat, weight: 1}]", n, false);
+  const std::vector<std::string>& allowed = detail::source_keys();
+  for (size_t i = 0; i < n.size(); ++i) {
+    const YAML::Node item = n[i];
+    if (!item.IsMap())
+      fail(f.origin, f.key,
+           fmt::format("entry {} is {}, not a mapping such as {{name: chat, collection: chat, weight: 1}}", i,
+                       show_node(item)));
+    DataSource s;
+    for (const auto& kv : item) {
+      if (!kv.first.IsScalar()) fail(f.origin, f.key, fmt::format("entry {} has a key that is not a name", i));
+      const std::string key = kv.first.Scalar();
+      if (std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
+        if (detail::is_key("data." + key))
+          fail(f.origin, f.key,
+               fmt::format("entry {} sets {}, which is shared by every source and cannot differ per source: set "
+                           "data.{} once (a source may set {})",
+                           i, show(key), key, fmt::join(allowed, ", ")));
+        fail(f.origin, f.key,
+             fmt::format("entry {} has the unknown key {}; a source's keys are {}", i, show(key),
+                         fmt::join(allowed, ", ")));
+      }
+      const std::string dotted = fmt::format("{}[{}].{}", f.key, i, key);
+      const Field g{dotted, f.origin};
+      const YAML::Node& v = kv.second;
+      if (key == "name")
+        read(v, s.name, g);
+      else if (key == "collection")
+        read(v, s.collection, g);
+      else if (key == "filter")
+        read(v, s.filter, g);
+      else if (key == "path")
+        read(v, s.path, g);
+      else if (key == "weight")
+        read(v, s.weight, g);
+      else if (key == "format")
+        read(v, s.format, g);
+      else if (key == "prompt_template")
+        read(v, s.prompt_template, g);
+      else if (key == "response_field")
+        read(v, s.response_field, g);
+      else if (key == "text_field")
+        read(v, s.text_field, g);
+      else if (key == "messages_field")
+        read(v, s.messages_field, g);
+      else
+        read(v, s.chat_format, g);
+    }
+    out.push_back(std::move(s));
+  }
+}
+
 // Reads a YAML value into a member of the member's type, or throws naming the key.
 template <class T>
 void read(const YAML::Node& n, T& out, Field f) {
@@ -235,6 +296,8 @@ void read(const YAML::Node& n, T& out, Field f) {
     out = yaml_to_json(n, f);
   } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {  // lora.target_modules, modules_to_save
     read_modules(n, out, f);
+  } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {
+    read_sources(n, out, f);
   } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {  // lora.trainable_token_indices
     out.clear();
     if (n.IsNull()) return;
@@ -470,6 +533,8 @@ nlohmann::json to_json(const Recipe& r, bool redact_secrets) {
       slot = value ? nlohmann::json(*value) : nlohmann::json(nullptr);
     } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
       slot = value == std::vector<std::string>{"all-linear"} ? nlohmann::json("all-linear") : nlohmann::json(value);
+    } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {
+      slot = detail::sources_json(value);
     } else if constexpr (std::is_same_v<T, EpochsToSave>) {
       slot = value.mode == EpochsToSave::Mode::List ? nlohmann::json(value.epochs)
                                                     : nlohmann::json(detail::yaml_text(value));

@@ -35,6 +35,7 @@ enum class DistBackend { Auto, Nccl, Gloo };
 enum class Store { None, MongoDB };
 enum class Objective { Sft, Dpo, Orpo };
 enum class PreferenceLoss { Sigmoid, Ipo, Hinge };
+enum class MixBy { Examples, Tokens };
 
 // The YAML spelling of each enum value; the first entry is the key's default.
 template <class E>
@@ -115,6 +116,12 @@ struct EnumNames<PreferenceLoss> {
       {{"sigmoid", PreferenceLoss::Sigmoid}, {"ipo", PreferenceLoss::Ipo}, {"hinge", PreferenceLoss::Hinge}}};
 };
 
+template <>
+struct EnumNames<MixBy> {
+  static constexpr std::array<std::pair<std::string_view, MixBy>, 2> values{
+      {{"examples", MixBy::Examples}, {"tokens", MixBy::Tokens}}};
+};
+
 // "bf16" for Dtype::BF16, and so on.
 template <class E>
 constexpr std::string_view name(E value) {
@@ -152,6 +159,20 @@ struct LoraSection {
   bool operator==(const LoraSection&) const = default;
 };
 
+// One entry of data.sources: where a source's documents are, its weight in the mixture, and the
+// keys of how a document becomes an example that it may set for itself (unset: data's).
+struct DataSource {
+  std::string name;
+  std::string collection;                            // source: mongodb (of data.database)
+  nlohmann::json filter = nlohmann::json::object();  // source: mongodb; with data.filter's conditions too
+  std::string path;                                  // source: jsonl
+  double weight = 1.0;
+  std::optional<Format> format;
+  std::optional<std::string> prompt_template, response_field, text_field, messages_field;
+  std::optional<ChatFormat> chat_format;
+  bool operator==(const DataSource&) const = default;
+};
+
 struct DataSection {
   Source source = Source::MongoDB;
   std::string uri;  // empty in the file: LORARUN_MONGODB_URI at load time
@@ -162,6 +183,9 @@ struct DataSection {
   // dotted paths ({"meta.lang": en}).
   nlohmann::json filter = nlohmann::json::object();
   std::optional<int64_t> limit;
+  std::vector<DataSource> sources;  // empty: one source, the keys above
+  MixBy mix_by = MixBy::Examples;
+  std::optional<int64_t> epoch_documents;  // with sources: documents per epoch; null: all the sources hold
   Format format = Format::Instruction;
   std::string prompt_template;
   std::string response_field = "output";
@@ -189,6 +213,9 @@ struct DataSection {
   double retry_backoff_s = 1.0;
   int timeout_s = 20;
 
+  // The keys of source `s` of `sources`: its selection (data.filter's conditions and its own) and
+  // format keys, the others data's; `sources` itself empty.
+  DataSection of_source(const DataSource& s) const;
   // The distinct {placeholders} of prompt_template, in order of first use.
   std::vector<std::string> template_fields() const;
   bool operator==(const DataSection&) const = default;

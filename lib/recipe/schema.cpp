@@ -56,7 +56,37 @@ std::string example(std::string_view key) {
   return out;
 }
 
-std::string hint(std::string_view key) { return fmt::format(" (e.g. {}: {})", key, example(key)); }
+std::string hint(std::string_view key) {
+  const std::string e = example(key);
+  return e.empty() ? "" : fmt::format(" (e.g. {}: {})", key, e);
+}
+
+const std::vector<std::string>& source_keys() {
+  static const std::vector<std::string> keys = {"name",       "collection",     "filter",          "path",
+                                                "weight",     "format",         "prompt_template", "response_field",
+                                                "text_field", "messages_field", "chat_format"};
+  return keys;
+}
+
+nlohmann::json sources_json(const std::vector<DataSource>& sources) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const DataSource& s : sources) {
+    nlohmann::json j = {{"name", s.name}};
+    if (!s.collection.empty()) j["collection"] = s.collection;
+    if (!s.filter.empty()) j["filter"] = s.filter;
+    if (!s.path.empty()) j["path"] = s.path;
+    j["weight"] = s.weight;
+    if (s.format) j["format"] = std::string(name(*s.format));
+    for (const auto& [key, value] : {std::pair{"prompt_template", &s.prompt_template},
+                                     {"response_field", &s.response_field},
+                                     {"text_field", &s.text_field},
+                                     {"messages_field", &s.messages_field}})
+      if (*value) j[key] = **value;
+    if (s.chat_format) j["chat_format"] = std::string(name(*s.chat_format));
+    out.push_back(std::move(j));
+  }
+  return out;
+}
 
 std::string show(std::string_view text) {
   constexpr size_t kMax = 60;
@@ -179,6 +209,8 @@ std::string type_text() {
     return "list of names, or all-linear";
   } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
     return "list of integers";
+  } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {
+    return "list of sources";
   } else {
     static_assert(std::is_same_v<T, EpochsToSave>);
     return "all, none, or list of integers";
@@ -205,6 +237,8 @@ std::string allowed_text(const Key& k) {
     parts.push_back(k.may_be_empty ? "each once" : "at least one, each once");
   } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
     parts.push_back("token ids, each once");
+  } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {
+    parts.push_back("names of [A-Za-z0-9_+-], each once; weights > 0");
   } else if constexpr (std::is_same_v<T, EpochsToSave>) {
     parts.push_back("epochs in [0, train.epochs), each once");
   }

@@ -142,6 +142,21 @@ void for_each_key(R& r, V&& v) {
         .null_means = "all",
         .meaning = "use at most this many of the selected documents"},
     r.data.limit);
+  v(Key{.name = "data.sources",
+        .example = "[{name: tasks, collection: tasks, weight: 3}, {name: chat, collection: chat, weight: 1}]",
+        .meaning = "several selections mixed by weight: each {name, collection (+ filter) or path, weight} and its "
+                   "own format keys",
+        .may_be_empty = true},
+    r.data.sources);
+  v(Key{.name = "data.mix_by",
+        .meaning = "what the weights share with data.sources: the epoch's documents, or its trained tokens"},
+    r.data.mix_by);
+  v(Key{.name = "data.epoch_documents",
+        .bound = at_least(1),
+        .example = "100000",
+        .null_means = "as many as the sources hold together",
+        .meaning = "with data.sources: documents per epoch, shared out by the weights (smaller sources repeat)"},
+    r.data.epoch_documents);
   v(Key{.name = "data.format",
         .meaning = "how a document becomes an example: a prompt template and a response field, one text field, or "
                    "chat messages"},
@@ -454,6 +469,11 @@ std::string quote_string(std::string_view s);
 // Shortest text that reads back as the same double, always with a '.' or an exponent.
 std::string format_double(double v);
 
+// data.sources as JSON: per source the keys it sets ([{"name": …, "collection": …, "weight": 3.0}]).
+nlohmann::json sources_json(const std::vector<DataSource>& sources);
+// The keys a data.sources entry may have ("name", "collection", …, "chat_format").
+const std::vector<std::string>& source_keys();
+
 // A key's value as YAML text (flow style), the form to_yaml writes.
 template <class T>
 std::string yaml_text(const T& v) {
@@ -476,6 +496,8 @@ std::string yaml_text(const T& v) {
     std::string out = "[";
     for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + quote_string(v[i]);
     return out + "]";
+  } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {  // data.sources
+    return sources_json(v).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {  // lora.trainable_token_indices
     std::string out = "[";
     for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);

@@ -1,6 +1,7 @@
 // validate(): the rules that span several keys (what one key alone allows is declared in
 // schema.hpp), the checkpoint policy and prompt templates.
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <set>
 
@@ -65,6 +66,21 @@ std::vector<TemplatePart> parse_template(std::string_view tmpl) {
   return detail::parse_template(tmpl, "the prompt template");
 }
 
+DataSection DataSection::of_source(const DataSource& s) const {
+  DataSection d = *this;
+  d.sources.clear();
+  d.collection = s.collection;
+  d.path = s.path;
+  d.filter = filter.empty() ? s.filter : s.filter.empty() ? filter : nlohmann::json{{"$and", {filter, s.filter}}};
+  if (s.format) d.format = *s.format;
+  if (s.prompt_template) d.prompt_template = *s.prompt_template;
+  if (s.response_field) d.response_field = *s.response_field;
+  if (s.text_field) d.text_field = *s.text_field;
+  if (s.messages_field) d.messages_field = *s.messages_field;
+  if (s.chat_format) d.chat_format = *s.chat_format;
+  return d;
+}
+
 std::vector<std::string> DataSection::template_fields() const {
   std::vector<std::string> fields;
   for (const TemplatePart& p : parse_template(prompt_template))
@@ -93,6 +109,8 @@ struct Rule {
   void (*check)(const Recipe& r, const RecipeOrigin& o, Warnings& warnings);
 };
 
+void check_sources(const Recipe& r, const RecipeOrigin& o, Warnings& w);
+
 constexpr Rule kRules[] = {
     // Where the documents are: data.source decides which keys must be set.
     {"data.database",
@@ -101,13 +119,15 @@ constexpr Rule kRules[] = {
      }},
     {"data.collection",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
-       if (r.data.source == Source::MongoDB)
+       if (r.data.source == Source::MongoDB && r.data.sources.empty())
          require(o, "data.collection", r.data.collection, "for data.source: mongodb");
      }},
     {"data.path",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
-       if (r.data.source == Source::Jsonl) require(o, "data.path", r.data.path, "for data.source: jsonl");
+       if (r.data.source == Source::Jsonl && r.data.sources.empty())
+         require(o, "data.path", r.data.path, "for data.source: jsonl");
      }},
+    {"data.sources", check_sources},
     // What a document becomes: data.format decides which fields must be named.
     {"data.prompt_template",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
@@ -367,6 +387,72 @@ constexpr Rule kRules[] = {
               "is nccl, which needs CUDA, but model.device is cpu; use dist.backend: gloo (or auto)");
      }},
 };
+
+// data.sources: names that can name metrics and directories, once each; weights above 0; each
+// source's selection as data.source reads it; each source's format keys as complete as data's
+// would have to be (the format rules run on the source's own keys).
+void check_sources(const Recipe& r, const RecipeOrigin& o, Warnings& w) {
+  const std::vector<DataSource>& sources = r.data.sources;
+  if (sources.empty()) return;
+  const bool mongo = r.data.source == Source::MongoDB;
+  if (mongo && !r.data.collection.empty())
+    fail(o, "data.sources",
+         fmt::format("and data.collection ({}) are both set: each source names its own collection; remove "
+                     "data.collection",
+                     printable(r.data.collection)));
+  if (!mongo && !r.data.path.empty())
+    fail(o, "data.sources",
+         fmt::format("and data.path ({}) are both set: each source names its own file; remove data.path",
+                     printable(r.data.path)));
+  if (r.data.shuffle == Shuffle::Stream)
+    fail(o, "data.sources",
+         "are mixed in one global order, which data.shuffle: stream does not give yet: use data.shuffle: global or "
+         "none");
+  if (mongo && !r.eval.filter.empty() && r.eval.collection.empty())
+    fail(o, "data.sources",
+         "are set with eval.filter but no eval.collection: name the collection the evaluation documents are in "
+         "(eval.collection), or hold out a share of every source with eval.fraction");
+  std::set<std::string> names;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const DataSource& s = sources[i];
+    if (!is_name_component(s.name) || s.name.size() > 64 || s.name.find('.') != std::string::npos)
+      fail(o, "data.sources",
+           fmt::format("entry {} is named {}: a source needs a name of 1 to 64 letters, digits, '_', '+' or '-', "
+                       "not starting with '-' (it names the source's metrics, eval_loss/<name>)",
+                       i, s.name.empty() ? std::string("nothing") : fmt::format("'{}'", printable(s.name))));
+    if (!names.insert(s.name).second)
+      fail(o, "data.sources", fmt::format("name '{}' twice: give each source its own name", s.name));
+    if (!(s.weight > 0) || !std::isfinite(s.weight))
+      fail(o, "data.sources",
+           fmt::format("'{}' has weight {}: weights are numbers above 0 (a source's share is its weight over their "
+                       "sum); remove a source to leave it out",
+                       s.name, s.weight));
+    if (mongo && s.collection.empty())
+      fail(o, "data.sources",
+           fmt::format("'{}' names no collection: set its collection (of data.database), with a filter to select "
+                       "part of it",
+                       s.name));
+    if (mongo && !s.path.empty())
+      fail(o, "data.sources",
+           fmt::format("'{}' sets path, which data.source: jsonl reads: set its collection instead", s.name));
+    if (!mongo && s.path.empty())
+      fail(o, "data.sources", fmt::format("'{}' names no file: set its path (data.source is jsonl)", s.name));
+    if (!mongo && (!s.collection.empty() || !s.filter.empty()))
+      fail(o, "data.sources",
+           fmt::format("'{}' sets {}, which data.source: mongodb reads: set its path instead", s.name,
+                       s.collection.empty() ? "filter" : "collection"));
+    Recipe one = r;
+    one.data = r.data.of_source(s);
+    for (const Rule& rule : kRules)
+      if ((rule.key.starts_with("data.") && rule.key != "data.sources" && rule.key != "data.database") ||
+          rule.key == "train.objective")
+        try {
+          rule.check(one, o, w);
+        } catch (const Error& e) {
+          throw Error(fmt::format("{} (for data.sources '{}')", e.what(), s.name));
+        }
+  }
+}
 
 }  // namespace
 

@@ -148,4 +148,34 @@ std::optional<nlohmann::json> evaluate_split(model::CausalLM& m, const data::Eva
   return row;
 }
 
+std::optional<nlohmann::json> evaluate_sources(model::CausalLM& m, const std::vector<NamedSplit>& splits,
+                                               const recipe::Recipe& r, const Agreement& agree, int epoch, int64_t step,
+                                               const StopCheck& stop, const PreferenceObjective* pref) {
+  nlohmann::json row{{"epoch", epoch}, {"step", step}};
+  double loss = 0, weight = 0, seconds = 0;
+  int64_t tokens = 0, documents = 0, rejected = 0;
+  for (const NamedSplit& s : splits) {
+    const std::optional<nlohmann::json> one =
+        evaluate_split(m, *s.split, *s.builder, r, agree, epoch, step, stop, pref);
+    if (!one) return std::nullopt;
+    const double mean = (*one)["eval_loss"].get<double>();
+    const auto w = static_cast<double>((*one)[pref ? "eval_documents" : "eval_tokens"].get<int64_t>());
+    row["eval_loss/" + s.name] = mean;
+    loss += mean * w;
+    weight += w;
+    tokens += (*one)["eval_tokens"].get<int64_t>();
+    documents += (*one)["eval_documents"].get<int64_t>();
+    rejected += (*one)["eval_rejected"].get<int64_t>();
+    seconds += (*one)["eval_seconds"].get<double>();
+  }
+  const double mean = loss / std::max(weight, 1.0);
+  row.update({{"eval_loss", mean},
+              {"eval_ppl", std::exp(mean)},
+              {"eval_tokens", tokens},
+              {"eval_documents", documents},
+              {"eval_rejected", rejected},
+              {"eval_seconds", seconds}});
+  return row;
+}
+
 }  // namespace lorarun::train

@@ -73,4 +73,18 @@ std::optional<nlohmann::json> evaluate_split(model::CausalLM& m, const data::Eva
                                              const Agreement& agree, int epoch, int64_t step, const StopCheck& stop,
                                              const PreferenceObjective* pref = nullptr);
 
+// data.sources with eval.fraction: one source's held-out documents and how they are built.
+struct NamedSplit {
+  std::string name;
+  const data::EvalSplit* split;
+  const data::ExampleBuilder* builder;
+};
+
+// Each split evaluated as evaluate_split does it, and one row of them together: eval_loss over all
+// their tokens (with `pref`: over all their pairs), eval_ppl, the counts and seconds summed, and
+// each source's own eval_loss/<name>; nullopt when `stop` said so.
+std::optional<nlohmann::json> evaluate_sources(model::CausalLM& m, const std::vector<NamedSplit>& splits,
+                                               const recipe::Recipe& r, const Agreement& agree, int epoch, int64_t step,
+                                               const StopCheck& stop, const PreferenceObjective* pref = nullptr);
+
 }  // namespace lorarun::train

@@ -112,13 +112,27 @@ Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const Runtim
       tokenizer(model::load_tokenizer(model.dir())) {
   model.check_tokenizer(tokenizer);
   model.check_length(r.data.max_length, fmt::format("data.max_length {}", r.data.max_length));
-  builder = std::make_unique<data::ExampleBuilder>(
-      r.data, tokenizer, std::nullopt,
-      r.train.objective == recipe::Objective::Orpo ? data::PairTokens::Orpo : data::PairTokens::Dpo);
-  docs = std::make_unique<data::Documents>(r.data, data::Holdout::training(r.eval.fraction));
-  if (!o.eval_split || !r.eval.enabled(r.data.source)) return;
+  const auto pairs = r.train.objective == recipe::Objective::Orpo ? data::PairTokens::Orpo : data::PairTokens::Dpo;
+  const bool evaluating = o.eval_split && r.eval.enabled(r.data.source);
+  const data::Holdout training = data::Holdout::training(r.eval.fraction);
+  if (r.data.sources.empty())
+    docs = std::make_unique<data::Documents>(r.data, training);
+  else
+    mix = std::make_unique<data::Mixture>(r, tokenizer, pairs, training);
+  if (!mix || (evaluating && r.eval.fraction <= 0))
+    builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt, pairs);
+  if (!evaluating) return;
   // Read and built as training data is (the same builder); never a document training reads.
+  if (mix && r.eval.fraction > 0) {
+    for (const data::MixSource& s : mix->sources()) {
+      source_evals.push_back(std::make_unique<data::EvalSplit>(r, nullptr, s.config.get()));
+      require_scored_token(source_evals.back()->docs(), *s.builder, source_evals.back()->describe());
+    }
+    return;
+  }
   eval = std::make_unique<data::EvalSplit>(r, docs.get());
+  if (mix)
+    for (const data::MixSource& s : mix->sources()) eval->refuse_overlap(*s.docs);
   require_scored_token(eval->docs(), *builder, eval->describe());
 }
 
@@ -151,7 +165,7 @@ std::vector<std::string> Runtime::summary(const recipe::Recipe& r, int world, in
   const auto mib = [](int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); };
   std::vector<std::string> out = {
       fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch, gradients all-reduced in {} bucket(s)",
-                  model::trainable_summary(model), docs->size(), docs->describe(), world, steps_per_epoch,
+                  model::trainable_summary(model), documents(), describe_data(), world, steps_per_epoch,
                   std::max<size_t>(1, buckets))};
   if (r.lora.quantize_base) out.push_back(model::nf4_summary(model));
   if (shards)
@@ -161,6 +175,20 @@ std::vector<std::string> Runtime::summary(const recipe::Recipe& r, int world, in
         "{:.0f} MiB",
         mib(model.base_bytes()), mib(model.base_bytes(true)), world, mib(shards->block_buffer_bytes()),
         shards->prefetch ? "2 at a time: the next is gathered while one computes" : "1 at a time", resident_mib()));
+  if (mix)
+    for (const data::MixSource& s : mix->sources())
+      out.push_back(fmt::format(
+          "data.sources '{}': {} documents per epoch of the {} selected ({}){}", s.spec.name, s.per_epoch,
+          s.docs->size(),
+          s.per_epoch > s.docs->size()
+              ? fmt::format("{:.2f} passes", double(s.per_epoch) / double(s.docs->size()))
+              : fmt::format("{:.1f}% of them", 100.0 * double(s.per_epoch) / double(s.docs->size())),
+          s.sampled
+              ? fmt::format(", {:.1f} trained tokens per document over {} sampled", s.tokens_per_document, s.sampled)
+              : ""));
+  for (const auto& e : source_evals)
+    out.push_back(fmt::format("evaluating on {} documents of {} at each epoch end{}", e->docs().size(), e->describe(),
+                              r.eval.every_n_steps ? fmt::format(" and every {} steps", *r.eval.every_n_steps) : ""));
   if (eval)
     out.push_back(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", eval->docs().size(),
                               eval->docs().describe(),

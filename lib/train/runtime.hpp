@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "data/example.hpp"
+#include "data/mixture.hpp"
 #include "data/source.hpp"
 #include "dist/env.hpp"
 #include "model/transformer.hpp"
@@ -56,9 +57,18 @@ class Runtime {
   std::shared_ptr<model::BaseShards> shards;  // with dist.shard_base
   model::CausalLM model;
   tok::Tokenizer tokenizer;
-  std::unique_ptr<data::ExampleBuilder> builder;
-  std::unique_ptr<data::Documents> docs;  // data's selection (the training side of eval.fraction)
-  std::unique_ptr<data::EvalSplit> eval;  // the eval: section's documents, when asked and set
+  std::unique_ptr<data::ExampleBuilder> builder;  // data's keys (null with data.sources unless eval: reads by them)
+  std::unique_ptr<data::Documents> docs;          // data's selection (the training side of eval.fraction)
+  std::unique_ptr<data::Mixture> mix;             // data.sources instead: the sources and their mixture
+  std::unique_ptr<data::EvalSplit> eval;          // the eval: section's documents, when asked and set
+  // data.sources with eval.fraction: each source's held-out documents (then `eval` is null).
+  std::vector<std::unique_ptr<data::EvalSplit>> source_evals;
+
+  // What training reads per epoch: data's selection or the mixture.
+  int64_t documents() const { return mix ? mix->size() : docs->size(); }
+  nlohmann::json data_identity() const { return mix ? mix->identity() : docs->identity(); }
+  std::string describe_data() const { return mix ? mix->describe() : docs->describe(); }
+  bool evaluates() const { return eval || !source_evals.empty(); }
 
   // What is about to train, for the log: the adapters and the documents, NF4, dist.shard_base,
   // the evaluation.

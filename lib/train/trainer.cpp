@@ -54,14 +54,15 @@ constexpr int64_t kStepSums = sizeof(StepSums) / sizeof(double);
 // What one optimizer step did, summed over ranks where it says so.
 struct StepResult {
   double loss = 0, lr = 0, grad_norm = 0, seconds = 0;
-  double tokens = 0;         // trained tokens, all ranks
-  double rank_tokens = 0;    // trained tokens, this rank
-  double data_wait = 0;      // mean share of the step the ranks spent waiting for data
-  double padding = 0;        // share of the row slots that held padding, all ranks
-  double rejected = 0;       // documents skipped in this step, all ranks
-  bool stop = false;         // some rank was asked to stop
-  bool data_failed = false;  // some rank lost its data source: nothing of this step was applied
-  bool taken_over = false;   // another process holds the run record's lease now: stop, writing nothing
+  double tokens = 0;            // trained tokens, all ranks
+  double rank_tokens = 0;       // trained tokens, this rank
+  double data_wait = 0;         // mean share of the step the ranks spent waiting for data
+  double padding = 0;           // share of the row slots that held padding, all ranks
+  double rejected = 0;          // documents skipped in this step, all ranks
+  std::vector<double> sources;  // data.sources: examples then trained tokens per source, all ranks
+  bool stop = false;            // some rank was asked to stop
+  bool data_failed = false;     // some rank lost its data source: nothing of this step was applied
+  bool taken_over = false;      // another process holds the run record's lease now: stop, writing nothing
   nlohmann::json figures = nlohmann::json::object();  // the objective's own (train.objective: dpo, orpo)
 };
 
@@ -119,7 +120,11 @@ class Trainer {
   int epochs_ran_ = r_.train.epochs;  // the epochs the run ends with (fewer when it stops early)
   bool stopping_early_ = false;       // patience ran out: the current epoch is the last
   int64_t step_ = 0;
-  int64_t rejected_here_ = 0;     // documents this rank skipped in the current step
+  int64_t rejected_here_ = 0;  // documents this rank skipped in the current step
+  // data.sources: this rank's examples and trained tokens per source in the current step, and all
+  // ranks' since the last metrics row ([documents of each source…, tokens of each source…]).
+  std::vector<double> source_here_ = std::vector<double>(2 * (rt_.mix ? rt_.mix->sources().size() : 0));
+  std::vector<double> source_logged_ = source_here_;
   double rejected_total_ = 0;     // documents all ranks skipped, this process's steps
   int warned_ = 0;                // skipped documents this rank has warned about
   at::Tensor rng_at_step_start_;  // this rank's generators before the current step
@@ -156,16 +161,16 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       opt_(adamw_groups(m_, r.lora.plus_lr_ratio),
            torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay)),
       sync_(pg_, params_, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4)),
-      ckpt_(r, agree_, m_, model::lora_config_of(r.lora, r.model.path), params_, opt_, rt_.docs->identity(), cuda_),
+      ckpt_(r, agree_, m_, model::lora_config_of(r.lora, r.model.path), params_, opt_, rt_.data_identity(), cuda_),
       schedule_(schedule_of(r.train.lr_scheduler)),
-      steps_per_epoch_(steps_per_epoch(r, rt_.docs->size(), env.world_size)),
+      steps_per_epoch_(steps_per_epoch(r, rt_.documents(), env.world_size)),
       total_steps_(steps_per_epoch_ * r.train.epochs) {}
 
 // The run, as the recipe describes it: resume if there is a state, then epochs of steps, each
 // epoch ending with its checkpoint (per the policy) and a resumable state.
 int Trainer::run() {
   ckpt_.restore_from_store();
-  const std::optional<Progress> resumed = ckpt_.load({r_.train.epochs, steps_per_epoch_, rt_.docs->identity()});
+  const std::optional<Progress> resumed = ckpt_.load({r_.train.epochs, steps_per_epoch_, rt_.data_identity()});
   Progress p = resumed.value_or(Progress{});
   steer_ = p.steering;
   // Ranks must agree on where they stand (a state visible to only some ranks is an error).
@@ -189,11 +194,13 @@ int Trainer::run() {
 // directory refuses this run before anything is written), the resolved recipe, what is about to run.
 void Trainer::begin(Progress& p, bool resumed) {
   sinks_ = std::make_unique<track::RunSinks>(r_);
-  const track::RunInfo about = {
-      {"torch_version", TORCH_VERSION},      {"world_size", env_.world_size},
-      {"device", cuda_ ? "cuda" : "cpu"},    {"data", rt_.docs->describe()},
-      {"documents", rt_.docs->size()},       {"eval_documents", rt_.eval ? rt_.eval->docs().size() : 0},
-      {"steps_per_epoch", steps_per_epoch_}, {"restart", env_.restart}};
+  int64_t eval_documents = rt_.eval ? rt_.eval->docs().size() : 0;
+  for (const auto& e : rt_.source_evals) eval_documents += e->docs().size();
+  track::RunInfo about = {{"torch_version", TORCH_VERSION},      {"world_size", env_.world_size},
+                          {"device", cuda_ ? "cuda" : "cpu"},    {"data", rt_.describe_data()},
+                          {"documents", rt_.documents()},        {"eval_documents", eval_documents},
+                          {"steps_per_epoch", steps_per_epoch_}, {"restart", env_.restart}};
+  if (rt_.mix) about["mixture"] = rt_.mix->plan();
   p.run_id = sinks_->open(about, resumed ? std::optional(p.step) : std::nullopt, p.run_id, env_.world_size);
   ckpt_.attach(*sinks_);  // (the store's indexes are made before the record is announced: see Checkpointer)
   if (sinks_->record())
@@ -231,7 +238,7 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
     log_step(res, epoch, s);
     if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) check_replicas();
     const bool last = s + 1 == steps_per_epoch_;
-    if (rt_.eval && !last && r_.eval.every_n_steps && step_ % *r_.eval.every_n_steps == 0) {
+    if (rt_.evaluates() && !last && r_.eval.every_n_steps && step_ % *r_.eval.every_n_steps == 0) {
       if (!evaluate(epoch)) return stopped(Progress{epoch, s + 1, step_, run_id, steer_, true});
       if (stopping_early_) break;  // this epoch, cut short, is the run's last
     }
@@ -248,7 +255,7 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
                     epoch, rejected_total_));
   // (a step's evaluation that stopped the run early is the last; one stopped by a signal is redone
   // when the run resumes, at the end of this epoch's steps)
-  if (rt_.eval && !stopping_early_ && !evaluate(epoch))
+  if (rt_.evaluates() && !stopping_early_ && !evaluate(epoch))
     return stopped(Progress{epoch, steps_per_epoch_, step_, run_id, steer_, true});
   ckpt_.save_epoch(epoch, epochs_ran_, step_);
   if (epoch + 1 < epochs_ran_) ckpt_.save_state({epoch + 1, 0, step_, run_id, steer_});
@@ -260,13 +267,12 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
 // steps then go on empty and the ranks stop together at the step's end).
 std::optional<data::MicroBatches> Trainer::open_epoch(int epoch, int64_t first) {
   const auto seed = static_cast<uint64_t>(r_.train.seed);
+  const data::ShardSpec spec{env_.world_size, env_.rank, seed, epoch, r_.data.shuffle, stop_flag()};
+  const data::BatchPlan plan{r_.data.batch_size, r_.train.gradient_accumulation_steps,
+                             r_.data.group_by_length ? r_.data.group_window : 1, seed, epoch};
   try {  // reads the first window
-    return std::optional<data::MicroBatches>(
-        std::in_place, *rt_.docs, *rt_.builder,
-        data::ShardSpec{env_.world_size, env_.rank, seed, epoch, r_.data.shuffle, stop_flag()},
-        data::BatchPlan{r_.data.batch_size, r_.train.gradient_accumulation_steps,
-                        r_.data.group_by_length ? r_.data.group_window : 1, seed, epoch},
-        first);
+    if (rt_.mix) return std::optional<data::MicroBatches>(std::in_place, *rt_.mix, spec, plan, first);
+    return std::optional<data::MicroBatches>(std::in_place, *rt_.docs, *rt_.builder, spec, plan, first);
   } catch (const data::DataUnavailable& e) {
     lose_data(e.what());
     return std::nullopt;
@@ -283,6 +289,7 @@ StepResult Trainer::step(data::MicroBatches* batches) {
   const auto waited = [&] { return batches ? batches->reader().wait_seconds() : 0.0; };
   const double wait0 = waited();
   rejected_here_ = 0;
+  std::fill(source_here_.begin(), source_here_.end(), 0.0);
   rng_at_step_start_ = rng_state(cuda_);  // a step given up for lost data must not move the streams
   const LocalSums sums = pref_ ? forward_backward_pairs(batches) : forward_backward(batches);
   const double busy = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -398,6 +405,7 @@ StepResult Trainer::reduce(const LocalSums& local, double data_wait, const std::
   stats[0].add_(local.loss);
   const bool normalised = local.pref.defined();
   if (normalised) stats = at::cat({stats, local.pref});
+  if (!source_here_.empty()) stats = at::cat({stats, at::tensor(source_here_, at::kDouble).to(rt_.device)});
   agree_.sum(stats);
   if (!grads.empty() && !normalised) at::_foreach_div_(grads, stats[1].clamp_min(1.0));
   norm = grads.empty() ? at::zeros({}, stats.options())
@@ -407,6 +415,8 @@ StepResult Trainer::reduce(const LocalSums& local, double data_wait, const std::
   std::memcpy(&all, done.data_ptr<double>(), sizeof all);
   StepResult res;
   if (normalised) res.figures = pref_->figures(done.data_ptr<double>() + kStepSums);
+  const double* sources = done.data_ptr<double>() + kStepSums + (normalised ? int64_t{kPrefStats} : 0);
+  res.sources.assign(sources, sources + source_here_.size());
   res.tokens = all.tokens;
   res.rank_tokens = double(local.tokens);
   res.stop = all.stop > 0;
@@ -435,6 +445,11 @@ std::vector<data::Example> Trainer::examples(data::MicroBatches* batches) {
   }
   for (data::Built& built : next) {
     if (auto* e = std::get_if<data::Example>(&built)) {
+      if (!source_here_.empty()) {  // data.sources: [documents…, tokens…]
+        source_here_[static_cast<size_t>(e->source)] += 1;
+        source_here_[rt_.mix->sources().size() + static_cast<size_t>(e->source)] +=
+            static_cast<double>(data::trained_tokens(*e));
+      }
       out.push_back(std::move(*e));
       continue;
     }
@@ -474,6 +489,7 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
     std::fputs(("\r\033[K" + shown).c_str(), stdout);
     std::fflush(stdout);
   }
+  for (size_t i = 0; i < s.sources.size(); ++i) source_logged_[i] += s.sources[i];
   if (step_ % r_.track.log_every_n_steps != 0) return;
   info(shown, lead_ && !tty_);
   if (!lead_) return;
@@ -491,6 +507,17 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
                         {"rss_mb", resident_mib()},
                         {"seconds", s.seconds}};
   row.update(s.figures);
+  if (rt_.mix) {  // since the last row: the rows of an epoch add up to its mixture
+    const auto& sources = rt_.mix->sources();
+    nlohmann::json docs = nlohmann::json::object(), tokens = nlohmann::json::object();
+    for (size_t i = 0; i < sources.size(); ++i) {
+      docs[sources[i].spec.name] = static_cast<int64_t>(source_logged_[i]);
+      tokens[sources[i].spec.name] = static_cast<int64_t>(source_logged_[sources.size() + i]);
+    }
+    row["source_documents"] = std::move(docs);
+    row["source_tokens"] = std::move(tokens);
+    std::fill(source_logged_.begin(), source_logged_.end(), 0.0);
+  }
   if (rt_.shards)  // slices + whole blocks now
     row["base_mb"] = static_cast<double>(m_.base_bytes() + rt_.shards->buffer_bytes()) / (1 << 20);
   sinks_->step(row);
@@ -504,9 +531,19 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
 // before each: the partial evaluation is dropped (nothing logged or steered) and false returned;
 // the state then saved says the evaluation is due, and a resumed run does it first.
 bool Trainer::evaluate(int epoch) {
-  std::optional<nlohmann::json> row = evaluate_split(
-      m_, *rt_.eval, *rt_.builder, r_, agree_, epoch, step_, [this] { return agree_.any(stop_requested()); },
-      pref_ ? &*pref_ : nullptr);
+  const StopCheck stop = [this] { return agree_.any(stop_requested()); };
+  const PreferenceObjective* pref = pref_ ? &*pref_ : nullptr;
+  std::optional<nlohmann::json> row;
+  if (rt_.eval) {
+    row = evaluate_split(m_, *rt_.eval, *rt_.builder, r_, agree_, epoch, step_, stop, pref);
+  } else {
+    std::vector<NamedSplit> splits;
+    for (size_t i = 0; i < rt_.source_evals.size(); ++i) {
+      const data::MixSource& s = rt_.mix->sources()[i];
+      splits.push_back({s.spec.name, rt_.source_evals[i].get(), s.builder.get()});
+    }
+    row = evaluate_sources(m_, splits, r_, agree_, epoch, step_, stop, pref);
+  }
   if (!row) {
     if (lead_)
       info(fmt::format("evaluation at step {} stopped on request: it is done again when the run resumes", step_));

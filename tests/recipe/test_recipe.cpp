@@ -155,6 +155,9 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "data.path",
                                 "data.filter",
                                 "data.limit",
+                                "data.sources",
+                                "data.mix_by",
+                                "data.epoch_documents",
                                 "data.format",
                                 "data.prompt_template",
                                 "data.response_field",
@@ -962,4 +965,55 @@ TEST_CASE("lora.modules_to_save and lora.trainable_token_indices: PEFT's, and wh
   refused({"lora.trainable_token_indices=[3, 3]"}, "lists 3 twice");
   refused({"lora.trainable_token_indices=[3]", "lora.modules_to_save=[embed_tokens]"}, "(PEFT refuses both too)");
   refused({"lora.trainable_token_indices=[a]"}, "must be a list of token ids");
+}
+
+TEST_CASE("data.sources: typed, round trips, each source's keys, and one line for each bad mixture") {
+  const std::string base =
+      "model: {path: /models/m}\n"
+      "data: {database: db, prompt_template: \"Q: {instruction}\\nA: \", mix_by: tokens, epoch_documents: 500,\n"
+      "       filter: {split: train}, sources: [{name: tasks, collection: tasks, weight: 3},\n"
+      "                {name: chat, collection: chat, filter: {lang: en}, format: chat, chat_format: llama3}]}\n";
+  const Recipe r = load(base);
+  REQUIRE(r.data.sources.size() == 2);
+  CHECK(r.data.sources[0].weight == 3.0);
+  CHECK(r.data.sources[1].weight == 1.0);  // the default
+  CHECK(r.data.mix_by == MixBy::Tokens);
+  CHECK(r.data.epoch_documents == 500);
+  // a source's keys: its selection with data.filter's conditions, its format keys, data's others
+  const DataSection chat = r.data.of_source(r.data.sources[1]);
+  CHECK(chat.collection == "chat");
+  CHECK(chat.filter == nlohmann::json::parse(R"({"$and": [{"split": "train"}, {"lang": "en"}]})"));
+  CHECK(chat.format == Format::Chat);
+  CHECK(chat.chat_format == ChatFormat::Llama3);
+  CHECK(chat.sources.empty());
+  CHECK(r.data.of_source(r.data.sources[0]).format == Format::Instruction);
+  CHECK(load(to_yaml(r, false)) == r);
+  CHECK(recipe_from_json(to_json(r, false)) == r);
+
+  const std::string head =
+      "model: {path: /models/m}\ndata: {database: db, prompt_template: \"Q: {instruction}\\nA: \", ";
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"sources: [{name: a, collection: a, weight: 0}]", "data.sources 'a' has weight 0: weights are numbers above 0"},
+      {"sources: [{name: a, collection: a, weight: -1}, {name: b, collection: b}]",
+       "data.sources 'a' has weight -1: weights are numbers above 0"},
+      {"sources: [{name: a, collection: a}, {name: a, collection: b}]",
+       "data.sources name 'a' twice: give each source its own name"},
+      {"sources: [{name: a, collection: a, max_length: 64}]",
+       "data.sources entry 0 sets max_length, which is shared by every source and cannot differ per source"},
+      {"sources: [{name: a, collection: a, wieght: 2}]", "data.sources entry 0 has the unknown key wieght"},
+      {"collection: docs, sources: [{name: a, collection: a}]",
+       "data.sources and data.collection (docs) are both set: each source names its own collection"},
+      {"sources: [{name: a, filter: {x: 1}}]", "data.sources 'a' names no collection"},
+      {"sources: [{name: 'a/b', collection: a}]", "data.sources entry 0 is named 'a/b'"},
+      {"shuffle: stream, sources: [{name: a, collection: a}]", "data.shuffle: stream does not give yet"},
+      {"sources: [{name: a, collection: a, format: text, text_field: ''}]",
+       "data.text_field must be set for data.format: text"},
+      {"sources: {name: a}", "data.sources must be a list of sources"},
+  };
+  for (const auto& [data, message] : cases) {
+    INFO(data);
+    CHECK_THAT(error_of(head + data + "}\n"), Catch::Contains(message));
+  }
+  CHECK_THAT(error_of(head + "sources: [{name: a, collection: a, format: text, text_field: ''}]}\n"),
+             Catch::Contains("(for data.sources 'a')"));
 }

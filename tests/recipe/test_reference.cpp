@@ -145,7 +145,8 @@ TEST_CASE("every key is declared in full") {
     CHECK(!example.empty());
     std::vector<std::string> overrides{std::string(k.name) + "=" + example};
     if (k.name == "train.early_stopping_patience") overrides.push_back("eval.fraction=0.05");  // steers by one
-    if (detail::section_of(k.name) == "preference") {  // (keys of train.objective: dpo only)
+    if (k.name == "data.sources") overrides.push_back("data.collection=");  // each source names its own
+    if (detail::section_of(k.name) == "preference") {                       // (keys of train.objective: dpo only)
       overrides.push_back("train.objective=dpo");
       overrides.push_back("data.format=preference");
     }

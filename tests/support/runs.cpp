@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "io/safetensors.hpp"
 #include "io/sha256.hpp"
@@ -36,20 +37,37 @@ track: {{mongodb: false}}
   return path;
 }
 
-double adapter_diff(const std::string& a, const std::string& b) {
-  const io::SafetensorsFile fa(a), fb(b);
-  if (fa.tensors().size() != fb.tensors().size()) return INFINITY;
-  double worst = 0;
+namespace {
+
+// max |a - b| over a's tensors, and max |a| (b empty: max |a| alone).
+std::pair<double, double> compare(const std::string& a, const std::string& b) {
+  const io::SafetensorsFile fa(a);
+  const std::optional<io::SafetensorsFile> fb = b.empty() ? std::nullopt : std::optional<io::SafetensorsFile>(b);
+  if (fb && fa.tensors().size() != fb->tensors().size()) return {INFINITY, 0};
+  double worst = 0, largest = 0;
   for (const auto& t : fa.tensors()) {
-    const auto* u = fb.find(t.name);
-    if (!u || u->nbytes != t.nbytes) return INFINITY;
-    const auto x = fa.bytes(t), y = fb.bytes(*u);
+    const auto x = fa.bytes(t);
     const auto* px = reinterpret_cast<const float*>(x.data());
+    const auto* u = fb ? fb->find(t.name) : nullptr;
+    if (fb && (!u || u->nbytes != t.nbytes)) return {INFINITY, 0};
+    const auto y = fb ? fb->bytes(*u) : x;
     const auto* py = reinterpret_cast<const float*>(y.data());
-    for (size_t i = 0; i < t.nbytes / 4; ++i) worst = std::max(worst, double(std::abs(px[i] - py[i])));
+    for (size_t i = 0; i < t.nbytes / 4; ++i) {
+      worst = std::max(worst, double(std::abs(px[i] - py[i])));
+      largest = std::max(largest, double(std::abs(px[i])));
+    }
   }
-  return worst;
+  return {worst, largest};
 }
+
+}  // namespace
+
+double adapter_relative_diff(const std::string& a, const std::string& b) {
+  const auto [worst, largest] = compare(a, b);
+  return worst / largest;
+}
+
+double adapter_diff(const std::string& a, const std::string& b) { return compare(a, b).first; }
 
 std::map<std::string, std::string> hashes(const std::string& dir) {
   std::map<std::string, std::string> out;

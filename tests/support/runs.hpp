@@ -21,6 +21,8 @@ std::string write_recipe(const std::string& dir, const std::string& name, const 
 // Largest absolute difference between two float32 adapter files, tensor by tensor (inf if their
 // keys or sizes differ).
 double adapter_diff(const std::string& a, const std::string& b);
+// The same over the largest absolute value in `a`.
+double adapter_relative_diff(const std::string& a, const std::string& b);
 
 // The regular files under `dir` as {relative name: sha256}.
 std::map<std::string, std::string> hashes(const std::string& dir);

@@ -1,8 +1,11 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <map>
+#include <numeric>
 #include <set>
 
+#include "data/mixture.hpp"
 #include "data/shard.hpp"
 
 using namespace lorarun::data;
@@ -73,4 +76,18 @@ TEST_CASE("step k of W ranks together holds step k of 1 rank with W times the ba
             CHECK(together == alone);
           }
         }
+}
+
+TEST_CASE("apportion: shares by weight that sum to the total, largest remainders first, ties to the earlier") {
+  CHECK(apportion(10, {1, 1, 1}) == std::vector<int64_t>{4, 3, 3});
+  CHECK(apportion(7, {1, 2}) == std::vector<int64_t>{2, 5});
+  CHECK(apportion(400, {1, 3}) == std::vector<int64_t>{100, 300});
+  CHECK(apportion(5, {0.001, 1}) == std::vector<int64_t>{0, 5});
+  for (int64_t total : {1, 13, 1000, 999'983}) {
+    const std::vector<int64_t> got = apportion(total, {0.3, 1.7, 5, 0.01});
+    CHECK(std::accumulate(got.begin(), got.end(), int64_t{0}) == total);
+    const double sum = 0.3 + 1.7 + 5 + 0.01;
+    for (size_t i = 0; i < got.size(); ++i)
+      CHECK(std::abs(double(got[i]) - double(total) * std::vector<double>{0.3, 1.7, 5, 0.01}[i] / sum) < 1.0);
+  }
 }
