@@ -36,8 +36,9 @@ void sample_tokens(MixSource& s) {
   int64_t tokens = 0, examples = 0;
   std::string first_reason;
   for (size_t at = 0; at < positions.size(); at += 256) {
-    const std::vector<int64_t> chunk(positions.begin() + static_cast<std::ptrdiff_t>(at),
-                                     positions.begin() + static_cast<std::ptrdiff_t>(std::min(positions.size(), at + 256)));
+    const std::vector<int64_t> chunk(
+        positions.begin() + static_cast<std::ptrdiff_t>(at),
+        positions.begin() + static_cast<std::ptrdiff_t>(std::min(positions.size(), at + 256)));
     for (const Found& f : s.docs->fetch_found(chunk, s.builder->fields())) {
       const Built b = build_found(*s.builder, f);
       if (const auto* e = std::get_if<Example>(&b)) {
@@ -188,8 +189,8 @@ nlohmann::json Mixture::identity() const {
 std::string Mixture::describe() const {
   std::string out = fmt::format("{} sources:", sources_.size());
   for (size_t i = 0; i < sources_.size(); ++i)
-    out += fmt::format("{} {} ({}) {} of {} documents", i ? "," : "", sources_[i].spec.name, sources_[i].docs->describe(),
-                       sources_[i].per_epoch, sources_[i].docs->size());
+    out += fmt::format("{} {} ({}) {} of {} documents", i ? "," : "", sources_[i].spec.name,
+                       sources_[i].docs->describe(), sources_[i].per_epoch, sources_[i].docs->size());
   return out;
 }
 

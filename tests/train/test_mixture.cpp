@@ -3,8 +3,8 @@
 // adapter on 1 rank, 2 ranks and 1 rank with accumulation, an exact resume after kill -9, eval per
 // source from FerretDB collections, and the refusals.
 #include <fmt/format.h>
-#include <catch2/catch.hpp>
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -49,8 +49,9 @@ train: {{lr: 5.0e-3, warmup_steps: 2{}{}}}
 checkpoint: {{output_dir: {}/{}{}}}
 track: {{mongodb: false}}
 )",
-                                     LORARUN_MODEL_FIXTURES, sources, data, train.find("epochs") == std::string::npos ? ", epochs: 1" : "",
-                                     train, dir, name, checkpoint);
+                                     LORARUN_MODEL_FIXTURES, sources, data,
+                                     train.find("epochs") == std::string::npos ? ", epochs: 1" : "", train, dir, name,
+                                     checkpoint);
   return path;
 }
 
@@ -168,9 +169,10 @@ TEST_CASE("data.sources: an upsampled source's documents each come once before a
     CHECK(std::count(order.begin() + at, order.begin() + at + 12, 's') <= 6);
 }
 
-TEST_CASE("data.sources: 1 rank, 2 ranks and 1 rank with accumulation 2 train the same adapter, and kill -9 resumes "
-          "byte-identical",
-          "[e2e][resume]") {
+TEST_CASE(
+    "data.sources: 1 rank, 2 ranks and 1 rank with accumulation 2 train the same adapter, and kill -9 resumes "
+    "byte-identical",
+    "[e2e][resume]") {
   const std::string dir = temp_dir("mix-ranks");
   write_source(dir + "/small.jsonl", "s", 12, 2);
   write_source(dir + "/large.jsonl", "l", 90, 4);
@@ -203,8 +205,8 @@ TEST_CASE("data.sources: 1 rank, 2 ranks and 1 rank with accumulation 2 train th
   CHECK(counts("two") == counts("accum"));
   const double d1 = adapter_relative_diff(adapter("two"), adapter("one")),
                d2 = adapter_relative_diff(adapter("two"), adapter("accum"));
-  fmt::print("data.sources: 2 ranks vs 1 rank {:.2g}, vs 1 rank x accumulation 2 {:.2g} (of the largest weight)\n",
-             d1, d2);
+  fmt::print("data.sources: 2 ranks vs 1 rank {:.2g}, vs 1 rank x accumulation 2 {:.2g} (of the largest weight)\n", d1,
+             d2);
   CHECK(d1 <= 1e-6);
   CHECK(d2 <= 1e-6);
 
@@ -225,9 +227,10 @@ TEST_CASE("data.sources: 1 rank, 2 ranks and 1 rank with accumulation 2 train th
   CHECK(hashes(dir + "/killed/epoch_1") == hashes(dir + "/straight/epoch_1"));
 }
 
-TEST_CASE("data.sources from FerretDB: collections and a filter mixed on 2 ranks, eval_loss per source, the "
-          "mixture in the run record",
-          "[e2e][db]") {
+TEST_CASE(
+    "data.sources from FerretDB: collections and a filter mixed on 2 ranks, eval_loss per source, the "
+    "mixture in the run record",
+    "[e2e][db]") {
   const std::string dir = temp_dir("mix-mongo");
   const std::string uri = test_uri(), db = "lorarun_test_mix";
   lorarun::data::Client client(uri, std::chrono::seconds(10), {"the test"});
