@@ -345,24 +345,31 @@ void mixture_stats(Mixed& m, bool as_json) {
   if (as_json) fmt::print("{}\n", out.dump());
 }
 
-// The first n documents of epoch 0's mixed order, each with its source.
+// The first n documents of epoch 0's mixed order (with data.shuffle: stream, of one rank's
+// stream), each with its source.
 void mixture_preview(const Mixed& m, int64_t n, bool as_json) {
   const bool colour = !as_json && isatty(STDOUT_FILENO) && !std::getenv("NO_COLOR");
-  std::vector<data::Pick> picks = m.mix.order(static_cast<uint64_t>(m.recipe.train.seed), 0);
-  picks.resize(static_cast<size_t>(std::min<int64_t>(n, static_cast<int64_t>(picks.size()))));
+  const auto seed = static_cast<uint64_t>(m.recipe.train.seed);
+  std::vector<data::Found> found;
+  if (m.recipe.data.shuffle == recipe::Shuffle::Stream) {
+    found = data::stream_head(m.mix, {.seed = seed, .shuffle = recipe::Shuffle::Stream}, n);
+  } else {
+    std::vector<data::Pick> picks = m.mix.order(seed, 0);
+    picks.resize(static_cast<size_t>(std::min<int64_t>(n, static_cast<int64_t>(picks.size()))));
+    found = m.mix.fetch(picks);
+  }
   if (!as_json) fmt::print("── trains: {}\n\n", lorarun::model::describe_adapter(m.recipe.lora));
-  const std::vector<data::Found> found = m.mix.fetch(picks);
-  for (size_t i = 0; i < found.size(); ++i) {
-    const data::MixSource& s = m.mix.sources()[static_cast<size_t>(picks[i].source)];
-    const data::Built built = data::build_found(*s.builder, found[i]);
+  for (const data::Found& f : found) {
+    const data::MixSource& s = m.mix.sources()[static_cast<size_t>(f.source)];
+    const data::Built built = data::build_found(*s.builder, f);
     if (as_json) {
       nlohmann::ordered_json j = {{"source", s.spec.name}};
-      j.update(preview_json(picks[i].position, built));
+      j.update(preview_json(f.position, built));
       fmt::print("{}\n", j.dump());
       continue;
     }
     fmt::print("── source {}:\n", s.spec.name);
-    print_preview(m.tokenizer, s.config->max_length, picks[i].position, found[i], built, colour);
+    print_preview(m.tokenizer, s.config->max_length, f.position, f, built, colour);
   }
 }
 

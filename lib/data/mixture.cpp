@@ -27,33 +27,44 @@ uint64_t name_hash(const std::string& name) {
   return h;
 }
 
-// The mean trained tokens per document of `s`, over up to kTokenSample documents at evenly
-// spread positions (the same on every rank); rejected documents do not count.
-void sample_tokens(MixSource& s) {
+// Up to kTokenSample documents of `s` spread evenly over it (the same on every rank): single
+// documents by position, or with data.shuffle: stream (no id list) 32 evenly spaced runs.
+std::vector<Found> sample(const MixSource& s) {
   const int64_t n = s.docs->size(), k = std::min(n, kTokenSample);
-  std::vector<int64_t> positions;
-  for (int64_t i = 0; i < k; ++i) positions.push_back(i * n / k);
+  std::vector<Found> out;
+  if (s.config->shuffle == recipe::Shuffle::Stream) {
+    const int64_t runs = std::min<int64_t>(32, k);
+    for (int64_t i = 0; i < runs; ++i)
+      for (Found& f : s.docs->run(i * n / runs, "", k / runs, s.builder->fields())) out.push_back(std::move(f));
+    return out;
+  }
+  for (int64_t at = 0; at < k; at += 256) {
+    std::vector<int64_t> positions;
+    for (int64_t i = at; i < std::min(k, at + 256); ++i) positions.push_back(i * n / k);
+    for (Found& f : s.docs->fetch_found(positions, s.builder->fields())) out.push_back(std::move(f));
+  }
+  return out;
+}
+
+// The mean trained tokens per document of `s` over sample(s); rejected documents do not count.
+void sample_tokens(MixSource& s) {
   int64_t tokens = 0, examples = 0;
   std::string first_reason;
-  for (size_t at = 0; at < positions.size(); at += 256) {
-    const std::vector<int64_t> chunk(
-        positions.begin() + static_cast<std::ptrdiff_t>(at),
-        positions.begin() + static_cast<std::ptrdiff_t>(std::min(positions.size(), at + 256)));
-    for (const Found& f : s.docs->fetch_found(chunk, s.builder->fields())) {
-      const Built b = build_found(*s.builder, f);
-      if (const auto* e = std::get_if<Example>(&b)) {
-        tokens += trained_tokens(*e);
-        ++examples;
-      } else if (first_reason.empty()) {
-        first_reason = std::get<Rejection>(b).reason;
-      }
+  const std::vector<Found> found = sample(s);
+  for (const Found& f : found) {
+    const Built b = build_found(*s.builder, f);
+    if (const auto* e = std::get_if<Example>(&b)) {
+      tokens += trained_tokens(*e);
+      ++examples;
+    } else if (first_reason.empty()) {
+      first_reason = std::get<Rejection>(b).reason;
     }
   }
   if (tokens == 0)
     throw Error(fmt::format(
         "data.sources '{}': none of the {} documents sampled from {} has a trained token ({}), so data.mix_by: "
         "tokens cannot weigh it: fix the source or its format keys",
-        s.spec.name, k, s.docs->describe(), first_reason.empty() ? "no response" : first_reason));
+        s.spec.name, found.size(), s.docs->describe(), first_reason.empty() ? "no response" : first_reason));
   s.sampled = examples;
   s.tokens_per_document = static_cast<double>(tokens) / static_cast<double>(examples);
 }
@@ -110,6 +121,13 @@ Mixture::Mixture(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, PairT
 }
 
 Mixture::~Mixture() = default;
+
+int64_t Mixture::per_rank(int world) const {
+  if (shuffle_ != recipe::Shuffle::Stream) return examples_per_rank(size_, world);
+  int64_t n = 0;
+  for (const MixSource& s : sources_) n += examples_per_rank(s.per_epoch, world);
+  return n;
+}
 
 // Source s's documents of `epoch`, in order (positions into its selection).
 std::vector<int64_t> Mixture::sequence(size_t s, uint64_t seed, int64_t epoch) const {
@@ -173,6 +191,7 @@ std::vector<Found> Mixture::fetch(const std::vector<Pick>& picks) const {
     std::vector<Found> found = sources_[s].docs->fetch_found(positions, sources_[s].builder->fields());
     for (size_t k = 0; k < found.size(); ++k) {
       found[k].source = static_cast<int32_t>(s);
+      found[k].position = positions[k];
       out[slots[k]] = std::move(found[k]);
     }
   }

@@ -35,24 +35,29 @@ struct MixSource {
 // The epoch of a mixture: E documents (data.epoch_documents, or all the sources hold), shared by
 // the weights — of documents (mix_by: examples), or of trained tokens (mix_by: tokens: each
 // source's documents in proportion to weight / its mean trained tokens per document, measured on
-// up to 1,024 documents spread evenly over it). A source's documents of epoch e:
+// up to 1,024 documents spread evenly over it: with stream, 32 runs of 32). A source's documents of epoch e:
 //   fewer than it holds (n < N): n consecutive documents of one fixed order of it, from e·n on,
 //     cyclically: none twice in an epoch, and every one within ceil(N / n) epochs;
 //   more (n > N): passes over it, each pass a fresh order, so every document comes once before
 //     any comes again.
 // The order (shuffle: global) is a permutation per source drawn from (train.seed, its name); with
-// shuffle: none, _id (or file) order. The sources are interleaved smoothly: the j-th of n documents
-// of a source takes the place (j + u) / n of the epoch, u drawn in [0, 1) (none: 1/2), so any
-// stretch of the epoch holds each source near its share.
+// shuffle: none, _id (or file) order; with shuffle: stream, sorted order from a position drawn
+// from the seed, and no id list (ShardReader reads it in runs). The sources are interleaved smoothly: the j-th of n
+// documents of a source takes the place (j + u) / n of the epoch, u drawn in [0, 1) (none: 1/2), so any stretch of the
+// epoch holds each source near its share.
 class Mixture {
  public:
   Mixture(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, PairTokens pairs, const Holdout& holdout);
   ~Mixture();
   const std::vector<MixSource>& sources() const { return sources_; }
   int64_t size() const { return size_; }  // documents per epoch
-  // The epoch's documents in order: size() picks, from (seed, epoch) alone.
+  // The documents a rank reads per epoch: ceil(size() / world); with data.shuffle: stream each
+  // source's ceil(per_epoch / world), summed (ShardReader splits every source among the ranks).
+  int64_t per_rank(int world) const;
+  // The epoch's documents in order: size() picks, from (seed, epoch) alone (not with stream).
   std::vector<Pick> order(uint64_t seed, int64_t epoch) const;
-  // The documents of `picks`, in order, each fetched with its source's fields (Found::source set).
+  // The documents of `picks`, in order, each fetched with its source's fields (Found::source and
+  // Found::position set).
   std::vector<Found> fetch(const std::vector<Pick>& picks) const;
   // What the mixture is, to tell later whether it changed: {"documents": E, "digest": …} of every
   // source's identity, name, weight and share.

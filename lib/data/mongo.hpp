@@ -51,7 +51,8 @@ struct Found {
   std::string id;
   Document doc;
   std::string invalid_utf8 = {};
-  int32_t source = 0;  // data.sources: the index of the source it was read from
+  int32_t source = 0;     // data.sources: the index of the source it was read from
+  int64_t position = -1;  // its position in its selection, where the reader knows it (stream runs)
 };
 
 // A document as the server sends it (`size` bytes of BSON) as a Found, checked for UTF-8 by

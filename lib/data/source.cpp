@@ -384,43 +384,93 @@ class PositionPlan : public ShardReader::Plan {
   size_t next_ = 0;
 };
 
-// stream: this rank's _id-sorted positions [rank*per, (rank+1)*per) modulo n, cut into at most
-// kMaxRuns runs read in a (seed, epoch, rank) order, each run through a cursor that resumes
-// after the last id read; the stream is shuffled window by window (shuffle_buffer documents).
-// Memory: the runs (positions) and one window, whatever the collection's size.
-class StreamPlan : public ShardReader::Plan {
- public:
-  StreamPlan(const Documents& docs, std::vector<std::string> fields, const ShardSpec& s, int64_t start, Retry retry)
-      : docs_(docs),
-        fields_(std::move(fields)),
-        retry_(std::move(retry)),
-        window_size_(docs.config().shuffle_buffer),
-        seed_(mix(s.seed, static_cast<uint64_t>(s.rank))),
-        epoch_(s.epoch) {
-    const int64_t n = docs.size(), per = examples_per_rank(n, s.world);
-    size_ = per;
-    const int64_t piece = std::max<int64_t>(window_size_, (per + kMaxRuns - 1) / kMaxRuns);
-    for (int64_t g = s.rank * per; g < (s.rank + 1) * per;) {  // g: index in the padded _id order
-      const int64_t from = g % n, len = std::min((s.rank + 1) * per - g, n - from);
-      for (int64_t o = 0; o < len; o += piece) runs_.push_back({from + o, std::min(piece, len - o)});
-      g += len;
+// stream: sorted positions [pos, pos + n) of one selection.
+struct Run {
+  int64_t pos, n;
+};
+
+// Slots [a, b) of an epoch that reads `count` documents of a selection of n, from sorted position
+// `base` on (cyclically: count > n passes over it in order), slots past `count` padding from the
+// epoch's first: as runs of at most max(window, (b - a) / kMaxRuns) documents, split where the
+// positions wrap, in the order `key` permutes them for `epoch`.
+std::vector<Run> stream_runs(int64_t base, int64_t count, int64_t n, int64_t a, int64_t b, int64_t window, uint64_t key,
+                             int64_t epoch) {
+  const int64_t piece = std::max<int64_t>(window, (b - a + kMaxRuns - 1) / kMaxRuns);
+  std::vector<Run> runs;
+  for (int64_t g = a; g < b;) {  // g: the epoch's slot; its position base + g mod count, mod n
+    const int64_t slot = g % count, len = std::min(b - g, count - slot);
+    for (int64_t k = 0; k < len;) {
+      const int64_t from = (base + slot + k) % n, m = std::min(len - k, n - from);
+      for (int64_t o = 0; o < m; o += piece) runs.push_back({from + o, std::min(piece, m - o)});
+      k += m;
     }
-    const std::vector<int64_t> p = permutation(static_cast<int64_t>(runs_.size()), seed_, s.epoch);
-    std::vector<Run> ordered;
-    for (int64_t i : p) ordered.push_back(runs_[static_cast<size_t>(i)]);
-    runs_ = std::move(ordered);
-    // Resume at `start`: reopen at its window, drop what was delivered of it.
-    window_ = start / window_size_;
-    skip_ = start - window_ * window_size_;
-    for (int64_t k = window_ * window_size_; k > 0; ++run_) {
+    g += len;
+  }
+  std::vector<Run> ordered;
+  for (int64_t i : permutation(static_cast<int64_t>(runs.size()), key, epoch))
+    ordered.push_back(runs[static_cast<size_t>(i)]);
+  return ordered;
+}
+
+// One selection's documents along `runs`, in their order, each run through a cursor that resumes
+// after the last id read: one round trip per kChunk of a run, at most kChunk read ahead.
+class RunCursor {
+ public:
+  RunCursor(const Documents& docs, std::vector<std::string> fields, Retry retry, std::vector<Run> runs, int32_t source)
+      : docs_(docs), fields_(std::move(fields)), retry_(std::move(retry)), runs_(std::move(runs)), source_(source) {}
+
+  // Passes over the first k documents without reading them (a resume).
+  void skip(int64_t k) {
+    for (; k > 0; ++run_) {
       if (k < runs_[run_].n) {
         offset_ = k;
-        break;
+        return;
       }
       k -= runs_[run_].n;
     }
   }
 
+  Found next() {
+    if (ahead_next_ == ahead_.size()) fill();
+    return std::move(ahead_[ahead_next_++]);
+  }
+
+ private:
+  void fill() {
+    if (offset_ == runs_[run_].n) {
+      ++run_;
+      offset_ = 0;
+      last_.clear();
+    }
+    const Run& r = runs_[run_];
+    const int64_t want = std::min(r.n - offset_, kChunk);
+    ahead_ = retry_([&] { return docs_.run(r.pos + offset_, last_, want, fields_); });
+    ahead_.resize(static_cast<size_t>(want));  // short: documents deleted since counting stay null
+    for (size_t i = 0; i < ahead_.size(); ++i) {
+      if (!ahead_[i].id.empty()) last_ = ahead_[i].id;
+      ahead_[i].source = source_;
+      ahead_[i].position = r.pos + offset_ + static_cast<int64_t>(i);
+    }
+    ahead_next_ = 0;
+    offset_ += want;
+  }
+
+  const Documents& docs_;
+  const std::vector<std::string> fields_;
+  const Retry retry_;
+  const std::vector<Run> runs_;
+  const int32_t source_;
+  size_t run_ = 0;
+  int64_t offset_ = 0;        // within runs_[run_]
+  std::string last_;          // id of the last document read in runs_[run_] (empty: seek by skip)
+  std::vector<Found> ahead_;  // read from runs_[run_], not yet taken
+  size_t ahead_next_ = 0;
+};
+
+// A rank's stream of `size` documents for one epoch, shuffled window by window: each window of
+// data.shuffle_buffer documents permuted by (seed, window, epoch). Memory: one window.
+class WindowedPlan : public ShardReader::Plan {
+ public:
   std::vector<Found> next_chunk() override {
     if (ready_next_ == ready_.size() && !load_window()) return {};
     const size_t end = std::min(ready_.size(), ready_next_ + static_cast<size_t>(kChunk));
@@ -430,17 +480,25 @@ class StreamPlan : public ShardReader::Plan {
     return out;
   }
 
- private:
-  struct Run {
-    int64_t pos, n;  // sorted positions [pos, pos + n)
-  };
+ protected:
+  // Resumes at `start`: reopens at its window and drops what was delivered of it.
+  WindowedPlan(int64_t size, int64_t window, uint64_t seed, int64_t epoch, int64_t start)
+      : size_(size), window_size_(window), seed_(seed), epoch_(epoch) {
+    window_ = start / window_size_;
+    skip_ = start - window_ * window_size_;
+  }
+  // The documents of the stream before the first one to read (the subclass skips them).
+  int64_t resume_at() const { return window_ * window_size_; }
+  virtual Found next_document() = 0;  // the stream's next, unshuffled
 
-  // Reads the next window and permutes it by (seed, rank, window, epoch).
+ private:
   bool load_window() {
     const int64_t begin = window_ * window_size_;
     if (begin >= size_) return false;
     const int64_t n = std::min(window_size_, size_ - begin);
-    std::vector<Found> w = read(n);
+    std::vector<Found> w;
+    w.reserve(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) w.push_back(next_document());
     ready_.clear();
     for (int64_t i : permutation(n, mix(seed_, static_cast<uint64_t>(window_)), epoch_))
       if (skip_ > 0)
@@ -452,48 +510,87 @@ class StreamPlan : public ShardReader::Plan {
     return !ready_.empty() || load_window();
   }
 
-  // The next n documents of the stream, in run order; one round trip per kChunk of a run
-  // (at most kChunk read ahead of the window).
-  std::vector<Found> read(int64_t n) {
-    std::vector<Found> out;
-    while (static_cast<int64_t>(out.size()) < n) {
-      if (ahead_next_ < ahead_.size()) {
-        out.push_back(std::move(ahead_[ahead_next_++]));
-        continue;
-      }
-      if (offset_ == runs_[run_].n) {
-        ++run_;
-        offset_ = 0;
-        last_.clear();
-      }
-      const Run& r = runs_[run_];
-      const int64_t want = std::min(r.n - offset_, kChunk);
-      ahead_ = retry_([&] { return docs_.run(r.pos + offset_, last_, want, fields_); });
-      ahead_.resize(static_cast<size_t>(want));  // short: documents deleted since counting stay null
-      for (const Found& f : ahead_)
-        if (!f.id.empty()) last_ = f.id;
-      ahead_next_ = 0;
-      offset_ += want;
-    }
-    return out;
-  }
-
-  const Documents& docs_;
-  const std::vector<std::string> fields_;
-  const Retry retry_;
-  const int64_t window_size_;
+  const int64_t size_, window_size_;
   const uint64_t seed_;
   const int64_t epoch_;
-  int64_t size_ = 0;
-  std::vector<Run> runs_;
-  size_t run_ = 0;
-  int64_t offset_ = 0;        // within runs_[run_]
-  std::string last_;          // id of the last document read in runs_[run_] (empty: seek by skip)
-  std::vector<Found> ahead_;  // read from runs_[run_], not yet in a window
-  size_t ahead_next_ = 0;
   int64_t window_ = 0, skip_ = 0;
   std::vector<Found> ready_;
   size_t ready_next_ = 0;
+};
+
+// stream: this rank's _id-sorted positions [rank*per, (rank+1)*per) modulo n, read along
+// stream_runs in a (seed, rank, epoch) order.
+class StreamPlan : public WindowedPlan {
+ public:
+  StreamPlan(const Documents& docs, std::vector<std::string> fields, const ShardSpec& s, int64_t start, Retry retry)
+      : WindowedPlan(examples_per_rank(docs.size(), s.world), docs.config().shuffle_buffer,
+                     mix(s.seed, static_cast<uint64_t>(s.rank)), s.epoch, start),
+        cursor_(docs, std::move(fields), std::move(retry),
+                stream_runs(0, docs.size(), docs.size(), s.rank * examples_per_rank(docs.size(), s.world),
+                            (s.rank + 1) * examples_per_rank(docs.size(), s.world), docs.config().shuffle_buffer,
+                            mix(s.seed, static_cast<uint64_t>(s.rank)), s.epoch),
+                0) {
+    cursor_.skip(resume_at());
+  }
+
+ private:
+  Found next_document() override { return cursor_.next(); }
+  RunCursor cursor_;
+};
+
+// data.sources with stream: each source's per_epoch documents of epoch e are its sorted positions
+// from o + e·per_epoch on (cyclically; o drawn from the seed), split among the ranks as one
+// selection's are; a rank reads each source's share along its own runs and interleaves the
+// sources smoothly (the j-th of a source's m documents at (j + u) / m, u drawn in [0, 1)), then
+// shuffles window by window.
+class MixStreamPlan : public WindowedPlan {
+ public:
+  MixStreamPlan(const Mixture& m, const ShardSpec& s, int64_t start, const Retry& retry)
+      : WindowedPlan(m.per_rank(s.world), m.sources().front().config->shuffle_buffer,
+                     mix(s.seed, static_cast<uint64_t>(s.rank)), s.epoch, start) {
+    const uint64_t rank_key = mix(s.seed, static_cast<uint64_t>(s.rank));
+    lanes_.reserve(m.sources().size());
+    for (size_t k = 0; k < m.sources().size(); ++k) {
+      const MixSource& src = m.sources()[k];
+      const int64_t n = src.docs->size(), count = src.per_epoch, per = examples_per_rank(count, s.world);
+      const auto first = static_cast<int64_t>(mix(s.seed ^ 0x6a09e667f3bcc909ULL, k) % static_cast<uint64_t>(n));
+      const int64_t base = (first + s.epoch % n * (count % n)) % n;
+      lanes_.push_back({RunCursor(*src.docs, src.builder->fields(), retry,
+                                  stream_runs(base, count, n, s.rank * per, (s.rank + 1) * per,
+                                              src.config->shuffle_buffer, mix(rank_key, k + 1), s.epoch),
+                                  static_cast<int32_t>(k)),
+                        per, mix(mix(rank_key, k + 1), static_cast<uint64_t>(s.epoch) ^ 0x5bd1e995)});
+    }
+    // a resume: how many of each source the stream held before resume_at()
+    for (int64_t i = 0; i < resume_at(); ++i) ++lanes_[pick()].taken;
+    for (Lane& lane : lanes_) lane.cursor.skip(lane.taken);
+  }
+
+ private:
+  struct Lane {
+    RunCursor cursor;
+    int64_t count;  // its documents in this rank's epoch
+    uint64_t key;
+    int64_t taken = 0;
+    double at() const {
+      const double u = static_cast<double>(mix(key, static_cast<uint64_t>(taken)) >> 11) * 0x1.0p-53;
+      return (static_cast<double>(taken) + u) / static_cast<double>(count);
+    }
+  };
+
+  // The source whose next document comes next (the earliest place; ties to the earlier source).
+  size_t pick() const {
+    size_t best = lanes_.size();
+    for (size_t k = 0; k < lanes_.size(); ++k)
+      if (lanes_[k].taken < lanes_[k].count && (best == lanes_.size() || lanes_[k].at() < lanes_[best].at())) best = k;
+    return best;
+  }
+  Found next_document() override {
+    Lane& lane = lanes_[pick()];
+    ++lane.taken;
+    return lane.cursor.next();
+  }
+  std::vector<Lane> lanes_;
 };
 
 // data.sources: this rank's share of the mixture's epoch order (every W-th pick, padded as
@@ -555,11 +652,31 @@ ShardReader::ShardReader(const Mixture& mix, const ShardSpec& s, int64_t start)
     throw Error(fmt::format("rank {} of world size {} is not a valid shard", s.rank, s.world));
   for (const MixSource& source : mix.sources()) builders_.push_back(source.builder.get());
   const recipe::DataSection& d = *mix.sources().front().config;
-  size_ = examples_per_rank(mix.size(), s.world);
+  size_ = mix.per_rank(s.world);
   delivered_ = std::clamp<int64_t>(start, 0, size_);
-  plan_ = std::make_unique<MixPlan>(
-      mix, s, delivered_, Retry{mix.server(), d.retries, d.retry_backoff_s, [this](double t) { return pause(t); }});
+  Retry retry{mix.server(), d.retries, d.retry_backoff_s, [this](double t) { return pause(t); }};
+  if (s.shuffle == recipe::Shuffle::Stream)
+    plan_ = std::make_unique<MixStreamPlan>(mix, s, delivered_, retry);
+  else
+    plan_ = std::make_unique<MixPlan>(mix, s, delivered_, std::move(retry));
   start_thread();
+}
+
+std::vector<Found> stream_head(const Mixture& mix, const ShardSpec& spec, int64_t n) {
+  const recipe::DataSection& d = *mix.sources().front().config;
+  const Retry retry{mix.server(), d.retries, d.retry_backoff_s, [](double t) {
+                      std::this_thread::sleep_for(std::chrono::duration<double>(t));
+                      return ShardReader::Waited::Done;
+                    }};
+  MixStreamPlan plan(mix, spec, 0, retry);
+  std::vector<Found> out;
+  while (static_cast<int64_t>(out.size()) < n) {
+    std::vector<Found> chunk = plan.next_chunk();
+    if (chunk.empty()) break;
+    for (Found& f : chunk) out.push_back(std::move(f));
+  }
+  out.resize(static_cast<size_t>(std::min<int64_t>(n, static_cast<int64_t>(out.size()))));
+  return out;
 }
 
 void ShardReader::start_thread() {

@@ -149,7 +149,8 @@ struct ShardSpec {
 // Examples per rank per epoch: ceil(documents / world) on every rank, in every shuffle mode.
 // The remainder is padded as torch's DistributedSampler (drop_last=False) does: the first
 // world*per_rank - documents documents of the epoch's order (of the _id order with stream)
-// are read a second time, so at most world-1 documents appear twice in an epoch.
+// are read a second time, so at most world-1 documents appear twice in an epoch (data.sources
+// with stream: per source, see Mixture::per_rank).
 int64_t examples_per_rank(int64_t documents, int world);
 
 using Built = std::variant<Example, Rejection>;
@@ -175,7 +176,10 @@ class ShardReader {
   ShardReader(const Documents& docs, const ExampleBuilder& builder, const ShardSpec& spec, int64_t start = 0);
   // data.sources: the mixture's order of the epoch (Mixture::order), sharded as `global` and
   // `none` shard one selection (every W-th from the rank's own, padded alike); each document
-  // built by its source's builder. Example::source says which.
+  // built by its source's builder. Example::source says which. With `stream`: each source's
+  // documents of the epoch (Mixture) split among the ranks as one selection's are (ceil(share /
+  // W) per rank, padded from the epoch's first), read in runs as above, interleaved smoothly by
+  // share within the rank and shuffled window by window: Mixture::per_rank(W) documents.
   ShardReader(const Mixture& mix, const ShardSpec& spec, int64_t start = 0);
   ~ShardReader();  // stops the thread; waits for at most the request in flight
   ShardReader(const ShardReader&) = delete;
@@ -220,5 +224,9 @@ class ShardReader {
   bool stop_ = false;
   std::thread thread_;
 };
+
+// data.sources with data.shuffle: stream: the first n documents rank spec.rank reads (Found::source
+// and Found::position set), without building them; what lora-data preview shows.
+std::vector<Found> stream_head(const Mixture& mix, const ShardSpec& spec, int64_t n);
 
 }  // namespace lorarun::data

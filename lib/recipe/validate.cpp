@@ -404,10 +404,6 @@ void check_sources(const Recipe& r, const RecipeOrigin& o, Warnings& w) {
     fail(o, "data.sources",
          fmt::format("and data.path ({}) are both set: each source names its own file; remove data.path",
                      printable(r.data.path)));
-  if (r.data.shuffle == Shuffle::Stream)
-    fail(o, "data.sources",
-         "are mixed in one global order, which data.shuffle: stream does not give yet: use data.shuffle: global or "
-         "none");
   if (mongo && !r.eval.filter.empty() && r.eval.collection.empty())
     fail(o, "data.sources",
          "are set with eval.filter but no eval.collection: name the collection the evaluation documents are in "

@@ -99,9 +99,9 @@ model::LoadOptions load_options(const recipe::Recipe& r, std::shared_ptr<model::
           .shapes_only = shapes_only};
 }
 
-int64_t steps_per_epoch(const recipe::Recipe& r, int64_t documents, int world) {
+int64_t steps_per_epoch(const recipe::Recipe& r, int64_t per_rank) {
   const int64_t per_step = int64_t{r.data.batch_size} * r.train.gradient_accumulation_steps;
-  const int64_t steps = (data::examples_per_rank(documents, world) + per_step - 1) / per_step;
+  const int64_t steps = (per_rank + per_step - 1) / per_step;
   return r.train.max_steps_per_epoch ? std::min<int64_t>(steps, *r.train.max_steps_per_epoch) : steps;
 }
 

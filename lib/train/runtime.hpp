@@ -37,9 +37,9 @@ std::shared_ptr<model::BaseShards> base_shards(const recipe::Recipe& r, int rank
 model::LoadOptions load_options(const recipe::Recipe& r, std::shared_ptr<model::BaseShards> shards,
                                 bool shapes_only = false);
 
-// Optimizer steps per epoch of `documents` on `world` ranks: every rank the same (shards are
-// equalised), at most train.max_steps_per_epoch.
-int64_t steps_per_epoch(const recipe::Recipe& r, int64_t documents, int world);
+// Optimizer steps per epoch of a rank reading `per_rank` documents (Runtime::per_rank): every
+// rank the same (shards are equalised), at most train.max_steps_per_epoch.
+int64_t steps_per_epoch(const recipe::Recipe& r, int64_t per_rank);
 
 struct RuntimeOptions {
   dist::ProcessGroup* pg = nullptr;  // the ranks' group: dist.shard_base gathers over it (training)
@@ -66,6 +66,9 @@ class Runtime {
 
   // What training reads per epoch: data's selection or the mixture.
   int64_t documents() const { return mix ? mix->size() : docs->size(); }
+  int64_t per_rank(int world) const {  // ... and what each of `world` ranks reads of it
+    return mix ? mix->per_rank(world) : data::examples_per_rank(docs->size(), world);
+  }
   nlohmann::json data_identity() const { return mix ? mix->identity() : docs->identity(); }
   std::string describe_data() const { return mix ? mix->describe() : docs->describe(); }
   bool evaluates() const { return eval || !source_evals.empty(); }

@@ -163,7 +163,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       sync_(pg_, params_, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4)),
       ckpt_(r, agree_, m_, model::lora_config_of(r.lora, r.model.path), params_, opt_, rt_.data_identity(), cuda_),
       schedule_(schedule_of(r.train.lr_scheduler)),
-      steps_per_epoch_(steps_per_epoch(r, rt_.documents(), env.world_size)),
+      steps_per_epoch_(steps_per_epoch(r, rt_.per_rank(env.world_size))),
       total_steps_(steps_per_epoch_ * r.train.epochs) {}
 
 // The run, as the recipe describes it: resume if there is a state, then epochs of steps, each

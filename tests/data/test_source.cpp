@@ -17,8 +17,10 @@
 #include <memory>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "data/batches.hpp"
+#include "data/mixture.hpp"
 #include "data/mongo.hpp"
 #include "data/source.hpp"
 #include "support/servers.hpp"
@@ -221,6 +223,66 @@ TEST_CASE("resume at k delivers exactly the tail of the uninterrupted order", "[
       CHECK(r.position() == 15);
     }
   }
+}
+
+// data.sources with stream: a collection of 49 (weight 2) and one of 7 (weight 1), so an epoch of
+// 56 holds 37 of the first (down-sampled) and 19 of the second (2 passes and 5).
+TEST_CASE("data.sources with stream: every source's share split among the ranks, passes, epochs, resume", "[db]") {
+  recipe::Recipe r;
+  r.data = with_documents(test_uri(), 49, Shuffle::Stream);
+  std::vector<nlohmann::json> small;
+  for (int64_t i = 0; i < 7; ++i) small.push_back(doc(1000 + (i * 3) % 7));
+  data::Client(test_uri(), std::chrono::seconds(10)).insert_many(r.data.database, "small", small);
+  r.data.collection.clear();
+  r.data.shuffle_buffer = 4;
+  for (const auto& [name, collection, weight] : {std::tuple{"large", "docs", 2.0}, std::tuple{"small", "small", 1.0}}) {
+    recipe::DataSource& s = r.data.sources.emplace_back();
+    s.name = name;
+    s.collection = collection;
+    s.weight = weight;
+  }
+  const data::Mixture mix(r, tokenizer(), data::PairTokens::Dpo, {});
+  REQUIRE(mix.sources()[0].per_epoch == 37);
+  REQUIRE(mix.sources()[1].per_epoch == 19);
+  const auto read = [&](int world, int rank, int64_t epoch, int64_t start = 0) {
+    data::ShardReader reader(mix, {world, rank, 5, epoch, Shuffle::Stream}, start);
+    return read_all(reader, 3);
+  };
+  std::set<int64_t> large_seen;  // over epochs 0 and 1 of 1 rank
+  for (int world = 1; world <= 3; ++world)
+    for (int64_t epoch = 0; epoch < 2; ++epoch) {
+      INFO(fmt::format("world {} epoch {}", world, epoch));
+      const int64_t large_per = data::examples_per_rank(37, world), small_per = data::examples_per_rank(19, world);
+      std::map<int64_t, int> large, small_counts;
+      for (int rank = 0; rank < world; ++rank) {
+        const std::vector<int64_t> got = read(world, rank, epoch);
+        REQUIRE(static_cast<int64_t>(got.size()) == large_per + small_per);
+        for (int64_t i : got) ++(i < 1000 ? large : small_counts)[i];
+        CHECK(std::count_if(got.begin(), got.end(), [](int64_t i) { return i < 1000; }) == large_per);
+        if (rank == world - 1)  // resumes anywhere give the tail, across windows and sources
+          for (int64_t k : {int64_t{1}, int64_t{4}, int64_t{9}, static_cast<int64_t>(got.size()) - 1})
+            CHECK(read(world, rank, epoch, k) == std::vector<int64_t>(got.begin() + k, got.end()));
+      }
+      // the down-sampled source: 37 distinct documents (and the ranks' padding: its epoch's first)
+      CHECK(large.size() == 37);
+      int64_t extra = 0;
+      for (auto [i, c] : large) extra += c - 1;
+      CHECK(extra == large_per * world - 37);
+      // the up-sampled one: every document 2 or 3 times (19 = 2 passes of 7 and 5), plus padding
+      REQUIRE(small_counts.size() == 7);
+      int64_t total = 0;
+      for (auto [i, c] : small_counts) {
+        CHECK(c >= 2);
+        CHECK(c <= 3 + (small_per * world - 19));
+        total += c;
+      }
+      CHECK(total == small_per * world);
+      if (world == 1)
+        for (auto [i, c] : large) large_seen.insert(i);
+    }
+  CHECK(large_seen.size() == 49);  // the next epoch takes the next stretch: all 49 within 2 epochs
+  CHECK(read(2, 1, 0) != read(2, 1, 1));
+  CHECK(read(2, 1, 0) == read(2, 1, 0));
 }
 
 TEST_CASE("the reader fetches only the fields the format needs", "[db]") {

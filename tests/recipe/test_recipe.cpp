@@ -1005,7 +1005,6 @@ TEST_CASE("data.sources: typed, round trips, each source's keys, and one line fo
        "data.sources and data.collection (docs) are both set: each source names its own collection"},
       {"sources: [{name: a, filter: {x: 1}}]", "data.sources 'a' names no collection"},
       {"sources: [{name: 'a/b', collection: a}]", "data.sources entry 0 is named 'a/b'"},
-      {"shuffle: stream, sources: [{name: a, collection: a}]", "data.shuffle: stream does not give yet"},
       {"sources: [{name: a, collection: a, format: text, text_field: ''}]",
        "data.text_field must be set for data.format: text"},
       {"sources: {name: a}", "data.sources must be a list of sources"},

@@ -1,7 +1,8 @@
 // data.sources end to end with the real binaries on the tiny llama fixture: the realised mixture
 // of an epoch (by examples and by tokens) against the weights, upsampling before repeats, the same
 // adapter on 1 rank, 2 ranks and 1 rank with accumulation, an exact resume after kill -9, eval per
-// source from FerretDB collections, and the refusals.
+// source from FerretDB collections, the refusals, and data.shuffle: stream over sources (shares,
+// repeats, interleaving, kill -9 resume).
 #include <fmt/format.h>
 #include <algorithm>
 #include <catch2/catch.hpp>
@@ -90,6 +91,40 @@ void check_shares(const std::map<std::string, std::pair<double, double>>& got,
   fmt::print("{}:{}\n", what, shown);
 }
 
+// Small (7 documents, weight 1) and large (60, weight 2) in `dir`: an epoch of 67 holds 22 of
+// small's (3 passes and 1) and 45 of large's.
+std::string small_and_large(const std::string& dir) {
+  write_source(dir + "/small.jsonl", "s", 7, 1);
+  write_source(dir + "/large.jsonl", "l", 60, 1);
+  return fmt::format(
+      "[{{name: small, path: {0}/small.jsonl, weight: 1}}, {{name: large, path: {0}/large.jsonl, weight: 2}}]", dir);
+}
+
+// (source, position) of each of the first n documents lora-data preview shows for `recipe`.
+std::vector<std::pair<std::string, int>> previewed(const std::string& recipe, int n) {
+  const Result r = sh(fmt::format("{} preview {} --json {}", bin("lora-data"), n, recipe));
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  std::vector<std::pair<std::string, int>> out;
+  std::istringstream in(r.output);
+  for (std::string line; std::getline(in, line);) {
+    const json j = json::parse(line);
+    out.emplace_back(j["source"], j["position"].get<int>());
+  }
+  return out;
+}
+
+// Smoothly interleaved: any 12 documents in a row hold 2 to 6 of small's (4 by its share of 1/3).
+void check_interleaved(const std::vector<std::pair<std::string, int>>& picks) {
+  std::string order;  // 's' or 'l' per document
+  for (const auto& [source, position] : picks) order += source == "small" ? 's' : 'l';
+  INFO(order);
+  for (size_t at = 0; at + 12 <= order.size(); ++at) {
+    CHECK(std::count(order.begin() + at, order.begin() + at + 12, 's') >= 2);
+    CHECK(std::count(order.begin() + at, order.begin() + at + 12, 's') <= 6);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("data.sources: an epoch's realised shares follow the weights by examples and by tokens, within a point",
@@ -104,14 +139,16 @@ TEST_CASE("data.sources: an epoch's realised shares follow the weights by exampl
       "[{{name: small, path: {0}/small.jsonl, weight: 1}}, {{name: mid, path: {0}/mid.jsonl, weight: 1}}, "
       "{{name: large, path: {0}/large.jsonl, weight: 8}}]",
       dir);
-  for (const auto& [name, sources, by, weights] :
-       {std::tuple{"two-examples", two, "examples", std::map<std::string, double>{{"small", 1}, {"large", 3}}},
-        std::tuple{"two-tokens", two, "tokens", std::map<std::string, double>{{"small", 1}, {"large", 3}}},
-        std::tuple{"three-examples", three, "examples",
-                   std::map<std::string, double>{{"small", 1}, {"mid", 1}, {"large", 8}}},
-        std::tuple{"three-tokens", three, "tokens",
-                   std::map<std::string, double>{{"small", 1}, {"mid", 1}, {"large", 8}}}}) {
-    const std::string recipe = mix_recipe(dir, name, sources, fmt::format(", mix_by: {}", by));
+  const std::map<std::string, double> two_weights{{"small", 1}, {"large", 3}},
+      three_weights{{"small", 1}, {"mid", 1}, {"large", 8}};
+  for (const auto& [name, sources, by, shuffle, weights] :
+       {std::tuple{"two-examples", two, "examples", "global", two_weights},
+        std::tuple{"two-tokens", two, "tokens", "global", two_weights},
+        std::tuple{"three-examples", three, "examples", "global", three_weights},
+        std::tuple{"three-tokens", three, "tokens", "global", three_weights},
+        std::tuple{"two-tokens-stream", two, "tokens", "stream", two_weights},
+        std::tuple{"three-examples-stream", three, "examples", "stream", three_weights}}) {
+    const std::string recipe = mix_recipe(dir, name, sources, fmt::format(", mix_by: {}, shuffle: {}", by, shuffle));
     const Result run = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
     INFO(run.output);
     REQUIRE(run.status == 0);
@@ -122,39 +159,30 @@ TEST_CASE("data.sources: an epoch's realised shares follow the weights by exampl
     REQUIRE(stats.status == 0);
     const json plan = json::parse(stats.output);
     const auto got = realised(fmt::format("{}/{}", dir, name));
-    for (const json& s : plan["sources"]) CHECK(got.at(s["name"]).first == s["per_epoch"].get<double>());
+    // (stream splits each source among the ranks: each padded to a multiple of the 2 ranks)
+    for (const json& s : plan["sources"]) {
+      const double padding = got.at(s["name"]).first - s["per_epoch"].get<double>();
+      CHECK(padding >= 0);
+      CHECK(padding <= (std::string(shuffle) == "stream" ? 1 : 0));
+    }
   }
 }
 
 TEST_CASE("data.sources: an upsampled source's documents each come once before any comes again, over epochs too",
           "[e2e]") {
   const std::string dir = temp_dir("mix-repeats");
-  write_source(dir + "/small.jsonl", "s", 7, 1);
-  write_source(dir + "/large.jsonl", "l", 60, 1);
-  const std::string recipe = mix_recipe(
-      dir, "repeats",
-      fmt::format("[{{name: small, path: {0}/small.jsonl, weight: 1}}, {{name: large, path: {0}/large.jsonl, "
-                  "weight: 2}}]",
-                  dir));
-  const Result preview = sh(fmt::format("{} preview 67 --json {}", bin("lora-data"), recipe));
-  INFO(preview.output);
-  REQUIRE(preview.status == 0);
+  const auto picks = previewed(mix_recipe(dir, "repeats", small_and_large(dir)), 67);
   std::vector<int> small;
   std::set<int> large;
   int large_count = 0;
-  std::string order;  // 's' or 'l' per document
-  std::istringstream in(preview.output);
-  for (std::string line; std::getline(in, line);) {
-    const json j = json::parse(line);
-    order += j["source"] == "small" ? 's' : 'l';
-    if (j["source"] == "small") {
-      small.push_back(j["position"].get<int>());
+  for (const auto& [source, position] : picks) {
+    if (source == "small") {
+      small.push_back(position);
     } else {
-      large.insert(j["position"].get<int>());
+      large.insert(position);
       ++large_count;
     }
   }
-  // 67 documents, weights 1:2: small's share is 22 of them (3 passes and 1), large's 45 of 60.
   REQUIRE(small.size() == 22);
   CHECK(large_count == 45);
   CHECK(large.size() == 45);  // subsampled: none twice
@@ -162,11 +190,41 @@ TEST_CASE("data.sources: an upsampled source's documents each come once before a
     const std::set<int> seen(small.begin() + pass * 7, small.begin() + std::min(small.size(), pass * 7 + 7));
     CHECK(seen.size() == std::min<size_t>(7, small.size() - pass * 7));  // each once within a pass
   }
-  // smoothly interleaved: any 12 documents in a row hold 2 to 6 of small's (4 by its share)
-  for (size_t at = 0; at + 12 <= order.size(); ++at)
-    CHECK(std::count(order.begin() + at, order.begin() + at + 12, 's') >= 2);
-  for (size_t at = 0; at + 12 <= order.size(); ++at)
-    CHECK(std::count(order.begin() + at, order.begin() + at + 12, 's') <= 6);
+  check_interleaved(picks);
+}
+
+TEST_CASE(
+    "data.sources with data.shuffle: stream: each source's share, repeats of an upsampled one, smooth "
+    "interleaving, shuffled by the window",
+    "[e2e]") {
+  const std::string dir = temp_dir("mix-stream");
+  const std::string sources = small_and_large(dir);
+  const auto window = [&](int buffer) {  // epoch 0 through a window of `buffer` documents
+    return previewed(mix_recipe(dir, fmt::format("stream-{}", buffer), sources,
+                                fmt::format(", shuffle: stream, shuffle_buffer: {}", buffer)),
+                     67);
+  };
+  const auto unshuffled = window(1), shuffled = window(64);
+  REQUIRE(unshuffled.size() == 67);
+  std::map<int, int> small;
+  std::set<int> large;
+  for (const auto& [source, position] : unshuffled) {
+    if (source == "small")
+      ++small[position];
+    else
+      large.insert(position);
+  }
+  // small's 22: each of its 7 three or four times; large's 45 all different
+  REQUIRE(small.size() == 7);
+  for (const auto& [position, n] : small) CHECK((n == 3 || n == 4));
+  CHECK(large.size() == 45);
+  check_interleaved(unshuffled);
+  // the window shuffles the same documents
+  CHECK(shuffled != unshuffled);
+  auto a = shuffled, b = unshuffled;
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  CHECK(a == b);
 }
 
 TEST_CASE(
@@ -210,21 +268,29 @@ TEST_CASE(
   CHECK(d1 <= 1e-6);
   CHECK(d2 <= 1e-6);
 
-  // kill -9 of the job after a periodic state, then the same command resumes to the uninterrupted adapter
-  const std::string recipe = mix_recipe(dir, "killed", sources, ", batch_size: 4, mix_by: tokens",
-                                        ", epochs: 2, lr_scheduler: cosine", ", state_every_n_steps: 4");
-  const std::string cmd =
-      fmt::format("{} --nproc-per-node 2 {} lora.init=gaussian train.lr=2e-3", bin("lorarun"), recipe);
-  const Result killed = interrupt(cmd, dir + "/killed.log", "step 9/", "pkill -9 -f 'lora-train.*killed.yaml'");
-  INFO(read_file(dir + "/killed.log"));
-  CHECK_THAT(killed.output, !Catch::Contains("exit=0"));
-  const Result resumed = sh(cmd);
-  INFO(resumed.output);
-  REQUIRE(resumed.status == 0);
-  CHECK_THAT(resumed.output, Catch::Contains("resuming at epoch"));
-  const Result straight = run("straight", 2, 4, 1, 2);
-  REQUIRE(straight.status == 0);
-  CHECK(hashes(dir + "/killed/epoch_1") == hashes(dir + "/straight/epoch_1"));
+  // kill -9 of the job after a periodic state, then the same command resumes to the uninterrupted
+  // adapter: the global order, and stream's runs and windows (the states fall mid-window)
+  for (const std::string shuffle : {"global", "stream"}) {
+    INFO(shuffle);
+    const std::string data = fmt::format(", batch_size: 4, mix_by: tokens, shuffle: {}, shuffle_buffer: 6", shuffle);
+    const auto recipe = [&](const std::string& name, const std::string& checkpoint) {
+      return mix_recipe(dir, name, sources, data, ", epochs: 2, lr_scheduler: cosine", checkpoint);
+    };
+    const std::string cmd = fmt::format("{} --nproc-per-node 2 {} lora.init=gaussian train.lr=2e-3", bin("lorarun"),
+                                        recipe("killed-" + shuffle, ", state_every_n_steps: 4"));
+    const Result killed = interrupt(cmd, dir + "/killed.log", "step 9/",
+                                    fmt::format("pkill -9 -f 'lora-train.*killed-{}.yaml'", shuffle));
+    INFO(read_file(dir + "/killed.log"));
+    CHECK_THAT(killed.output, !Catch::Contains("exit=0"));
+    const Result resumed = sh(cmd);
+    INFO(resumed.output);
+    REQUIRE(resumed.status == 0);
+    CHECK_THAT(resumed.output, Catch::Contains("resuming at epoch"));
+    const Result straight = sh(fmt::format("{} --nproc-per-node 2 {} lora.init=gaussian train.lr=2e-3", bin("lorarun"),
+                                           recipe("straight-" + shuffle, "")));
+    REQUIRE(straight.status == 0);
+    CHECK(hashes(dir + "/killed-" + shuffle + "/epoch_1") == hashes(dir + "/straight-" + shuffle + "/epoch_1"));
+  }
 }
 
 TEST_CASE(
