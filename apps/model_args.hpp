@@ -16,7 +16,7 @@ namespace lorarun {
 struct ModelArgs {
   std::string base, adapter, dtype = "fp32";
   std::string device = "cpu";  // "cpu", "cuda" or "cuda:N"
-  bool quantize = false, no_double_quant = false;
+  bool quantize = false, no_double_quant = false, keep_quantized = false;
   std::shared_ptr<track::AdapterSource> source;  // holds a pulled adapter's temporary directory
 
   // Returns --model's option (required; a tool with another way to name the model relaxes it).
@@ -31,6 +31,9 @@ struct ModelArgs {
                      "base linears in NF4, as QLoRA training holds them (lora.quantize_base); use --dtype of the "
                      "training run (model.dtype)");
     app.add_flag("--no-double-quant", no_double_quant, "with --quantize-base: as lora.double_quant: false")->needs(q);
+    app.add_flag("--keep-quantized", keep_quantized,
+                 "a .gguf model: its linears held as the file's blocks, dequantised per use (model.keep_quantized)")
+        ->excludes(q);
     return model;
   }
   // After parsing: --adapter mongodb-run:… pulled (sha256 checked) into a temporary directory,
@@ -40,8 +43,9 @@ struct ModelArgs {
     adapter = source->dir();
   }
   model::CausalLM load() const {
-    model::CausalLM m = model::CausalLM::load(base, model::parse_dtype(dtype), at::Device(device),
-                                              {.quantize = quantize, .double_quant = !no_double_quant});
+    model::CausalLM m = model::CausalLM::load(
+        base, model::parse_dtype(dtype), at::Device(device),
+        {.quantize = quantize, .double_quant = !no_double_quant, .keep_quantized = keep_quantized});
     if (!adapter.empty()) model::load_adapter(m, adapter, m.dtype());
     return m;
   }

@@ -11,16 +11,14 @@ namespace {
 
 constexpr int64_t kRows = 2048;  // rows of W cast to float32 at a time
 
-// W [out, in] whole: NF4 dequantised (as bitsandbytes' dequantize does for PEFT), a sharded one
+// W [out, in] whole: NF4 or GGUF blocks dequantised (as bitsandbytes' dequantize does for PEFT), a sharded one
 // gathered (in forward its block is whole already: no collective of its own).
-at::Tensor base_weight(const Linear& l) {
-  return l.sharded ? l.sharded->whole() : l.nf4 ? l.nf4->dequantize() : l.weight;
-}
+at::Tensor base_weight(const Linear& l) { return l.sharded ? l.sharded->whole() : l.dense_weight(); }
 
 // A memory estimate's layer: shapes only, nothing to gather or compute.
 bool shapes_only(const Linear& l) {
   if (l.sharded) return (l.sharded->nf4 ? l.sharded->packed.shard : l.sharded->dense.shard).is_meta();
-  return l.nf4 ? l.nf4->packed.is_meta() : l.weight.is_meta();
+  return l.nf4 ? l.nf4->packed.is_meta() : l.blocks ? l.blocks->raw.is_meta() : l.weight.is_meta();
 }
 
 // f(first row i, rows i.. of W as float32 [c, in]) for consecutive row ranges, concatenated along dim 0.

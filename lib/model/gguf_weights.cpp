@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cstring>
+
 #include <span>
 
 #include "model/families.hpp"
@@ -174,49 +176,80 @@ bool GgufWeights::contains(const std::string& name) const {
   return !g.empty() && file_->find(g) != nullptr;
 }
 
-namespace {
-
-// llama.cpp's converter reorders the rows of each head of Q and K ([heads * head_dim, ..]) from
-// HF's rotate-half layout (first halves, then second halves) to interleaved pairs; this is the
-// inverse, transformers' reverse_permute: per head, [dim/2, 2] -> [2, dim/2]. Returns a view
-// [heads, 2, dim/2, rest..] of `w`.
-at::Tensor unpermute_rows(const at::Tensor& w, int64_t heads) {
-  std::vector<int64_t> shape = {heads, w.size(0) / heads / 2, 2};
-  for (int64_t d = 1; d < w.dim(); ++d) shape.push_back(w.size(d));
-  return w.view(shape).transpose(1, 2);
-}
-
-}  // namespace
-
-at::Tensor GgufWeights::load(const std::string& name, at::ScalarType dtype, at::Device device,
-                             const std::vector<int64_t>& shape) const {
-  const std::string g = gguf_tensor_name(name);
+const io::GgufTensorInfo& GgufWeights::tensor(const std::string& name, std::string& g) const {
+  g = gguf_tensor_name(name);
   const io::GgufTensorInfo* t = g.empty() ? nullptr : file_->find(g);
   if (!t)
     throw Error(fmt::format("{} has no tensor '{}' (the model's {}): it is not a complete {} model", file_->path(),
                             g.empty() ? name : g, name, config_.model_type));
-  // GPT-2's Conv1D weights are [in, out] in HF files; llama.cpp's converter stores them [out, in].
-  const bool conv1d = config_.family == Family::Gpt2 && t->dims.size() == 2 && g.ends_with(".weight") &&
-                      g.starts_with("blk.") && !g.ends_with("_norm.weight");
-  std::vector<int64_t> hf_shape = t->torch_shape();
-  if (conv1d) std::swap(hf_shape[0], hf_shape[1]);
-  if (!shape.empty() && hf_shape != shape)
+  used_.insert(g);
+  return *t;
+}
+
+void GgufWeights::check_shape(const std::string& g, const std::vector<int64_t>& got,
+                              const std::vector<int64_t>& want) const {
+  if (!want.empty() && got != want)
     throw Error(
         fmt::format("{}: '{}' has shape [{}] but the metadata implies [{}]: the tensors do not match the "
                     "metadata; re-convert the model",
-                    file_->path(), g, fmt::join(hf_shape, ", "), fmt::join(shape, ", ")));
-  used_.insert(g);
-  at::Tensor w = dequantize(*file_, *t);  // float32, the one temporary
-  const bool q = g.ends_with(".attn_q.weight") || g.ends_with(".attn_q.bias");
-  const bool k = g.ends_with(".attn_k.weight") || g.ends_with(".attn_k.bias");
-  const bool permuted = family_of_model_type(config_.model_type, file_->path()).llama_gguf && (q || k);
-  if (!permuted && !conv1d && dtype == at::kFloat && device.is_cpu()) return w;
+                    file_->path(), g, fmt::join(got, ", "), fmt::join(want, ", ")));
+}
+
+int64_t GgufWeights::permuted_heads(const std::string& g) const {
+  if (!family_of_model_type(config_.model_type, file_->path()).llama_gguf) return 0;
+  if (g.ends_with(".attn_q.weight") || g.ends_with(".attn_q.bias")) return config_.num_heads;
+  if (g.ends_with(".attn_k.weight") || g.ends_with(".attn_k.bias")) return config_.num_kv_heads;
+  return 0;
+}
+
+at::Tensor GgufWeights::load(const std::string& name, at::ScalarType dtype, at::Device device,
+                             const std::vector<int64_t>& shape) const {
+  std::string g;
+  const io::GgufTensorInfo& t = tensor(name, g);
+  // GPT-2's Conv1D weights are [in, out] in HF files; llama.cpp's converter stores them [out, in].
+  const bool conv1d = config_.family == Family::Gpt2 && t.dims.size() == 2 && g.ends_with(".weight") &&
+                      g.starts_with("blk.") && !g.ends_with("_norm.weight");
+  std::vector<int64_t> hf_shape = t.torch_shape();
+  if (conv1d) std::swap(hf_shape[0], hf_shape[1]);
+  check_shape(g, hf_shape, shape);
+  at::Tensor w = dequantize(*file_, t);  // float32, the one temporary
+  const int64_t heads = permuted_heads(g);
+  if (!heads && !conv1d && dtype == at::kFloat && device.is_cpu()) return w;
   at::Tensor src = w;
-  if (permuted) src = unpermute_rows(w, q ? config_.num_heads : config_.num_kv_heads);
+  if (heads) src = unpermute_rows(w, heads);
   if (conv1d) src = w.t();
   at::Tensor out = at::empty(src.sizes(), at::TensorOptions().dtype(dtype).device(device));
   out.copy_(src);
   return out.view(hf_shape);
+}
+
+GgufBlocks GgufWeights::blocks(const std::string& name, at::ScalarType dtype, at::Device device,
+                               const std::vector<int64_t>& shape) const {
+  std::string g;
+  const io::GgufTensorInfo& t = tensor(name, g);
+  check_shape(g, t.torch_shape(), shape);
+  if (t.dims.size() != 2 || !io::can_dequantize(t.type))
+    throw Error(
+        fmt::format("{}: tensor '{}' is {}, which model.keep_quantized cannot hold (it keeps F32, F16, BF16, "
+                    "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): set model.keep_quantized: "
+                    "false, or re-quantise the file to one of those",
+                    file_->path(), g, io::ggml_type_name(t.type)));
+  GgufBlocks b{.raw = {},
+               .type = t.type,
+               .shape = t.torch_shape(),
+               .heads = permuted_heads(g),
+               .dtype = dtype,
+               .device = device};
+  const auto bytes = static_cast<int64_t>(t.nbytes);
+  if (device.is_meta()) {
+    b.raw = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
+    return b;
+  }
+  b.raw = at::empty({bytes}, at::kByte);
+  const std::span<const std::byte> src = file_->bytes(t);
+  std::memcpy(b.raw.data_ptr(), src.data(), src.size());
+  file_->release(t);
+  return b;
 }
 
 void GgufWeights::check_all_used() const {

@@ -43,12 +43,18 @@ class GgufWeights : public WeightSource {
   bool contains(const std::string& name) const override;
   at::Tensor load(const std::string& name, at::ScalarType dtype, at::Device device,
                   const std::vector<int64_t>& shape = {}) const override;
+  GgufBlocks blocks(const std::string& name, at::ScalarType dtype, at::Device device,
+                    const std::vector<int64_t>& shape = {}) const override;
   void release(const std::string&) const override {}  // load() has released the pages already
   // lorarun::Error naming the first tensor of the file that no load() asked for: a weight the
   // model would silently ignore (a bias or a rope_freqs table this architecture does not have).
   void check_all_used() const;
 
  private:
+  // The file's tensor for HF `name` (its GGUF name into `g`), marked used; Error when missing.
+  const io::GgufTensorInfo& tensor(const std::string& name, std::string& g) const;
+  void check_shape(const std::string& g, const std::vector<int64_t>& got, const std::vector<int64_t>& want) const;
+  int64_t permuted_heads(const std::string& g) const;  // llama's Q and K: their heads; else 0
   std::shared_ptr<const io::GgufFile> file_;
   ModelConfig config_;
   mutable std::set<std::string> used_;  // GGUF names

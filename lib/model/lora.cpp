@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -403,6 +404,10 @@ void merge_lora(CausalLM& model) {
           fmt::format("{} holds NF4 weights: merge into a base loaded without quantisation (lora-merge "
                       "--qlora rounds it through NF4 first)",
                       l->name));
+    if (l->blocks) {  // merged into the weights training saw
+      l->weight = l->blocks->dequantize();
+      l->blocks.reset();
+    }
     if (l->dora()) {
       l->weight.copy_(dora_merged_weight(*l));
     } else {
@@ -451,6 +456,22 @@ std::string describe_adapter(const recipe::LoraSection& lora) {
     out += fmt::format("; trainable tokens: {} embedding rows", cfg.trainable_token_indices.size());
   if (!lora.init_from.empty()) out += fmt::format("; started from {}", printable(lora.init_from));
   return out;
+}
+
+std::string gguf_blocks_summary(const CausalLM& model) {
+  std::map<std::string, int> types;
+  int64_t params = 0, bytes = 0;
+  for (const Linear* l : model.linears()) {
+    if (!l->blocks) continue;
+    ++types[io::ggml_type_name(l->blocks->type)];
+    params += l->blocks->shape[0] * l->blocks->shape[1];
+    bytes += l->blocks->bytes();
+  }
+  std::string listed;
+  for (const auto& [name, n] : types) listed += fmt::format("{}{} {}", listed.empty() ? "" : ", ", name, n);
+  return fmt::format("base linears kept as the GGUF's blocks ({}): {} parameters in {:.1f} MiB ({:.4f} bytes each)",
+                     listed, params, static_cast<double>(bytes) / (1 << 20),
+                     static_cast<double>(bytes) / static_cast<double>(std::max<int64_t>(1, params)));
 }
 
 std::string nf4_summary(const CausalLM& model) {

@@ -57,6 +57,8 @@ std::vector<std::pair<std::string, at::Tensor>> lora_state(const CausalLM& model
 std::string trainable_summary(const CausalLM& model);
 // "base linears in NF4: 6815744 parameters in 3.4 MiB (0.5159 bytes each)" (whole, before sharding).
 std::string nf4_summary(const CausalLM& model);
+// "base linears kept as the GGUF's blocks (Q4_1 210): 106168320 parameters in 59.7 MiB (0.5625 bytes each)".
+std::string gguf_blocks_summary(const CausalLM& model);
 
 // Writes adapter_config.json + adapter_model.safetensors into `dir` (created; files atomic).
 // Layers started by PiSSA or OLoRA are saved for the original base, as PEFT's

@@ -83,6 +83,11 @@ void init_adapter(Linear& l, int64_t r, double scaling, const InitMethod& how, a
         fmt::format("lora.init {} needs {}'s whole weight, which dist.shard_base splits: set "
                     "dist.shard_base: false",
                     what, l.name));
+  if (l.blocks)
+    throw Error(
+        fmt::format("lora.init {} rewrites {}'s weight, which model.keep_quantized holds as the GGUF's own "
+                    "blocks: set model.keep_quantized: false, or lora.init: default",
+                    what, l.name));
   if (l.nf4 && how.kind == LoraInit::Pissa)
     throw Error(
         fmt::format("lora.init pissa needs {}'s weight in float, and lora.quantize_base holds it in NF4 (PEFT "

@@ -22,9 +22,10 @@
 namespace lorarun::model {
 
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
-  at::Tensor y = sharded ? sharded_linear(x, *sharded, bias)
-                 : nf4   ? nf4_linear(x, *nf4, bias)
-                         : at::linear(x, weight, bias);
+  at::Tensor y = sharded  ? sharded_linear(x, *sharded, bias)
+                 : nf4    ? nf4_linear(x, *nf4, bias)
+                 : blocks ? gguf_linear(x, *blocks, bias)
+                          : at::linear(x, weight, bias);
   if (!adapted() || adapter_off) return y;
   if (dora()) return dora_forward(*this, x, y, training);
   // As PEFT: the adapter path runs in the adapters' dtype (fp32 master weights under a bf16 or
@@ -69,6 +70,10 @@ class ShapesOf : public WeightSource {
     if (!files_.contains(name)) return files_.load(name, dtype, device, shape);  // its error, naming what is missing
     return at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kMeta));
   }
+  GgufBlocks blocks(const std::string& name, at::ScalarType dtype, at::Device,
+                    const std::vector<int64_t>& shape) const override {
+    return files_.blocks(name, dtype, at::kMeta, shape);
+  }
   void release(const std::string&) const override {}
 
  private:
@@ -101,6 +106,14 @@ struct Loader {
     Linear l;
     l.name = name;
     l.conv1d = conv1d;
+    if (opts.keep_quantized) {  // the file stores every linear [out, in], GPT-2's Conv1D ones too
+      if (opts.shards)
+        throw Error("model.keep_quantized does not slice a GGUF's blocks across ranks (dist.shard_base)");
+      l.blocks = files.blocks(name + ".weight", dtype, device, {out, in});
+      named.push_back({name + ".weight", at::Tensor(), conv1d, in * out});
+      if (bias) l.bias = get(name + ".bias", {out});
+      return l;
+    }
     const at::Device on = opts.shards && !opts.quantize ? at::Device(at::kCPU) : device;
     l.weight = conv1d ? get_on(on, name + ".weight", {in, out}, true) : get_on(on, name + ".weight", {out, in});
     if (opts.quantize) {
@@ -563,7 +576,7 @@ std::vector<std::pair<std::string, at::Tensor>> CausalLM::state_dict() const {
             fmt::format("{} is sharded across ranks (dist.shard_base): load the model whole to read its "
                         "weights (a lorarun bug if a training run got here)",
                         w.name));
-      t = l.nf4 ? l.nf4->dequantize() : l.weight;
+      t = l.dense_weight();
     }
     out.emplace_back(w.name, w.transposed ? t.t() : t);
   }
@@ -590,7 +603,10 @@ int64_t CausalLM::base_bytes(bool unsharded) const {
   for (const NamedWeight& w : named_)
     if (w.tensor.defined()) n += static_cast<int64_t>(w.tensor.nbytes());
   for (const Linear* l : linears())
-    n += l->sharded ? (unsharded ? l->sharded->whole_bytes() : l->sharded->bytes()) : l->nf4 ? l->nf4->bytes() : 0;
+    n += l->sharded  ? (unsharded ? l->sharded->whole_bytes() : l->sharded->bytes())
+         : l->nf4    ? l->nf4->bytes()
+         : l->blocks ? l->blocks->bytes()
+                     : 0;
   return n;
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/config.hpp"
+#include "model/gguf_blocks.hpp"
 #include "model/nf4.hpp"
 #include "model/sharded.hpp"
 
@@ -28,12 +29,14 @@ at::ScalarType dtype_of(recipe::Dtype d);
 
 // A frozen linear layer, y = x W^T + b, plus an optional LoRA adapter:
 //   y += scaling * B A dropout(x),  A [r, in], B [out, r]   (PEFT's LoraLayer)
-// W is either `weight` or, for QLoRA, `nf4` (dequantised on the fly). With DoRA (a magnitude)
+// W is `weight`, or for QLoRA `nf4`, or with model.keep_quantized the GGUF's `blocks` (both
+// dequantised on the fly). With DoRA (a magnitude)
 // the adapted rows are rescaled: see dora.hpp.
 struct Linear {
   std::string name;   // the HF module name, e.g. "model.layers.0.self_attn.q_proj"
   at::Tensor weight;  // [out, in], frozen; undefined when the weight is in NF4 or sharded
   std::optional<Nf4Weight> nf4;
+  std::optional<GgufBlocks> blocks;      // model.keep_quantized: the file's blocks
   std::optional<ShardedWeight> sharded;  // dist.shard_base: this rank's slices of weight (or nf4)
   at::Tensor bias;                       // [out] or undefined
   bool conv1d = false;                   // GPT-2 Conv1D: the file stores the weight as [in, out]
@@ -49,9 +52,14 @@ struct Linear {
   at::Tensor forward(const at::Tensor& x, bool training) const;
   bool adapted() const { return lora_a.defined(); }
   bool dora() const { return magnitude.defined(); }
-  bool defined() const { return weight.defined() || nf4 || sharded; }  // families leave some empty
-  int64_t out_features() const { return sharded ? sharded->shape[0] : nf4 ? nf4->shape[0] : weight.size(0); }
-  int64_t in_features() const { return sharded ? sharded->shape[1] : nf4 ? nf4->shape[1] : weight.size(1); }
+  bool defined() const { return weight.defined() || nf4 || blocks || sharded; }  // families leave some empty
+  int64_t out_features() const { return shape()[0]; }
+  int64_t in_features() const { return shape()[1]; }
+  std::vector<int64_t> shape() const {  // W's [out, in]
+    return sharded ? sharded->shape : nf4 ? nf4->shape : blocks ? blocks->shape : weight.sizes().vec();
+  }
+  // W whole: as held, or dequantised (NF4, GGUF blocks); not for a sharded weight.
+  at::Tensor dense_weight() const { return nf4 ? nf4->dequantize() : blocks ? blocks->dequantize() : weight; }
 };
 
 struct Norm {
@@ -89,6 +97,8 @@ struct KVCache {
 struct LoadOptions {
   bool quantize = false;     // QLoRA: every linear LoRA may adapt in NF4, quantised as it is loaded
   bool double_quant = true;  // with quantize: the NF4 block scales in 8 bits too
+  // model.keep_quantized (a GGUF file): every linear of linears() kept as the file's blocks
+  bool keep_quantized = false;
   // dist.shard_base: each linear of linears() kept as this rank's slices, cut as it is loaded
   // (and quantised), so no rank holds the whole model; gathered whole while it is used.
   std::shared_ptr<BaseShards> shards = {};  // the decoder blocks' slices are registered with it
@@ -201,7 +211,7 @@ class CausalLM {
   at::Tensor lm_head_;  // [vocab, E]; may alias embed_tokens_
   struct NamedWeight {
     std::string name;
-    at::Tensor tensor;  // undefined for an NF4 weight: its Linear holds it
+    at::Tensor tensor;  // undefined for an NF4 or GGUF-blocks weight: its Linear holds it
     bool transposed;    // stored here as [out, in], in the file as [in, out]
     int64_t numel;
   };

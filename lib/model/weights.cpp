@@ -12,6 +12,14 @@
 
 namespace lorarun::model {
 
+GgufBlocks WeightSource::blocks(const std::string& name, at::ScalarType, at::Device,
+                                const std::vector<int64_t>&) const {
+  throw Error(
+      fmt::format("model.keep_quantized keeps a GGUF file's own blocks, and {} does not come from a .gguf "
+                  "file: set model.keep_quantized: false, or model.path to a .gguf file",
+                  name));
+}
+
 namespace fs = std::filesystem;
 
 at::ScalarType to_scalar_type(io::DType d) {

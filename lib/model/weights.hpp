@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "io/safetensors.hpp"
+#include "model/gguf_blocks.hpp"
 
 namespace lorarun::model {
 
@@ -27,6 +28,10 @@ class WeightSource {
   // `name` as `dtype` on `device`; `shape` (if given) must equal the stored shape.
   virtual at::Tensor load(const std::string& name, at::ScalarType dtype, at::Device device,
                           const std::vector<int64_t>& shape = {}) const = 0;
+  // model.keep_quantized: the linear weight `name` [out, in] as the file's own blocks; only a GGUF
+  // file has them (lorarun::Error otherwise).
+  virtual GgufBlocks blocks(const std::string& name, at::ScalarType dtype, at::Device device,
+                            const std::vector<int64_t>& shape = {}) const;
   // Drops what the source still holds of `name` (its mapped pages) once it has been used.
   virtual void release(const std::string& name) const = 0;
 };

@@ -137,6 +137,7 @@ struct ModelSection {
   std::string path;
   Dtype dtype = Dtype::BF16;
   Device device = Device::Auto;
+  bool keep_quantized = false;  // a .gguf model: its linears held as the file's blocks, dequantised per use
   bool operator==(const ModelSection&) const = default;
 };
 

@@ -63,6 +63,10 @@ void for_each_key(R& r, V&& v) {
   v(Key{.name = "model.device",
         .meaning = "where each rank runs; auto: its CUDA device when GPUs are visible, else the CPU"},
     r.model.device);
+  v(Key{.name = "model.keep_quantized",
+        .meaning = "a .gguf model: hold its linear weights as the file's own blocks (Q4_K, Q8_0, …), dequantised "
+                   "into model.dtype at each use"},
+    r.model.keep_quantized);
 
   v(Key{.name = "lora.r", .bound = at_least(1), .meaning = "rank of every adapter (A is r × in, B is out × r)"},
     r.lora.r);

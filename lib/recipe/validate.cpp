@@ -112,6 +112,29 @@ struct Rule {
 void check_sources(const Recipe& r, const RecipeOrigin& o, Warnings& w);
 
 constexpr Rule kRules[] = {
+    // The GGUF's own blocks are the frozen base: nothing else may quantise or rewrite it.
+    {"model.keep_quantized",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (!r.model.keep_quantized) return;
+       if (!r.model.path.ends_with(".gguf"))
+         fail(o, "model.keep_quantized",
+              fmt::format("keeps a GGUF file's own blocks, and model.path {} is not a .gguf file: set "
+                          "model.keep_quantized: false (lora.quantize_base holds other models in NF4)",
+                          printable(r.model.path)));
+       if (r.lora.quantize_base)
+         fail(o, "model.keep_quantized",
+              "and lora.quantize_base are both set: the GGUF's blocks are the quantised base already, and NF4 "
+              "would round them again; drop one");
+       if (r.dist.shard_base)
+         fail(o, "model.keep_quantized",
+              "does not slice the GGUF's blocks across ranks yet, which dist.shard_base needs: set one of them "
+              "to false");
+       if (r.lora.init == "pissa" || r.lora.init.starts_with("pissa_niter_") || r.lora.init == "olora")
+         fail(o, "model.keep_quantized",
+              fmt::format("holds the base as the GGUF's blocks, which lora.init {} would rewrite: set lora.init: "
+                          "default, or model.keep_quantized: false",
+                          r.lora.init));
+     }},
     // Where the documents are: data.source decides which keys must be set.
     {"data.database",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {

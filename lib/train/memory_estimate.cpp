@@ -50,11 +50,12 @@ std::string memory_report(const recipe::Recipe& r, int world) {
   const MemoryEstimate whole = estimate_memory(r, 1, false);
   out = fmt::format("# adapter: {}; {} trainable parameters\n", model::describe_adapter(r.lora), whole.trainable) + out;
   row("whole base, any ranks", whole, !r.dist.shard_base);
-  for (const int w : worlds)
+  for (const int w : r.model.keep_quantized ? std::set<int>{} : worlds)  // (blocks are not sliced yet)
     row(fmt::format("dist.shard_base, {} rank{}", w, w == 1 ? "" : "s"), estimate_memory(r, w, true),
         r.dist.shard_base && w == world);
-  out += fmt::format("#   (sharded base: this rank's slices and {} decoder block(s) gathered whole)\n",
-                     r.dist.shard_base_prefetch ? 2 : 1);
+  if (!r.model.keep_quantized)
+    out += fmt::format("#   (sharded base: this rank's slices and {} decoder block(s) gathered whole)\n",
+                       r.dist.shard_base_prefetch ? 2 : 1);
   return out;
 }
 

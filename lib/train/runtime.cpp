@@ -95,6 +95,7 @@ std::shared_ptr<model::BaseShards> base_shards(const recipe::Recipe& r, int rank
 model::LoadOptions load_options(const recipe::Recipe& r, std::shared_ptr<model::BaseShards> shards, bool shapes_only) {
   return {.quantize = r.lora.quantize_base,
           .double_quant = r.lora.double_quant,
+          .keep_quantized = r.model.keep_quantized,
           .shards = std::move(shards),
           .shapes_only = shapes_only};
 }
@@ -168,6 +169,7 @@ std::vector<std::string> Runtime::summary(const recipe::Recipe& r, int world, in
                   model::trainable_summary(model), documents(), describe_data(), world, steps_per_epoch,
                   std::max<size_t>(1, buckets))};
   if (r.lora.quantize_base) out.push_back(model::nf4_summary(model));
+  if (r.model.keep_quantized) out.push_back(model::gguf_blocks_summary(model));
   if (shards)
     out.push_back(fmt::format(
         "dist.shard_base: base weights on this rank {:.1f} MiB of {:.1f} MiB (linears in {} slice(s); embeddings, "

@@ -518,8 +518,8 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
     row["source_tokens"] = std::move(tokens);
     std::fill(source_logged_.begin(), source_logged_.end(), 0.0);
   }
-  if (rt_.shards)  // slices + whole blocks now
-    row["base_mb"] = static_cast<double>(m_.base_bytes() + rt_.shards->buffer_bytes()) / (1 << 20);
+  // the base this rank holds (dist.shard_base: its slices and the blocks gathered whole now)
+  row["base_mb"] = static_cast<double>(m_.base_bytes() + (rt_.shards ? rt_.shards->buffer_bytes() : 0)) / (1 << 20);
   sinks_->step(row);
 }
 

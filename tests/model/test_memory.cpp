@@ -206,11 +206,15 @@ TEST_CASE("the activation estimate is within 20% of the tensor bytes a training 
     }
 }
 
-TEST_CASE("the memory estimate on SmolLM2: base bytes as loaded (whole, NF4, sharded) and activations", "[memory]") {
+TEST_CASE(
+    "the memory estimate on SmolLM2: base bytes as loaded (whole, NF4, sharded, kept as GGUF blocks) and activations",
+    "[memory]") {
   if (!std::filesystem::exists(kSmolLM2)) FAIL(kSmolLM2 << " is missing: run scripts/setup (or scripts/fetch-models)");
-  for (const bool quantize : {false, true})
+  for (const std::string base : {"dequantised", "nf4", "kept"})
     for (const int world : {1, 3}) {
-      INFO(fmt::format("nf4 {} world {}", quantize, world));
+      if (base == "kept" && world > 1) continue;  // (model.keep_quantized is not sharded)
+      const bool quantize = base == "nf4", kept = base == "kept";
+      INFO(fmt::format("{} world {}", base, world));
       const auto shards_of = [&] {
         std::shared_ptr<BaseShards> s;
         if (world > 1) {
@@ -220,8 +224,8 @@ TEST_CASE("the memory estimate on SmolLM2: base bytes as loaded (whole, NF4, sha
         }
         return s;
       };
-      const LoadOptions load{.quantize = quantize, .shards = shards_of()};
-      LoadOptions shapes{.quantize = quantize, .shards = shards_of(), .shapes_only = true};
+      const LoadOptions load{.quantize = quantize, .keep_quantized = kept, .shards = shards_of()};
+      LoadOptions shapes{.quantize = quantize, .keep_quantized = kept, .shards = shards_of(), .shapes_only = true};
       const CausalLM real = CausalLM::load(kSmolLM2, at::kBFloat16, at::kCPU, load);
       const CausalLM meta = CausalLM::load(kSmolLM2, at::kBFloat16, at::kCPU, shapes);
       CHECK(meta.device().type() == at::kMeta);
@@ -245,7 +249,8 @@ TEST_CASE("the memory estimate on SmolLM2: base bytes as loaded (whole, NF4, sha
   m.training = true;
   for (const bool recompute : {false, true}) {
     m.recompute_activations = recompute;
-    const double ratio = estimate_ratio(m, 2, 256, fmt::format("SmolLM2 bf16 recompute {}", recompute));
+    // (one row: bf16 GEMMs over the 49,152-token head are slow on CPUs without bf16 units)
+    const double ratio = estimate_ratio(m, 1, 256, fmt::format("SmolLM2 bf16 recompute {}", recompute));
     CHECK(ratio >= 0.8);
     CHECK(ratio <= 1.2);
   }

@@ -135,6 +135,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
   CHECK(known_keys() == Strings{"model.path",
                                 "model.dtype",
                                 "model.device",
+                                "model.keep_quantized",
                                 "lora.r",
                                 "lora.alpha",
                                 "lora.dropout",

@@ -18,6 +18,11 @@
       stored as llama.cpp's converter stores them: any row order is valid, since transformers and
       lorarun both read Q and K rows back the same way (`logits` on the file is the reference).
 
+  gguf_model_check.py quantized FILE TYPE
+      writes a tiny llama (hidden 256) whose linears are of ggml type TYPE (F16, BF16, Q4_0 … Q8_0,
+      Q2_K … Q6_K): weights quantised by gguf-py, or random K-quant blocks with small scales;
+      reports the largest |value| of those tensors.
+
 Results are reported on marked lines (oracle.report); transformers' warnings and progress are not read.
 """
 import os
@@ -129,6 +134,56 @@ def make(path, arch, drop, changes=()):
     report(written=path)
 
 
+# K-quant blocks (256 elements): where their float16 scales d (and dmin) sit, in bytes
+K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def quantized(path, qtype):
+    """A tiny llama (hidden 256, 2 blocks; embedding and norms F32, no output.weight: tied) whose
+    linears are of ggml type `qtype`: gguf.quants.quantize of random weights where gguf-py can,
+    else (the K-quants) seeded random blocks with their float16 scales set in [1e-4, 1e-3]."""
+    import gguf
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    w = gguf.GGUFWriter(path, "llama")
+    hidden, ffn, heads, kv, vocab, layers = 256, 512, 4, 2, 64, 2
+    for k, v in {"block_count": layers, "context_length": 64, "embedding_length": hidden,
+                 "feed_forward_length": ffn, "attention.head_count": heads, "attention.head_count_kv": kv,
+                 "rope.dimension_count": hidden // heads, "vocab_size": vocab}.items():
+        w.add_uint32(f"llama.{k}", v)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_tokenizer_model("gpt2")  # one token a letter: text of capitals, no spaces
+    w.add_token_list([chr(c) for c in range(ord("A"), ord("A") + vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges([])
+    rng = np.random.default_rng(1)
+    for name, shape in llama_shapes("llama", hidden, ffn, heads, kv, hidden // heads, vocab, layers).items():
+        if len(shape) == 1 or name == "token_embd.weight":
+            scale = 1.0 if name.endswith("norm.weight") else 0.5
+            w.add_tensor(name, (scale * rng.standard_normal(shape)).astype(np.float32))
+            continue
+        if qtype in K_SCALES or qtype.startswith("IQ"):  # (an IQ type: random blocks, for refusals)
+            size, nbytes = gguf.GGML_QUANT_SIZES[qt]
+            raw = rng.integers(0, 256, size=(shape[0], shape[1] // size, nbytes), dtype=np.uint8)
+            for at in K_SCALES.get(qtype, ()):
+                d = rng.uniform(1e-4, 1e-3, size=raw.shape[:2]).astype(np.float16)
+                raw[:, :, at:at + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+            w.add_tensor(name, raw.reshape(shape[0], -1), raw_dtype=qt)
+        else:
+            data = (0.05 * rng.standard_normal(shape)).astype(np.float32)
+            w.add_tensor(name, gguf.quants.quantize(data, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if qtype.startswith("IQ"):
+        return report(written=path)
+    worst = max(float(np.abs(gguf.quants.dequantize(t.data, t.tensor_type)).max())
+                for t in gguf.GGUFReader(path).tensors if t.tensor_type == qt)
+    report(written=path, largest=worst)
+
+
 def llama_shapes(arch, hidden, ffn, heads, kv, head_dim, vocab, layers):
     """llama.cpp's llama / qwen2 / qwen3 tensors (qwen2: q/k/v biases; qwen3: q/k norms; both an
     untied output)."""
@@ -174,6 +229,8 @@ def main():
     if mode == "make":
         return make(sys.argv[2], sys.argv[3].encode().decode("unicode_escape"), sys.argv[4] if len(sys.argv) > 4 else "",
                     sys.argv[5:])
+    if mode == "quantized":
+        return quantized(sys.argv[2], sys.argv[3])
     sys.exit(f"unknown mode {mode!r}")
 
 

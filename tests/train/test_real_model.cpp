@@ -1,6 +1,6 @@
 // The real pretrained model: SmolLM2-135M-Instruct from its Q4_1 GGUF (scripts/fetch-models),
 // trained by lorarun on 2 ranks step by step against transformers + PEFT on the same file, its
-// adapter loaded by PEFT for greedy generation, and trained in bf16.
+// adapter loaded by PEFT for greedy generation, and trained in bf16 and on its own Q4_1 blocks.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -82,15 +82,32 @@ TEST_CASE("SmolLM2 from its GGUF trains as transformers + PEFT do, and PEFT gene
   }
 }
 
-TEST_CASE("SmolLM2 from its GGUF trains in bf16", "[e2e][gguf]") {
+TEST_CASE(
+    "SmolLM2 from its GGUF trains in bf16, and on the file's own Q4_1 blocks (model.keep_quantized) to the same "
+    "adapter bit for bit",
+    "[e2e][gguf]") {
   if (!std::filesystem::exists(kSmolLM2)) FAIL(kSmolLM2 << " is missing: run scripts/setup (or scripts/fetch-models)");
   const std::string dir = temp_dir("smollm2-bf16");
   write_data(dir + "/data.jsonl", 20);
-  // The same 5 steps from PEFT's own initialisation (B = 0) in fp32 and in bf16.
+  // The same 5 steps from PEFT's own initialisation (B = 0) in fp32 and in bf16, the linears
+  // dequantised at load or kept as the file's blocks.
   for (const char* dtype : {"fp32", "bf16"}) {
-    const Result r = train(dir, dtype, fmt::format("model.dtype={}", dtype));
-    INFO(r.output);
-    REQUIRE(r.status == 0);
+    for (const char* keep : {"false", "true"}) {
+      const Result r = train(dir, fmt::format("{}{}", dtype, keep == std::string("true") ? "-kept" : ""),
+                             fmt::format("model.dtype={} model.keep_quantized={}", dtype, keep));
+      INFO(r.output);
+      REQUIRE(r.status == 0);
+    }
+    CHECK(hashes(fmt::format("{}/{}-kept/epoch_0", dir, dtype)) == hashes(fmt::format("{}/{}/epoch_0", dir, dtype)));
+    const auto mb = [&](const std::string& name) {
+      std::ifstream in(fmt::format("{}/{}/metrics.jsonl", dir, name));
+      std::string line;
+      std::getline(in, line);
+      return nlohmann::json::parse(line).at("base_mb").get<double>();
+    };
+    const double kept = mb(fmt::format("{}-kept", dtype)), loaded = mb(dtype);
+    fmt::print("SmolLM2 Q4_1 {}: base {:.1f} MiB kept as blocks vs {:.1f} MiB dequantised\n", dtype, kept, loaded);
+    CHECK(kept < loaded);
   }
   const std::vector<double> fp32 = losses(dir + "/fp32/metrics.jsonl"), bf16 = losses(dir + "/bf16/metrics.jsonl");
   REQUIRE(bf16.size() == 5);

@@ -1,0 +1,122 @@
+// model.keep_quantized end to end: training on a GGUF's own blocks of every type lorarun
+// dequantises (files written by gguf-py, tests/reference/gguf_model_check.py quantized) gives the
+// adapter of training on the same file dequantised at load, bit for bit, with the base held in the
+// file's bytes; and the refusals.
+#include <fmt/format.h>
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "support/oracle.hpp"
+#include "support/runs.hpp"
+
+using namespace lorarun::test;
+
+namespace {
+
+// `dir`/`type`.gguf: the tiny llama (hidden 256) with every linear of ggml type `type`.
+std::string quantized_model(const std::string& dir, const std::string& type) {
+  const std::string file = fmt::format("{}/{}.gguf", dir, type);
+  const Oracle made = oracle(fmt::format("'{}' '{}/tests/reference/gguf_model_check.py' quantized '{}' {}",
+                                         LORARUN_PYTHON, LORARUN_SOURCE_DIR, file, type));
+  INFO(made.run.output);
+  REQUIRE(made.run.status == 0);
+  return file;
+}
+
+// `dir`/`name`.yaml: LoRA on every linear of `model` with dropout, over `dir`/text.jsonl (24
+// strings of capitals, the model's tokens), 1 epoch of 6 steps.
+std::string recipe(const std::string& dir, const std::string& name, const std::string& model) {
+  if (!std::filesystem::exists(dir + "/text.jsonl")) {
+    std::ofstream out(dir + "/text.jsonl");
+    for (int i = 0; i < 24; ++i) {
+      std::string text;
+      for (int j = 0; j < 20; ++j) text += static_cast<char>('A' + (i * 7 + j * j) % 26);
+      out << nlohmann::json{{"text", text}}.dump() << "\n";
+    }
+  }
+  const std::string path = fmt::format("{}/{}.yaml", dir, name);
+  std::ofstream(path) << fmt::format(R"(model: {{path: {}, dtype: fp32, device: cpu}}
+lora: {{r: 4, alpha: 8, target_modules: all-linear, dropout: 0.1}}
+data: {{source: jsonl, path: {}/text.jsonl, format: text, text_field: text, batch_size: 4, max_length: 32}}
+train: {{epochs: 1, lr: 1.0e-3, warmup_steps: 2}}
+checkpoint: {{output_dir: {}/{}}}
+track: {{mongodb: false}}
+)",
+                                     model, dir, dir, name);
+  return path;
+}
+
+double base_mb(const std::string& output_dir) {
+  std::ifstream in(output_dir + "/metrics.jsonl");
+  std::string line;
+  std::getline(in, line);
+  return nlohmann::json::parse(line).at("base_mb").get<double>();
+}
+
+}  // namespace
+
+TEST_CASE(
+    "model.keep_quantized: on every GGUF type, training on the file's own blocks gives the adapter of training on "
+    "it dequantised at load, bit for bit",
+    "[e2e][gguf]") {
+  const std::string dir = temp_dir("keep-quantized");
+  for (const std::string type :
+       {"F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}) {
+    INFO(type);
+    const std::string cfg = recipe(dir, type, quantized_model(dir, type));
+    const auto run = [&](const std::string& name, const std::string& overrides) {
+      const Result r = sh(fmt::format("{} --nproc-per-node 1 {} checkpoint.output_dir={}/{} {}", bin("lorarun"), cfg,
+                                      dir, name, overrides));
+      INFO(r.output);
+      REQUIRE(r.status == 0);
+      return r;
+    };
+    run(type + "-loaded", "");
+    const Result kept = run(type + "-kept", "model.keep_quantized=true");
+    CHECK_THAT(kept.output, Catch::Contains(fmt::format("base linears kept as the GGUF's blocks ({} 14)", type)));
+    CHECK(hashes(fmt::format("{}/{}-kept/epoch_0", dir, type)) ==
+          hashes(fmt::format("{}/{}-loaded/epoch_0", dir, type)));
+    const double kept_mb = base_mb(fmt::format("{}/{}-kept", dir, type)),
+                 loaded_mb = base_mb(fmt::format("{}/{}-loaded", dir, type));
+    fmt::print("keep_quantized {}: base {:.3f} MiB vs {:.3f} MiB dequantised to fp32 ({:.3f}x)\n", type, kept_mb,
+               loaded_mb, kept_mb / loaded_mb);
+    CHECK(kept_mb < loaded_mb);
+  }
+  // 2 ranks in bf16 with activation checkpointing: the same again
+  const std::string cfg = recipe(dir, "Q6_K-bf16", dir + "/Q6_K.gguf");
+  for (const std::string keep : {"false", "true"}) {
+    const Result r = sh(fmt::format("{} --nproc-per-node 2 {} model.dtype=bf16 train.activation_checkpointing=true "
+                                    "model.keep_quantized={} checkpoint.output_dir={}/bf16-{}",
+                                    bin("lorarun"), cfg, keep, dir, keep));
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+  }
+  CHECK(hashes(dir + "/bf16-true/epoch_0") == hashes(dir + "/bf16-false/epoch_0"));
+}
+
+TEST_CASE("model.keep_quantized: refusals are one line each, before training", "[e2e][gguf]") {
+  const std::string dir = temp_dir("keep-quantized-bad");
+  const std::string iq = quantized_model(dir, "IQ4_NL"), q8 = quantized_model(dir, "Q8_0");
+  for (const auto& [model, overrides, expected] : {
+           std::tuple{iq, std::string(), std::string("tensor 'blk.0.attn_q.weight' is IQ4_NL, which "
+                                                     "model.keep_quantized cannot hold (it keeps F32, F16, BF16")},
+           std::tuple{std::string(LORARUN_MODEL_FIXTURES) + "/llama", std::string(),
+                      std::string("model.keep_quantized keeps a GGUF file's own blocks, and model.path")},
+           std::tuple{q8, std::string("lora.quantize_base=true"),
+                      std::string("model.keep_quantized and lora.quantize_base are both set")},
+           std::tuple{q8, std::string("lora.init=pissa"), std::string("which lora.init pissa would rewrite")},
+           std::tuple{q8, std::string("dist.shard_base=true"),
+                      std::string("does not slice the GGUF's blocks across ranks yet")},
+       }) {
+    const Result r = sh(fmt::format("{} --nproc-per-node 1 {} model.path={} model.keep_quantized=true {}",
+                                    bin("lorarun"), recipe(dir, "bad", q8), model, overrides));
+    INFO(r.output);
+    CHECK(r.status != 0);
+    CHECK_THAT(r.output, Catch::Contains(expected));
+    CHECK_THAT(r.output, !Catch::Contains("terminate"));
+    CHECK_FALSE(std::filesystem::exists(dir + "/bad/epoch_0"));
+  }
+}
