@@ -13,8 +13,8 @@ namespace lorarun::model {
 struct GgufBlocks {
   at::Tensor raw;  // uint8 [out * row bytes]: the file's blocks, row after row, on the CPU
   io::GgmlType type = io::GgmlType::F32;
-  std::vector<int64_t> shape;  // [out, in]: the weight as the layer uses it
-  int64_t heads = 0;           // llama's Q and K: the converter's per-head row interleave undone (0: none)
+  std::vector<int64_t> shape;         // [out, in]: the weight as the layer uses it
+  int64_t heads = 0;                  // llama's Q and K: the converter's per-head row interleave undone (0: none)
   at::ScalarType dtype = at::kFloat;  // what dequantize() makes: model.dtype
   at::Device device = at::kCPU;       // ... and where
 

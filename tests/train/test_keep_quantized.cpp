@@ -88,9 +88,10 @@ TEST_CASE(
   // 2 ranks in bf16 with activation checkpointing: the same again
   const std::string cfg = recipe(dir, "Q6_K-bf16", dir + "/Q6_K.gguf");
   for (const std::string keep : {"false", "true"}) {
-    const Result r = sh(fmt::format("{} --nproc-per-node 2 {} model.dtype=bf16 train.activation_checkpointing=true "
-                                    "model.keep_quantized={} checkpoint.output_dir={}/bf16-{}",
-                                    bin("lorarun"), cfg, keep, dir, keep));
+    const Result r =
+        sh(fmt::format("{} --nproc-per-node 2 {} model.dtype=bf16 train.activation_checkpointing=true "
+                       "model.keep_quantized={} checkpoint.output_dir={}/bf16-{}",
+                       bin("lorarun"), cfg, keep, dir, keep));
     INFO(r.output);
     REQUIRE(r.status == 0);
   }
@@ -101,8 +102,9 @@ TEST_CASE("model.keep_quantized: refusals are one line each, before training", "
   const std::string dir = temp_dir("keep-quantized-bad");
   const std::string iq = quantized_model(dir, "IQ4_NL"), q8 = quantized_model(dir, "Q8_0");
   for (const auto& [model, overrides, expected] : {
-           std::tuple{iq, std::string(), std::string("tensor 'blk.0.attn_q.weight' is IQ4_NL, which "
-                                                     "model.keep_quantized cannot hold (it keeps F32, F16, BF16")},
+           std::tuple{iq, std::string(),
+                      std::string("tensor 'blk.0.attn_q.weight' is IQ4_NL, which "
+                                  "model.keep_quantized cannot hold (it keeps F32, F16, BF16")},
            std::tuple{std::string(LORARUN_MODEL_FIXTURES) + "/llama", std::string(),
                       std::string("model.keep_quantized keeps a GGUF file's own blocks, and model.path")},
            std::tuple{q8, std::string("lora.quantize_base=true"),
