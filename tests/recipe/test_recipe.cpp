@@ -800,7 +800,8 @@ track: {mongodb: false, database: runs_db, log_every_n_steps: 29, mlflow_uri: "h
   const Recipe defaults = load(kBase);
   CHECK(load(to_yaml(defaults)) == defaults);
   CHECK(
-      to_yaml(defaults).starts_with("model:\n  path: \"/models/m\"\n  dtype: bf16\n  device: auto\nlora:\n  r: 8\n"
+      to_yaml(defaults).starts_with("model:\n  path: \"/models/m\"\n  dtype: bf16\n  device: auto\n"
+                                    "  keep_quantized: false\nlora:\n  r: 8\n"
                                     "  alpha: 16.0\n  dropout: 0.0\n  target_modules: [\"q_proj\", \"v_proj\"]\n"));
   CHECK(to_yaml(defaults).find("\ntrain:\n  epochs: 3\n  gradient_accumulation_steps: 1\n  lr: 0.0002\n") !=
         std::string::npos);
