@@ -69,6 +69,14 @@ double adapter_relative_diff(const std::string& a, const std::string& b) {
 
 double adapter_diff(const std::string& a, const std::string& b) { return compare(a, b).first; }
 
+double first_metric(const std::string& output_dir, const std::string& key) {
+  std::ifstream in(output_dir + "/metrics.jsonl");
+  std::string line;
+  std::getline(in, line);
+  INFO(output_dir << "/metrics.jsonl: " << line);
+  return nlohmann::json::parse(line).at(key).get<double>();
+}
+
 std::map<std::string, std::string> hashes(const std::string& dir) {
   std::map<std::string, std::string> out;
   for (const auto& e : std::filesystem::recursive_directory_iterator(dir))

@@ -27,6 +27,9 @@ double adapter_relative_diff(const std::string& a, const std::string& b);
 // The regular files under `dir` as {relative name: sha256}.
 std::map<std::string, std::string> hashes(const std::string& dir);
 
+// `key` of the first row of `output_dir`/metrics.jsonl (a number, e.g. base_mb).
+double first_metric(const std::string& output_dir, const std::string& key);
+
 // The run id lora-train printed ("run recorded as DB/ID" in `output`).
 std::string run_id_in(const std::string& output, const std::string& db);
 

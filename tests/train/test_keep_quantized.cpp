@@ -49,13 +49,6 @@ track: {{mongodb: false}}
   return path;
 }
 
-double base_mb(const std::string& output_dir) {
-  std::ifstream in(output_dir + "/metrics.jsonl");
-  std::string line;
-  std::getline(in, line);
-  return nlohmann::json::parse(line).at("base_mb").get<double>();
-}
-
 }  // namespace
 
 TEST_CASE(
@@ -79,8 +72,8 @@ TEST_CASE(
     CHECK_THAT(kept.output, Catch::Contains(fmt::format("base linears kept as the GGUF's blocks ({} 14)", type)));
     CHECK(hashes(fmt::format("{}/{}-kept/epoch_0", dir, type)) ==
           hashes(fmt::format("{}/{}-loaded/epoch_0", dir, type)));
-    const double kept_mb = base_mb(fmt::format("{}/{}-kept", dir, type)),
-                 loaded_mb = base_mb(fmt::format("{}/{}-loaded", dir, type));
+    const double kept_mb = first_metric(fmt::format("{}/{}-kept", dir, type), "base_mb"),
+                 loaded_mb = first_metric(fmt::format("{}/{}-loaded", dir, type), "base_mb");
     fmt::print("keep_quantized {}: base {:.3f} MiB vs {:.3f} MiB dequantised to fp32 ({:.3f}x)\n", type, kept_mb,
                loaded_mb, kept_mb / loaded_mb);
     CHECK(kept_mb < loaded_mb);

@@ -99,13 +99,8 @@ TEST_CASE(
       REQUIRE(r.status == 0);
     }
     CHECK(hashes(fmt::format("{}/{}-kept/epoch_0", dir, dtype)) == hashes(fmt::format("{}/{}/epoch_0", dir, dtype)));
-    const auto mb = [&](const std::string& name) {
-      std::ifstream in(fmt::format("{}/{}/metrics.jsonl", dir, name));
-      std::string line;
-      std::getline(in, line);
-      return nlohmann::json::parse(line).at("base_mb").get<double>();
-    };
-    const double kept = mb(fmt::format("{}-kept", dtype)), loaded = mb(dtype);
+    const double kept = first_metric(fmt::format("{}/{}-kept", dir, dtype), "base_mb"),
+                 loaded = first_metric(fmt::format("{}/{}", dir, dtype), "base_mb");
     fmt::print("SmolLM2 Q4_1 {}: base {:.1f} MiB kept as blocks vs {:.1f} MiB dequantised\n", dtype, kept, loaded);
     CHECK(kept < loaded);
   }
