@@ -3,7 +3,9 @@
 // and again in backward, so the whole weight never outlives the call.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "io/gguf.hpp"
@@ -23,6 +25,10 @@ struct GgufBlocks {
   // (model/gguf_weights.hpp), the blocks dequantised on all intra-op threads.
   at::Tensor dequantize() const;
 };
+
+// `rows` rows of whole blocks of `type` from `in` into `out` (rows x cols float32), rows split
+// over the intra-op threads: io::dequantize's values, bit for bit.
+void dequantize_rows(io::GgmlType type, std::span<const std::byte> in, int64_t rows, std::span<float> out);
 
 // llama.cpp's converter reorders the rows of each head of Q and K ([heads * head_dim, ..]) from
 // HF's rotate-half layout (first halves, then second halves) to interleaved pairs; this is the

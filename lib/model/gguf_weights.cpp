@@ -4,11 +4,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include <span>
 
 #include "model/families.hpp"
+#include "model/gguf_blocks.hpp"
 #include "util/error.hpp"
 #include "util/untrusted.hpp"
 
@@ -16,7 +18,11 @@ namespace lorarun::model {
 
 at::Tensor dequantize(const io::GgufFile& file, const io::GgufTensorInfo& t) {
   at::Tensor out = at::empty(t.torch_shape(), at::kFloat);
-  io::dequantize(file, t, {out.data_ptr<float>(), static_cast<size_t>(t.numel())});
+  const std::span<float> values{out.data_ptr<float>(), static_cast<size_t>(t.numel())};
+  if (!io::can_dequantize(t.type) || t.dims.empty())
+    io::dequantize(file, t, values);  // one value, or the error naming the tensor and its type
+  else
+    dequantize_rows(t.type, file.bytes(t), t.numel() / t.dims[0], values);
   file.release(t);
   return out;
 }
@@ -98,6 +104,39 @@ ModelConfig gpt2_config(const io::GgufFile& f, const FamilyTraits& family) {
   return c;
 }
 
+// The metadata's block count against the blocks the tensors hold (blk.<i>.…): more blocks named
+// than stored would fail later on the first missing tensor, which does not say what is wrong.
+void check_blocks(const io::GgufFile& f, const std::string& arch, int64_t layers) {
+  int64_t stored = 0;
+  for (const io::GgufTensorInfo& t : f.tensors()) {
+    if (!t.name.starts_with("blk.")) continue;
+    const size_t dot = t.name.find('.', 4);
+    const std::string i = t.name.substr(4, dot == std::string::npos ? std::string::npos : dot - 4);
+    if (i.empty() || i.size() > 9 || i.find_first_not_of("0123456789") != std::string::npos) continue;
+    stored = std::max<int64_t>(stored, std::stoll(i) + 1);
+  }
+  if (layers > stored)
+    throw Error(
+        fmt::format("{}: {}.block_count is {} but the file holds tensors for {} block(s): the metadata "
+                    "does not match the tensors; re-convert the model",
+                    f.path(), printable(arch), layers, stored));
+}
+
+// The vocabulary the metadata names (arch.vocab_size, the tokenizer's token list) must fit the
+// embedding: an id past its rows would index outside it.
+void check_vocabulary(const io::GgufFile& f, const std::string& arch, int64_t rows) {
+  const int64_t named = f.get_int(arch + ".vocab_size", 0);
+  const io::GgufValue* tokens = f.find_key("tokenizer.ggml.tokens");
+  const auto listed = static_cast<int64_t>(tokens ? tokens->size() : 0);
+  const int64_t vocab = std::max(named, listed);
+  if (vocab > rows)
+    throw Error(
+        fmt::format("{}: token_embd.weight has {} rows but the vocabulary has {} tokens ({}): the embedding "
+                    "is shorter than the vocabulary; re-convert the model",
+                    f.path(), rows, vocab,
+                    named >= listed ? printable(arch) + ".vocab_size" : std::string("tokenizer.ggml.tokens")));
+}
+
 }  // namespace
 
 ModelConfig gguf_config(const io::GgufFile& f) {
@@ -111,6 +150,8 @@ ModelConfig gguf_config(const io::GgufFile& f) {
   c.vocab_size = embed->torch_shape()[0];
   c.tie_word_embeddings = f.find("output.weight") == nullptr;  // as llama.cpp and transformers decide
   check_sizes(f, c);
+  check_blocks(f, arch, c.num_layers);
+  check_vocabulary(f, arch, c.vocab_size);
   const auto token = [&f](const char* k) -> std::optional<int64_t> {
     if (!f.has(k)) return std::nullopt;
     return f.get_int(k);

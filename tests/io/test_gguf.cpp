@@ -407,6 +407,8 @@ TEST_CASE("gguf: hostile counts, lengths, offsets and types are one-line errors,
   check_refused(dir, one_tensor({uint64_t{1} << 30, uint64_t{1} << 30}, 0), "tensor 't' is too large (dimension 1");
   check_refused(dir, one_tensor({16}, 77), "tensor 't' has unknown ggml type 77");
   check_refused(dir, one_tensor({31}, 8), "rows of 31 elements, not a multiple of its block size 32");
+  check_refused(dir, one_tensor({100, 2}, 12),
+                "of type Q4_K has rows of 100 elements, not a multiple of its block size 256");
   CHECK(error_of(write(dir, "ok.gguf", one_tensor({16}, 0))) == "");
 
   // Keys, header and alignment.

@@ -179,3 +179,23 @@ TEST_CASE("gguf: metadata quoted in a message is escaped, and zero attention hea
              Catch::Contains("llama.attention.head_count is 0 and head_count_kv 2: "
                              "both must be positive"));
 }
+
+TEST_CASE("gguf: metadata naming more blocks or tokens than the tensors hold is one line naming both", "[gguf]") {
+  const std::string dir = test::temp_dir("gguf-model-counts");
+  for (const std::string& args : {fmt::format("make '{}/three-blocks.gguf' llama '' block_count=3", dir),
+                                  fmt::format("make '{}/one-block.gguf' llama '' block_count=1", dir),
+                                  fmt::format("make '{}/long-vocab.gguf' llama '' vocab_size=40", dir)}) {
+    const test::Oracle made = gguf_model_check(args);
+    INFO(made.run.output);
+    REQUIRE(made.run.status == 0);
+  }
+  const std::string blocks = load_error(dir + "/three-blocks.gguf");
+  CHECK_THAT(blocks, Catch::Contains("llama.block_count is 3 but the file holds tensors for 2 block(s)"));
+  // Fewer blocks named than stored: the tensors left over are named.
+  const std::string fewer = load_error(dir + "/one-block.gguf");
+  CHECK_THAT(fewer, Catch::Contains("tensor 'blk.1.") && Catch::Contains("has no place in the llama model"));
+  const std::string vocab = load_error(dir + "/long-vocab.gguf");
+  CHECK_THAT(vocab, Catch::Contains("token_embd.weight has 32 rows but the vocabulary has 40 tokens "
+                                    "(llama.vocab_size): the embedding is shorter than the vocabulary"));
+  for (const std::string& e : {blocks, fewer, vocab}) CHECK(test::count_lines(e) == 1);
+}
