@@ -24,17 +24,27 @@ void dequantize_rows(io::GgmlType type, std::span<const std::byte> in, int64_t r
   });
 }
 
+// Each thread dequantises its own rows (whole heads for Q and K, whose rows move within a head)
+// into float32 and converts them into `dtype` while they are in cache: one pass over the output,
+// no whole float32 copy. The conversion is ATen's copy_, as loading the file dequantised does.
 at::Tensor GgufBlocks::dequantize() const {
-  const auto options = at::TensorOptions().dtype(dtype).device(device);
-  if (raw.is_meta()) return at::empty(shape, options);
-  at::Tensor w = at::empty(shape, at::kFloat);
-  dequantize_rows(type, {static_cast<const std::byte*>(raw.data_ptr()), raw.nbytes()}, shape[0],
-                  {w.data_ptr<float>(), static_cast<size_t>(w.numel())});
-  if (heads == 0 && dtype == at::kFloat && device.is_cpu()) return w;
-  const at::Tensor src = heads ? unpermute_rows(w, heads) : w;
-  at::Tensor y = at::empty(src.sizes(), options);
-  y.copy_(src);
-  return y.view(shape);
+  if (raw.is_meta()) return at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+  const int64_t rows = shape[0], cols = shape[1];
+  const int64_t units = heads ? heads : rows, unit_rows = rows / units;
+  const size_t row_bytes = raw.nbytes() / static_cast<size_t>(rows);
+  const bool direct = dtype == at::kFloat && heads == 0;
+  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(dtype));
+  const auto* in = static_cast<const std::byte*>(raw.data_ptr());
+  at::parallel_for(0, units, std::max<int64_t>(1, 16384 / (unit_rows * cols)), [&](int64_t a, int64_t b) {
+    const int64_t first = a * unit_rows, n = (b - a) * unit_rows;
+    at::Tensor part = direct ? out.narrow(0, first, n) : at::empty({n, cols}, at::kFloat);
+    io::dequantize(type, std::span(in + static_cast<size_t>(first) * row_bytes, static_cast<size_t>(n) * row_bytes),
+                   std::span(part.data_ptr<float>(), static_cast<size_t>(n * cols)));
+    if (direct) return;
+    const at::Tensor src = heads ? unpermute_rows(part, b - a) : part;
+    out.narrow(0, first, n).view(src.sizes()).copy_(src);
+  });
+  return device.is_cpu() ? out : out.to(device);
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const GgufBlocks& w, const at::Tensor& bias) {
