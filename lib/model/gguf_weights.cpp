@@ -19,8 +19,8 @@ namespace lorarun::model {
 at::Tensor dequantize(const io::GgufFile& file, const io::GgufTensorInfo& t) {
   at::Tensor out = at::empty(t.torch_shape(), at::kFloat);
   const std::span<float> values{out.data_ptr<float>(), static_cast<size_t>(t.numel())};
-  if (!io::can_dequantize(t.type) || t.dims.empty())
-    io::dequantize(file, t, values);  // one value, or the error naming the tensor and its type
+  if (!io::can_dequantize(t.type) || t.dims.empty() || t.numel() == 0)
+    io::dequantize(file, t, values);  // no rows to split, or the error naming the tensor and its type
   else
     dequantize_rows(t.type, file.bytes(t), t.numel() / t.dims[0], values);
   file.release(t);
