@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 #include <cctype>
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -64,6 +65,16 @@ nlohmann::ordered_json gpt2_config(const ModelConfig& c, const FamilyTraits& fam
 nlohmann::ordered_json llama_config(const ModelConfig& c, const FamilyTraits& family) {
   nlohmann::ordered_json rope = {{"rope_type", c.rope.type}, {"rope_theta", c.rope_theta}};
   if (c.rope.type == "linear") rope["factor"] = c.rope.factor;
+  if (c.rope.type == "longrope") {  // phi3's, or llama 3.x's rope_freqs as one set that never switches
+    rope["short_factor"] = c.rope.short_factor;
+    rope["long_factor"] = c.rope.long_factor;
+    rope["original_max_position_embeddings"] = c.rope.original_max_position;
+    rope["attention_factor"] = c.rope.attention_factor;
+  }
+  if (c.partial_rotary != 1.0) rope["partial_rotary_factor"] = c.partial_rotary;
+  if (c.local_rope_theta > 0)  // gemma3: one set per layer type
+    rope = {{"full_attention", rope},
+            {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", c.local_rope_theta}}}};
   nlohmann::ordered_json j = {{"architectures", {family.hf_class}},
                               {"model_type", c.model_type},
                               {"vocab_size", c.vocab_size},
@@ -81,6 +92,25 @@ nlohmann::ordered_json llama_config(const ModelConfig& c, const FamilyTraits& fa
   if (!family.qkv_bias) {  // (a family with its own q/k/v biases has no such keys)
     j["attention_bias"] = c.attention_bias;
     j["mlp_bias"] = c.mlp_bias;
+  }
+  if (family.always_windowed || c.sliding_window)
+    j["sliding_window"] = c.sliding_window ? nlohmann::ordered_json(*c.sliding_window) : nlohmann::ordered_json();
+  // (Phi3's attention reads the length its longrope switches at from the top level)
+  if (c.rope.type == "longrope") j["original_max_position_embeddings"] = c.rope.original_max_position;
+  if (!c.sliding_layers.empty()) {
+    nlohmann::ordered_json types = nlohmann::ordered_json::array();
+    for (const bool s : c.sliding_layers) types.push_back(s ? "sliding_attention" : "full_attention");
+    j["layer_types"] = types;
+  }
+  if (c.gemma) {
+    j.erase("hidden_act");
+    j["hidden_activation"] = c.activation;
+    const double scalar = c.query_pre_attn_scalar.value_or(256.0);  // an int in transformers' config class
+    j["query_pre_attn_scalar"] = scalar == std::floor(scalar) ? nlohmann::ordered_json(static_cast<int64_t>(scalar))
+                                                              : nlohmann::ordered_json(scalar);
+    j["attn_logit_softcapping"] = c.attn_softcap ? nlohmann::ordered_json(*c.attn_softcap) : nlohmann::ordered_json();
+    j["final_logit_softcapping"] =
+        c.logit_softcap ? nlohmann::ordered_json(*c.logit_softcap) : nlohmann::ordered_json();
   }
   return j;
 }

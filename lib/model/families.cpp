@@ -24,17 +24,19 @@ constexpr std::array<FamilyTraits, 9> kFamilies = {{
     {.model_type = "qwen3", .hf_class = "Qwen3ForCausalLM", .gguf = "qwen3", .qk_norm = true},
     {.model_type = "gemma2",
      .hf_class = "Gemma2ForCausalLM",
+     .gguf = "gemma2",
      .gemma = true,
      .always_windowed = true,
      .global_every = 2},
     {.model_type = "gemma3_text",
      .hf_class = "Gemma3ForCausalLM",
+     .gguf = "gemma3",
      .qk_norm = true,
      .gemma = true,
      .always_windowed = true,
      .global_every = 6,  // sliding_window_pattern's default
      .local_rope = true},
-    {.model_type = "phi3", .hf_class = "Phi3ForCausalLM", .fused = true, .always_windowed = true},
+    {.model_type = "phi3", .hf_class = "Phi3ForCausalLM", .gguf = "phi3", .fused = true, .always_windowed = true},
     {.model_type = "opt", .hf_class = "OPTForCausalLM", .family = Family::Opt},
     {.model_type = "gpt2", .hf_class = "GPT2LMHeadModel", .gguf = "gpt2", .family = Family::Gpt2},
 }};
@@ -49,7 +51,9 @@ std::string listed(std::string_view name(const FamilyTraits&)) {
 }
 
 // What GGUF output can be: llama.cpp's llama-like architectures.
-bool gguf_writable(const FamilyTraits& f) { return !f.gguf.empty() && f.family == Family::Llama; }
+bool gguf_writable(const FamilyTraits& f) {
+  return !f.gguf.empty() && f.family == Family::Llama && !f.gemma && !f.fused;
+}
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include <span>
@@ -48,6 +49,93 @@ void check_sizes(const io::GgufFile& f, const ModelConfig& c) {
                     c.num_kv_heads, c.head_dim));
 }
 
+// A float32 vector tensor of the file (rope_freqs, rope_factors_*) of `n` values, or empty when absent.
+std::vector<double> factor_tensor(const io::GgufFile& f, const char* name, size_t n) {
+  const io::GgufTensorInfo* t = f.find(name);
+  if (!t) return {};
+  if (t->dims.size() != 1 || static_cast<size_t>(t->numel()) != n)
+    throw Error(
+        fmt::format("{}: '{}' holds {} values but the rotary embedding has {} frequencies; re-convert the model",
+                    f.path(), name, t->numel(), n));
+  const at::Tensor v = dequantize(f, *t);
+  return {v.data_ptr<float>(), v.data_ptr<float>() + n};
+}
+
+// llama.cpp's gemma2/gemma3: what the file does not say is what llama.cpp assumes — queries
+// scaled by head_dim (by hidden/heads for the 27B models, told by their layer count), every 2nd
+// (gemma2) or 6th (gemma3) layer global unless attention.sliding_window_pattern says otherwise,
+// and gemma3's windowed layers on rope base 10000 unless rope.freq_base_swa is given.
+void gemma_config(const io::GgufFile& f, const std::string& arch, ModelConfig& c) {
+  const auto key = [&arch](const char* k) { return arch + "." + k; };
+  c.gemma = true;
+  c.activation = "gelu_pytorch_tanh";
+  const bool large = c.num_layers == (arch == "gemma2" ? 46 : 62);
+  c.query_pre_attn_scalar = static_cast<double>(large ? c.hidden_size / c.num_heads : c.head_dim);
+  if (arch == "gemma2") {
+    c.attn_softcap = f.get_float(key("attn_logit_softcapping"), 50.0);
+    c.logit_softcap = f.get_float(key("final_logit_softcapping"), 30.0);
+  } else if (f.has(key("final_logit_softcapping")) && f.get_float(key("final_logit_softcapping")) > 0) {
+    c.logit_softcap = f.get_float(key("final_logit_softcapping"));
+  }
+  const int64_t window = f.get_int(key("attention.sliding_window"), arch == "gemma2" ? 4096 : 0);
+  if (window <= 0) return;
+  c.sliding_window = window;
+  c.sliding_layers.clear();
+  const io::GgufValue* pattern = f.find_key(key("attention.sliding_window_pattern"));
+  if (pattern && pattern->type == io::GgufType::Array) {
+    for (const int64_t s : f.get_ints(key("attention.sliding_window_pattern"))) c.sliding_layers.push_back(s != 0);
+    if (static_cast<int64_t>(c.sliding_layers.size()) != c.num_layers)
+      throw Error(fmt::format("{}: {} has {} entries for {} layers; re-convert the model", f.path(),
+                              key("attention.sliding_window_pattern"), c.sliding_layers.size(), c.num_layers));
+  } else {
+    const int64_t every = f.get_int(key("attention.sliding_window_pattern"), arch == "gemma2" ? 2 : 6);
+    if (every <= 0)
+      throw Error(
+          fmt::format("{}: {} is {}; it must be positive", f.path(), key("attention.sliding_window_pattern"), every));
+    for (int64_t i = 0; i < c.num_layers; ++i) c.sliding_layers.push_back(i % every < every - 1);
+  }
+  if (arch == "gemma3") c.local_rope_theta = f.get_float(key("rope.freq_base_swa"), 10000.0);
+}
+
+// Rotary scaling from the metadata and the factor tensors llama.cpp's converter writes: linear;
+// phi3's longrope (rope_factors_long/short, switching past rope.scaling.original_context_length);
+// llama 3.x's rope_freqs (one divisor per frequency: longrope with one set that never switches).
+void rope_config(const io::GgufFile& f, const std::string& arch, ModelConfig& c) {
+  const auto key = [&arch](const char* k) { return arch + "." + k; };
+  const std::string scaling = f.get_string(key("rope.scaling.type"), "none");
+  const auto n = static_cast<size_t>(c.head_dim * c.partial_rotary) / 2;
+  if (scaling == "linear") {
+    c.rope.type = "linear";
+    c.rope.factor = f.get_float(key("rope.scaling.factor"));
+  } else if (scaling != "none" && scaling != "longrope") {
+    throw Error(
+        fmt::format("{}: rope scaling '{}' is not supported (none, linear, longrope)", f.path(), printable(scaling)));
+  }
+  std::vector<double> freqs = factor_tensor(f, "rope_freqs.weight", n);
+  std::vector<double> long_factor = factor_tensor(f, "rope_factors_long.weight", n);
+  std::vector<double> short_factor = factor_tensor(f, "rope_factors_short.weight", n);
+  if (!freqs.empty() && (!long_factor.empty() || scaling == "linear"))
+    throw Error(fmt::format("{}: rope_freqs together with other rope scaling is not supported", f.path()));
+  if (long_factor.empty() != short_factor.empty())
+    throw Error(
+        fmt::format("{}: rope_factors_long and rope_factors_short come together; re-convert the model", f.path()));
+  if (!freqs.empty()) {
+    c.rope.type = "longrope";
+    c.rope.short_factor = c.rope.long_factor = std::move(freqs);
+    c.rope.original_max_position = c.max_positions;
+    c.rope.attention_factor = 1.0;
+  } else if (!long_factor.empty()) {
+    c.rope.type = "longrope";
+    c.rope.short_factor = std::move(short_factor);
+    c.rope.long_factor = std::move(long_factor);
+    c.rope.original_max_position = f.get_int(key("rope.scaling.original_context_length"), c.max_positions);
+    const double scale = static_cast<double>(c.max_positions) / c.rope.original_max_position;
+    c.rope.attention_factor =
+        f.get_float(key("rope.scaling.attn_factor"),
+                    scale <= 1.0 ? 1.0 : std::sqrt(1 + std::log(scale) / std::log(c.rope.original_max_position)));
+  }
+}
+
 ModelConfig llama_config(const io::GgufFile& f, const FamilyTraits& family) {
   const std::string arch(family.gguf);
   const auto key = [&arch](const char* k) { return arch + "." + k; };
@@ -69,20 +157,21 @@ ModelConfig llama_config(const io::GgufFile& f, const FamilyTraits& family) {
                     "re-convert the model",
                     f.path(), printable(arch), c.num_heads, c.num_kv_heads));
   const int64_t rope_dim = f.get_int(key("rope.dimension_count"), c.head_dim);
-  if (rope_dim != c.head_dim)
+  if (family.fused && rope_dim > 0 && rope_dim <= c.head_dim && rope_dim % 2 == 0)  // phi3: partial rotary
+    c.partial_rotary = static_cast<double>(rope_dim) / static_cast<double>(c.head_dim);
+  else if (rope_dim != c.head_dim)
     throw Error(
         fmt::format("{}: rotary dimension {} differs from the head dimension {}: partial rotary embeddings "
-                    "are not supported",
-                    f.path(), rope_dim, c.head_dim));
-  const std::string scaling = f.get_string(key("rope.scaling.type"), "none");
-  if (scaling == "linear") {
-    c.rope.type = "linear";
-    c.rope.factor = f.get_float(key("rope.scaling.factor"));
-  } else if (scaling != "none") {
-    throw Error(fmt::format("{}: rope scaling '{}' is not supported (none, linear)", f.path(), scaling));
-  }
+                    "are not supported for {}",
+                    f.path(), rope_dim, c.head_dim, printable(arch)));
   c.qkv_bias = family.qkv_bias;
   c.qk_norm = family.qk_norm;
+  c.fused = family.fused;
+  if (family.gemma) gemma_config(f, arch, c);
+  if (family.fused) {  // phi3: a window of 0 is none (Phi-4)
+    if (const int64_t window = f.get_int(key("attention.sliding_window"), 0); window > 0) c.sliding_window = window;
+  }
+  rope_config(f, arch, c);
   return c;
 }
 
@@ -162,7 +251,7 @@ ModelConfig gguf_config(const io::GgufFile& f) {
   return c;
 }
 
-std::string gguf_tensor_name(const std::string& hf_name) {
+std::string gguf_tensor_name(const std::string& hf_name, bool gemma) {
   static const std::pair<const char*, const char*> kTop[] = {
       {"model.embed_tokens.weight", "token_embd.weight"},
       {"model.norm.weight", "output_norm.weight"},
@@ -176,17 +265,20 @@ std::string gguf_tensor_name(const std::string& hf_name) {
     if (hf_name == hf) return gguf;
   // "<prefix><layer>.<module>.<weight|bias>", llama's and gpt2's layer modules.
   static const std::pair<const char*, const char*> kLlama[] = {
-      {"self_attn.q_proj", "attn_q"},
-      {"self_attn.k_proj", "attn_k"},
-      {"self_attn.v_proj", "attn_v"},
-      {"self_attn.o_proj", "attn_output"},
-      {"mlp.gate_proj", "ffn_gate"},
-      {"mlp.up_proj", "ffn_up"},
-      {"mlp.down_proj", "ffn_down"},
-      {"input_layernorm", "attn_norm"},
-      {"post_attention_layernorm", "ffn_norm"},
-      {"self_attn.q_norm", "attn_q_norm"},
-      {"self_attn.k_norm", "attn_k_norm"},
+      {"self_attn.q_proj", "attn_q"},      {"self_attn.k_proj", "attn_k"},
+      {"self_attn.v_proj", "attn_v"},      {"self_attn.o_proj", "attn_output"},
+      {"self_attn.qkv_proj", "attn_qkv"},  // phi3's fused ones
+      {"mlp.gate_up_proj", "ffn_up"},      {"mlp.gate_proj", "ffn_gate"},
+      {"mlp.up_proj", "ffn_up"},           {"mlp.down_proj", "ffn_down"},
+      {"input_layernorm", "attn_norm"},    {"post_attention_layernorm", "ffn_norm"},
+      {"self_attn.q_norm", "attn_q_norm"}, {"self_attn.k_norm", "attn_k_norm"},
+  };
+  // Gemma's four norms a layer: the one after attention is llama's "post_attention_layernorm" by
+  // name only (llama's sits before the MLP, as Gemma's pre_feedforward_layernorm does).
+  static const std::pair<const char*, const char*> kGemma[] = {
+      {"post_attention_layernorm", "post_attention_norm"},
+      {"pre_feedforward_layernorm", "ffn_norm"},
+      {"post_feedforward_layernorm", "post_ffw_norm"},
   };
   static const std::pair<const char*, const char*> kGpt2[] = {
       {"ln_1", "attn_norm"}, {"attn.c_attn", "attn_qkv"}, {"attn.c_proj", "attn_output"},
@@ -203,9 +295,9 @@ std::string gguf_tensor_name(const std::string& hf_name) {
   const std::string suffix = hf_name.substr(last + 1);
   if (layer.empty() || layer.find_first_not_of("0123456789") != std::string::npos) return "";
   using Modules = std::span<const std::pair<const char*, const char*>>;
-  const Modules modules = gpt2 ? Modules(kGpt2) : Modules(kLlama);
-  for (const auto& [hf, g] : modules)
-    if (module == hf) return fmt::format("blk.{}.{}.{}", layer, g, suffix);
+  for (const Modules modules : {gemma ? Modules(kGemma) : Modules(), gpt2 ? Modules(kGpt2) : Modules(kLlama)})
+    for (const auto& [hf, g] : modules)
+      if (module == hf) return fmt::format("blk.{}.{}.{}", layer, g, suffix);
   return "";
 }
 
@@ -213,12 +305,12 @@ GgufWeights::GgufWeights(std::shared_ptr<const io::GgufFile> file, const ModelCo
     : file_(std::move(file)), config_(config) {}
 
 bool GgufWeights::contains(const std::string& name) const {
-  const std::string g = gguf_tensor_name(name);
+  const std::string g = gguf_tensor_name(name, config_.gemma);
   return !g.empty() && file_->find(g) != nullptr;
 }
 
 const io::GgufTensorInfo& GgufWeights::tensor(const std::string& name, std::string& g) const {
-  g = gguf_tensor_name(name);
+  g = gguf_tensor_name(name, config_.gemma);
   const io::GgufTensorInfo* t = g.empty() ? nullptr : file_->find(g);
   if (!t)
     throw Error(fmt::format("{} has no tensor '{}' (the model's {}): it is not a complete {} model", file_->path(),
@@ -253,7 +345,8 @@ at::Tensor GgufWeights::load(const std::string& name, at::ScalarType dtype, at::
   std::vector<int64_t> hf_shape = t.torch_shape();
   if (conv1d) std::swap(hf_shape[0], hf_shape[1]);
   check_shape(g, hf_shape, shape);
-  at::Tensor w = dequantize(*file_, t);  // float32, the one temporary
+  at::Tensor w = dequantize(*file_, t);                        // float32, the one temporary
+  if (config_.gemma && g.ends_with("norm.weight")) w.sub_(1);  // llama.cpp's converter stores Gemma's 1 + weight
   const int64_t heads = permuted_heads(g);
   if (!heads && !conv1d && dtype == at::kFloat && device.is_cpu()) return w;
   at::Tensor src = w;
@@ -294,8 +387,11 @@ GgufBlocks GgufWeights::blocks(const std::string& name, at::ScalarType dtype, at
 }
 
 void GgufWeights::check_all_used() const {
+  // (the rotary factor tensors are the config's: gguf_config has read them)
+  static const std::set<std::string> kConfig = {"rope_freqs.weight", "rope_factors_long.weight",
+                                                "rope_factors_short.weight"};
   for (const io::GgufTensorInfo& t : file_->tensors())
-    if (!used_.count(t.name))
+    if (!used_.count(t.name) && !(config_.family == Family::Llama && kConfig.count(t.name)))
       throw Error(
           fmt::format("{}: tensor '{}' has no place in the {} model lorarun builds from this file (an "
                       "unsupported variant of the architecture)",

@@ -25,9 +25,9 @@ at::Tensor dequantize(const io::GgufFile& file, const std::string& name);
 bool is_gguf_path(const std::string& path);
 
 // The config of a GGUF model from its metadata (<arch>.block_count, .embedding_length, ...), as
-// transformers' GGUF loader reads it: architectures llama (mistral is llama in GGUF), qwen2 and
-// gpt2; the vocabulary is token_embd's rows, the embeddings are tied when there is no output.weight.
-// lorarun::Error naming the architecture and the supported ones, or the missing key.
+// llama.cpp reads it: architectures llama (mistral is llama in GGUF; rope_freqs as llama 3.x
+// writes it), qwen2, qwen3, gemma2, gemma3, phi3 and gpt2; the vocabulary is token_embd's rows, the embeddings are tied
+// when there is no output.weight. lorarun::Error naming the architecture and the supported ones, or the missing key.
 ModelConfig gguf_config(const io::GgufFile& file);
 
 // A GGUF model's tensors under the names CausalLM asks for (token_embd.weight is
@@ -61,7 +61,7 @@ class GgufWeights : public WeightSource {
 };
 
 // The GGUF name of a HF weight name ("model.layers.3.mlp.up_proj.weight" -> "blk.3.ffn_up.weight"),
-// or "" when GGUF has no such tensor.
-std::string gguf_tensor_name(const std::string& hf_name);
+// or "" when GGUF has no such tensor; `gemma`: Gemma's layer norms (gemma2, gemma3).
+std::string gguf_tensor_name(const std::string& hf_name, bool gemma = false);
 
 }  // namespace lorarun::model

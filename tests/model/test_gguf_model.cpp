@@ -8,6 +8,7 @@
 #include <string>
 
 #include "model/export.hpp"
+#include "model/generate.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
 #include "support/oracle.hpp"
@@ -42,8 +43,10 @@ std::string load_error(const std::string& path) {
 }
 
 // Writes transformers' logits for `file` to DIR/reference.safetensors (gguf_model_check.py logits)
-// and returns the largest |difference| from `m`'s on the real tokens of that padded batch.
-double max_logit_diff_to_transformers(const CausalLM& m, const std::string& file, const std::string& dir) {
+// and returns the largest |difference| from `m`'s on the real tokens of that padded batch; with
+// `greedy`, also whether m's 12 greedy ids after the batch's first 5 are transformers'.
+double max_logit_diff_to_transformers(const CausalLM& m, const std::string& file, const std::string& dir,
+                                      bool* greedy = nullptr) {
   const std::string ref_path = dir + "/reference.safetensors";
   const test::Oracle ref = gguf_model_check(fmt::format("logits '{}' '{}'", file, ref_path));
   INFO(ref.run.output);
@@ -57,6 +60,14 @@ double max_logit_diff_to_transformers(const CausalLM& m, const std::string& file
   const at::Tensor logits = m.forward(ids, mask);
   const at::Tensor real = mask.to(at::kBool);
   REQUIRE(real.sum().item<int64_t>() == 32);  // 16 + 11 + 5 real tokens
+  if (greedy) {
+    const at::Tensor first = ids[0].slice(0, 0, 5).contiguous();
+    const std::vector<int64_t> prompt(first.data_ptr<int64_t>(), first.data_ptr<int64_t>() + 5);
+    GenerateOptions greedy_12;
+    greedy_12.max_new_tokens = 12;  // greedy, no eos
+    const std::vector<int64_t> ours = generate(m, prompt, greedy_12);
+    *greedy = ours == ref.fields.at("greedy").get<std::vector<int64_t>>();
+  }
   return (logits.index({real}) - expected.index({real})).abs().max().item<double>();
 }
 
@@ -118,6 +129,47 @@ TEST_CASE(
       CHECK(half_weights[i].second.scalar_type() == at::kBFloat16);
       CHECK(at::equal(half_weights[i].second, full_weights[i].second.to(at::kBFloat16)));
     }
+  }
+}
+
+TEST_CASE(
+    "gguf: llama 3.x (rope_freqs), gemma2, gemma3 and phi3 (also longrope, partial rotary) files as llama.cpp's "
+    "converter writes them give the logits and greedy ids of the transformers model they came from",
+    "[gguf][reference]") {
+  const std::string root = test::temp_dir("gguf-model-families");
+  for (const std::string name : {"llama3", "gemma2", "gemma3", "phi3", "phi3_longrope"}) {
+    INFO(name);
+    const std::string dir = root + "/" + name;
+    const test::Oracle made = gguf_model_check(fmt::format("family {} '{}'", name, dir));
+    INFO(made.run.output);
+    REQUIRE(made.run.status == 0);
+    const CausalLM m = CausalLM::load(dir + "/model.gguf", at::kFloat, at::kCPU);
+    const CausalLM hf = CausalLM::load(dir + "/hf", at::kFloat, at::kCPU);
+    const ModelConfig& c = m.config();
+    CHECK(c.model_type == made.fields.at("model_type").get<std::string>());
+    CHECK(c.gemma == hf.config().gemma);
+    CHECK(c.query_pre_attn_scalar == hf.config().query_pre_attn_scalar);
+    CHECK(c.sliding_window == hf.config().sliding_window);
+    CHECK(c.partial_rotary == hf.config().partial_rotary);
+    CHECK(c.tie_word_embeddings == hf.config().tie_word_embeddings);
+    bool greedy = false;
+    const double diff = max_logit_diff_to_transformers(m, dir + "/hf", dir, &greedy);
+    CHECK(diff <= 1e-4);
+    CHECK(greedy);
+    // transformers' own GGUF loading reads neither rope_freqs nor phi3's longrope and partial rotary
+    // (it runs those files unscaled): there the model it came from is the reference.
+    const double as_gguf = max_logit_diff_to_transformers(m, dir + "/model.gguf", dir);
+    const bool unscaled = name == "llama3" || name == "phi3_longrope";
+    if (!unscaled) CHECK(as_gguf <= 1e-4);
+    // Written out as a HF directory (config.json from the metadata), transformers loads the same model.
+    export_hf_model(m, dir + "/out-hf", at::kFloat, int64_t{1} << 40);
+    const double exported = max_logit_diff_to_transformers(m, dir + "/out-hf", dir);
+    CHECK(exported <= 1e-4);
+    fmt::print(
+        "gguf: {} fp32: max |logit diff| vs transformers on the HF model {:.3g}, on the GGUF {:.3g}{}, on our HF "
+        "export {:.3g}; greedy {}\n",
+        name, diff, as_gguf, unscaled ? " (transformers leaves the rope scaling out)" : "", exported,
+        greedy ? "identical" : "DIFFERENT");
   }
 }
 

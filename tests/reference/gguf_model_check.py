@@ -3,7 +3,8 @@
   gguf_model_check.py logits FILE.gguf OUT.safetensors
       loads FILE with transformers' own GGUF loader (AutoModelForCausalLM.from_pretrained(dir,
       gguf_file=name), dequantised by the `gguf` package, float32), or FILE a model directory and writes to OUT a right-padded
-      batch of fixed token ids (input_ids, attention_mask) and its logits; reports the seconds taken.
+      batch of fixed token ids (input_ids, attention_mask) and its logits; reports the seconds taken
+      and `greedy`: 12 greedy ids continuing the batch's first 5 ids.
   gguf_model_check.py generate FILE PROMPT_FILE N [ADAPTER_DIR]
       transformers' greedy continuation of the text in PROMPT_FILE (its GGUF tokenizer, special
       tokens added as it adds them) by at most N tokens, with the PEFT adapter ADAPTER_DIR loaded
@@ -18,6 +19,14 @@
       stored as llama.cpp's converter stores them: any row order is valid, since transformers and
       lorarun both read Q and K rows back the same way (`logits` on the file is the reference).
 
+  gguf_model_check.py family NAME DIR
+      a random transformers model of family NAME (llama3: Llama 3.1 rope scaling; gemma2; gemma3 (text,
+      6 layers, the 6th global); phi3; phi3_longrope: longrope factors and partial rotary 0.75) saved
+      to DIR/hf, and DIR/model.gguf converted from it as llama.cpp's convert_hf_to_gguf.py converts
+      that family (Q/K rows permuted for llama, rope_freqs from the llama3 scaling, Gemma's norms
+      stored plus one, phi3's fused qkv and gate_up, rope_factors_long/short); F32 tensors, and a
+      one-letter-a-token vocabulary.
+
   gguf_model_check.py quantized FILE TYPE
       writes a tiny llama (hidden 256) whose linears are of ggml type TYPE (F16, BF16, Q4_0 … Q8_0,
       Q2_K … Q6_K): weights quantised by gguf-py, or random K-quant blocks with small scales;
@@ -25,6 +34,7 @@
 
 Results are reported on marked lines (oracle.report); transformers' warnings and progress are not read.
 """
+import math
 import os
 import sys
 import time
@@ -56,8 +66,11 @@ def logits(path, out):
     ids[mask == 0] = 0
     with torch.no_grad():
         got = model(input_ids=ids, attention_mask=mask).logits
+        greedy = ids[0, :5].tolist()  # 12 greedy steps from row 0's first 5 ids, without a cache or an eos
+        for _ in range(12):
+            greedy.append(int(model(input_ids=torch.tensor([greedy])).logits[0, -1].argmax()))
     save_file({"input_ids": ids, "attention_mask": mask, "logits": got.contiguous()}, out)
-    report(written=out, load_seconds=loaded, seconds=time.time() - start, vocab_size=vocab,
+    report(written=out, greedy=greedy[5:], load_seconds=loaded, seconds=time.time() - start, vocab_size=vocab,
            num_hidden_layers=model.config.num_hidden_layers, tie_word_embeddings=model.config.tie_word_embeddings)
 
 
@@ -132,6 +145,156 @@ def make(path, arch, drop, changes=()):
     w.write_tensors_to_file()
     w.close()
     report(written=path)
+
+
+# Tiny configs GGUF can say in full: what llama.cpp does not store (query_pre_attn_scalar, the
+# local rope base, the window pattern) is what it assumes (head_dim, 10000, every 2nd / 6th global).
+FAMILY_CONFIGS = {
+    "llama3": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+                                   rope_theta=500000.0,
+                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "gemma2": ("Gemma2Config", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                                    max_position_embeddings=64, sliding_window=6, attn_implementation="eager")),
+    "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                        query_pre_attn_scalar=256, max_position_embeddings=64, sliding_window=5,
+                                        rope_theta=1000000.0)),
+    "phi3": ("Phi3Config", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, rope_theta=10000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "phi3_longrope": ("Phi3Config", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, original_max_position_embeddings=8, tie_word_embeddings=False, resid_pdrop=0.0,
+        embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.5], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+                         "original_max_position_embeddings": 8})),
+}
+FAMILY_VOCAB = 64
+
+
+def family(name, out):
+    import torch
+    import transformers
+
+    config_class, kwargs = FAMILY_CONFIGS[name]
+    config = getattr(transformers, config_class)(vocab_size=FAMILY_VOCAB, **kwargs)
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms away from their init (Gemma's zeros, the others' ones): the +1 shows
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(os.path.join(out, "hf"))
+    convert(model, name, os.path.join(out, "model.gguf"))
+    report(written=out, model_type=model.config.model_type)
+
+
+def convert(model, name, path):
+    """llama.cpp's converter for these families, written with gguf-py (F32)."""
+    import gguf
+    import torch
+
+    c = model.config
+    arch = {"llama3": "llama", "phi3_longrope": "phi3"}.get(name, name)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    extra = {}
+    if arch == "llama":
+        w.add_rope_dimension_count(head_dim)
+        w.add_vocab_size(c.vocab_size)
+        # LlamaModel.generate_extra_tensors: the llama3 scaling as one divisor per frequency
+        base, factor = rope["rope_theta"], rope["factor"]
+        low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+        freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        factors = []
+        for f in freqs:
+            wavelen = 2 * math.pi / f
+            if wavelen < old / high:
+                factors.append(1)
+            elif wavelen > old / low:
+                factors.append(factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        extra["rope_freqs.weight"] = torch.tensor(factors, dtype=torch.float32)
+    if arch in ("gemma2", "gemma3"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(c.sliding_window)
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
+        elif "sliding_attention" in c.rope_parameters:
+            w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
+    if arch == "phi3":
+        rot = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
+        w.add_rope_dimension_count(int(rot * c.hidden_size) // c.num_attention_heads)
+        w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", c.max_position_embeddings))
+        w.add_sliding_window(c.sliding_window or 0)
+        if rope.get("long_factor"):
+            scale = c.max_position_embeddings / rope["original_max_position_embeddings"]
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])) if scale > 1 else 1.0)
+            extra["rope_factors_long.weight"] = torch.tensor(rope["long_factor"], dtype=torch.float32)
+            extra["rope_factors_short.weight"] = torch.tensor(rope["short_factor"], dtype=torch.float32)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(0x100 + i) for i in range(c.vocab_size)])
+    w.add_token_types([1] * c.vocab_size)
+    w.add_token_merges([])
+    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                     ("pad_token_id", w.add_pad_token_id)):  # the converter's special vocabulary
+        if isinstance(getattr(c, key, None), int) and getattr(c, key) < c.vocab_size:
+            add(getattr(c, key))
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    if arch in ("gemma2", "gemma3"):
+        layer.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"})
+    else:
+        layer["post_attention_layernorm"] = "ffn_norm"
+
+    def permute(t, heads):  # LlamaModel.permute
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    for hf, t in model.state_dict().items():
+        if hf == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        module, suffix = hf.rsplit(".", 1)
+        if module in names:
+            g = f"{names[module]}.{suffix}"
+        else:
+            _, _, i, rest = module.split(".", 3)
+            g = f"blk.{i}.{layer[rest]}.{suffix}"
+        t = t.detach().to(torch.float32)
+        if arch == "llama" and g.endswith(".attn_q.weight"):
+            t = permute(t, c.num_attention_heads)
+        if arch == "llama" and g.endswith(".attn_k.weight"):
+            t = permute(t, c.num_key_value_heads)
+        if arch in ("gemma2", "gemma3") and g.endswith("norm.weight"):
+            t = t + 1
+        w.add_tensor(g, t.contiguous().numpy())
+    for g, t in extra.items():
+        w.add_tensor(g, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 # K-quant blocks (256 elements): where their float16 scales d (and dmin) sit, in bytes
@@ -229,6 +392,8 @@ def main():
     if mode == "make":
         return make(sys.argv[2], sys.argv[3].encode().decode("unicode_escape"), sys.argv[4] if len(sys.argv) > 4 else "",
                     sys.argv[5:])
+    if mode == "family":
+        return family(sys.argv[2], sys.argv[3])
     if mode == "quantized":
         return quantized(sys.argv[2], sys.argv[3])
     sys.exit(f"unknown mode {mode!r}")
