@@ -137,11 +137,50 @@ struct Built {
   bool add_bos = false, add_eos = false;
 };
 
+// What transformers builds from a vocabulary, by tokenizer.ggml.model and, for SentencePiece
+// files, the architecture (its GGUF_SENTENCEPIECE_BUILDERS): GPT2Tokenizer, LlamaTokenizer,
+// GemmaTokenizer (gemma, gemma2, gemma3), and phi3's LlamaTokenizer with a prepending normalizer.
+enum class Kind { ByteLevel, Llama, Gemma, Phi3 };
+
+Kind kind_of(const GgufVocab& v) {
+  if (v.model == "gpt2") return Kind::ByteLevel;
+  if (v.architecture == "gemma" || v.architecture == "gemma2" || v.architecture == "gemma3") return Kind::Gemma;
+  if (v.architecture == "phi3") return Kind::Phi3;
+  return Kind::Llama;
+}
+
 // The tokens every file of this kind gets as special ones when present (the defaults of the
-// transformers class that builds it: GPT2Tokenizer, LlamaTokenizer).
-std::vector<std::string> default_specials(bool byte_level) {
-  if (byte_level) return {"<|endoftext|>"};
+// transformers class that builds it).
+std::vector<std::string> default_specials(Kind kind) {
+  if (kind == Kind::ByteLevel) return {"<|endoftext|>"};
+  if (kind == Kind::Gemma) return {"<unk>", "<bos>", "<eos>", "<pad>", "<mask>"};
   return {"<unk>", "<s>", "</s>"};
+}
+
+// Python's str.isspace() for one code point.
+bool python_space(char32_t c) {
+  return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f) || c == 0x85 || c == 0xa0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f || c == 0x205f || c == 0x3000;
+}
+
+// Gemma files store a token of spaces as real spaces, which GemmaTokenizer looks up as "▁"s: a
+// token of whitespace holding a space is respelled as that many "▁" (transformers' gemma_tokenizer);
+// with no merges in the file, they are rebuilt with the file's order as the score.
+GgufVocab gemma_respelled(const GgufVocab& v) {
+  GgufVocab g = v;
+  for (std::string& t : g.tokens) {
+    size_t n = 0;
+    bool spaces = !t.empty() && t.find(' ') != std::string::npos;
+    for (size_t i = 0; spaces && i < t.size(); ++n) spaces = python_space(unicode::next_cp(t, i));
+    if (!spaces) continue;
+    t.clear();
+    for (size_t k = 0; k < n; ++k) t += "\u2581";
+  }
+  if (g.merges.empty()) {
+    g.scores.resize(g.tokens.size());
+    for (size_t i = 0; i < g.scores.size(); ++i) g.scores[i] = -static_cast<double>(i);
+  }
+  return g;
 }
 
 std::string token_at(const GgufVocab& v, const std::optional<int64_t>& id, const char* key) {
@@ -151,8 +190,10 @@ std::string token_at(const GgufVocab& v, const std::optional<int64_t>& id, const
   return id ? v.tokens[static_cast<size_t>(*id)] : std::string();
 }
 
-Built build(const GgufVocab& v) {
-  const bool byte_level = v.model == "gpt2";
+Built build(const GgufVocab& file) {
+  const Kind kind = kind_of(file);
+  const GgufVocab& v = kind == Kind::Gemma ? gemma_respelled(file) : file;
+  const bool byte_level = kind == Kind::ByteLevel;
   if (!byte_level && v.model != "llama")
     throw Error(fmt::format(
         "{}: tokenizer.ggml.model '{}' is not supported; supported: gpt2 (byte-level BPE), llama (SentencePiece BPE)",
@@ -165,15 +206,24 @@ Built build(const GgufVocab& v) {
     throw Error(fmt::format("{}: tokenizer.ggml.scores has {} entries for {} tokens (and there are no merges)",
                             v.source, v.scores.size(), v.tokens.size()));
 
-  // Later duplicates win, as in a Python dict built from the list.
+  // Later duplicates win, as in a Python dict built from the list. (The JSON object is filled as
+  // the vector it is: its own insertion searches every key before it, quadratic in a 262k vocabulary.)
   std::unordered_map<std::string, int64_t> vocab;
-  ordered_json vocab_json = ordered_json::object();
+  std::unordered_map<std::string, size_t> slot;  // where each token sits in `entries`
+  ordered_json::object_t entries;
+  using Entries = std::vector<std::pair<const std::string, ordered_json>>;
   for (size_t i = 0; i < v.tokens.size(); ++i) {
     const std::string& t = v.tokens[i];
     std::string spelled = byte_level && !spelled_in_bytes(t) ? respelled(t) : t;
     vocab.insert_or_assign(spelled, static_cast<int64_t>(i));
-    vocab_json[spelled] = static_cast<int64_t>(i);
+    const auto [at, fresh] = slot.try_emplace(spelled, entries.size());
+    if (fresh)
+      static_cast<Entries&>(entries).emplace_back(std::move(spelled), static_cast<int64_t>(i));
+    else
+      static_cast<Entries&>(entries)[at->second].second = static_cast<int64_t>(i);
   }
+  ordered_json vocab_json = ordered_json::object();
+  vocab_json.get_ref<ordered_json::object_t&>() = std::move(entries);
   ordered_json merges = ordered_json::array();
   if (!v.merges.empty()) {
     for (const std::string& m : v.merges) {
@@ -204,13 +254,17 @@ Built build(const GgufVocab& v) {
     auto [at, fresh] = added.try_emplace(it->second, added_token(t, it->second, special));
     if (!fresh && special) at->second["special"] = true;
   };
-  for (const std::string& t : default_specials(byte_level)) add(t, true);
+  for (const std::string& t : default_specials(kind)) add(t, true);
   for (size_t i = 0; i < v.token_types.size(); ++i)
     if (v.token_types[i] == kControl && (!byte_level || spelled_in_bytes(v.tokens[i]))) add(v.tokens[i], true);
   for (const auto* t : {&b.bos, &b.eos, &b.unk, &b.pad})
     if (*t) add(**t, true);
+  // User-defined tokens come last and as plain ones, also over a class default (Gemma 3's <mask>).
   for (size_t i = 0; i < v.token_types.size(); ++i)
-    if (v.token_types[i] == kUserDefined) add(v.tokens[i], false);
+    if (v.token_types[i] == kUserDefined) {
+      add(v.tokens[i], false);
+      if (auto it = vocab.find(v.tokens[i]); it != vocab.end()) added.at(it->second)["special"] = false;
+    }
 
   ordered_json& j = b.tokenizer;
   j["version"] = "1.0";
@@ -231,14 +285,23 @@ Built build(const GgufVocab& v) {
                                : byte_level_step(true);
     j["decoder"] = byte_level_step(true);
   } else {
-    j["pre_tokenizer"] = {
-        {"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "first"}, {"split", false}};
-    j["decoder"] = {{"type", "Sequence"},
-                    {"decoders",
-                     {{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
-                      {{"type", "ByteFallback"}},
-                      {{"type", "Fuse"}},
-                      {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}};
+    const ordered_json spaces = {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}};
+    if (kind == Kind::Gemma) {
+      j["normalizer"] = spaces;
+      j["pre_tokenizer"] = {
+          {"type", "Split"}, {"pattern", {{"String", " "}}}, {"behavior", "MergedWithPrevious"}, {"invert", false}};
+    } else if (kind == Kind::Phi3) {
+      j["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "Prepend"}, {"prepend", "\u2581"}}, spaces}}};
+      j["pre_tokenizer"] = nullptr;
+    } else {
+      j["pre_tokenizer"] = {
+          {"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "first"}, {"split", false}};
+    }
+    ordered_json steps = {{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
+                          {{"type", "ByteFallback"}},
+                          {{"type", "Fuse"}}};
+    if (kind != Kind::Gemma) steps.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+    j["decoder"] = {{"type", "Sequence"}, {"decoders", steps}};
   }
   ordered_json single = ordered_json::array(), specials = ordered_json::object();
   auto special = [&](const std::optional<std::string>& t) {

@@ -152,14 +152,19 @@ VARIANTS = {
 }
 
 
-# name: (fixture, tokenizer.ggml.model, tokenizer.ggml.pre, tokenizer.ggml.add_bos_token), or None
-# for the real SmolLM2 file (gpt2 model, pre "smollm", 17 control tokens).
+# name: (fixture, tokenizer.ggml.model, tokenizer.ggml.pre, tokenizer.ggml.add_bos_token[,
+# general.architecture]), or None for the real SmolLM2 file (gpt2 model, pre "smollm", 17 control
+# tokens). SentencePiece files of architectures gemma2/gemma3 and phi3 get transformers' builders
+# for those (Gemma's respelled spaces and merges by file order; Phi-3's prepending normalizer).
 GGUF_VARIANTS = {
     "gguf-smollm2": None,
     "gguf-gpt2": ("gpt2", "gpt2", "gpt-2", None),
     "gguf-llama3": ("llama3", "gpt2", "llama-bpe", True),
     "gguf-qwen3": ("qwen3", "gpt2", "qwen2", None),
     "gguf-llama2": ("llama2", "llama", None, None),
+    "gguf-gemma2": ("gemma", "llama", "default", True, "gemma2"),
+    "gguf-gemma3": ("gemma3", "llama", "default", True, "gemma3"),
+    "gguf-phi3": ("llama2", "llama", "default", True, "phi3"),
 }
 SMOLLM2 = os.path.join("models", "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 

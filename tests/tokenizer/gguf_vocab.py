@@ -1,12 +1,13 @@
 """GGUF tokenizers for compare.py: files that carry a real vocabulary in llama.cpp's metadata keys.
 
-  make(tokenizer_dir, out_path, kind, pre, add_bos)
-      writes a small GGUF (architecture llama, one tiny tensor) whose tokenizer.ggml.* keys
+  make(tokenizer_dir, out_path, kind, pre, add_bos, arch="llama")
+      writes a small GGUF (architecture `arch`, one tiny tensor) whose tokenizer.ggml.* keys
       describe the tokenizer.json of tokenizer_dir as llama.cpp's converter writes them:
       kind "gpt2": byte-level BPE, tokens in id order, token_type normal / control (special
       added tokens) / user-defined (other added tokens), the merges as "a b";
       kind "llama": a SentencePiece vocabulary with scores and no merges, which transformers
-      rebuilds from the scores (the case of llama 2 and mistral files).
+      rebuilds from the scores (the case of llama 2 and mistral files); for gemma2/gemma3 a token
+      of two or more "▁" is written as that many spaces, as Gemma's files hold them.
   reference(path)
       the tokenizers.Tokenizer that transformers' GGUF loading builds for the file
       (AutoTokenizer.from_pretrained(dir, gguf_file=name)): the oracle.
@@ -44,16 +45,18 @@ def _special(tokenizer_dir, ordered, name):
     return ordered.index(t) if t in ordered else None
 
 
-def make(tokenizer_dir, out_path, kind, pre, add_bos):
+def make(tokenizer_dir, out_path, kind, pre, add_bos, arch="llama"):
     import gguf
     import numpy as np
 
     j, tokens, types = _vocab_keys(tokenizer_dir)
-    w = gguf.GGUFWriter(out_path, "llama")
+    w = gguf.GGUFWriter(out_path, arch)
     for k, v in {"block_count": 1, "context_length": 64, "embedding_length": 8, "feed_forward_length": 16,
                  "attention.head_count": 2, "attention.head_count_kv": 2, "vocab_size": len(tokens)}.items():
-        w.add_uint32(f"llama.{k}", v)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    if arch.startswith("gemma"):
+        tokens = [" " * len(t) if len(t) > 1 and set(t) == {"\u2581"} else t for t in tokens]
     w.add_tokenizer_model(kind)
     if pre:
         w.add_tokenizer_pre(pre)
