@@ -164,6 +164,9 @@ GgufValue gguf_strings(std::vector<std::string> v) {
 GgufValue gguf_i32s(std::vector<int64_t> v) {
   return {.type = GgufType::Array, .item_type = GgufType::I32, .data = std::move(v)};
 }
+GgufValue gguf_bools(const std::vector<bool>& v) {
+  return {.type = GgufType::Array, .item_type = GgufType::Bool, .data = std::vector<uint64_t>(v.begin(), v.end())};
+}
 
 uint16_t fp32_to_fp16(float f) { return half_bits(std::bit_cast<uint32_t>(f)); }
 

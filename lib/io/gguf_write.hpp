@@ -24,6 +24,7 @@ GgufValue gguf_bool(bool v);
 GgufValue gguf_string(std::string v);
 GgufValue gguf_strings(std::vector<std::string> v);  // ARRAY of STRING
 GgufValue gguf_i32s(std::vector<int64_t> v);         // ARRAY of INT32 (token types)
+GgufValue gguf_bools(const std::vector<bool>& v);    // ARRAY of BOOL (a flag a layer)
 
 // float32 -> IEEE half as numpy's astype(np.float16) rounds: to nearest even, subnormals kept,
 // overflow to infinity, NaN stays NaN with the top of its payload.

@@ -51,9 +51,7 @@ std::string listed(std::string_view name(const FamilyTraits&)) {
 }
 
 // What GGUF output can be: llama.cpp's llama-like architectures.
-bool gguf_writable(const FamilyTraits& f) {
-  return !f.gguf.empty() && f.family == Family::Llama && !f.gemma && !f.fused;
-}
+bool gguf_writable(const FamilyTraits& f) { return !f.gguf.empty() && f.family == Family::Llama; }
 
 }  // namespace
 

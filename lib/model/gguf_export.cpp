@@ -2,9 +2,11 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <numbers>
 #include <optional>
 
 #include "io/files.hpp"
@@ -262,14 +264,77 @@ std::string model_name(const CausalLM& model) {
   return dir.filename().string();
 }
 
-// The converter's keys in its order: general.*, TextModel.set_gguf_parameters, then llama's own.
+// Llama 3.x's rope scaling as llama.cpp's rope_freqs: one divisor per rotary frequency, computed
+// in float32 as the converter's LlamaModel.generate_extra_tensors computes it.
+std::vector<double> llama3_rope_freqs(const ModelConfig& c) {
+  const RopeScaling& r = c.rope;
+  const auto dim = static_cast<float>(c.head_dim), old = static_cast<float>(r.original_max_position);
+  const auto factor = static_cast<float>(r.factor), low = static_cast<float>(r.low_freq_factor),
+             high = static_cast<float>(r.high_freq_factor);
+  std::vector<double> out;
+  for (int64_t i = 0; i < c.head_dim; i += 2) {
+    const float freq = 1.0f / std::pow(static_cast<float>(c.rope_theta), static_cast<float>(i) / dim);
+    const float wavelen = static_cast<float>(2 * std::numbers::pi) / freq;
+    if (wavelen < old / high) {
+      out.push_back(1.0);
+    } else if (wavelen > old / low) {
+      out.push_back(factor);
+    } else {
+      const float smooth = (old / wavelen - low) / (high - low);
+      out.push_back(1.0f / ((1 - smooth) / factor + smooth));
+    }
+  }
+  return out;
+}
+
+// The rotary factor tensors of `c` (rope_freqs for llama 3.x, rope_factors_long/short for phi3's
+// longrope), or Error for scaling llama.cpp cannot hold.
+std::vector<std::pair<std::string, std::vector<double>>> rope_tensors(const ModelConfig& c, const FamilyTraits& f) {
+  const RopeScaling& r = c.rope;
+  if (r.type == "default" || r.type == "linear") return {};
+  if (r.type == "llama3" && f.llama_gguf) return {{"rope_freqs.weight", llama3_rope_freqs(c)}};
+  // a llama file's rope_freqs read back: one set that never switches
+  if (r.type == "longrope" && f.llama_gguf && r.short_factor == r.long_factor && r.attention_factor == 1.0 &&
+      r.original_max_position >= c.max_positions)
+    return {{"rope_freqs.weight", r.short_factor}};
+  if (r.type == "longrope" && f.fused)
+    return {{"rope_factors_long.weight", r.long_factor}, {"rope_factors_short.weight", r.short_factor}};
+  throw Error(
+      fmt::format("rope scaling '{}' of a {} model cannot be written to GGUF; supported: none, linear, llama3 (llama's "
+                  "rope_freqs), "
+                  "longrope (phi3)",
+                  r.type, c.model_type));
+}
+
+// Gemma's keys, and a refusal for what llama.cpp would compute otherwise than the model does.
+void add_gemma(Metadata& md, const ModelConfig& c, const std::string& arch) {
+  const auto f32 = [](double v) { return io::gguf_f32(static_cast<float>(v)); };
+  const double assumed = gemma_query_scalar(c, arch);
+  if (c.query_pre_attn_scalar.value_or(assumed) != assumed)
+    throw Error(fmt::format(
+        "query_pre_attn_scalar {} cannot be written to GGUF: llama.cpp scales a {}-layer {} model's queries by {} "
+        "(write a HF directory instead: --out without .gguf)",
+        *c.query_pre_attn_scalar, c.num_layers, arch, assumed));
+  if (arch == "gemma2") {
+    if (c.attn_softcap) md.emplace_back(arch + ".attn_logit_softcapping", f32(*c.attn_softcap));
+    if (c.logit_softcap) md.emplace_back(arch + ".final_logit_softcapping", f32(*c.logit_softcap));
+  } else if (c.logit_softcap) {
+    md.emplace_back(arch + ".final_logit_softcapping", f32(*c.logit_softcap));
+  }
+  if (!c.sliding_window) return;
+  md.emplace_back(arch + ".attention.sliding_window", io::gguf_u32(static_cast<uint32_t>(*c.sliding_window)));
+  const std::vector<bool> windowed =
+      c.sliding_layers.empty() ? std::vector<bool>(static_cast<size_t>(c.num_layers), true) : c.sliding_layers;
+  if (windowed != windowed_every(c.num_layers, arch == "gemma2" ? 2 : 6))  // llama.cpp's default: no key
+    md.emplace_back(arch + ".attention.sliding_window_pattern", io::gguf_bools(windowed));
+  if (arch == "gemma3") md.emplace_back(arch + ".rope.freq_base_swa", f32(c.local_rope_theta));
+}
+
+// The converter's keys in its order: general.*, TextModel.set_gguf_parameters, then the family's own.
 Metadata model_metadata(const CausalLM& model, const std::string& arch, io::GgmlType type) {
   const ModelConfig& c = model.config();
-  if (c.rope.type != "default" && c.rope.type != "linear")
-    throw Error(
-        fmt::format("rope scaling '{}' cannot be written to GGUF (llama.cpp's rope_freqs); supported: none, "
-                    "linear",
-                    c.rope.type));
+  const FamilyTraits& family = family_of_model_type(c.model_type, model.dir());
+  rope_tensors(c, family);  // (refuses scaling it cannot write before anything is written)
   const auto u32 = [](int64_t v) { return io::gguf_u32(static_cast<uint32_t>(v)); };
   const auto f32 = [](double v) { return io::gguf_f32(static_cast<float>(v)); };
   Metadata md = {{"general.architecture", io::gguf_string(arch)},
@@ -283,18 +348,26 @@ Metadata model_metadata(const CausalLM& model, const std::string& arch, io::Ggml
                  {arch + ".attention.head_count_kv", u32(c.num_kv_heads)},
                  {arch + ".rope.freq_base", f32(c.rope_theta)},
                  {arch + ".attention.layer_norm_rms_epsilon", f32(c.norm_eps)}};
-  if (explicit_head_dim(model, arch)) {
+  if (c.gemma || explicit_head_dim(model, arch)) {
     md.emplace_back(arch + ".attention.key_length", u32(c.head_dim));
     md.emplace_back(arch + ".attention.value_length", u32(c.head_dim));
   }
   md.emplace_back("general.file_type", io::gguf_u32(llama_file_type(type)));
-  if (family_of_model_type(c.model_type, model.dir()).llama_gguf) {  // LlamaModel.set_gguf_parameters
+  if (family.llama_gguf) {  // LlamaModel.set_gguf_parameters
     md.emplace_back(arch + ".vocab_size", u32(c.vocab_size));
     md.emplace_back(arch + ".rope.dimension_count", u32(c.head_dim));
   }
   if (c.rope.type == "linear") {
     md.emplace_back(arch + ".rope.scaling.type", io::gguf_string("linear"));
     md.emplace_back(arch + ".rope.scaling.factor", f32(c.rope.factor));
+  }
+  if (c.gemma) add_gemma(md, c, arch);
+  if (family.fused) {  // Phi3MiniModel.set_gguf_parameters
+    md.emplace_back(arch + ".rope.dimension_count", u32(static_cast<int64_t>(c.head_dim * c.partial_rotary)));
+    md.emplace_back(arch + ".rope.scaling.original_context_length",
+                    u32(c.rope.type == "longrope" ? c.rope.original_max_position : c.max_positions));
+    md.emplace_back(arch + ".attention.sliding_window", u32(c.sliding_window.value_or(0)));
+    if (c.rope.type == "longrope") md.emplace_back(arch + ".rope.scaling.attn_factor", f32(c.rope.attention_factor));
   }
   return md;
 }
@@ -316,16 +389,20 @@ struct OutTensor {
 
 std::vector<OutTensor> out_tensors(const CausalLM& model, const std::string& arch, io::GgmlType type) {
   const ModelConfig& c = model.config();
-  const bool llama = family_of_model_type(c.model_type, model.dir()).llama_gguf;  // Q/K in llama.cpp's rotary order
+  const FamilyTraits& family = family_of_model_type(c.model_type, model.dir());
   std::vector<OutTensor> out;
+  for (const auto& [name, factors] : rope_tensors(c, family))  // generate_extra_tensors come first
+    out.push_back({name, at::tensor(factors, at::kFloat), io::GgmlType::F32});
   for (const auto& [hf, t] : model.state_dict()) {
     if (hf == "lm_head.weight" && c.tie_word_embeddings) continue;  // llama.cpp reuses token_embd
-    const std::string name = gguf_tensor_name(hf);
+    const std::string name = gguf_tensor_name(hf, c.gemma);
     if (name.empty()) throw Error(fmt::format("weight '{}' has no GGUF name in the {} layout", hf, arch));
     at::Tensor w = t.to(at::kFloat);
     const bool q = name.ends_with(".attn_q.weight") || name.ends_with(".attn_q.bias");
     const bool k = name.ends_with(".attn_k.weight") || name.ends_with(".attn_k.bias");
-    if (llama && (q || k)) w = permute_rows(w, q ? c.num_heads : c.num_kv_heads);
+    if (family.llama_gguf && (q || k))
+      w = permute_rows(w, q ? c.num_heads : c.num_kv_heads);  // llama.cpp's rotary order
+    if (c.gemma && name.ends_with("norm.weight")) w = w + 1;  // llama.cpp's RMSNorm scales by the weight alone
     out.push_back({name, w.contiguous(), gguf_tensor_type(name, w.sizes().vec(), type)});
   }
   return out;

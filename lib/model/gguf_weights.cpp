@@ -49,6 +49,21 @@ void check_sizes(const io::GgufFile& f, const ModelConfig& c) {
                     c.num_kv_heads, c.head_dim));
 }
 
+}  // namespace
+
+double gemma_query_scalar(const ModelConfig& c, const std::string& arch) {
+  const bool large = c.num_layers == (arch == "gemma2" ? 46 : 62);  // the 27B models
+  return static_cast<double>(large ? c.hidden_size / c.num_heads : c.head_dim);
+}
+
+std::vector<bool> windowed_every(int64_t layers, int64_t every) {
+  std::vector<bool> out;
+  for (int64_t i = 0; i < layers; ++i) out.push_back(i % every < every - 1);
+  return out;
+}
+
+namespace {
+
 // A float32 vector tensor of the file (rope_freqs, rope_factors_*) of `n` values, or empty when absent.
 std::vector<double> factor_tensor(const io::GgufFile& f, const char* name, size_t n) {
   const io::GgufTensorInfo* t = f.find(name);
@@ -69,8 +84,7 @@ void gemma_config(const io::GgufFile& f, const std::string& arch, ModelConfig& c
   const auto key = [&arch](const char* k) { return arch + "." + k; };
   c.gemma = true;
   c.activation = "gelu_pytorch_tanh";
-  const bool large = c.num_layers == (arch == "gemma2" ? 46 : 62);
-  c.query_pre_attn_scalar = static_cast<double>(large ? c.hidden_size / c.num_heads : c.head_dim);
+  c.query_pre_attn_scalar = gemma_query_scalar(c, arch);
   if (arch == "gemma2") {
     c.attn_softcap = f.get_float(key("attn_logit_softcapping"), 50.0);
     c.logit_softcap = f.get_float(key("final_logit_softcapping"), 30.0);
@@ -82,8 +96,16 @@ void gemma_config(const io::GgufFile& f, const std::string& arch, ModelConfig& c
   c.sliding_window = window;
   c.sliding_layers.clear();
   const io::GgufValue* pattern = f.find_key(key("attention.sliding_window_pattern"));
-  if (pattern && pattern->type == io::GgufType::Array) {
-    for (const int64_t s : f.get_ints(key("attention.sliding_window_pattern"))) c.sliding_layers.push_back(s != 0);
+  if (pattern && pattern->type == io::GgufType::Array) {  // one flag a layer (bools, as gguf-py writes them)
+    const auto* flags = std::get_if<std::vector<uint64_t>>(&pattern->data);
+    const auto* ints = std::get_if<std::vector<int64_t>>(&pattern->data);
+    if (!flags && !ints)
+      throw Error(fmt::format("{}: {} is not an array of flags; re-convert the model", f.path(),
+                              key("attention.sliding_window_pattern")));
+    if (flags)
+      for (const uint64_t v : *flags) c.sliding_layers.push_back(v != 0);
+    else
+      for (const int64_t v : *ints) c.sliding_layers.push_back(v != 0);
     if (static_cast<int64_t>(c.sliding_layers.size()) != c.num_layers)
       throw Error(fmt::format("{}: {} has {} entries for {} layers; re-convert the model", f.path(),
                               key("attention.sliding_window_pattern"), c.sliding_layers.size(), c.num_layers));
@@ -92,7 +114,7 @@ void gemma_config(const io::GgufFile& f, const std::string& arch, ModelConfig& c
     if (every <= 0)
       throw Error(
           fmt::format("{}: {} is {}; it must be positive", f.path(), key("attention.sliding_window_pattern"), every));
-    for (int64_t i = 0; i < c.num_layers; ++i) c.sliding_layers.push_back(i % every < every - 1);
+    c.sliding_layers = windowed_every(c.num_layers, every);
   }
   if (arch == "gemma3") c.local_rope_theta = f.get_float(key("rope.freq_base_swa"), 10000.0);
 }

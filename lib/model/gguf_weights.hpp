@@ -60,6 +60,12 @@ class GgufWeights : public WeightSource {
   mutable std::set<std::string> used_;  // GGUF names
 };
 
+// What llama.cpp assumes of a gemma2/gemma3 file (`arch`), which does not store it: queries
+// scaled by head_dim's -1/2 power, or hidden/heads' for the 27B models (told by their layer count).
+double gemma_query_scalar(const ModelConfig& c, const std::string& arch);
+// llama.cpp's window pattern N: of each N layers, the first N - 1 are windowed and the last global.
+std::vector<bool> windowed_every(int64_t layers, int64_t every);
+
 // The GGUF name of a HF weight name ("model.layers.3.mlp.up_proj.weight" -> "blk.3.ffn_up.weight"),
 // or "" when GGUF has no such tensor; `gemma`: Gemma's layer norms (gemma2, gemma3).
 std::string gguf_tensor_name(const std::string& hf_name, bool gemma = false);

@@ -146,9 +146,9 @@ TEST_CASE("gguf export: an existing output, another family, a bad type, --gguf-t
       {fmt::format("{} --out '{}/x.gguf'", args, dir), dir + "/x.gguf already exists: choose another output"},
       {fmt::format("--model '{}/opt' --adapter '{}/opt/peft_adapter' --out '{}/opt.gguf'", kFixtures, kFixtures, dir),
        "model type 'opt' cannot be written to GGUF: supported are llama, mistral, qwen2, qwen3"},
-      {fmt::format("--model '{}/llama' --adapter '{}/llama/peft_adapter' --out '{}/l3.gguf'", kFixtures, kFixtures,
+      {fmt::format("--model '{}/gemma2' --adapter '{}/gemma2/peft_adapter' --out '{}/g2.gguf'", kFixtures, kFixtures,
                    dir),
-       "rope scaling 'llama3' cannot be written to GGUF"},
+       "query_pre_attn_scalar 24 cannot be written to GGUF: llama.cpp scales a 3-layer gemma2 model's queries by 18"},
       {fmt::format("{} --out '{}/y.gguf' --gguf-type q4_0", args, dir),
        "GGUF type 'q4_0' is not supported: choose f32, f16, bf16 or q8_0"},
       {fmt::format("{} --out '{}/hf' --gguf-type f16", args, dir),
@@ -161,5 +161,6 @@ TEST_CASE("gguf export: an existing output, another family, a bad type, --gguf-t
     CHECK(std::count(out.begin(), out.end(), '\n') == 1);
   }
   CHECK(!std::filesystem::exists(dir + "/opt.gguf"));
+  CHECK(!std::filesystem::exists(dir + "/g2.gguf"));
   CHECK(!std::filesystem::exists(dir + "/hf"));
 }

@@ -9,6 +9,7 @@
 
 #include "model/export.hpp"
 #include "model/generate.hpp"
+#include "model/gguf_export.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
 #include "support/oracle.hpp"
@@ -165,12 +166,42 @@ TEST_CASE(
     export_hf_model(m, dir + "/out-hf", at::kFloat, int64_t{1} << 40);
     const double exported = max_logit_diff_to_transformers(m, dir + "/out-hf", dir);
     CHECK(exported <= 1e-4);
+    // Written back to an f32 GGUF: the converter's tensors and keys, and read back the same model.
+    export_gguf(m, dir + "/out.gguf", io::GgmlType::F32);
+    const test::Oracle same = gguf_model_check(fmt::format("same '{0}/model.gguf' '{0}/out.gguf'", dir));
+    INFO(same.run.output);
+    REQUIRE(same.run.status == 0);
+    CHECK(same.fields.at("compared").get<int>() >= 19);
+    CHECK(same.fields.at("tensors").empty());
+    CHECK(same.fields.at("keys").empty());
+    const CausalLM again = CausalLM::load(dir + "/out.gguf", at::kFloat, at::kCPU);
+    const auto before = m.state_dict(), after = again.state_dict();
+    REQUIRE(after.size() == before.size());
+    for (size_t i = 0; i < after.size(); ++i) {
+      INFO(after[i].first);
+      CHECK(after[i].first == before[i].first);
+      CHECK(at::equal(after[i].second, before[i].second));
+    }
     fmt::print(
         "gguf: {} fp32: max |logit diff| vs transformers on the HF model {:.3g}, on the GGUF {:.3g}{}, on our HF "
         "export {:.3g}; greedy {}\n",
         name, diff, as_gguf, unscaled ? " (transformers leaves the rope scaling out)" : "", exported,
         greedy ? "identical" : "DIFFERENT");
   }
+}
+
+TEST_CASE("gguf: a HF llama with Llama 3.1 rope scaling written to GGUF carries it as rope_freqs", "[gguf]") {
+  const std::string dir = test::temp_dir("gguf-model-rope-freqs");
+  const CausalLM hf = CausalLM::load(std::string(LORARUN_MODEL_FIXTURES) + "/llama", at::kFloat, at::kCPU);
+  REQUIRE(hf.config().rope.type == "llama3");
+  export_gguf(hf, dir + "/llama.gguf", io::GgmlType::F32);
+  const CausalLM m = CausalLM::load(dir + "/llama.gguf", at::kFloat, at::kCPU);
+  CHECK(m.config().rope.type == "longrope");  // one divisor a frequency, never switching
+  c10::NoGradGuard no_grad;
+  const at::Tensor ids = at::arange(3, 40, at::kLong).view({1, 37});  // past original_max_position_embeddings (16)
+  const double diff = (m.forward(ids, at::Tensor()) - hf.forward(ids, at::Tensor())).abs().max().item<double>();
+  fmt::print("gguf: llama 3.1 rope written as rope_freqs: max |logit diff| {:.3g}\n", diff);
+  CHECK(diff <= 1e-5);
 }
 
 TEST_CASE("gguf: QLoRA quantises a GGUF model's linears to NF4 as it loads", "[gguf]") {

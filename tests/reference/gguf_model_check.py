@@ -27,6 +27,11 @@
       stored plus one, phi3's fused qkv and gate_up, rope_factors_long/short); F32 tensors, and a
       one-letter-a-token vocabulary.
 
+  gguf_model_check.py same FILE_A FILE_B
+      compares two GGUF files with gguf-py's reader: reports `tensors` (names in either file whose
+      type, shape or bytes differ, or that only one holds) and `keys` (the architecture's keys of
+      FILE_A that FILE_B lacks or holds with another value).
+
   gguf_model_check.py quantized FILE TYPE
       writes a tiny llama (hidden 256) whose linears are of ggml type TYPE (F16, BF16, Q4_0 … Q8_0,
       Q2_K … Q6_K): weights quantised by gguf-py, or random K-quant blocks with small scales;
@@ -297,6 +302,19 @@ def convert(model, name, path):
     w.close()
 
 
+def same(path_a, path_b):
+    import gguf
+
+    a, b = gguf.GGUFReader(path_a), gguf.GGUFReader(path_b)
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    tensors = sorted(n for n in set(ta) | set(tb) if n not in ta or n not in tb or ta[n].tensor_type != tb[n].tensor_type
+                     or list(ta[n].shape) != list(tb[n].shape) or ta[n].data.tobytes() != tb[n].data.tobytes())
+    arch = a.fields["general.architecture"].contents()
+    keys = sorted(k for k, f in a.fields.items() if k.startswith(arch + ".")
+                  and (k not in b.fields or b.fields[k].contents() != f.contents()))
+    report(tensors=tensors, keys=keys, compared=len(ta))
+
+
 # K-quant blocks (256 elements): where their float16 scales d (and dmin) sit, in bytes
 K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -394,6 +412,8 @@ def main():
                     sys.argv[5:])
     if mode == "family":
         return family(sys.argv[2], sys.argv[3])
+    if mode == "same":
+        return same(sys.argv[2], sys.argv[3])
     if mode == "quantized":
         return quantized(sys.argv[2], sys.argv[3])
     sys.exit(f"unknown mode {mode!r}")
