@@ -171,7 +171,7 @@ TEST_CASE(
     const test::Oracle same = gguf_model_check(fmt::format("same '{0}/model.gguf' '{0}/out.gguf'", dir));
     INFO(same.run.output);
     REQUIRE(same.run.status == 0);
-    CHECK(same.fields.at("compared").get<int>() >= 19);
+    CHECK(same.fields.at("compared").get<int>() >= 15);  // phi3: 2 blocks of 6, and 3
     CHECK(same.fields.at("tensors").empty());
     CHECK(same.fields.at("keys").empty());
     const CausalLM again = CausalLM::load(dir + "/out.gguf", at::kFloat, at::kCPU);

@@ -19,13 +19,14 @@
       stored as llama.cpp's converter stores them: any row order is valid, since transformers and
       lorarun both read Q and K rows back the same way (`logits` on the file is the reference).
 
-  gguf_model_check.py family NAME DIR
+  gguf_model_check.py family NAME DIR [TYPE]
       a random transformers model of family NAME (llama3: Llama 3.1 rope scaling; gemma2; gemma3 (text,
       6 layers, the 6th global); phi3; phi3_longrope: longrope factors and partial rotary 0.75) saved
       to DIR/hf, and DIR/model.gguf converted from it as llama.cpp's convert_hf_to_gguf.py converts
       that family (Q/K rows permuted for llama, rope_freqs from the llama3 scaling, Gemma's norms
-      stored plus one, phi3's fused qkv and gate_up, rope_factors_long/short); F32 tensors, and a
-      one-letter-a-token vocabulary.
+      stored plus one, phi3's fused qkv and gate_up, rope_factors_long/short); F32 tensors, or the
+      linears quantised by gguf-py to ggml type TYPE (Q8_0, Q4_1, ...), and a vocabulary of 64
+      one-character tokens (A-Z, a-z, 0-9, ! and #: text of capitals is a token a letter).
 
   gguf_model_check.py same FILE_A FILE_B
       compares two GGUF files with gguf-py's reader: reports `tensors` (names in either file whose
@@ -181,7 +182,7 @@ FAMILY_CONFIGS = {
 FAMILY_VOCAB = 64
 
 
-def family(name, out):
+def family(name, out, qtype=None):
     import torch
     import transformers
 
@@ -194,11 +195,11 @@ def family(name, out):
             if n.endswith("norm.weight"):
                 p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(os.path.join(out, "hf"))
-    convert(model, name, os.path.join(out, "model.gguf"))
+    convert(model, name, os.path.join(out, "model.gguf"), qtype)
     report(written=out, model_type=model.config.model_type)
 
 
-def convert(model, name, path):
+def convert(model, name, path, qtype=None):
     """llama.cpp's converter for these families, written with gguf-py (F32)."""
     import gguf
     import torch
@@ -256,7 +257,8 @@ def convert(model, name, path):
             extra["rope_factors_long.weight"] = torch.tensor(rope["long_factor"], dtype=torch.float32)
             extra["rope_factors_short.weight"] = torch.tensor(rope["short_factor"], dtype=torch.float32)
     w.add_tokenizer_model("gpt2")
-    w.add_token_list([chr(0x100 + i) for i in range(c.vocab_size)])
+    letters = [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    w.add_token_list((letters + [str(d) for d in range(10)] + ["!", "#"])[:c.vocab_size])
     w.add_token_types([1] * c.vocab_size)
     w.add_token_merges([])
     for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
@@ -293,7 +295,11 @@ def convert(model, name, path):
             t = permute(t, c.num_key_value_heads)
         if arch in ("gemma2", "gemma3") and g.endswith("norm.weight"):
             t = t + 1
-        w.add_tensor(g, t.contiguous().numpy())
+        if qtype and t.dim() == 2 and g.startswith("blk."):
+            qt = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(g, gguf.quants.quantize(t.contiguous().numpy(), qt), raw_dtype=qt)
+        else:
+            w.add_tensor(g, t.contiguous().numpy())
     for g, t in extra.items():
         w.add_tensor(g, t.numpy())
     w.write_header_to_file()
@@ -411,7 +417,7 @@ def main():
         return make(sys.argv[2], sys.argv[3].encode().decode("unicode_escape"), sys.argv[4] if len(sys.argv) > 4 else "",
                     sys.argv[5:])
     if mode == "family":
-        return family(sys.argv[2], sys.argv[3])
+        return family(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
     if mode == "same":
         return same(sys.argv[2], sys.argv[3])
     if mode == "quantized":

@@ -91,6 +91,46 @@ TEST_CASE(
   CHECK(hashes(dir + "/bf16-true/epoch_0") == hashes(dir + "/bf16-false/epoch_0"));
 }
 
+TEST_CASE(
+    "model.keep_quantized on gemma2, gemma3, phi3 (longrope) and llama 3.x (rope_freqs) Q4_1 files: the adapter of "
+    "training on them dequantised at load, bit for bit; it generates, and merges to a GGUF that reads back",
+    "[e2e][gguf]") {
+  const std::string root = temp_dir("keep-quantized-families");
+  for (const std::string name : {"gemma2", "gemma3", "phi3_longrope", "llama3"}) {
+    INFO(name);
+    const std::string dir = root + "/" + name;
+    const Oracle made = oracle(fmt::format("'{}' '{}/tests/reference/gguf_model_check.py' family {} '{}' Q4_1",
+                                           LORARUN_PYTHON, LORARUN_SOURCE_DIR, name, dir));
+    INFO(made.run.output);
+    REQUIRE(made.run.status == 0);
+    const std::string cfg = recipe(dir, "train", dir + "/model.gguf");
+    for (const std::string kept : {"false", "true"}) {
+      const Result r =
+          sh(fmt::format("{} --nproc-per-node 1 {} checkpoint.output_dir={}/kept-{} model.keep_quantized={}",
+                         bin("lorarun"), cfg, dir, kept, kept));
+      INFO(r.output);
+      REQUIRE(r.status == 0);
+    }
+    CHECK(hashes(dir + "/kept-true/epoch_0") == hashes(dir + "/kept-false/epoch_0"));
+    const Result gen =
+        sh(fmt::format("{} --model '{}/model.gguf' --adapter '{}/kept-true/epoch_0' --prompt ABCD "
+                       "--max-new-tokens 6",
+                       bin("lora-generate"), dir, dir));
+    INFO(gen.output);
+    CHECK(gen.status == 0);
+    const Result merged =
+        sh(fmt::format("{} --model '{}/model.gguf' --adapter '{}/kept-true/epoch_0' --out "
+                       "'{}/merged.gguf' --gguf-type q8_0",
+                       bin("lora-merge"), dir, dir, dir));
+    INFO(merged.output);
+    REQUIRE(merged.status == 0);
+    const Result again =
+        sh(fmt::format("{} --model '{}/merged.gguf' --prompt ABCD --max-new-tokens 6", bin("lora-generate"), dir));
+    INFO(again.output);
+    CHECK(again.status == 0);
+  }
+}
+
 TEST_CASE("model.keep_quantized: refusals are one line each, before training", "[e2e][gguf]") {
   const std::string dir = temp_dir("keep-quantized-bad");
   const std::string iq = quantized_model(dir, "IQ4_NL"), q8 = quantized_model(dir, "Q8_0");
