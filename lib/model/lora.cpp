@@ -461,11 +461,12 @@ std::string describe_adapter(const recipe::LoraSection& lora) {
 std::string gguf_blocks_summary(const CausalLM& model) {
   std::map<std::string, int> types;
   int64_t params = 0, bytes = 0;
-  for (const Linear* l : model.linears()) {
-    if (!l->blocks) continue;
-    ++types[io::ggml_type_name(l->blocks->type)];
-    params += l->blocks->shape[0] * l->blocks->shape[1];
-    bytes += l->blocks->bytes();
+  for (const Linear* l : model.linears()) {  // (as nf4_summary: the whole weights, sliced or not)
+    const std::optional<GgufBlocks>& b = l->sharded ? l->sharded->gguf : l->blocks;
+    if (!b) continue;
+    ++types[io::ggml_type_name(b->type)];
+    params += b->shape[0] * b->shape[1];
+    bytes += l->sharded ? l->sharded->whole_bytes() : b->bytes();
   }
   std::string listed;
   for (const auto& [name, n] : types) listed += fmt::format("{}{} {}", listed.empty() ? "" : ", ", name, n);

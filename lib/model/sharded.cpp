@@ -127,7 +127,23 @@ ShardedWeight ShardedWeight::of(const Nf4Weight& q, std::shared_ptr<const BaseSh
   return w;
 }
 
+ShardedWeight ShardedWeight::of(const GgufBlocks& b, std::shared_ptr<const BaseShards> group) {
+  ShardedWeight w;
+  w.shape = b.shape;
+  w.dense = ShardedTensor::of(b.raw, group->rank, group->world, b.device.is_meta() ? at::kMeta : b.device);
+  w.gguf = b;
+  w.gguf->raw = at::Tensor();
+  w.group = std::move(group);
+  return w;
+}
+
 at::Tensor ShardedWeight::whole() const {
+  if (gguf) {  // the bytes gathered where the ranks exchange them, dequantised from the CPU
+    GgufBlocks b = *gguf;
+    const at::Tensor bytes = group->gather(dense);
+    b.raw = bytes.is_cpu() ? bytes : bytes.cpu();
+    return b.dequantize();
+  }
   if (!nf4) return group->gather(dense);
   Nf4Weight q = *nf4;
   q.packed = group->gather(packed);

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "model/gguf_blocks.hpp"
 #include "model/nf4.hpp"
 
 namespace lorarun::model {
@@ -81,21 +82,25 @@ struct BaseShards {
   mutable std::map<std::tuple<int64_t, int, int>, at::Tensor> buffers_;  // (elements, dtype, slot): reused
 };
 
-// A frozen linear's weight held as this rank's slices: dense, or NF4 with its packed levels and
-// its block scales sliced (the small tables stay whole).
+// A frozen linear's weight held as this rank's slices: dense, NF4 with its packed levels and its
+// block scales sliced (the small tables stay whole), or a GGUF's blocks (model.keep_quantized)
+// with their bytes sliced.
 struct ShardedWeight {
   std::shared_ptr<const BaseShards> group;
-  std::vector<int64_t> shape;    // [out, in]
-  ShardedTensor dense;           // the weight, when not NF4
-  std::optional<Nf4Weight> nf4;  // NF4: everything but `packed` and the block scales
-  ShardedTensor packed, scales;  // NF4: packed levels; absmax (or absmax8.codes with double quantisation)
+  std::vector<int64_t> shape;      // [out, in]
+  ShardedTensor dense;             // the weight, when not NF4; a GGUF's: its blocks' bytes
+  std::optional<Nf4Weight> nf4;    // NF4: everything but `packed` and the block scales
+  ShardedTensor packed, scales;    // NF4: packed levels; absmax (or absmax8.codes with double quantisation)
+  std::optional<GgufBlocks> gguf;  // GGUF: everything but `raw`
 
-  // Slices `weight` (dense; the slice on `device`, default weight's) or `q` (NF4) for group->rank.
+  // Slices `weight` (dense; the slice on `device`, default weight's), `q` (NF4) or `b`'s bytes (the
+  // slice on b.device, where the gathers run) for group->rank.
   static ShardedWeight of(const at::Tensor& weight, std::shared_ptr<const BaseShards> group,
                           std::optional<at::Device> device = {});
   static ShardedWeight of(const Nf4Weight& q, std::shared_ptr<const BaseShards> group);
+  static ShardedWeight of(const GgufBlocks& b, std::shared_ptr<const BaseShards> group);
 
-  at::Tensor whole() const;     // gathered (a collective) and, for NF4, dequantised: [out, in]
+  at::Tensor whole() const;     // gathered (a collective) and, for NF4 and GGUF, dequantised: [out, in]
   int64_t bytes() const;        // held on this rank
   int64_t whole_bytes() const;  // held by one rank without sharding
 };

@@ -107,10 +107,12 @@ struct Loader {
     l.name = name;
     l.conv1d = conv1d;
     if (opts.keep_quantized) {  // the file stores every linear [out, in], GPT-2's Conv1D ones too
-      if (opts.shards)
-        throw Error("model.keep_quantized does not slice a GGUF's blocks across ranks (dist.shard_base)");
       l.blocks = files.blocks(name + ".weight", dtype, device, {out, in});
       named.push_back({name + ".weight", at::Tensor(), conv1d, in * out});
+      if (opts.shards) {  // this rank's share of the blocks' bytes
+        l.sharded = ShardedWeight::of(*l.blocks, opts.shards);
+        l.blocks.reset();
+      }
       if (bias) l.bias = get(name + ".bias", {out});
       return l;
     }

@@ -385,8 +385,8 @@ void for_each_key(R& r, V&& v) {
         .meaning = "MiB per gradient all-reduce bucket; buckets are reduced while backward goes on"},
     r.dist.bucket_mb);
   v(Key{.name = "dist.shard_base",
-        .meaning = "each rank holds 1/world of every frozen base linear (NF4 too), gathered a decoder block at a "
-                   "time: bigger models"},
+        .meaning = "each rank holds 1/world of every frozen base linear (NF4, GGUF blocks too), gathered a decoder "
+                   "block at a time: bigger models"},
     r.dist.shard_base);
   v(Key{.name = "dist.shard_base_prefetch",
         .meaning = "with shard_base: gather the next block's weights while this block computes (one block more "

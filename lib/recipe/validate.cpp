@@ -125,10 +125,6 @@ constexpr Rule kRules[] = {
          fail(o, "model.keep_quantized",
               "and lora.quantize_base are both set: the GGUF's blocks are the quantised base already, and NF4 "
               "would round them again; drop one");
-       if (r.dist.shard_base)
-         fail(o, "model.keep_quantized",
-              "does not slice the GGUF's blocks across ranks yet, which dist.shard_base needs: set one of them "
-              "to false");
        if (r.lora.init == "pissa" || r.lora.init.starts_with("pissa_niter_") || r.lora.init == "olora")
          fail(o, "model.keep_quantized",
               fmt::format("holds the base as the GGUF's blocks, which lora.init {} would rewrite: set lora.init: "

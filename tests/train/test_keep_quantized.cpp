@@ -53,7 +53,7 @@ track: {{mongodb: false}}
 
 TEST_CASE(
     "model.keep_quantized: on every GGUF type, training on the file's own blocks gives the adapter of training on "
-    "it dequantised at load, bit for bit",
+    "it dequantised at load, bit for bit (2 ranks with dist.shard_base too)",
     "[e2e][gguf]") {
   const std::string dir = temp_dir("keep-quantized");
   for (const std::string type :
@@ -78,17 +78,23 @@ TEST_CASE(
                loaded_mb, kept_mb / loaded_mb);
     CHECK(kept_mb < loaded_mb);
   }
-  // 2 ranks in bf16 with activation checkpointing: the same again
+  // 2 ranks in bf16 with activation checkpointing: the same again, and with the blocks' bytes
+  // sliced across the ranks (dist.shard_base), each rank holding half of them
   const std::string cfg = recipe(dir, "Q6_K-bf16", dir + "/Q6_K.gguf");
-  for (const std::string keep : {"false", "true"}) {
-    const Result r =
-        sh(fmt::format("{} --nproc-per-node 2 {} model.dtype=bf16 train.activation_checkpointing=true "
-                       "model.keep_quantized={} checkpoint.output_dir={}/bf16-{}",
-                       bin("lorarun"), cfg, keep, dir, keep));
+  for (const std::string keep : {"false", "true", "sharded"}) {
+    const Result r = sh(fmt::format(
+        "{} --nproc-per-node 2 {} model.dtype=bf16 train.activation_checkpointing=true model.keep_quantized={} "
+        "dist.shard_base={} checkpoint.output_dir={}/bf16-{}",
+        bin("lorarun"), cfg, keep == "false" ? "false" : "true", keep == "sharded" ? "true" : "false", dir, keep));
     INFO(r.output);
     REQUIRE(r.status == 0);
   }
   CHECK(hashes(dir + "/bf16-true/epoch_0") == hashes(dir + "/bf16-false/epoch_0"));
+  CHECK(hashes(dir + "/bf16-sharded/epoch_0") == hashes(dir + "/bf16-false/epoch_0"));
+  const std::string log = read_file(dir + "/bf16-sharded/logs/rank_0.log");
+  INFO(log);
+  CHECK_THAT(log, Catch::Contains("base linears kept as the GGUF's blocks (Q6_K 14)"));
+  CHECK_THAT(log, Catch::Contains("dist.shard_base: base weights on this rank 0.5 MiB of 1.0 MiB"));
 }
 
 TEST_CASE(
@@ -143,8 +149,6 @@ TEST_CASE("model.keep_quantized: refusals are one line each, before training", "
            std::tuple{q8, std::string("lora.quantize_base=true"),
                       std::string("model.keep_quantized and lora.quantize_base are both set")},
            std::tuple{q8, std::string("lora.init=pissa"), std::string("which lora.init pissa would rewrite")},
-           std::tuple{q8, std::string("dist.shard_base=true"),
-                      std::string("does not slice the GGUF's blocks across ranks yet")},
        }) {
     const Result r = sh(fmt::format("{} --nproc-per-node 1 {} model.path={} model.keep_quantized=true {}",
                                     bin("lorarun"), recipe(dir, "bad", q8), model, overrides));
