@@ -109,31 +109,20 @@ TEST_CASE(
                                            LORARUN_PYTHON, LORARUN_SOURCE_DIR, name, dir));
     INFO(made.run.output);
     REQUIRE(made.run.status == 0);
-    const std::string cfg = recipe(dir, "train", dir + "/model.gguf");
-    for (const std::string kept : {"false", "true"}) {
-      const Result r =
-          sh(fmt::format("{} --nproc-per-node 1 {} checkpoint.output_dir={}/kept-{} model.keep_quantized={}",
-                         bin("lorarun"), cfg, dir, kept, kept));
+    const auto ok = [](const std::string& cmd) {  // each tool run must succeed
+      const Result r = sh(cmd);
       INFO(r.output);
       REQUIRE(r.status == 0);
-    }
+    };
+    const std::string cfg = recipe(dir, "train", dir + "/model.gguf");
+    for (const std::string kept : {"false", "true"})
+      ok(fmt::format("{} --nproc-per-node 1 {} checkpoint.output_dir={}/kept-{} model.keep_quantized={}",
+                     bin("lorarun"), cfg, dir, kept, kept));
     CHECK(hashes(dir + "/kept-true/epoch_0") == hashes(dir + "/kept-false/epoch_0"));
-    const Result gen =
-        sh(fmt::format("{} --model '{}/model.gguf' --adapter '{}/kept-true/epoch_0' --prompt ABCD "
-                       "--max-new-tokens 6",
-                       bin("lora-generate"), dir, dir));
-    INFO(gen.output);
-    CHECK(gen.status == 0);
-    const Result merged =
-        sh(fmt::format("{} --model '{}/model.gguf' --adapter '{}/kept-true/epoch_0' --out "
-                       "'{}/merged.gguf' --gguf-type q8_0",
-                       bin("lora-merge"), dir, dir, dir));
-    INFO(merged.output);
-    REQUIRE(merged.status == 0);
-    const Result again =
-        sh(fmt::format("{} --model '{}/merged.gguf' --prompt ABCD --max-new-tokens 6", bin("lora-generate"), dir));
-    INFO(again.output);
-    CHECK(again.status == 0);
+    const std::string adapter = fmt::format("--model '{0}/model.gguf' --adapter '{0}/kept-true/epoch_0'", dir);
+    ok(fmt::format("{} {} --prompt ABCD --max-new-tokens 6", bin("lora-generate"), adapter));
+    ok(fmt::format("{} {} --out '{}/merged.gguf' --gguf-type q8_0", bin("lora-merge"), adapter, dir));
+    ok(fmt::format("{} --model '{}/merged.gguf' --prompt ABCD --max-new-tokens 6", bin("lora-generate"), dir));
   }
 }
 
