@@ -157,10 +157,11 @@ TEST_CASE(
     const double diff = max_logit_diff_to_transformers(m, dir + "/hf", dir, &greedy);
     CHECK(diff <= 1e-4);
     CHECK(greedy);
-    // transformers' own GGUF loading reads neither rope_freqs nor phi3's longrope and partial rotary
-    // (it runs those files unscaled): there the model it came from is the reference.
+    // transformers' own GGUF loading reads neither rope_freqs, nor phi3's longrope and partial rotary,
+    // nor gemma3's linear scaling (it runs those files unscaled): there the model they came from is
+    // the reference.
     const double as_gguf = max_logit_diff_to_transformers(m, dir + "/model.gguf", dir);
-    const bool unscaled = name == "llama3" || name == "phi3_longrope";
+    const bool unscaled = name == "llama3" || name == "phi3_longrope" || name == "gemma3";
     if (!unscaled) CHECK(as_gguf <= 1e-4);
     // Written out as a HF directory (config.json from the metadata), transformers loads the same model.
     export_hf_model(m, dir + "/out-hf", at::kFloat, int64_t{1} << 40);

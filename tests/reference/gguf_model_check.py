@@ -21,7 +21,7 @@
 
   gguf_model_check.py family NAME DIR [TYPE]
       a random transformers model of family NAME (llama3: Llama 3.1 rope scaling; gemma2; gemma3 (text,
-      6 layers, the 6th global); phi3; phi3_longrope: longrope factors and partial rotary 0.75) saved
+      6 layers, the 6th global, linear rope scaling on it); phi3; phi3_longrope: longrope factors and partial rotary 0.75) saved
       to DIR/hf, and DIR/model.gguf converted from it as llama.cpp's convert_hf_to_gguf.py converts
       that family (Q/K rows permuted for llama, rope_freqs from the llama3 scaling, Gemma's norms
       stored plus one, phi3's fused qkv and gate_up, rope_factors_long/short); F32 tensors, or the
@@ -167,7 +167,10 @@ FAMILY_CONFIGS = {
     "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=256,
                                         query_pre_attn_scalar=256, max_position_embeddings=64, sliding_window=5,
-                                        rope_theta=1000000.0)),
+                                        rope_parameters={  # Gemma 3 4B's shape: linear scaling on global layers
+                                            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 1000000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "phi3": ("Phi3Config", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, rope_theta=10000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -216,6 +219,9 @@ def convert(model, name, path, qtype=None):
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":  # TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     extra = {}
     if arch == "llama":
