@@ -192,7 +192,8 @@ std::string token_at(const GgufVocab& v, const std::optional<int64_t>& id, const
 
 Built build(const GgufVocab& file) {
   const Kind kind = kind_of(file);
-  const GgufVocab& v = kind == Kind::Gemma ? gemma_respelled(file) : file;
+  const GgufVocab gemma = kind == Kind::Gemma ? gemma_respelled(file) : GgufVocab{};
+  const GgufVocab& v = kind == Kind::Gemma ? gemma : file;
   const bool byte_level = kind == Kind::ByteLevel;
   if (!byte_level && v.model != "llama")
     throw Error(fmt::format(

@@ -99,7 +99,7 @@ TEST_CASE(
 
 TEST_CASE(
     "model.keep_quantized on gemma2, gemma3, phi3 (longrope) and llama 3.x (rope_freqs) Q4_1 files: the adapter of "
-    "training on them dequantised at load, bit for bit; it generates, and merges to a GGUF that reads back",
+    "training on them dequantised at load, bit for bit, which generates and merges to a GGUF that reads back",
     "[e2e][gguf]") {
   const std::string root = temp_dir("keep-quantized-families");
   for (const std::string name : {"gemma2", "gemma3", "phi3_longrope", "llama3"}) {
