@@ -64,7 +64,15 @@ std::vector<bool> windowed_every(int64_t layers, int64_t every) {
 
 namespace {
 
-// A float32 vector tensor of the file (rope_freqs, rope_factors_*) of `n` values, or empty when absent.
+// `value` of `what` in `f`, which divides or scales: Error unless it is finite and above 0.
+double positive(const io::GgufFile& f, const std::string& what, double value) {
+  if (!(value > 0) || !std::isfinite(value))
+    throw Error(fmt::format("{}: {} is {}; it must be a number above 0: re-convert the model", f.path(), what, value));
+  return value;
+}
+
+// A float32 vector tensor of the file (rope_freqs, rope_factors_*) of `n` values, each above 0, or
+// empty when absent.
 std::vector<double> factor_tensor(const io::GgufFile& f, const char* name, size_t n) {
   const io::GgufTensorInfo* t = f.find(name);
   if (!t) return {};
@@ -73,7 +81,9 @@ std::vector<double> factor_tensor(const io::GgufFile& f, const char* name, size_
         fmt::format("{}: '{}' holds {} values but the rotary embedding has {} frequencies; re-convert the model",
                     f.path(), name, t->numel(), n));
   const at::Tensor v = dequantize(f, *t);
-  return {v.data_ptr<float>(), v.data_ptr<float>() + n};
+  std::vector<double> out(v.data_ptr<float>(), v.data_ptr<float>() + n);
+  for (const double x : out) positive(f, fmt::format("a value of '{}'", name), x);
+  return out;
 }
 
 // llama.cpp's gemma2/gemma3: what the file does not say is what llama.cpp assumes — queries
@@ -86,10 +96,10 @@ void gemma_config(const io::GgufFile& f, const std::string& arch, ModelConfig& c
   c.activation = "gelu_pytorch_tanh";
   c.query_pre_attn_scalar = gemma_query_scalar(c, arch);
   if (arch == "gemma2") {
-    c.attn_softcap = f.get_float(key("attn_logit_softcapping"), 50.0);
-    c.logit_softcap = f.get_float(key("final_logit_softcapping"), 30.0);
-  } else if (f.has(key("final_logit_softcapping")) && f.get_float(key("final_logit_softcapping")) > 0) {
-    c.logit_softcap = f.get_float(key("final_logit_softcapping"));
+    c.attn_softcap = positive(f, key("attn_logit_softcapping"), f.get_float(key("attn_logit_softcapping"), 50.0));
+    c.logit_softcap = positive(f, key("final_logit_softcapping"), f.get_float(key("final_logit_softcapping"), 30.0));
+  } else if (f.has(key("final_logit_softcapping")) && f.get_float(key("final_logit_softcapping")) != 0) {
+    c.logit_softcap = positive(f, key("final_logit_softcapping"), f.get_float(key("final_logit_softcapping")));
   }
   const int64_t window = f.get_int(key("attention.sliding_window"), arch == "gemma2" ? 4096 : 0);
   if (window <= 0) return;
@@ -116,7 +126,8 @@ void gemma_config(const io::GgufFile& f, const std::string& arch, ModelConfig& c
           fmt::format("{}: {} is {}; it must be positive", f.path(), key("attention.sliding_window_pattern"), every));
     c.sliding_layers = windowed_every(c.num_layers, every);
   }
-  if (arch == "gemma3") c.local_rope_theta = f.get_float(key("rope.freq_base_swa"), 10000.0);
+  if (arch == "gemma3")
+    c.local_rope_theta = positive(f, key("rope.freq_base_swa"), f.get_float(key("rope.freq_base_swa"), 10000.0));
 }
 
 // Rotary scaling from the metadata and the factor tensors llama.cpp's converter writes: linear;
@@ -150,11 +161,14 @@ void rope_config(const io::GgufFile& f, const std::string& arch, ModelConfig& c)
     c.rope.type = "longrope";
     c.rope.short_factor = std::move(short_factor);
     c.rope.long_factor = std::move(long_factor);
-    c.rope.original_max_position = f.get_int(key("rope.scaling.original_context_length"), c.max_positions);
+    c.rope.original_max_position = static_cast<int64_t>(
+        positive(f, key("rope.scaling.original_context_length"),
+                 static_cast<double>(f.get_int(key("rope.scaling.original_context_length"), c.max_positions))));
     const double scale = static_cast<double>(c.max_positions) / c.rope.original_max_position;
-    c.rope.attention_factor =
+    c.rope.attention_factor = positive(
+        f, key("rope.scaling.attn_factor"),
         f.get_float(key("rope.scaling.attn_factor"),
-                    scale <= 1.0 ? 1.0 : std::sqrt(1 + std::log(scale) / std::log(c.rope.original_max_position)));
+                    scale <= 1.0 ? 1.0 : std::sqrt(1 + std::log(scale) / std::log(c.rope.original_max_position))));
   }
 }
 

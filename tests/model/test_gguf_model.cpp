@@ -191,6 +191,32 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("gguf: a soft-cap, rope factor or rope length that would divide by zero or go negative is one line",
+          "[gguf]") {
+  const std::string root = test::temp_dir("gguf-model-hostile-values");
+  for (const auto& [name, poked, value, expected] : {
+           std::tuple{"gemma2", "gemma2.attn_logit_softcapping", "0", "gemma2.attn_logit_softcapping is 0"},
+           std::tuple{"gemma3", "gemma3.rope.freq_base_swa", "-1", "gemma3.rope.freq_base_swa is -1"},
+           std::tuple{"llama3", "rope_freqs.weight", "0", "a value of 'rope_freqs.weight' is 0"},
+           std::tuple{"phi3_longrope", "rope_factors_long.weight", "nan",
+                      "a value of 'rope_factors_long.weight' is nan"},
+           std::tuple{"phi3_longrope", "phi3.rope.scaling.original_context_length", "0",
+                      "phi3.rope.scaling.original_context_length is 0"},
+       }) {
+    INFO(poked);
+    const std::string dir = fmt::format("{}/{}-{}", root, name, poked);
+    for (const std::string& args :
+         {fmt::format("family {} '{}'", name, dir), fmt::format("poke '{}/model.gguf' {} {}", dir, poked, value)}) {
+      const test::Oracle made = gguf_model_check(args);
+      INFO(made.run.output);
+      REQUIRE(made.run.status == 0);
+    }
+    const std::string e = load_error(dir + "/model.gguf");
+    CHECK_THAT(e, Catch::Contains(expected) && Catch::Contains("it must be a number above 0"));
+    CHECK(test::count_lines(e) == 1);
+  }
+}
+
 TEST_CASE("gguf: a HF llama with Llama 3.1 rope scaling written to GGUF carries it as rope_freqs", "[gguf]") {
   const std::string dir = test::temp_dir("gguf-model-rope-freqs");
   const CausalLM hf = CausalLM::load(std::string(LORARUN_MODEL_FIXTURES) + "/llama", at::kFloat, at::kCPU);

@@ -33,6 +33,10 @@
       type, shape or bytes differ, or that only one holds) and `keys` (the architecture's keys of
       FILE_A that FILE_B lacks or holds with another value).
 
+  gguf_model_check.py poke FILE NAME VALUE
+      edits FILE in place (gguf-py's reader in r+ mode): the scalar metadata key NAME, or every
+      value of the F32 tensor NAME, becomes VALUE (a float); for hostile-file tests.
+
   gguf_model_check.py quantized FILE TYPE
       writes a tiny llama (hidden 256) whose linears are of ggml type TYPE (F16, BF16, Q4_0 … Q8_0,
       Q2_K … Q6_K): weights quantised by gguf-py, or random K-quant blocks with small scales;
@@ -327,6 +331,19 @@ def same(path_a, path_b):
     report(tensors=tensors, keys=keys, compared=len(ta))
 
 
+def poke(path, name, value):
+    import gguf
+
+    r = gguf.GGUFReader(path, "r+")
+    if name in r.fields:
+        field = r.fields[name]
+        field.parts[field.data[0]][0] = value
+    else:
+        next(t for t in r.tensors if t.name == name).data[...] = value
+    r.data.flush()
+    report(written=path)
+
+
 # K-quant blocks (256 elements): where their float16 scales d (and dmin) sit, in bytes
 K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -424,6 +441,8 @@ def main():
                     sys.argv[5:])
     if mode == "family":
         return family(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
+    if mode == "poke":
+        return poke(sys.argv[2], sys.argv[3], float(sys.argv[4]))
     if mode == "same":
         return same(sys.argv[2], sys.argv[3])
     if mode == "quantized":
