@@ -299,11 +299,10 @@ std::vector<std::pair<std::string, std::vector<double>>> rope_tensors(const Mode
     return {{"rope_freqs.weight", r.short_factor}};
   if (r.type == "longrope" && f.fused)
     return {{"rope_factors_long.weight", r.long_factor}, {"rope_factors_short.weight", r.short_factor}};
-  throw Error(
-      fmt::format("rope scaling '{}' of a {} model cannot be written to GGUF; supported: none, linear, llama3 (llama's "
-                  "rope_freqs), "
-                  "longrope (phi3)",
-                  r.type, c.model_type));
+  throw Error(fmt::format(
+      "rope scaling '{}' of a {} model cannot be written to GGUF; supported: none, linear, llama3 (as rope_freqs), "
+      "longrope (phi3)",
+      r.type, c.model_type));
 }
 
 // Gemma's keys, and a refusal for what llama.cpp would compute otherwise than the model does.

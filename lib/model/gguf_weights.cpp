@@ -300,15 +300,24 @@ std::string gguf_tensor_name(const std::string& hf_name, bool gemma) {
   for (const auto& [hf, gguf] : kTop)
     if (hf_name == hf) return gguf;
   // "<prefix><layer>.<module>.<weight|bias>", llama's and gpt2's layer modules.
+  // clang-format off
   static const std::pair<const char*, const char*> kLlama[] = {
-      {"self_attn.q_proj", "attn_q"},      {"self_attn.k_proj", "attn_k"},
-      {"self_attn.v_proj", "attn_v"},      {"self_attn.o_proj", "attn_output"},
-      {"self_attn.qkv_proj", "attn_qkv"},  // phi3's fused ones
-      {"mlp.gate_up_proj", "ffn_up"},      {"mlp.gate_proj", "ffn_gate"},
-      {"mlp.up_proj", "ffn_up"},           {"mlp.down_proj", "ffn_down"},
-      {"input_layernorm", "attn_norm"},    {"post_attention_layernorm", "ffn_norm"},
-      {"self_attn.q_norm", "attn_q_norm"}, {"self_attn.k_norm", "attn_k_norm"},
+      {"self_attn.q_proj", "attn_q"},
+      {"self_attn.k_proj", "attn_k"},
+      {"self_attn.v_proj", "attn_v"},
+      {"self_attn.o_proj", "attn_output"},
+      {"self_attn.qkv_proj", "attn_qkv"},  // phi3's fused q, k, v
+      {"mlp.gate_proj", "ffn_gate"},
+      {"mlp.up_proj", "ffn_up"},
+      {"mlp.gate_up_proj", "ffn_up"},      // phi3's fused gate and up
+      {"mlp.down_proj", "ffn_down"},
+      {"input_layernorm", "attn_norm"},
+      {"post_attention_layernorm", "ffn_norm"},
+      {"self_attn.q_norm", "attn_q_norm"},
+      {"self_attn.k_norm", "attn_k_norm"},
   };
+  // clang-format on
+
   // Gemma's four norms a layer: the one after attention is llama's "post_attention_layernorm" by
   // name only (llama's sits before the MLP, as Gemma's pre_feedforward_layernorm does).
   static const std::pair<const char*, const char*> kGemma[] = {
