@@ -73,4 +73,32 @@ Batch collate(const std::vector<Example>& examples, bool packed, size_t capacity
   return b;
 }
 
+Stacked stack(const std::vector<Batch>& batches) {
+  Stacked out;
+  int64_t T = 0, R = 0;
+  for (const Batch& b : batches)
+    if (b.ids.defined()) T = std::max(T, b.ids.size(1));
+  std::vector<at::Tensor> ids, mask;
+  for (const Batch& b : batches) {
+    Stacked::Part p;
+    p.row0 = R;
+    if (b.ids.defined()) {
+      const int64_t t = b.ids.size(1);
+      p.rows = b.ids.size(0);
+      p.length = t;
+      ids.push_back(at::constant_pad_nd(b.ids, {0, T - t}, 0));
+      mask.push_back(at::constant_pad_nd(b.mask, {0, T - t}, 0));
+      p.flat_rows = (at::floor_divide(b.rows, t) + R) * T + b.rows.remainder(t);  // [r, k] of [rows, t] -> [R*T]
+      p.targets = b.targets;
+      R += p.rows;
+    }
+    out.parts.push_back(std::move(p));
+  }
+  if (!ids.empty()) {
+    out.ids = at::cat(ids);
+    out.mask = at::cat(mask);
+  }
+  return out;
+}
+
 }  // namespace lorarun::data

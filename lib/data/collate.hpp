@@ -25,6 +25,19 @@ struct Batch {
 // the fullest row. Position k predicts labels[k + 1] of its own example.
 Batch collate(const std::vector<Example>& examples, bool packed, size_t capacity, c10::Device device);
 
+// Micro-batches of several adapters (adapters:) as one: their rows stacked in order and
+// right-padded to the longest (padding id 0, mask 0); part k keeps rows [row0, row0 + rows) and
+// its first `length` positions, and its trained positions renumbered into the stack.
+struct Stacked {
+  struct Part {
+    int64_t row0 = 0, rows = 0, length = 0;
+    at::Tensor flat_rows, targets;  // int64 [N]: positions of the stack viewed as [R*T], their targets
+  };
+  at::Tensor ids, mask;     // [R, T]
+  std::vector<Part> parts;  // one per batch given, in order (rows 0 for an empty one)
+};
+Stacked stack(const std::vector<Batch>& batches);
+
 // Host vector -> int64 tensor of `shape` on `device`; through pinned memory, without blocking,
 // on CUDA.
 at::Tensor upload(const std::vector<int64_t>& v, at::IntArrayRef shape, c10::Device device);

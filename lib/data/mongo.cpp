@@ -327,6 +327,21 @@ int64_t Client::count(const std::string& db, const std::string& coll, const nloh
   return n;
 }
 
+std::vector<nlohmann::json> Client::distinct(const std::string& db, const std::string& coll, const std::string& field,
+                                             const nlohmann::json& filter) {
+  const BsonPtr command = to_bson({{"distinct", coll}, {"key", field}, {"query", filter}}, "data.filter");
+  std::unique_ptr<mongoc_database_t, DatabaseDeleter> d(mongoc_client_get_database(client_.get(), db.c_str()));
+  Bson reply;
+  bson_error_t error;
+  if (!mongoc_database_read_command_with_opts(d.get(), command.get(), nullptr, nullptr, &reply.b, &error))
+    fail(error, fmt::format("listing the values of {} in {}.{} at {} failed", field, db, coll, redacted_uri_));
+  const nlohmann::json j = nlohmann::json::parse(to_json_text(&reply.b, false), nullptr, false);
+  if (j.is_discarded() || !j.contains("values") || !j["values"].is_array())
+    throw Error(fmt::format("the values of {} in {}.{} at {} are not text MongoDB can show as JSON (UTF-8)", field, db,
+                            coll, redacted_uri_));
+  return j["values"].get<std::vector<nlohmann::json>>();
+}
+
 std::vector<Found> Client::find_sorted(const std::string& db, const std::string& coll, const nlohmann::json& filter,
                                        const std::string& after, int64_t skip, int64_t limit,
                                        const std::vector<std::string>& fields) {

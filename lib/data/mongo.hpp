@@ -97,6 +97,12 @@ class Client {
   std::vector<Found> find_by_ids(const std::string& db, const std::string& coll, const std::vector<std::string>& ids,
                                  const std::vector<std::string>& fields);
 
+  // The distinct values of `field` among the documents matching `filter` (the server's distinct
+  // command: an array's items count one by one), as relaxed extended JSON; a value with no JSON
+  // form (text that is not UTF-8) throws lorarun::Error naming the field.
+  std::vector<nlohmann::json> distinct(const std::string& db, const std::string& coll, const std::string& field,
+                                       const nlohmann::json& filter);
+
   // How many documents match `filter` (at most `limit`).
   int64_t count(const std::string& db, const std::string& coll, const nlohmann::json& filter,
                 std::optional<int64_t> limit = {});

@@ -131,6 +131,17 @@ Selection check_selection(const recipe::DataSection& d) {
   return s;
 }
 
+FieldValues field_values(const recipe::DataSection& d, const std::string& field) {
+  const std::unique_ptr<Client> c = connect(d);
+  check_collection(d, *c);
+  FieldValues out;
+  out.values = selecting(d, *c, [&] { return c->distinct(d.database, d.collection, field, d.filter); });
+  const nlohmann::json lacking = {{field, {{"$exists", false}}}};
+  out.missing =
+      c->count(d.database, d.collection, d.filter.empty() ? lacking : nlohmann::json{{"$and", {d.filter, lacking}}});
+  return out;
+}
+
 Documents::~Documents() = default;
 
 // Called with mu_ held (or from the constructor).

@@ -134,6 +134,14 @@ struct Selection {
 };
 Selection check_selection(const recipe::DataSection& d);
 
+// adapters.per: what `field` holds across data's selection (MongoDB): its distinct values, and how
+// many selected documents have no such field (no adapter trains on those).
+struct FieldValues {
+  std::vector<nlohmann::json> values;
+  int64_t missing = 0;
+};
+FieldValues field_values(const recipe::DataSection& d, const std::string& field);
+
 // Which shard of which epoch a reader delivers, and when to stop waiting for it.
 struct ShardSpec {
   int world = 1, rank = 0;

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
+#include <utility>
 
 #include "io/files.hpp"
 #include "model/dora.hpp"
@@ -152,6 +153,28 @@ std::vector<std::pair<std::string, at::Tensor>> state_of(const CausalLM& model, 
   return out;
 }
 
+// Adapter `slot` of a job of many, under PEFT's names.
+std::vector<std::pair<std::string, at::Tensor>> tenant_state(const CausalLM& model, int slot) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const Linear* l : model.linears()) {
+    if (l->tenants.size() <= static_cast<size_t>(slot) || !l->tenants[static_cast<size_t>(slot)].a.defined()) continue;
+    const TenantLora& t = l->tenants[static_cast<size_t>(slot)];
+    out.emplace_back(kPrefix + l->name + ".lora_A.weight", t.a);
+    out.emplace_back(kPrefix + l->name + ".lora_B.weight", t.b);
+  }
+  return out;
+}
+
+// Throws the error of target_modules that match no layer, listing the model's layer names.
+[[noreturn]] void matched_nothing(const CausalLM& model, const LoraConfig& cfg) {
+  std::set<std::string> names;
+  for (const Linear* l : model.linears()) names.insert(short_name(l->name));
+  throw Error(
+      fmt::format("lora.target_modules [{}] match no layer of this {} model; its linear layers are: {} (or use "
+                  "all-linear)",
+                  fmt::join(cfg.target_modules, ", "), model.config().model_type, fmt::join(names, ", ")));
+}
+
 bool converted_for_original_base(const CausalLM& model) {
   for (const Linear* l : model.linears())
     if (l->lora_a0.defined()) return true;
@@ -191,15 +214,36 @@ void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::Scal
     if (cfg.use_dora) attach_dora(*l);
     ++matched;
   }
-  if (matched == 0) {
-    std::set<std::string> names;
-    for (const Linear* l : model.linears()) names.insert(short_name(l->name));
-    throw Error(
-        fmt::format("lora.target_modules [{}] match no layer of this {} model; its linear layers "
-                    "are: {} (or use all-linear)",
-                    fmt::join(cfg.target_modules, ", "), model.config().model_type, fmt::join(names, ", ")));
-  }
+  if (matched == 0) matched_nothing(model, cfg);
   attach_tables(model, cfg, dtype);
+}
+
+void attach_tenant(CausalLM& model, const LoraConfig& cfg, uint64_t seed, int slot, int slots) {
+  if (cfg.r <= 0) throw Error(fmt::format("lora.r must be positive, got {}", cfg.r));
+  const std::optional<InitMethod> how = parse_init(cfg.init);
+  if (!how || how->decomposes())
+    throw Error(fmt::format("lora.init '{}' does not start adapters that share a base: use default or gaussian",
+                            printable(cfg.init)));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  int matched = 0;
+  for (Linear* l : model.linears()) {
+    l->tenants.resize(static_cast<size_t>(slots));
+    if (!matches_target(l->name, cfg)) continue;
+    init_adapter(*l, cfg.r, cfg.scaling(), *how, gen);  // (default and gaussian set lora_a and lora_b only)
+    TenantLora& t = l->tenants[static_cast<size_t>(slot)];
+    t.a = std::exchange(l->lora_a, {}).to(model.device()).set_requires_grad(true);
+    t.b = std::exchange(l->lora_b, {}).to(model.device()).set_requires_grad(true);
+    t.scaling = cfg.scaling();
+    l->dropout = cfg.dropout;
+    ++matched;
+  }
+  if (matched == 0) matched_nothing(model, cfg);
+}
+
+std::vector<at::Tensor> tenant_parameters(const CausalLM& model, int slot) {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, t] : tenant_state(model, slot)) out.push_back(t);
+  return out;
 }
 
 std::vector<at::Tensor> lora_parameters(const CausalLM& model) {
@@ -218,6 +262,9 @@ std::vector<std::pair<std::string, at::Tensor>> lora_state(const CausalLM& model
 std::string trainable_summary(const CausalLM& model) {
   int64_t trainable = 0;
   for (const at::Tensor& t : lora_parameters(model)) trainable += t.numel();
+  for (const Linear* l : model.linears())  // a job's adapters, all of them
+    for (const TenantLora& t : l->tenants)
+      if (t.a.defined()) trainable += t.a.numel() + t.b.numel();
   const int64_t all = trainable + model.base_parameter_count();
   return fmt::format("trainable params: {} || all params: {} || trainable%: {:.4f}", with_commas(trainable),
                      with_commas(all), 100.0 * double(trainable) / double(all));
@@ -230,11 +277,16 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
         fmt::format("lora.r = {} is above 512, the largest rank vLLM serves (--max-lora-rank); PEFT and "
                     "transformers still load it",
                     cfg.r));
+  const std::vector<std::pair<std::string, at::Tensor>> state =
+      cfg.tenant >= 0 ? tenant_state(model, cfg.tenant) : state_of(model, true);
   std::set<std::string> targets;
   for (const Linear* l : model.linears())
-    if (l->adapted()) targets.insert(short_name(l->name));
+    if (cfg.tenant >= 0 ? l->tenants.size() > static_cast<size_t>(cfg.tenant) &&
+                              l->tenants[static_cast<size_t>(cfg.tenant)].a.defined()
+                        : l->adapted())
+      targets.insert(short_name(l->name));
   // PiSSA/OLoRA: twice the rank at the same scaling, as PEFT's conversion writes it.
-  const bool doubled = converted_for_original_base(model);
+  const bool doubled = cfg.tenant < 0 && converted_for_original_base(model);
   const double alpha = !doubled ? cfg.alpha : cfg.use_rslora ? cfg.alpha * std::sqrt(2.0) : cfg.alpha * 2;
   // The fields PEFT writes, so PEFT, transformers and vLLM read it as their own.
   const nlohmann::ordered_json config = {
@@ -264,7 +316,7 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
   };
   fs::create_directories(dir);
   io::write_file_atomic((fs::path(dir) / "adapter_config.json").string(), config.dump(2) + "\n");
-  save_tensors((fs::path(dir) / "adapter_model.safetensors").string(), state_of(model, true));
+  save_tensors((fs::path(dir) / "adapter_model.safetensors").string(), state);
 }
 
 LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType dtype) {

@@ -24,6 +24,7 @@ struct LoraConfig {
   std::vector<int64_t> trainable_token_indices = {};  // embedding rows trained alone (PEFT's TrainableTokens)
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};  // or {"all-linear"}
   std::string base_model_name_or_path = {};
+  int tenant = -1;  // adapters: (a job of many) which adapter of each linear this is (its slot); -1: the one
 
   double scaling() const;  // alpha / r, or alpha / sqrt(r) with rsLoRA
 };
@@ -45,6 +46,13 @@ bool matches_target(const std::string& module_name, const LoraConfig& cfg);
 // says otherwise. Throws lorarun::Error, listing the model's layer names, when nothing matches.
 void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::ScalarType dtype = at::kFloat);
 
+// A job of many adapters (adapters:): adapter `slot` of `slots` added to the matching layers, started
+// as attach_lora starts an adapter with the same config and seed (default or gaussian init); the
+// linears' other slots stay empty until theirs are added. Throws as attach_lora does.
+void attach_tenant(CausalLM& model, const LoraConfig& cfg, uint64_t seed, int slot, int slots);
+// Adapter `slot`'s A and B of each layer it adapts, in model order.
+std::vector<at::Tensor> tenant_parameters(const CausalLM& model, int slot);
+
 // The trainable tensors, A, B (and DoRA's magnitude) for each adapted layer in model order, then
 // the trained tables (modules_to_save's embedding and head copies, trainable tokens' rows).
 std::vector<at::Tensor> lora_parameters(const CausalLM& model);
@@ -60,7 +68,8 @@ std::string nf4_summary(const CausalLM& model);
 // "base linears kept as the GGUF's blocks (Q4_1 210): 106168320 parameters in 59.7 MiB (0.5625 bytes each)".
 std::string gguf_blocks_summary(const CausalLM& model);
 
-// Writes adapter_config.json + adapter_model.safetensors into `dir` (created; files atomic).
+// Writes adapter_config.json + adapter_model.safetensors into `dir` (created; files atomic); with
+// cfg.tenant, that adapter of a job of many.
 // Layers started by PiSSA or OLoRA are saved for the original base, as PEFT's
 // save_pretrained(path_initial_model_for_weight_conversion=…) does: A' = [A; A0], B' = [B, -B0],
 // r' = 2r and alpha' = 2·alpha (sqrt(2)·alpha with rsLoRA), so W + s·B'A' = (W - s·B0A0) + s·BA.

@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -21,23 +22,17 @@
 
 namespace lorarun::model {
 
-at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
+at::Tensor Linear::forward(const at::Tensor& x, bool training, const Routes* routes) const {
   at::Tensor y = sharded  ? sharded_linear(x, *sharded, bias)
                  : nf4    ? nf4_linear(x, *nf4, bias)
                  : blocks ? gguf_linear(x, *blocks, bias)
                           : at::linear(x, weight, bias);
+  if (!tenants.empty() && routes) return add_tenants(*this, x, y, training, *routes);
   if (!adapted() || adapter_off) return y;
   if (dora()) return dora_forward(*this, x, y, training);
   // As PEFT: the adapter path runs in the adapters' dtype (fp32 master weights under a bf16 or
   // fp16 base); the sum is cast back to the base output's dtype.
-  at::Tensor xd = training && dropout > 0 ? at::dropout(x, dropout, true) : x;
-  if (xd.scalar_type() != lora_a.scalar_type()) xd = xd.to(lora_a.scalar_type());
-  const at::Tensor xa = at::linear(xd, lora_a);  // [.., r]
-  const int64_t out = lora_b.size(0);
-  // Same dtype: y += scaling * xa B^T as one GEMM accumulating into y (no [.., out] temporaries).
-  if (y.scalar_type() == lora_b.scalar_type())
-    return y.view({-1, out}).addmm_(xa.reshape({-1, xa.size(-1)}), lora_b.t(), 1.0, scaling).view(y.sizes());
-  return (y + at::linear(xa * scaling, lora_b)).to(y.scalar_type());  // summed in fp32, as PEFT
+  return add_lora(y, training && dropout > 0 ? at::dropout(x, dropout, true) : x, lora_a, lora_b, scaling);
 }
 
 namespace {
@@ -50,6 +45,27 @@ at::Tensor embed(const TrainedTables& t, const at::Tensor& table, const at::Tens
   if (!t.token_ids.defined()) return h;
   const at::Tensor slot = t.token_slot.index_select(0, ids.flatten()).view(ids.sizes());
   return at::where(slot.ge(0).unsqueeze(-1), at::embedding(t.token_rows.to(dtype), slot.clamp_min(0)), h);
+}
+
+// `block` run again in backward (activation recompute) with the adapters' dropout streams as they
+// were when it first ran, so that it draws the same masks; they are left as they were before.
+std::function<at::Tensor(const at::Tensor&)> replaying_streams(const std::shared_ptr<const Routes>& routes,
+                                                               std::function<at::Tensor(const at::Tensor&)> block) {
+  if (!routes || !routes->streams) return block;
+  DropoutStreams* streams = routes->streams;
+  auto first = std::make_shared<std::vector<at::Tensor>>();  // the streams when the forward began
+  return [streams, first, block = std::move(block)](const at::Tensor& x) {
+    std::vector<at::Tensor> now;
+    for (size_t s = 0; s < streams->size(); ++s) now.push_back(streams->state(static_cast<int>(s)));
+    if (first->empty()) {
+      *first = std::move(now);
+      return block(x);
+    }
+    for (size_t s = 0; s < streams->size(); ++s) streams->set_state(static_cast<int>(s), (*first)[s]);
+    at::Tensor y = block(x);
+    for (size_t s = 0; s < streams->size(); ++s) streams->set_state(static_cast<int>(s), now[s]);
+    return y;
+  };
 }
 
 // The linears a block has (a family leaves some empty), in a fixed order.
@@ -367,33 +383,32 @@ at::Tensor CausalLM::norm(const Norm& n, const at::Tensor& x) const {
   return n.weight * y.to(x.scalar_type());
 }
 
-at::Tensor CausalLM::mlp(const Block& b, const at::Tensor& x) const {
+at::Tensor CausalLM::mlp(const Block& b, const at::Tensor& x, const Routes* routes) const {
+  const auto fc = [&](const Linear& l, const at::Tensor& in) { return l.forward(in, training, routes); };
   if (b.gate_up.defined()) {
-    const auto gu = b.gate_up.forward(x, training).chunk(2, -1);
-    return b.down.forward(gu[1] * activation(config_.activation, gu[0]), training);
+    const auto gu = fc(b.gate_up, x).chunk(2, -1);
+    return fc(b.down, gu[1] * activation(config_.activation, gu[0]));
   }
-  if (config_.family == Family::Llama)
-    return b.down.forward(activation(config_.activation, b.gate.forward(x, training)) * b.up.forward(x, training),
-                          training);
-  return b.down.forward(activation(config_.activation, b.up.forward(x, training)), training);
+  if (config_.family == Family::Llama) return fc(b.down, activation(config_.activation, fc(b.gate, x)) * fc(b.up, x));
+  return fc(b.down, activation(config_.activation, fc(b.up, x)));
 }
 
 // x [B, T, H] -> attention output after the output projection [B, T, H].
 at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& cos,
-                               const at::Tensor& sin, KVCache* cache, size_t layer) const {
+                               const at::Tensor& sin, KVCache* cache, size_t layer, const Routes* routes) const {
   const ModelConfig& c = config_;
   const int64_t B = x.size(0), T = x.size(1), hd = c.head_dim;
   at::Tensor q, k, v;
   if (b.qkv.defined()) {
     const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
-    auto parts = b.qkv.forward(x, training).split_with_sizes({q_out, kv_out, kv_out}, -1);
+    auto parts = b.qkv.forward(x, training, routes).split_with_sizes({q_out, kv_out, kv_out}, -1);
     q = parts[0];
     k = parts[1];
     v = parts[2];
   } else {
-    q = b.q.forward(x, training);
-    k = b.k.forward(x, training);
-    v = b.v.forward(x, training);
+    q = b.q.forward(x, training, routes);
+    k = b.k.forward(x, training, routes);
+    v = b.v.forward(x, training, routes);
   }
   q = q.view({B, T, c.num_heads, hd});
   k = k.view({B, T, c.num_kv_heads, hd});
@@ -427,11 +442,12 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
     cache->v[layer] = v;
   }
   const double scale = 1.0 / std::sqrt(c.query_pre_attn_scalar.value_or(static_cast<double>(hd)));
-  at::Tensor out;
-  if (!c.attn_softcap) {
-    out = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale,
-                                           /*enable_gqa=*/c.num_kv_heads != c.num_heads);
-  } else {  // gemma2: scores capped by cap * tanh(s / cap) before the mask; softmax in float32, as HF
+  // q [b, nh, t, hd], k and v [b, nkv, t', hd], mask [b, 1, t, t'] -> [b, nh, t, hd]
+  const auto attend = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+    if (!c.attn_softcap)
+      return at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale,
+                                              /*enable_gqa=*/c.num_kv_heads != c.num_heads);
+    // gemma2: scores capped by cap * tanh(s / cap) before the mask; softmax in float32, as HF
     const int64_t groups = c.num_heads / c.num_kv_heads;
     const at::Tensor kr = groups == 1 ? k : k.repeat_interleave(groups, 1);
     const at::Tensor vr = groups == 1 ? v : v.repeat_interleave(groups, 1);
@@ -440,9 +456,22 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
     // A finite fill, as HF's: a padding row whose window holds no real token stays finite.
     const at::Tensor masked =
         scores.to(at::kFloat).masked_fill(mask.logical_not(), std::numeric_limits<float>::lowest());
-    out = at::matmul(at::softmax(masked, -1).to(q.scalar_type()), vr);
+    return at::matmul(at::softmax(masked, -1).to(q.scalar_type()), vr);
+  };
+  at::Tensor out;
+  if (!routes || routes->routes.empty() || cache) {
+    out = attend(q, k, v, mask);
+  } else {  // adapters: each route's rows at their own length, as their own run attends (the kernel's
+            // blocking follows the length); the positions past it, padding, left zero
+    std::vector<at::Tensor> parts;
+    for (const Route& r : routes->routes) {
+      const auto mine = [&](const at::Tensor& t) { return t.narrow(0, r.row0, r.rows).narrow(2, 0, r.length); };
+      parts.push_back(at::constant_pad_nd(attend(mine(q), mine(k), mine(v), mine(mask).narrow(3, 0, r.length)),
+                                          {0, 0, 0, T - r.length}));
+    }
+    out = at::cat(parts);
   }
-  return b.o.forward(out.transpose(1, 2).reshape({B, T, c.num_heads * hd}), training);
+  return b.o.forward(out.transpose(1, 2).reshape({B, T, c.num_heads * hd}), training, routes);
 }
 
 at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor& attention_mask_in, KVCache* cache,
@@ -481,7 +510,7 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
     std::tie(cos[0], sin[0]) = rope_tables(positions, long_rope ? inv_freq_long_ : inv_freq_);
     if (inv_freq_local_.defined()) std::tie(cos[1], sin[1]) = rope_tables(positions, inv_freq_local_);
   } else if (c.family == Family::Opt) {
-    if (project_in_.defined()) h = project_in_.forward(h, training);
+    if (project_in_.defined()) h = project_in_.forward(h, training, routes.get());
     // OPT counts positions over real tokens only, offset by 2 (HF's OPTLearnedPositionalEmbedding).
     const at::Tensor pos = (packed ? positions : (at::cumsum(valid, 1) * valid - 1).narrow(1, past, T)) + 2;
     h = h + at::embedding(embed_positions_, pos);
@@ -495,16 +524,17 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
     const at::Tensor& mask = masks[windowed];
     const bool local = windowed && cos[1].defined();
     // Captures by value: with recompute it runs again during backward.
-    auto block = [this, i, mask, cos = cos[local], sin = sin[local], cache](const at::Tensor& x) {
+    auto block = [this, i, mask, cos = cos[local], sin = sin[local], cache, routes = routes](const at::Tensor& x) {
       const Block& b = blocks_[i];
+      const Routes* r = routes.get();
       if (config_.family == Family::Opt && !config_.do_layer_norm_before) {  // post-LN OPT (350m)
-        const at::Tensor y = norm(b.norm1, x + attention(b, x, mask, cos, sin, cache, i));
-        return norm(b.norm2, y + mlp(b, y));
+        const at::Tensor y = norm(b.norm1, x + attention(b, x, mask, cos, sin, cache, i, r));
+        return norm(b.norm2, y + mlp(b, y, r));
       }
-      at::Tensor a = attention(b, norm(b.norm1, x), mask, cos, sin, cache, i);
+      at::Tensor a = attention(b, norm(b.norm1, x), mask, cos, sin, cache, i, r);
       if (b.attn_out_norm.weight.defined()) a = norm(b.attn_out_norm, a);
       const at::Tensor y = x + a;
-      at::Tensor f = mlp(b, norm(b.norm2, y));
+      at::Tensor f = mlp(b, norm(b.norm2, y), r);
       if (b.mlp_out_norm.weight.defined()) f = norm(b.mlp_out_norm, f);
       return y + f;
     };
@@ -513,10 +543,10 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
       continue;
     }
     if (!h.requires_grad()) h = h.detach().requires_grad_(true);  // frozen embeddings: a leaf
-    h = recomputed(block, h);
+    h = recomputed(replaying_streams(routes, block), h);
   }
   if (final_norm_.weight.defined()) h = norm(final_norm_, h);
-  if (project_out_.defined()) h = project_out_.forward(h, training);
+  if (project_out_.defined()) h = project_out_.forward(h, training, routes.get());
   return h;
 }
 

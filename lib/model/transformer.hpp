@@ -11,6 +11,7 @@
 #include "model/gguf_blocks.hpp"
 #include "model/nf4.hpp"
 #include "model/sharded.hpp"
+#include "model/tenants.hpp"
 
 namespace lorarun::recipe {
 enum class Dtype;
@@ -48,8 +49,10 @@ struct Linear {
   double scaling = 0.0;
   double dropout = 0.0;
   bool adapter_off = false;  // the adapter skipped: the base layer alone (a preference loss's reference)
+  // adapters: (a job of many) one pair per adapter of the job, by slot, used as `routes` says
+  std::vector<TenantLora> tenants;
 
-  at::Tensor forward(const at::Tensor& x, bool training) const;
+  at::Tensor forward(const at::Tensor& x, bool training, const Routes* routes = nullptr) const;
   bool adapted() const { return lora_a.defined(); }
   bool dora() const { return magnitude.defined(); }
   bool defined() const { return weight.defined() || nf4 || blocks || sharded; }  // families leave some empty
@@ -183,15 +186,18 @@ class CausalLM {
   bool training = false;
   // Recompute each decoder block's activations in backward instead of keeping them (training).
   bool recompute_activations = false;
+  // adapters: (a job of many) which rows of the next passes go through which adapter; with
+  // recompute, a block's backward keeps the routes and dropout streams its forward had.
+  std::shared_ptr<const Routes> routes;
 
  private:
   // Builds the layers of config_'s family from `files`, in dtype_ on device_.
   void build(const WeightSource& files, const LoadOptions& opts);
   at::Tensor attention(const Block& b, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& cos,
-                       const at::Tensor& sin, KVCache* cache, size_t layer) const;
+                       const at::Tensor& sin, KVCache* cache, size_t layer, const Routes* routes) const;
   // cos and sin [B, 1, T, rotated dims] of rope at `positions` [B, T] with these inverse frequencies.
   std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, const at::Tensor& inv_freq) const;
-  at::Tensor mlp(const Block& b, const at::Tensor& x) const;
+  at::Tensor mlp(const Block& b, const at::Tensor& x, const Routes* routes) const;
   at::Tensor norm(const Norm& n, const at::Tensor& x) const;
 
   ModelConfig config_;

@@ -239,6 +239,63 @@ void read_sources(const YAML::Node& n, std::vector<DataSource>& out, const Field
   }
 }
 
+// adapters.list: a list of mappings, each of adapter_keys(); a lora.*, train.* or data.* key that
+// cannot differ per adapter is named as such.
+void read_adapters(const YAML::Node& n, std::vector<AdapterSpec>& out, const Field& f) {
+  out.clear();
+  if (n.IsNull()) return;
+  if (!n.IsSequence()) f.expected("a list of adapters such as [{name: acme, filter: {tenant: acme}}]", n, false);
+  const std::vector<std::string>& allowed = detail::adapter_keys();
+  for (size_t i = 0; i < n.size(); ++i) {
+    const YAML::Node item = n[i];
+    if (!item.IsMap())
+      fail(f.origin, f.key,
+           fmt::format("entry {} is {}, not a mapping such as {{name: acme, filter: {{tenant: acme}}}}", i,
+                       show_node(item)));
+    AdapterSpec a;
+    for (const auto& kv : item) {
+      if (!kv.first.IsScalar()) fail(f.origin, f.key, fmt::format("entry {} has a key that is not a name", i));
+      const std::string key = kv.first.Scalar();
+      if (std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
+        for (const char* section : {"lora.", "train.", "data.", "checkpoint."})
+          if (detail::is_key(section + key))
+            fail(f.origin, f.key,
+                 fmt::format("entry {} sets {}, which one base pass shares between the adapters and cannot differ "
+                             "per adapter: set {}{} for all, or train that adapter in a job of its own (an adapter "
+                             "may set r, alpha, target_modules, lr, epochs)",
+                             i, show(key), section, key));
+        fail(f.origin, f.key,
+             fmt::format("entry {} has the unknown key {}; an adapter's keys are {}", i, show(key),
+                         fmt::join(allowed, ", ")));
+      }
+      const std::string dotted = fmt::format("{}[{}].{}", f.key, i, key);
+      const Field g{dotted, f.origin};
+      const YAML::Node& v = kv.second;
+      if (key == "name")
+        read(v, a.name, g);
+      else if (key == "filter")
+        read(v, a.filter, g);
+      else if (key == "collection")
+        read(v, a.collection, g);
+      else if (key == "path")
+        read(v, a.path, g);
+      else if (key == "eval_filter")
+        read(v, a.eval_filter, g);
+      else if (key == "r")
+        read(v, a.r, g);
+      else if (key == "alpha")
+        read(v, a.alpha, g);
+      else if (key == "target_modules")
+        read(v, a.target_modules, g);
+      else if (key == "lr")
+        read(v, a.lr, g);
+      else
+        read(v, a.epochs, g);
+    }
+    out.push_back(std::move(a));
+  }
+}
+
 // Reads a YAML value into a member of the member's type, or throws naming the key.
 template <class T>
 void read(const YAML::Node& n, T& out, Field f) {
@@ -298,6 +355,8 @@ void read(const YAML::Node& n, T& out, Field f) {
     read_modules(n, out, f);
   } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {
     read_sources(n, out, f);
+  } else if constexpr (std::is_same_v<T, std::vector<AdapterSpec>>) {
+    read_adapters(n, out, f);
   } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {  // lora.trainable_token_indices
     out.clear();
     if (n.IsNull()) return;
@@ -535,6 +594,8 @@ nlohmann::json to_json(const Recipe& r, bool redact_secrets) {
       slot = value == std::vector<std::string>{"all-linear"} ? nlohmann::json("all-linear") : nlohmann::json(value);
     } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {
       slot = detail::sources_json(value);
+    } else if constexpr (std::is_same_v<T, std::vector<AdapterSpec>>) {
+      slot = detail::adapters_json(value);
     } else if constexpr (std::is_same_v<T, EpochsToSave>) {
       slot = value.mode == EpochsToSave::Mode::List ? nlohmann::json(value.epochs)
                                                     : nlohmann::json(detail::yaml_text(value));

@@ -306,6 +306,33 @@ struct EvalSection {
   bool operator==(const EvalSection&) const = default;
 };
 
+// One adapter of a job of many (adapters.list): its share of data's selection and what it may set
+// for itself; unset: the recipe's. With adapters.per an entry only sets an adapter's own keys.
+struct AdapterSpec {
+  std::string name;
+  nlohmann::json filter = nlohmann::json::object();       // mongodb: with data.filter's conditions too
+  std::string collection;                                 // mongodb: of data.database, instead of data.collection
+  std::string path;                                       // jsonl: its own file
+  nlohmann::json eval_filter = nlohmann::json::object();  // its evaluation documents (a query on its collection)
+  std::optional<int> r;
+  std::optional<double> alpha;
+  std::optional<std::vector<std::string>> target_modules;
+  std::optional<double> lr;
+  std::optional<int> epochs;
+  bool selects() const { return !filter.empty() || !collection.empty() || !path.empty(); }
+  bool operator==(const AdapterSpec&) const = default;
+};
+
+// Many adapters on one base in one job: one per distinct value of a document field, or listed.
+// Each trains exactly as its own run would (adapter_recipe), into <output_dir>/<name>/.
+struct AdaptersSection {
+  std::string per;  // a document field of data's selection; empty: the adapters are listed
+  int max = 64;     // with per: at most this many adapters
+  std::vector<AdapterSpec> list;
+  bool enabled() const { return !per.empty() || !list.empty(); }
+  bool operator==(const AdaptersSection&) const = default;
+};
+
 struct Recipe {
   ModelSection model;
   LoraSection lora;
@@ -316,12 +343,13 @@ struct Recipe {
   DistSection dist;
   TrackSection track;
   EvalSection eval;
+  AdaptersSection adapters;
   std::vector<std::string> warnings;  // one line each, for the caller to print
 
   // Same settings (warnings, which name where a recipe came from, are not compared).
   bool operator==(const Recipe& o) const {
     return model == o.model && lora == o.lora && data == o.data && train == o.train && preference == o.preference &&
-           checkpoint == o.checkpoint && dist == o.dist && track == o.track && eval == o.eval;
+           checkpoint == o.checkpoint && dist == o.dist && track == o.track && eval == o.eval && adapters == o.adapters;
   }
 };
 
@@ -353,6 +381,16 @@ std::vector<std::string> validate(const Recipe& r, const RecipeOrigin& origin = 
 std::string to_yaml(const Recipe& r, bool redact_secrets = true);
 // The same as JSON (for run records): {"model": {"path": …}, …}.
 nlohmann::json to_json(const Recipe& r, bool redact_secrets = true);
+
+// Adapter `a` of the job `job` as a run of its own: data's selection narrowed to a's (its filter
+// with data.filter's conditions, or its collection or file), eval: narrowed alike (or its
+// eval_filter), its own r, alpha, target_modules, lr and epochs, output_dir <job's>/<name>, no
+// adapters: section. A job trains each adapter exactly as lora-train trains this recipe. Throws
+// lorarun::Error, naming the adapter, when that recipe is not valid.
+Recipe adapter_recipe(const Recipe& job, const AdapterSpec& a);
+
+// Names an adapter's directory and metrics may not take: what a job's output directory holds itself.
+bool reserved_adapter_name(std::string_view name);
 
 // Every dotted key ("model.path", …) in docs/recipe.md's order.
 std::vector<std::string> known_keys();

@@ -88,6 +88,33 @@ nlohmann::json sources_json(const std::vector<DataSource>& sources) {
   return out;
 }
 
+const std::vector<std::string>& adapter_keys() {
+  static const std::vector<std::string> keys = {"name", "filter", "collection",     "path", "eval_filter",
+                                                "r",    "alpha",  "target_modules", "lr",   "epochs"};
+  return keys;
+}
+
+nlohmann::json adapters_json(const std::vector<AdapterSpec>& list) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const AdapterSpec& a : list) {
+    nlohmann::json j = {{"name", a.name}};
+    if (!a.filter.empty()) j["filter"] = a.filter;
+    if (!a.collection.empty()) j["collection"] = a.collection;
+    if (!a.path.empty()) j["path"] = a.path;
+    if (!a.eval_filter.empty()) j["eval_filter"] = a.eval_filter;
+    if (a.r) j["r"] = *a.r;
+    if (a.alpha) j["alpha"] = *a.alpha;
+    if (a.target_modules)
+      j["target_modules"] = *a.target_modules == std::vector<std::string>{"all-linear"}
+                                ? nlohmann::json("all-linear")
+                                : nlohmann::json(*a.target_modules);
+    if (a.lr) j["lr"] = *a.lr;
+    if (a.epochs) j["epochs"] = *a.epochs;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
 std::string show(std::string_view text) {
   constexpr size_t kMax = 60;
   std::string out;
@@ -211,6 +238,8 @@ std::string type_text() {
     return "list of integers";
   } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {
     return "list of sources";
+  } else if constexpr (std::is_same_v<T, std::vector<AdapterSpec>>) {
+    return "list of adapters";
   } else {
     static_assert(std::is_same_v<T, EpochsToSave>);
     return "all, none, or list of integers";
@@ -239,6 +268,8 @@ std::string allowed_text(const Key& k) {
     parts.push_back("token ids, each once");
   } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {
     parts.push_back("names of [A-Za-z0-9_+-], each once; weights > 0");
+  } else if constexpr (std::is_same_v<T, std::vector<AdapterSpec>>) {
+    parts.push_back("names of [A-Za-z0-9_+-], each once");
   } else if constexpr (std::is_same_v<T, EpochsToSave>) {
     parts.push_back("epochs in [0, train.epochs), each once");
   }

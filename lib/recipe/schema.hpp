@@ -13,8 +13,8 @@
 
 namespace lorarun::recipe::detail {
 
-inline constexpr std::array<std::string_view, 9> kSections{"model",      "lora", "data",  "train", "preference",
-                                                           "checkpoint", "dist", "track", "eval"};
+inline constexpr std::array<std::string_view, 10> kSections{"model",      "lora", "data",  "train", "preference",
+                                                            "checkpoint", "dist", "track", "eval",  "adapters"};
 
 // How far a number may go. Messages and docs/recipe.md word it the same way (bound_text):
 // whole numbers "at least 1", other numbers ">= 0", "> 0", "in [0, 1)", "in [0, 3600] seconds".
@@ -453,6 +453,22 @@ void for_each_key(R& r, V&& v) {
         .null_means = "data.batch_size",
         .meaning = "evaluation documents per forward pass, per rank"},
     r.eval.batch_size);
+
+  v(Key{.name = "adapters.per",
+        .example = "tenant",
+        .meaning = "one adapter per distinct value of this field in data's selection, each trained as its own run "
+                   "would be (`<output_dir>/<value>/`)"},
+    r.adapters.per);
+  v(Key{.name = "adapters.max",
+        .bound = at_least(1),
+        .meaning = "with adapters.per: the most adapters a job trains (more distinct values are refused)"},
+    r.adapters.max);
+  v(Key{.name = "adapters.list",
+        .example = "[{name: acme, filter: {tenant: acme}}, {name: globex, collection: globex, r: 16}]",
+        .meaning = "or listed: each {name, filter and/or collection (path: jsonl), eval_filter} with its own r, "
+                   "alpha, target_modules, lr, epochs",
+        .may_be_empty = true},
+    r.adapters.list);
 }
 
 // The key names: "model.path" → section "model", leaf "path".
@@ -477,6 +493,10 @@ std::string format_double(double v);
 nlohmann::json sources_json(const std::vector<DataSource>& sources);
 // The keys a data.sources entry may have ("name", "collection", …, "chat_format").
 const std::vector<std::string>& source_keys();
+// adapters.list as JSON: per adapter the keys it sets ([{"name": …, "filter": …, "r": 16}]).
+nlohmann::json adapters_json(const std::vector<AdapterSpec>& list);
+// The keys an adapters.list entry may have: where its documents are, then what it may set itself.
+const std::vector<std::string>& adapter_keys();
 
 // A key's value as YAML text (flow style), the form to_yaml writes.
 template <class T>
@@ -502,6 +522,8 @@ std::string yaml_text(const T& v) {
     return out + "]";
   } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {  // data.sources
     return sources_json(v).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  } else if constexpr (std::is_same_v<T, std::vector<AdapterSpec>>) {  // adapters.list
+    return adapters_json(v).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {  // lora.trainable_token_indices
     std::string out = "[";
     for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);

@@ -110,6 +110,16 @@ struct Rule {
 };
 
 void check_sources(const Recipe& r, const RecipeOrigin& o, Warnings& w);
+void check_adapters(const Recipe& r, const RecipeOrigin& o, Warnings& w);
+
+// adapters.list without adapters.per: whether every entry names its own collection (mongodb) or
+// file (jsonl), so that data.collection or data.path may stay empty.
+bool adapters_locate_themselves(const Recipe& r) {
+  if (!r.adapters.per.empty() || r.adapters.list.empty()) return false;
+  return std::all_of(r.adapters.list.begin(), r.adapters.list.end(), [&](const AdapterSpec& a) {
+    return r.data.source == Source::MongoDB ? !a.collection.empty() : !a.path.empty();
+  });
+}
 
 constexpr Rule kRules[] = {
     // The GGUF's own blocks are the frozen base: nothing else may quantise or rewrite it.
@@ -138,12 +148,13 @@ constexpr Rule kRules[] = {
      }},
     {"data.collection",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
-       if (r.data.source == Source::MongoDB && r.data.sources.empty())
+       if (r.data.source == Source::MongoDB && r.data.sources.empty() && !adapters_locate_themselves(r))
          require(o, "data.collection", r.data.collection, "for data.source: mongodb");
      }},
     {"data.path",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
-       if (r.data.source == Source::Jsonl && r.data.sources.empty())
+       if (r.data.source == Source::Jsonl && r.data.sources.empty() && !adapters_locate_themselves(r) &&
+           r.adapters.per.empty())  // (adapters.per is refused for JSONL in so many words)
          require(o, "data.path", r.data.path, "for data.source: jsonl");
      }},
     {"data.sources", check_sources},
@@ -399,6 +410,7 @@ constexpr Rule kRules[] = {
               "is mongodb but no MongoDB URI is set: set data.uri or LORARUN_MONGODB_URI (and track.database or "
               "data.database), or checkpoint.store: none");
      }},
+    {"adapters.list", check_adapters},
     {"dist.backend",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        if (r.dist.backend == DistBackend::Nccl && r.model.device == Device::Cpu)
@@ -469,7 +481,119 @@ void check_sources(const Recipe& r, const RecipeOrigin& o, Warnings& w) {
   }
 }
 
+// What one base pass cannot share between adapters, or a job does not offer: one line each.
+void refuse_in_jobs(const Recipe& r, const RecipeOrigin& o) {
+  const auto refuse = [&](std::string_view what) {
+    fail(o, r.adapters.per.empty() ? "adapters.list" : "adapters.per",
+         fmt::format("trains many adapters on one base, which {}", what));
+  };
+  if (r.train.objective != Objective::Sft)
+    refuse(fmt::format("train.objective: {} does not do yet: train each adapter in a run of its own",
+                       name(r.train.objective)));
+  if (!r.data.sources.empty()) refuse("data.sources does not mix into: give each adapter its selection instead");
+  if (r.lora.use_dora) refuse("DoRA's row norms do not fit yet: set lora.use_dora: false");
+  if (r.lora.init != "default" && r.lora.init != "gaussian")
+    refuse(fmt::format("lora.init {} cannot share: it rewrites the base weights per adapter", r.lora.init));
+  if (!r.lora.modules_to_save.empty() || !r.lora.trainable_token_indices.empty())
+    refuse(
+        "trained embeddings or heads cannot share (one table per adapter in one pass): drop "
+        "lora.modules_to_save and lora.trainable_token_indices");
+  if (!r.lora.init_from.empty()) refuse("starts fresh: drop lora.init_from");
+  if (r.checkpoint.store == Store::MongoDB)
+    refuse("keeps in output_dir only, not yet in GridFS: set checkpoint.store: none");
+}
+
+// adapters: a field to split data's selection by, or listed adapters with names that can name
+// directories and metrics (once each), each selecting its documents unless adapters.per does; every
+// adapter's own recipe valid (adapter_recipe).
+void check_adapters(const Recipe& r, const RecipeOrigin& o, Warnings&) {
+  const AdaptersSection& a = r.adapters;
+  if (!a.enabled()) return;
+  refuse_in_jobs(r, o);
+  const bool per = !a.per.empty();
+  if (per && r.data.source != Source::MongoDB)
+    fail(o, "adapters.per",
+         "needs data.source: mongodb (a JSONL file is not queried): list each adapter's file under adapters.list "
+         "with its path");
+  if (per && (a.per.starts_with('$') || a.per.find('\0') != std::string::npos || a.per.front() == '.' ||
+              a.per.back() == '.' || a.per.find("..") != std::string::npos))
+    fail(o, "adapters.per",
+         fmt::format("'{}' is not a document field name (e.g. tenant, meta.customer)", detail::show(a.per)));
+  std::set<std::string> names;
+  for (size_t i = 0; i < a.list.size(); ++i) {
+    const AdapterSpec& s = a.list[i];
+    if (!is_name_component(s.name) || s.name.size() > 64 || s.name.find('.') != std::string::npos)
+      fail(o, "adapters.list",
+           fmt::format("entry {} is named {}: an adapter needs a name of 1 to 64 letters, digits, '_', '+' or '-', "
+                       "not starting with '-' (it names its directory <output_dir>/<name>/)",
+                       i, s.name.empty() ? std::string("nothing") : fmt::format("'{}'", printable(s.name))));
+    if (reserved_adapter_name(s.name))
+      fail(o, "adapters.list",
+           fmt::format("entry {} is named '{}', which the job's output directory holds itself: rename it", i, s.name));
+    if (!names.insert(s.name).second)
+      fail(o, "adapters.list", fmt::format("name '{}' twice: give each adapter its own name", s.name));
+    if (per && (s.selects() || !s.eval_filter.empty()))
+      fail(o, "adapters.list",
+           fmt::format("'{}' sets {} with adapters.per, which selects its documents ({} is its name): with per, an "
+                       "entry sets only r, alpha, target_modules, lr, epochs",
+                       s.name,
+                       !s.filter.empty()       ? "filter"
+                       : !s.collection.empty() ? "collection"
+                       : !s.path.empty()       ? "path"
+                                               : "eval_filter",
+                       a.per));
+    if (!per && r.data.source == Source::MongoDB && !s.path.empty())
+      fail(o, "adapters.list",
+           fmt::format("'{}' sets path, which data.source: jsonl reads: give it a filter or a collection", s.name));
+    if (!per && r.data.source == Source::Jsonl && (s.path.empty() || !s.filter.empty() || !s.collection.empty()))
+      fail(o, "adapters.list",
+           fmt::format("'{}' needs its own path (data.source is jsonl, whose files are not queried)", s.name));
+    if (!per && r.data.source == Source::MongoDB && !s.selects())
+      fail(o, "adapters.list",
+           fmt::format("'{}' selects no documents of its own: give it a filter (with data.filter's conditions) "
+                       "and/or a collection",
+                       s.name));
+    try {
+      AdapterSpec own = s;
+      if (per) own.filter = {{a.per, s.name}};
+      (void)adapter_recipe(r, own);
+    } catch (const Error& e) {
+      throw Error(fmt::format("{}: {}", o.at("adapters.list"), e.what()));
+    }
+  }
+}
+
 }  // namespace
+
+bool reserved_adapter_name(std::string_view name) {
+  return name == "logs" || name == "tensorboard" || name == "best" || name == "resume_state" ||
+         name.starts_with("epoch_");
+}
+
+Recipe adapter_recipe(const Recipe& job, const AdapterSpec& a) {
+  // Both selections' conditions, as data.sources combines them.
+  const auto both = [](const nlohmann::json& x, const nlohmann::json& y) {
+    return x.empty() ? y : y.empty() ? x : nlohmann::json{{"$and", {x, y}}};
+  };
+  Recipe r = job;
+  r.adapters = {};
+  r.warnings.clear();
+  if (!a.collection.empty()) r.data.collection = a.collection;
+  if (!a.path.empty()) r.data.path = a.path;
+  r.data.filter = both(job.data.filter, a.filter);
+  if (!a.eval_filter.empty())
+    r.eval.filter = a.eval_filter;
+  else if (!job.eval.filter.empty())
+    r.eval.filter = both(job.eval.filter, a.filter);
+  if (a.r) r.lora.r = *a.r;
+  if (a.alpha) r.lora.alpha = *a.alpha;
+  if (a.target_modules) r.lora.target_modules = *a.target_modules;
+  if (a.lr) r.train.lr = *a.lr;
+  if (a.epochs) r.train.epochs = *a.epochs;
+  r.checkpoint.output_dir = (std::filesystem::path(job.checkpoint.output_dir) / a.name).string();
+  (void)validate(r, RecipeOrigin{fmt::format("adapter '{}'", printable(a.name)), {}});
+  return r;
+}
 
 std::vector<std::string_view> detail::rule_keys() {
   std::vector<std::string_view> keys;

@@ -52,7 +52,7 @@ bool save_after_epoch(const recipe::CheckpointSection& c, int epoch, int epochs)
 
 Checkpointer::Checkpointer(const recipe::Recipe& r, const Agreement& agree, const model::CausalLM& m,
                            model::LoraConfig cfg, const std::vector<at::Tensor>& params, torch::optim::AdamW& opt,
-                           nlohmann::json data, bool cuda)
+                           nlohmann::json data, bool cuda, RngStream rng)
     : r_(r),
       agree_(agree),
       m_(m),
@@ -60,7 +60,7 @@ Checkpointer::Checkpointer(const recipe::Recipe& r, const Agreement& agree, cons
       params_(params),
       opt_(opt),
       data_(std::move(data)),
-      cuda_(cuda),
+      rng_(rng.get ? std::move(rng) : RngStream::process(cuda)),
       out_(r.checkpoint.output_dir) {}
 
 Checkpointer::~Checkpointer() = default;
@@ -135,7 +135,7 @@ void Checkpointer::restore_run(const nlohmann::json& run) {
 
 std::optional<Progress> Checkpointer::load(const RunShape& shape) {
   if (r_.checkpoint.resume != recipe::Resume::Auto) return std::nullopt;
-  return load_state(out_, opt_, params_, agree_.rank(), agree_.world(), cuda_, recipe::to_json(r_), shape);
+  return load_state(out_, opt_, params_, agree_.rank(), agree_.world(), rng_, recipe::to_json(r_), shape);
 }
 
 // No adapter with a NaN or an infinity is ever written (every rank checks its replica).
@@ -204,7 +204,7 @@ void Checkpointer::save_best(const nlohmann::json& about, int64_t step) {
 // Every rank's RNG goes to rank 0 (each in its own row of a sum), which writes the state.
 void Checkpointer::save_state(const Progress& p, bool store_it) {
   check_finite("the resumable state", p.step);
-  const at::Tensor rngs = agree_.rows(rng_state(cuda_));
+  const at::Tensor rngs = agree_.rows(rng_.get());
   std::string why;
   if (agree_.lead()) {
     try {

@@ -44,9 +44,11 @@ struct RunSummary {
 class Checkpointer {
  public:
   // `params` and `opt` are the LoRA parameters and their AdamW; `data` the training selection's
-  // identity (data::Documents::identity()), saved with each state.
+  // identity (data::Documents::identity()), saved with each state; `rng` the random stream saved
+  // with it (the process's generators, unless an adapter of a job of many has its own).
   Checkpointer(const recipe::Recipe& r, const Agreement& agree, const model::CausalLM& m, model::LoraConfig cfg,
-               const std::vector<at::Tensor>& params, torch::optim::AdamW& opt, nlohmann::json data, bool cuda);
+               const std::vector<at::Tensor>& params, torch::optim::AdamW& opt, nlohmann::json data, bool cuda,
+               RngStream rng = {});
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
@@ -91,7 +93,7 @@ class Checkpointer {
   const std::vector<at::Tensor>& params_;
   torch::optim::AdamW& opt_;
   const nlohmann::json data_;
-  const bool cuda_;
+  const RngStream rng_;
   const std::string out_;
   track::RunSinks* sinks_ = nullptr;
   track::RunRecorder* record_ = nullptr;  // sinks_'s, when the run is recorded

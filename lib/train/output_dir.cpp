@@ -80,7 +80,11 @@ void claim_output_dir(const std::string& dir, bool overwrite, bool may_resume) {
         fmt::format("checkpoint.output_dir {} holds the adapters of another run ({}): choose another "
                     "checkpoint.output_dir, or set checkpoint.overwrite=true to replace them",
                     dir, what));
-  // Replacing: nothing of the old run may be taken for this one's.
+  // Replacing: nothing of the old run may be taken for this one's (a job's adapters: their directories).
+  if (j.is_object() && j.contains("adapters") && j["adapters"].is_array())
+    for (const nlohmann::json& name : j["adapters"])
+      if (name.is_string() && is_name_component(name.get<std::string>()))
+        io::remove_tree((fs::path(dir) / name.get<std::string>()).string());
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
     if (name.rfind("epoch_", 0) == 0 || name.rfind("resume_state", 0) == 0 || name == "best")

@@ -100,6 +100,10 @@ model::LoadOptions load_options(const recipe::Recipe& r, std::shared_ptr<model::
           .shapes_only = shapes_only};
 }
 
+uint64_t dropout_seed(int64_t seed, int rank) {
+  return static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(rank) + 1;
+}
+
 int64_t steps_per_epoch(const recipe::Recipe& r, int64_t per_rank) {
   const int64_t per_step = int64_t{r.data.batch_size} * r.train.gradient_accumulation_steps;
   const int64_t steps = (per_rank + per_step - 1) / per_step;
@@ -114,6 +118,10 @@ Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const Runtim
   model.check_tokenizer(tokenizer);
   model.check_length(r.data.max_length, fmt::format("data.max_length {}", r.data.max_length));
   const auto pairs = r.train.objective == recipe::Objective::Orpo ? data::PairTokens::Orpo : data::PairTokens::Dpo;
+  if (o.tenants) {
+    builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt, pairs);
+    return;
+  }
   const bool evaluating = o.eval_split && r.eval.enabled(r.data.source);
   const data::Holdout training = data::Holdout::training(r.eval.fraction);
   if (r.data.sources.empty())
@@ -148,12 +156,14 @@ model::CausalLM Runtime::load_model(const recipe::Recipe& r, const dist::DistEnv
   }
   // Dropout draws from the default generators: one stream per rank, derived from train.seed,
   // so the same recipe on the same world size gives the same adapter bit for bit.
-  at::manual_seed(static_cast<uint64_t>(r.train.seed) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(env.rank) + 1);
+  at::manual_seed(dropout_seed(r.train.seed, env.rank));
   const model::LoraConfig cfg = model::lora_config_of(r.lora, r.model.path);
-  if (r.lora.init_from.empty())
-    model::attach_lora(m, cfg, static_cast<uint64_t>(r.train.seed));  // same seed: identical replicas
-  else
-    start_from_adapter(m, cfg, r.lora.init_from, env.rank == 0);
+  if (!o.tenants) {  // (a job of many adapters attaches them itself)
+    if (r.lora.init_from.empty())
+      model::attach_lora(m, cfg, static_cast<uint64_t>(r.train.seed));  // same seed: identical replicas
+    else
+      start_from_adapter(m, cfg, r.lora.init_from, env.rank == 0);
+  }
   m.recompute_activations = r.train.activation_checkpointing;
   // The whole tensors loading went through (dequantised, quantised, sliced) are free now; give
   // their pages back, or the heap they fragmented stays resident for the whole run.

@@ -41,11 +41,17 @@ model::LoadOptions load_options(const recipe::Recipe& r, std::shared_ptr<model::
 // rank the same (shards are equalised), at most train.max_steps_per_epoch.
 int64_t steps_per_epoch(const recipe::Recipe& r, int64_t per_rank);
 
+// The seed of rank `rank`'s dropout stream in a run of train.seed `seed`.
+uint64_t dropout_seed(int64_t seed, int rank);
+
 struct RuntimeOptions {
   dist::ProcessGroup* pg = nullptr;  // the ranks' group: dist.shard_base gathers over it (training)
-  bool train = true;                 // fresh adapters (or lora.init_from's), seeded dropout, activation checkpointing
-  std::string adapter = {};          // without train: a PEFT adapter to load ("" none)
-  bool eval_split = true;            // the eval: section's documents too, when the recipe has one
+  // a job of many adapters (adapters:): the base, tokenizer and example builder only; the job adds
+  // its adapters and reads each one's documents itself
+  bool tenants = false;
+  bool train = true;         // fresh adapters (or lora.init_from's), seeded dropout, activation checkpointing
+  std::string adapter = {};  // without train: a PEFT adapter to load ("" none)
+  bool eval_split = true;    // the eval: section's documents too, when the recipe has one
 };
 
 class Runtime {

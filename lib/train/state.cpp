@@ -243,7 +243,7 @@ void save_state(const std::string& output_dir, const model::CausalLM& m, const m
 }
 
 std::optional<Progress> load_state(const std::string& output_dir, torch::optim::AdamW& opt,
-                                   const std::vector<at::Tensor>& params, int rank, int world, bool cuda,
+                                   const std::vector<at::Tensor>& params, int rank, int world, const RngStream& rng,
                                    const nlohmann::json& recipe, const RunShape& shape) {
   fs::path dir = state_dir(output_dir);
   if (!fs::exists(dir)) dir = dir.string() + ".old";  // a swap cut short by a crash
@@ -303,7 +303,7 @@ std::optional<Progress> load_state(const std::string& output_dir, torch::optim::
   }
   const at::Tensor rngs = load_tensor(f, "rng", at::kByte);
   if (rngs.dim() != 2 || rngs.size(0) != world) refuse(dir, "holds random-generator states of another world size");
-  set_rng_state(rngs[rank], cuda);
+  rng.set(rngs[rank]);
   return p;
 }
 

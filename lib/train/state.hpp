@@ -4,6 +4,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -59,6 +60,16 @@ std::string state_dir(const std::string& output_dir);
 at::Tensor rng_state(bool cuda);
 void set_rng_state(const at::Tensor& bytes, bool cuda);
 
+// The random stream a resumable state saves and restores for this rank, as bytes: the process's
+// generators, or in a job of many adapters (adapters:) one adapter's dropout stream.
+struct RngStream {
+  std::function<at::Tensor()> get;
+  std::function<void(const at::Tensor&)> set;
+  static RngStream process(bool cuda) {
+    return {[cuda] { return rng_state(cuda); }, [cuda](const at::Tensor& b) { set_rng_state(b, cuda); }};
+  }
+};
+
 // Writes the state (rank 0). `rngs` is [world, S] uint8: every rank's rng_state(); `recipe` the
 // run's resolved recipe as JSON (checked on resume); `data` the selection's identity.
 void save_state(const std::string& output_dir, const model::CausalLM& m, const model::LoraConfig& cfg,
@@ -73,7 +84,7 @@ struct RunShape {
   nlohmann::json data;
 };
 
-// Restores a saved state into the LoRA `params`, `opt` and this rank's RNG.
+// Restores a saved state into the LoRA `params`, `opt` and this rank's `rng`.
 // Returns nullopt when there is none. Throws lorarun::Error, naming the problem and
 // checkpoint.resume=never, when the state is incomplete or was changed (its manifest.json of
 // sha256 sums, written last, does not match), holds non-finite tensors or counters outside
@@ -82,7 +93,7 @@ struct RunShape {
 // so in one line and the run resumes at the same step of the new selection, if its counters still
 // fit; else the refusal names the change.
 std::optional<Progress> load_state(const std::string& output_dir, torch::optim::AdamW& opt,
-                                   const std::vector<at::Tensor>& params, int rank, int world, bool cuda,
+                                   const std::vector<at::Tensor>& params, int rank, int world, const RngStream& rng,
                                    const nlohmann::json& recipe, const RunShape& shape);
 
 // Removes the state (the run finished).

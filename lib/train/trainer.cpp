@@ -21,6 +21,7 @@
 #include "train/agreement.hpp"
 #include "train/checkpointer.hpp"
 #include "train/evaluate.hpp"
+#include "train/job.hpp"
 #include "train/output_dir.hpp"
 #include "train/preference.hpp"
 #include "train/runtime.hpp"
@@ -680,6 +681,7 @@ int run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
        false);
   std::unique_ptr<Trainer> t;
   try {
+    if (r.adapters.enabled()) return run_job(r, env);
     t = std::make_unique<Trainer>(r, env);
     return t->run();
   } catch (const std::exception& e) {

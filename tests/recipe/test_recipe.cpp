@@ -229,7 +229,10 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "eval.fraction",
                                 "eval.every_n_steps",
                                 "eval.max_documents",
-                                "eval.batch_size"});
+                                "eval.batch_size",
+                                "adapters.per",
+                                "adapters.max",
+                                "adapters.list"});
 }
 
 TEST_CASE("eval: off by default, and an evaluation selection that would overlap the training documents is refused") {
@@ -432,7 +435,7 @@ TEST_CASE("unknown sections name the closest section, or the key they hold") {
   CHECK(error_of(kBase + "zzz: 1\n") ==
         "recipe.yaml: unknown section 'zzz'; the sections are model, lora, data, train, preference, checkpoint, dist, "
         "track, "
-        "eval");
+        "eval, adapters");
 }
 
 TEST_CASE("the shape of the file is checked before its values") {

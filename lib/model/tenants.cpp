@@ -1,0 +1,97 @@
+#include "model/tenants.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <mutex>
+
+#include "model/transformer.hpp"
+
+namespace lorarun::model {
+namespace {
+
+// Puts `state` into `gen` and returns what it held.
+at::Tensor swap_state(at::Generator& gen, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  at::Tensor before = gen.get_state();
+  gen.set_state(state);
+  return before;
+}
+
+at::Generator default_generator(at::Device device) {
+  return device.is_cuda() ? at::globalContext().defaultGenerator(device) : at::detail::getDefaultCPUGenerator();
+}
+
+}  // namespace
+
+DropoutStreams::DropoutStreams(size_t adapters, uint64_t seed, at::Device device) : device_(device) {
+  const at::Tensor cpu = at::make_generator<at::CPUGeneratorImpl>(seed).get_state();
+  at::Tensor cuda;
+  if (device.is_cuda()) {  // what manual_seed leaves in the device's generator: the seed, offset 0
+    at::Generator gen = default_generator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    const at::Tensor before = gen.get_state();
+    gen.set_current_seed(seed);
+    cuda = gen.get_state();
+    gen.set_state(before);
+  }
+  for (size_t i = 0; i < adapters; ++i) {
+    cpu_.push_back(cpu.clone());
+    if (cuda.defined()) cuda_.push_back(cuda.clone());
+  }
+}
+
+// The adapter's state swapped into the default generator for the draw, so the mask is the one
+// at::dropout draws in the adapter's own run (whatever kernel the device uses), and swapped out.
+at::Tensor DropoutStreams::dropout(int slot, const at::Tensor& x, double p) {
+  at::Generator gen = default_generator(x.device());
+  at::Tensor& mine = x.is_cuda() ? cuda_.at(static_cast<size_t>(slot)) : cpu_.at(static_cast<size_t>(slot));
+  const at::Tensor before = swap_state(gen, mine);
+  at::Tensor out = at::dropout(x, p, true);
+  mine = swap_state(gen, before);
+  return out;
+}
+
+at::Tensor DropoutStreams::state(int slot) const {
+  const auto s = static_cast<size_t>(slot);
+  return cuda_.empty() ? cpu_.at(s).clone() : at::cat({cpu_.at(s), cuda_.at(s)});
+}
+
+void DropoutStreams::set_state(int slot, const at::Tensor& bytes) {
+  const auto s = static_cast<size_t>(slot);
+  const int64_t n = cpu_.at(s).numel();
+  cpu_.at(s) = bytes.narrow(0, 0, n).clone();
+  if (!cuda_.empty()) cuda_.at(s) = bytes.narrow(0, n, bytes.numel() - n).clone();
+}
+
+at::Tensor add_lora(at::Tensor y, const at::Tensor& xd, const at::Tensor& a, const at::Tensor& b, double scaling) {
+  const at::Tensor x = xd.scalar_type() == a.scalar_type() ? xd : xd.to(a.scalar_type());
+  const at::Tensor xa = at::linear(x, a);  // [.., r]
+  const int64_t out = b.size(0);
+  if (y.scalar_type() == b.scalar_type())  // no [.., out] temporaries
+    return y.view({-1, out}).addmm_(xa.reshape({-1, xa.size(-1)}), b.t(), 1.0, scaling).view(y.sizes());
+  return (y + at::linear(xa * scaling, b)).to(y.scalar_type());
+}
+
+// Each route's rows and positions [rows, length, ..] are a view of x and y, shaped as that adapter's
+// own micro-batch: its dropout mask and its GEMMs are those of its own run.
+at::Tensor add_tenants(const Linear& l, const at::Tensor& x, at::Tensor y, bool training, const Routes& routes) {
+  const auto drop = [&](int slot, const at::Tensor& in) {
+    return training && l.dropout > 0 && routes.streams ? routes.streams->dropout(slot, in, l.dropout) : in;
+  };
+  if (routes.all >= 0) {
+    const TenantLora& t = l.tenants.at(static_cast<size_t>(routes.all));
+    return t.a.defined() ? add_lora(y, drop(routes.all, x), t.a, t.b, t.scaling) : y;
+  }
+  for (const Route& r : routes.routes) {
+    const TenantLora& t = l.tenants.at(static_cast<size_t>(r.slot));
+    if (!t.a.defined()) continue;
+    const at::Tensor xs = x.narrow(0, r.row0, r.rows).narrow(1, 0, r.length);
+    at::Tensor ys = y.narrow(0, r.row0, r.rows).narrow(1, 0, r.length);
+    const bool in_place = ys.is_contiguous() && ys.scalar_type() == t.b.scalar_type();
+    const at::Tensor sum = add_lora(in_place ? ys : ys.contiguous(), drop(r.slot, xs), t.a, t.b, t.scaling);
+    if (!in_place) ys.copy_(sum);
+  }
+  return y;
+}
+
+}  // namespace lorarun::model
