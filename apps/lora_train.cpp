@@ -13,10 +13,13 @@
 #include "data/source.hpp"
 #include "dist/env.hpp"
 #include "dist/process_group.hpp"
+#include "model/lora.hpp"
 #include "recipe/recipe.hpp"
 #include "track/from_run.hpp"
 #include "train/checkpointer.hpp"
+#include "train/job.hpp"
 #include "train/memory_estimate.hpp"
+#include "train/runtime.hpp"
 #include "train/trainer.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
@@ -108,6 +111,41 @@ recipe::Recipe read_recipe(const Args& a) {
   }
 }
 
+// --dry-run of a job of many adapters (adapters:): each adapter found, its documents and steps,
+// as its own run would have them; none when the recipe has one adapter, or when they cannot be
+// found (a warning says why).
+std::vector<recipe::AdapterSpec> print_adapters(const recipe::Recipe& r, int world) {
+  if (!r.adapters.enabled()) return {};
+  std::vector<recipe::AdapterSpec> adapters;
+  try {
+    adapters = train::job_adapters(r);
+  } catch (const Error& e) {
+    warn(fmt::format("the adapters were not listed: {}", e.what()));
+    return {};
+  }
+  fmt::print("# {} adapters, each trained as its own run would be, in {}/<name>/:\n", adapters.size(),
+             r.checkpoint.output_dir);
+  for (const recipe::AdapterSpec& a : adapters) {
+    const recipe::Recipe own = recipe::adapter_recipe(r, a);
+    int64_t documents = 0;
+    if (own.data.source == recipe::Source::MongoDB) {
+      const data::Selection s = data::check_selection(own.data);
+      if (!s.warning.empty()) warn(fmt::format("adapter '{}': {}", a.name, s.warning));
+      documents = s.count;
+    } else {
+      try {
+        documents = data::Documents(own.data).size();
+      } catch (const Error& e) {
+        warn(fmt::format("adapter '{}': {}", a.name, e.what()));
+      }
+    }
+    const int64_t steps = train::steps_per_epoch(own, data::examples_per_rank(documents, world));
+    fmt::print("#   {}: {} documents, {} steps per epoch x {} epochs on {} rank(s); {}, lr {:g}\n", a.name, documents,
+               steps, own.train.epochs, world, model::describe_adapter(own.lora), own.train.lr);
+  }
+  return adapters;
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"lora-train: one rank of a LoRA fine-tuning job (run it under lorarun)"};
   Args a;
@@ -172,8 +210,9 @@ int run(int argc, char** argv) {
                      : fmt::format("eval.path {}", e.path),
                  e.max_documents ? fmt::format(" (at most {} documents)", *e.max_documents) : "",
                  e.every_n_steps ? fmt::format(" and every {} steps", *e.every_n_steps) : "");
+    const std::vector<recipe::AdapterSpec> adapters = print_adapters(r, env.world_size);
     try {  // from the model's shapes: the weights are not read
-      fmt::print("{}", train::memory_report(r, env.world_size));
+      fmt::print("{}", train::memory_report(r, env.world_size, adapters));
     } catch (const c10::Error& e) {  // the plan stands without the estimate
       const std::string m = e.what_without_backtrace();
       warn(fmt::format("memory not estimated: {}", m.substr(0, m.find('\n'))));

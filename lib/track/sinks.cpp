@@ -20,16 +20,38 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 // What each sink takes of a row: TensorBoard tags by row key, and MLflow's keys.
-const std::vector<std::pair<const char*, const char*>> kTrainTags = {{"loss", "train/loss"},
-                                                                     {"lr", "train/lr"},
-                                                                     {"grad_norm", "train/grad_norm"},
-                                                                     {"tokens_per_s", "train/tokens_per_s"}};
-const std::vector<std::pair<const char*, const char*>> kEvalTags = {{"eval_loss", "eval/loss"},
-                                                                    {"eval_ppl", "eval/ppl"}};
+using Tags = std::vector<std::pair<std::string, std::string>>;
+const Tags kTrainTags = {{"loss", "train/loss"},
+                         {"lr", "train/lr"},
+                         {"grad_norm", "train/grad_norm"},
+                         {"tokens_per_s", "train/tokens_per_s"}};
+const Tags kEvalTags = {{"eval_loss", "eval/loss"}, {"eval_ppl", "eval/ppl"}};
 
-std::vector<std::string> keys_of(const std::vector<std::pair<const char*, const char*>>& tags) {
+// `tags`, and a job's (adapters:) per-adapter figures: "loss/acme" as "train/loss/acme" for each
+// "loss" of `tags`. An evaluation row of one adapter ("adapter": acme) is tagged as that adapter's
+// ("eval/loss/acme"), not as the run's.
+Tags tags_of(const json& row, const Tags& tags) {
+  const std::string adapter = row.contains("adapter") && row["adapter"].is_string() ? row["adapter"] : "";
+  Tags out;
+  for (const auto& [key, tag] : tags) {
+    if (!adapter.empty()) {
+      out.emplace_back(key, tag + "/" + adapter);
+      continue;
+    }
+    out.emplace_back(key, tag);
+    const std::string prefix = key + "/";
+    for (const auto& [k, v] : row.items())
+      if (k.starts_with(prefix)) out.emplace_back(k, tag + k.substr(key.size()));
+  }
+  return out;
+}
+
+// MLflow's metric names: the row keys `tags` take; an adapter's evaluation as its eval_loss/<adapter>
+// (one name per adapter, as its figures have in metrics.jsonl).
+std::vector<std::string> mlflow_keys(const json& row, const Tags& tags) {
+  if (row.contains("adapter") && row["adapter"].is_string()) return {"eval_loss/" + row["adapter"].get<std::string>()};
   std::vector<std::string> out;
-  for (const auto& [key, tag] : tags) out.emplace_back(key);
+  for (const auto& [key, tag] : tags) out.push_back(key);
   return out;
 }
 
@@ -123,23 +145,25 @@ void RunSinks::open_metrics(std::optional<int64_t> resumed_step) {
 void RunSinks::step(const json& row) {
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
-  to_tensorboard(row.at("step").get<int64_t>(), row, kTrainTags);
-  if (mlflow_) mlflow_->metrics(row.at("step").get<int64_t>(), row, keys_of(kTrainTags));
+  const Tags tags = tags_of(row, kTrainTags);
+  to_tensorboard(row.at("step").get<int64_t>(), row, tags);
+  if (mlflow_) mlflow_->metrics(row.at("step").get<int64_t>(), row, mlflow_keys(row, tags));
   last_row_ = row;
 }
 
 void RunSinks::eval(const json& row) {
   metrics_ << row.dump() << "\n" << std::flush;
   if (record_) record_->metrics(row);
-  to_tensorboard(row.at("step").get<int64_t>(), row, kEvalTags);
-  if (mlflow_) mlflow_->metrics(row.at("step").get<int64_t>(), row, keys_of(kEvalTags));
+  const Tags tags = tags_of(row, kEvalTags);
+  to_tensorboard(row.at("step").get<int64_t>(), row, tags);
+  if (mlflow_) mlflow_->metrics(row.at("step").get<int64_t>(), row, mlflow_keys(row, tags));
   for (const char* k : {"eval_loss", "eval_ppl", "eval_tokens", "best_eval_loss"})
     if (row.contains(k)) last_row_[k] = row[k];
 }
 
 // A failed TensorBoard write warns and ends the events file, never the run (as a failed record write).
 void RunSinks::to_tensorboard(int64_t step, const json& row,
-                              const std::vector<std::pair<const char*, const char*>>& tags) {
+                              const std::vector<std::pair<std::string, std::string>>& tags) {
   if (!tensorboard_) return;
   std::vector<Scalar> values;
   for (const auto& [key, tag] : tags)

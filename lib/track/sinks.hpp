@@ -61,7 +61,7 @@ class RunSinks {
   void open_files(std::optional<int64_t> resumed_step, int world_size);
   void open_metrics(std::optional<int64_t> resumed_step);
   void to_tensorboard(int64_t step, const nlohmann::json& row,
-                      const std::vector<std::pair<const char*, const char*>>& tags);
+                      const std::vector<std::pair<std::string, std::string>>& tags);
 
   const recipe::Recipe& r_;
   std::ofstream metrics_;

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <algorithm>
 #include <set>
 
 #include "model/lora.hpp"
@@ -10,13 +11,25 @@
 
 namespace lorarun::train {
 
-MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_base) {
+MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_base,
+                               const std::vector<recipe::AdapterSpec>& adapters) {
   const std::shared_ptr<model::BaseShards> shards = shard_base ? base_shards(r, 0, world, nullptr) : nullptr;
   model::CausalLM m =
       model::CausalLM::load(r.model.path, model::dtype_of(r.model.dtype), at::kCPU, load_options(r, shards, true));
   model::LoraConfig cfg = model::lora_config_of(r.lora, r.model.path);
-  cfg.init = "default";  // shapes only: no weights to decompose (PiSSA/OLoRA keep A and B's start below)
-  model::attach_lora(m, cfg, 0);
+  cfg.init = "default";           // shapes only: no weights to decompose (PiSSA/OLoRA keep A and B's start below)
+  model::attach_lora(m, cfg, 0);  // (one adapter's activations: what a micro-batch's rows keep alike)
+  std::vector<at::Tensor> trained = model::lora_parameters(m);
+  if (!adapters.empty()) {
+    trained.clear();
+    for (size_t i = 0; i < adapters.size(); ++i) {
+      const recipe::Recipe own = recipe::adapter_recipe(r, adapters[i]);
+      model::LoraConfig c = model::lora_config_of(own.lora, r.model.path);
+      c.init = "default";
+      model::attach_tenant(m, c, 0, static_cast<int>(i), static_cast<int>(adapters.size()));
+      for (const at::Tensor& p : model::tenant_parameters(m, static_cast<int>(i))) trained.push_back(p);
+    }
+  }
   m.training = true;
   m.recompute_activations = r.train.activation_checkpointing;
   MemoryEstimate e;
@@ -25,33 +38,39 @@ MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_ba
   e.base = m.base_bytes();
   e.gathered = shards ? shards->block_buffer_bytes() : 0;
   const int64_t start = r.lora.init.starts_with("pissa") || r.lora.init == "olora" ? 4 : 0;
-  for (const at::Tensor& p : model::lora_parameters(m)) {
+  for (const at::Tensor& p : trained) {
     e.trainable += p.numel();
     e.lora += p.numel() * (16 + start);
   }
-  e.activations = m.activation_bytes(r.data.batch_size, r.data.max_length);
+  const int64_t stacked = std::max<int64_t>(1, static_cast<int64_t>(adapters.size()));  // a job's micro-batches
+  e.activations = m.activation_bytes(r.data.batch_size * stacked, r.data.max_length);
   return e;
 }
 
-std::string memory_report(const recipe::Recipe& r, int world) {
+std::string memory_report(const recipe::Recipe& r, int world, const std::vector<recipe::AdapterSpec>& adapters) {
   const auto gib = [](int64_t n) { return static_cast<double>(n) / (1 << 30); };
   std::set<int> worlds = {2, 4, 8};
   if (r.dist.shard_base) worlds.insert(world);
   std::string out = fmt::format(
-      "# memory per rank, estimated in GiB (a micro-batch of {} x {} tokens: data.batch_size x data.max_length{}):\n"
+      "# memory per rank, estimated in GiB (a micro-batch of {} x {} tokens: data.batch_size x data.max_length{}{}):\n"
       "#   {:<28} {:>9} {:>11} {:>12} {:>9}\n",
-      r.data.batch_size, r.data.max_length, r.train.activation_checkpointing ? ", activation checkpointing" : "", "",
-      "base", "LoRA+AdamW", "activations", "total");
+      r.data.batch_size, r.data.max_length,
+      adapters.empty() ? "" : fmt::format(", for each of the {} adapters", adapters.size()),
+      r.train.activation_checkpointing ? ", activation checkpointing" : "", "", "base", "LoRA+AdamW", "activations",
+      "total");
   const auto row = [&](const std::string& what, const MemoryEstimate& e, bool chosen) {
     // (a space before each column: a figure wider than its column still stands apart)
     out += fmt::format("#   {:<28} {:>9.2f} {:>11.3f} {:>12.2f} {:>9.2f}{}\n", what, gib(e.base + e.gathered),
                        gib(e.lora), gib(e.activations), gib(e.total()), chosen ? "   <- this run" : "");
   };
-  const MemoryEstimate whole = estimate_memory(r, 1, false);
-  out = fmt::format("# adapter: {}; {} trainable parameters\n", model::describe_adapter(r.lora), whole.trainable) + out;
+  const MemoryEstimate whole = estimate_memory(r, 1, false, adapters);
+  out = (adapters.empty()
+             ? fmt::format("# adapter: {}; {} trainable parameters\n", model::describe_adapter(r.lora), whole.trainable)
+             : fmt::format("# {} adapters: {} trainable parameters in all\n", adapters.size(), whole.trainable)) +
+        out;
   row("whole base, any ranks", whole, !r.dist.shard_base);
   for (const int w : r.model.keep_quantized ? std::set<int>{} : worlds)  // (blocks are not sliced yet)
-    row(fmt::format("dist.shard_base, {} rank{}", w, w == 1 ? "" : "s"), estimate_memory(r, w, true),
+    row(fmt::format("dist.shard_base, {} rank{}", w, w == 1 ? "" : "s"), estimate_memory(r, w, true, adapters),
         r.dist.shard_base && w == world);
   if (!r.model.keep_quantized)
     out += fmt::format("#   (sharded base: this rank's slices and {} decoder block(s) gathered whole)\n",

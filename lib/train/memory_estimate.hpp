@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "recipe/recipe.hpp"
 
@@ -20,11 +21,14 @@ struct MemoryEstimate {
   int64_t total() const { return base + gathered + lora + activations; }
 };
 
-// The recipe's model read as shapes only (no weight data), with its adapters, on `world` ranks.
-MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_base);
+// The recipe's model read as shapes only (no weight data), with its adapters, on `world` ranks. A
+// job of many (`adapters`, its adapters as job_adapters gives them): every adapter's LoRA and AdamW,
+// and a micro-batch of data.batch_size documents of each.
+MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_base,
+                               const std::vector<recipe::AdapterSpec>& adapters = {});
 
 // Lines for lora-train --dry-run: the estimate without dist.shard_base and with it on 2, 4 and 8
 // ranks (and `world`), the recipe's own setting marked.
-std::string memory_report(const recipe::Recipe& r, int world);
+std::string memory_report(const recipe::Recipe& r, int world, const std::vector<recipe::AdapterSpec>& adapters = {});
 
 }  // namespace lorarun::train
