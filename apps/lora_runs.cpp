@@ -47,13 +47,17 @@ RunArg parse_run(const std::string& text, const std::string& db) {
     parts.push_back(text.substr(start, slash - start));
   parts.push_back(text.substr(start));
   for (size_t i = 0; i < parts.size() && i < 2; ++i) {
-    if (!is_run_id(parts[i]) || parts.size() - i > 2) continue;
-    RunArg run{i == 1 ? parts[0] : db, parts[i], parts.size() > i + 1 ? parts[i + 1] : ""};
+    if (!is_run_id(parts[i]) || parts.size() - i > 3) continue;  // ID, ID/ARTIFACT, ID/NAME/ARTIFACT
+    std::string artifact;
+    for (size_t k = i + 1; k < parts.size(); ++k) artifact += (artifact.empty() ? "" : "/") + parts[k];
+    RunArg run{i == 1 ? parts[0] : db, parts[i], artifact};
     check_database_name(run.db, "the run's database is named");
     return run;
   }
-  throw Error(fmt::format("'{}' names no run: expected [DATABASE/]ID[/epoch_N|/best], the id as lora-train prints it",
-                          scrub(redact_uri(text))));
+  throw Error(
+      fmt::format("'{}' names no run: expected [DATABASE/]ID[/epoch_N|/best] (a job's adapter: "
+                  "[DATABASE/]ID/NAME[/epoch_N|/best]), the id as lora-train prints it",
+                  scrub(redact_uri(text))));
 }
 
 // The URI: --uri, else $LORARUN_MONGODB_URI.
@@ -148,26 +152,13 @@ void show(const Common& c, const std::string& ref) {
   std::cout << scrub(out.dump(2)) << "\n";
 }
 
-// The artifact `pull` takes when none is named: the last epoch the run's record lists.
-std::string default_artifact(const json& doc, const RunArg& run) {
-  std::vector<int> epochs;
-  for (const std::string& name : track::recorded_artifacts(doc))
-    if (name.starts_with("epoch_")) epochs.push_back(std::atoi(name.c_str() + 6));
-  if (epochs.empty())
-    throw Error(
-        fmt::format("run {}/{} stored no epoch adapter in MongoDB: it ran without checkpoint.store: mongodb, "
-                    "or kept no epoch; name one as ID/best if it has best/",
-                    run.db, run.id));
-  return fmt::format("epoch_{}", *std::max_element(epochs.begin(), epochs.end()));
-}
-
 // `pull`: an artifact, as the run's record lists it, into the new directory `dir` (written under
 // a temporary name, each file checked against its sha256, then renamed: a failure leaves nothing).
 void pull(const Common& c, const std::string& ref, const std::string& dir) {
   RunArg run = parse_run(ref, c.db);
   track::ArtifactStore store(uri_of(c), run.db, kTimeout);
   const json doc = store.run_record(run.id);
-  if (run.artifact.empty()) run.artifact = default_artifact(doc, run);
+  run.artifact = track::artifact_named(doc, run.artifact, fmt::format("run {}/{}", run.db, run.id));
   check_artifact_name(run.artifact, fmt::format("'{}' names an artifact", scrub(redact_uri(ref))));
   const std::vector<track::ArtifactFile> files = track::recorded_files(doc, run.artifact);
   store.download(run.id, run.artifact, files, dir);

@@ -389,9 +389,6 @@ nlohmann::json to_json(const Recipe& r, bool redact_secrets = true);
 // lorarun::Error, naming the adapter, when that recipe is not valid.
 Recipe adapter_recipe(const Recipe& job, const AdapterSpec& a);
 
-// Names an adapter's directory and metrics may not take: what a job's output directory holds itself.
-bool reserved_adapter_name(std::string_view name);
-
 // Every dotted key ("model.path", …) in docs/recipe.md's order.
 std::vector<std::string> known_keys();
 

@@ -499,8 +499,6 @@ void refuse_in_jobs(const Recipe& r, const RecipeOrigin& o) {
         "trained embeddings or heads cannot share (one table per adapter in one pass): drop "
         "lora.modules_to_save and lora.trainable_token_indices");
   if (!r.lora.init_from.empty()) refuse("starts fresh: drop lora.init_from");
-  if (r.checkpoint.store == Store::MongoDB)
-    refuse("keeps in output_dir only, not yet in GridFS: set checkpoint.store: none");
 }
 
 // adapters: a field to split data's selection by, or listed adapters with names that can name
@@ -522,14 +520,12 @@ void check_adapters(const Recipe& r, const RecipeOrigin& o, Warnings&) {
   std::set<std::string> names;
   for (size_t i = 0; i < a.list.size(); ++i) {
     const AdapterSpec& s = a.list[i];
-    if (!is_name_component(s.name) || s.name.size() > 64 || s.name.find('.') != std::string::npos)
+    if (!is_adapter_name(s.name))
       fail(o, "adapters.list",
            fmt::format("entry {} is named {}: an adapter needs a name of 1 to 64 letters, digits, '_', '+' or '-', "
-                       "not starting with '-' (it names its directory <output_dir>/<name>/)",
+                       "not starting with '-' and not logs, tensorboard, best, resume_state or epoch_N (it names its "
+                       "directory <output_dir>/<name>/)",
                        i, s.name.empty() ? std::string("nothing") : fmt::format("'{}'", printable(s.name))));
-    if (reserved_adapter_name(s.name))
-      fail(o, "adapters.list",
-           fmt::format("entry {} is named '{}', which the job's output directory holds itself: rename it", i, s.name));
     if (!names.insert(s.name).second)
       fail(o, "adapters.list", fmt::format("name '{}' twice: give each adapter its own name", s.name));
     if (per && (s.selects() || !s.eval_filter.empty()))
@@ -564,11 +560,6 @@ void check_adapters(const Recipe& r, const RecipeOrigin& o, Warnings&) {
 }
 
 }  // namespace
-
-bool reserved_adapter_name(std::string_view name) {
-  return name == "logs" || name == "tensorboard" || name == "best" || name == "resume_state" ||
-         name.starts_with("epoch_");
-}
 
 Recipe adapter_recipe(const Recipe& job, const AdapterSpec& a) {
   // Both selections' conditions, as data.sources combines them.

@@ -1,6 +1,7 @@
 #include "track/artifacts.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 #include <algorithm>
 #include <cstdint>
@@ -275,19 +276,20 @@ std::vector<ArtifactFile> ArtifactStore::upload(const std::string& run_id, const
   impl_->stats = {};
   prepare();
   impl_->purge(run_id);  // what an earlier upload or removal of this run was cut short in left
-  const std::vector<ArtifactFile> old = list(run_id, artifact);
   // Each file is listed in the upload's kPending document before its first chunk; the artifact's
   // new files count only once all are complete and that one document is deleted. Until then
   // list() does not show them, and a failure (here, or a server or process lost mid-transfer)
   // leaves what purge() removes.
   const std::string upload_id = new_oid();
   const json pending = {{"_id", {{"$oid", upload_id}}}};
+  std::set<std::string> ids;  // the new copy's files
   try {
     impl_->client.insert_one(
         impl_->database, kPending,
         {{"_id", {{"$oid", upload_id}}}, {"run_id", run_id}, {"artifact", artifact}, {"files", json::array()}});
     for (const fs::path& rel : files_under(dir)) {
       const std::string id = new_oid();
+      ids.insert(id);
       impl_->client.update_one(impl_->database, kPending, pending, {{"$push", {{"files", {{"$oid", id}}}}}});
       impl_->put(id, run_id, artifact, dir, rel);
     }
@@ -299,11 +301,24 @@ std::vector<ArtifactFile> ArtifactStore::upload(const std::string& run_id, const
     }
     throw;
   }
-  // The new copy is complete: the old one goes. (Cut before it is marked, both copies stand and
-  // list() takes the newer.)
-  impl_->purge(run_id, old);
+  // The new copy is complete; the old one stays until the caller's record lists the new one (retire).
   impl_->stats.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  return list(run_id, artifact);
+  std::vector<ArtifactFile> out = list(run_id, artifact);
+  std::erase_if(out, [&](const ArtifactFile& f) { return !ids.count(f.file_id); });
+  return out;
+}
+
+void ArtifactStore::retire(const std::string& run_id, const std::string& artifact,
+                           const std::vector<ArtifactFile>& keep) {
+  std::set<std::string> kept;
+  for (const ArtifactFile& f : keep) kept.insert(f.file_id);
+  std::vector<ArtifactFile> gone;
+  for (const json& doc : impl_->client.find(impl_->database, fmt::format("{}.files", kBucket),
+                                            {{"metadata.run_id", run_id}, {"metadata.artifact", artifact}})) {
+    ArtifactFile f = from_files_doc(doc);
+    if (!kept.count(f.file_id)) gone.push_back(std::move(f));
+  }
+  if (!gone.empty()) impl_->purge(run_id, gone);
 }
 
 std::vector<ArtifactFile> ArtifactStore::list(const std::string& run_id, const std::string& artifact) {
@@ -444,6 +459,31 @@ std::vector<ArtifactFile> recorded_files(const json& run, const std::string& art
     }
   }
   return out;
+}
+
+std::string artifact_named(const json& run, const std::string& named, const std::string& who) {
+  if (!named.empty() && !is_adapter_name(named)) return named;  // (checked by the caller)
+  const std::string prefix = named.empty() ? "" : named + "/";
+  int last = -1;
+  std::vector<std::string> adapters;
+  for (const std::string& a : recorded_artifacts(run)) {
+    if (const size_t slash = a.find('/'); slash != std::string::npos) {
+      const std::string adapter = a.substr(0, slash);
+      if (std::find(adapters.begin(), adapters.end(), adapter) == adapters.end()) adapters.push_back(adapter);
+    }
+    if (a.starts_with(prefix + "epoch_") && a.find('/', prefix.size()) == std::string::npos)
+      last = std::max(last, std::atoi(a.c_str() + prefix.size() + 6));
+  }
+  if (last >= 0) return fmt::format("{}epoch_{}", prefix, last);
+  if (named.empty() && !adapters.empty())
+    throw Error(
+        fmt::format("{}: the run is a job of many adapters ({}): name one as …/NAME (its last epoch), "
+                    "…/NAME/epoch_N or …/NAME/best",
+                    who, fmt::join(adapters, ", ")));
+  throw Error(
+      fmt::format("{}: the run stored no epoch adapter{} in GridFS (it ran without checkpoint.store: mongodb, "
+                  "or kept no epoch): name one (…/best, …/epoch_N)",
+                  who, named.empty() ? "" : fmt::format(" of '{}'", named)));
 }
 
 }  // namespace lorarun::track

@@ -41,10 +41,14 @@ class ArtifactStore {
   // it before its first upload is due, so that no later failure can cut it short.
   void prepare();
 
-  // Uploads every regular file under `dir` as `artifact` of run `run_id`. The artifact's older
-  // files are removed only after every new one is complete; a failure removes the new ones
-  // uploaded so far (as far as the server allows) and throws one line.
+  // Uploads every regular file under `dir` as `artifact` of run `run_id` and returns them; the
+  // artifact's older files stay (list() shows the newer copy) until retire() removes them, once the
+  // run record lists the new ones: a process lost in between leaves a record whose files exist. A
+  // failure removes the new files uploaded so far (as far as the server allows) and throws one line.
   std::vector<ArtifactFile> upload(const std::string& run_id, const std::string& artifact, const std::string& dir);
+
+  // Removes every stored file of `artifact` of run `run_id` but `keep` (what the record lists now).
+  void retire(const std::string& run_id, const std::string& artifact, const std::vector<ArtifactFile>& keep);
 
   // The stored files of `artifact` of run `run_id` (all its artifacts when `artifact` is empty),
   // sorted by artifact and name.
@@ -84,5 +88,11 @@ std::vector<ArtifactFile> recorded_files(const nlohmann::json& run, const std::s
 
 // The artifacts `run` lists, each name checked, in the record's order.
 std::vector<std::string> recorded_artifacts(const nlohmann::json& run);
+
+// What a reader names in a run ("", an artifact, or the adapter NAME of a job of many), as the
+// artifact to read: the run's last epoch adapter for "" ("epoch_3"), NAME's for a NAME
+// ("NAME/epoch_3"), else `named` itself. lorarun::Error, beginning with `who`, when the run
+// stored no such epoch (a job's run names its adapters).
+std::string artifact_named(const nlohmann::json& run, const std::string& named, const std::string& who);
 
 }  // namespace lorarun::track

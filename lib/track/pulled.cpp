@@ -21,19 +21,6 @@ namespace fs = std::filesystem;
 
 constexpr auto kTimeout = std::chrono::seconds(20);
 
-// The last epoch_<i> the run's record lists; lorarun::Error naming the run when none.
-std::string last_epoch(const nlohmann::json& run, const std::string& spec) {
-  int last = -1;
-  for (const std::string& a : recorded_artifacts(run))
-    if (a.starts_with("epoch_")) last = std::max(last, std::atoi(a.c_str() + 6));
-  if (last < 0)
-    throw Error(
-        fmt::format("--adapter {}: the run stored no epoch adapter in GridFS; name one (…/best, …/epoch_N) or "
-                    "use a directory",
-                    spec));
-  return fmt::format("epoch_{}", last);
-}
-
 }  // namespace
 
 AdapterSource::AdapterSource(const std::string& spec) {
@@ -45,17 +32,21 @@ AdapterSource::AdapterSource(const std::string& spec) {
   const std::string ref = spec.substr(prefix.size());
   const size_t slash = ref.find('/');
   if (slash == std::string::npos || slash == 0)
-    throw Error(fmt::format("--adapter {}: expected mongodb-run:DATABASE/ID[/epoch_N|/best]", scrub(spec)));
+    throw Error(
+        fmt::format("--adapter {}: expected mongodb-run:DATABASE/ID[/epoch_N|/best] (a job's adapter: "
+                    "DATABASE/ID/NAME[/epoch_N|/best])",
+                    scrub(spec)));
   const std::string db = ref.substr(0, slash);
   auto [id, artifact] = split_run_ref(ref.substr(slash + 1));
   check_database_name(db, "--adapter mongodb-run: names the database");
   check_run_id(id, "--adapter mongodb-run: names the run");
-  if (!artifact.empty()) check_artifact_name(artifact, "--adapter mongodb-run: names the artifact");
+  if (!artifact.empty() && !is_adapter_name(artifact))
+    check_artifact_name(artifact, "--adapter mongodb-run: names the artifact");
   const std::string uri = mongodb_uri("");
   if (uri.empty()) throw Error(fmt::format("--adapter {} needs LORARUN_MONGODB_URI: set it to the run's server", spec));
   ArtifactStore store(uri, db, kTimeout);
   const nlohmann::json run = store.run_record(id);
-  if (artifact.empty()) artifact = last_epoch(run, spec);
+  artifact = artifact_named(run, artifact, "--adapter " + scrub(spec));
   temp_ = (fs::temp_directory_path() / fmt::format("lorarun-adapter-{}-{}", ::getpid(), id)).string();
   fs::remove_all(temp_);
   store.download(id, artifact, recorded_files(run, artifact), temp_);  // leaves nothing when it fails

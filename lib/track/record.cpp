@@ -438,7 +438,8 @@ std::optional<json> find_resumable_run(const std::string& uri, const std::string
   for (const json& run : client.find(database, kRuns, filter)) {  // in _id order: the newest last
     const json artifacts = run.value("artifacts", json::array());
     const bool has_state = artifacts.is_array() && std::any_of(artifacts.begin(), artifacts.end(), [](const json& a) {
-                             return a.is_object() && a.value("artifact", "") == "resume_state";
+                             const std::string name = a.is_object() ? a.value("artifact", "") : "";
+                             return name == "resume_state" || name.ends_with("/resume_state");  // (a job's adapter's)
                            });
     if (has_state && run.value("recipe", json()) == mine) found = run;
   }

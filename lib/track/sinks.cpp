@@ -180,11 +180,10 @@ void RunSinks::checkpoint(int epoch, const std::string& dir) {
   if (record_) record_->checkpoint(epoch, dir);
 }
 
-void RunSinks::completed(const std::vector<std::string>& adapters) {
+void RunSinks::completed(const std::vector<std::pair<std::string, std::string>>& adapters) {
   if (record_) record_->finish("completed", last_row_);
   if (!mlflow_) return;
-  for (const std::string& dir : adapters)  // epoch_<last>, best/
-    mlflow_->artifacts(dir, fs::path(dir).filename() == "best" ? "best" : "adapter");
+  for (const auto& [dir, path] : adapters) mlflow_->artifacts(dir, path);
   mlflow_->finish("FINISHED");
 }
 

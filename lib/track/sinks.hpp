@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "recipe/recipe.hpp"
 
@@ -42,8 +44,9 @@ class RunSinks {
   void eval(const nlohmann::json& row);
   // An epoch adapter written to `dir`.
   void checkpoint(int epoch, const std::string& dir);
-  // The run's end: completed (with the adapter directories MLflow gets), interrupted or failed.
-  void completed(const std::vector<std::string>& adapters);
+  // The run's end: completed (with the adapter directories MLflow gets, each with its artifact
+  // path there: "adapter", "best", a job's "<name>/adapter"), interrupted or failed.
+  void completed(const std::vector<std::pair<std::string, std::string>>& adapters);
   void interrupted(const std::string& why = {});
   // (`server_gone`: the record's server already proved unreachable; its write is not tried.)
   void failed(const std::string& error, bool server_gone = false);

@@ -77,14 +77,62 @@ void Checkpointer::attach(track::RunSinks& sinks) {
 }
 
 void Checkpointer::restore_from_store() {
-  if (r_.checkpoint.store != recipe::Store::MongoDB || r_.checkpoint.resume != recipe::Resume::Auto) return;
+  if (prefix_.empty()) train::restore_from_store(r_, agree_, {state_dir()});
+}
+
+void Checkpointer::store_as_adapter(const std::string& name) { prefix_ = name + "/"; }
+
+namespace {
+
+// The artifacts the record of `run` lists (each name checked before it touches a path), not
+// whatever GridFS holds; the states last, so that a restore cut short leaves no state and is done
+// again. Each is written under a temporary name into <output_dir>/<artifact> and renamed when whole.
+void restore_run(const recipe::Recipe& r, const nlohmann::json& run) {
+  const auto t0 = Clock::now();
+  const std::string out = r.checkpoint.output_dir;
+  const std::string id = run["_id"].value("$oid", "");
+  const std::string ref = fmt::format("{}/{}", r.track.database, id);
+  const auto is_state = [](const std::string& a) { return a == "resume_state" || a.ends_with("/resume_state"); };
+  try {
+    track::ArtifactStore store(r.data.uri, r.track.database, std::chrono::seconds(r.data.timeout_s));
+    std::vector<std::string> artifacts = track::recorded_artifacts(run);
+    std::stable_partition(artifacts.begin(), artifacts.end(), [&](const std::string& a) { return !is_state(a); });
+    std::vector<std::string> restored;
+    int64_t bytes = 0;
+    for (const std::string& a : artifacts) {
+      const fs::path dir = fs::path(out) / a;  // (a job's adapter's: <output_dir>/<adapter>/<artifact>)
+      if (fs::exists(dir)) continue;           // what the output directory still has is its own
+      fs::create_directories(dir.parent_path());
+      const std::vector<track::ArtifactFile> files = track::recorded_files(run, a);
+      store.download(id, a, files, dir.string());
+      for (const track::ArtifactFile& f : files) bytes += f.bytes;
+      restored.push_back(a);
+    }
+    io::sync_dir(out);
+    info(fmt::format("restored {} of run {} from GridFS into {} ({:.2f} MB in {:.2f} s)", fmt::join(restored, ", "),
+                     ref, out, static_cast<double>(bytes) / 1e6,
+                     std::chrono::duration<double>(Clock::now() - t0).count()));
+  } catch (const ConfigError& e) {  // a record lora-train did not write so: the same command refuses it again
+    throw ConfigError(fmt::format(
+        "restoring run {} from the database: {} (lora-runs rm {} removes it; or set checkpoint.resume=never to "
+        "start over)",
+        ref, e.what(), ref));
+  }
+}
+
+}  // namespace
+
+void restore_from_store(const recipe::Recipe& r, const Agreement& agree, const std::vector<std::string>& states) {
+  if (r.checkpoint.store != recipe::Store::MongoDB || r.checkpoint.resume != recipe::Resume::Auto) return;
+  const bool none = std::none_of(states.begin(), states.end(),
+                                 [](const std::string& dir) { return fs::exists(dir) || fs::exists(dir + ".old"); });
   std::string why;
   std::exception_ptr refused;  // what the same command cannot change: a live run, a record we do not trust
-  if (agree_.lead() && !fs::exists(state_dir()) && !fs::exists(state_dir() + ".old")) {
+  if (agree.lead() && none) {
     try {
       const std::optional<nlohmann::json> run = track::find_resumable_run(
-          r_.data.uri, r_.track.database, recipe::to_json(r_), std::chrono::seconds(r_.data.timeout_s));
-      if (run) restore_run(*run);
+          r.data.uri, r.track.database, recipe::to_json(r), std::chrono::seconds(r.data.timeout_s));
+      if (run) restore_run(r, *run);
     } catch (const ConfigError& e) {
       why = e.what();
       refused = std::current_exception();
@@ -95,42 +143,7 @@ void Checkpointer::restore_from_store() {
           e.what());
     }
   }
-  agree_.rank0_ok(why.empty(), why, "restoring the resumable state from the database", refused);
-}
-
-// The artifacts the record of `run` lists (each name checked before it touches a path), not
-// whatever GridFS holds; the state last, so that a restore cut short leaves no state and is done
-// again. Each is written under a temporary name and renamed when whole.
-void Checkpointer::restore_run(const nlohmann::json& run) {
-  const auto t0 = Clock::now();
-  const std::string id = run["_id"].value("$oid", "");
-  const std::string ref = fmt::format("{}/{}", r_.track.database, id);
-  try {
-    track::ArtifactStore store(r_.data.uri, r_.track.database, std::chrono::seconds(r_.data.timeout_s));
-    std::vector<std::string> artifacts;
-    for (const std::string& a : track::recorded_artifacts(run))
-      if (a != "resume_state") artifacts.push_back(a);
-    artifacts.push_back("resume_state");
-    std::vector<std::string> restored;
-    int64_t bytes = 0;
-    for (const std::string& a : artifacts) {
-      const fs::path dir = fs::path(out_) / a;
-      if (fs::exists(dir)) continue;  // what the output directory still has is its own
-      const std::vector<track::ArtifactFile> files = track::recorded_files(run, a);
-      store.download(id, a, files, dir.string());
-      for (const track::ArtifactFile& f : files) bytes += f.bytes;
-      restored.push_back(a);
-    }
-    io::sync_dir(out_);
-    info(fmt::format("restored {} of run {} from GridFS into {} ({:.2f} MB in {:.2f} s)", fmt::join(restored, ", "),
-                     ref, out_, static_cast<double>(bytes) / 1e6,
-                     std::chrono::duration<double>(Clock::now() - t0).count()));
-  } catch (const ConfigError& e) {  // a record lora-train did not write so: the same command refuses it again
-    throw ConfigError(fmt::format(
-        "restoring run {} from the database: {} (lora-runs rm {} removes it; or set checkpoint.resume=never to "
-        "start over)",
-        ref, e.what(), ref));
-  }
+  agree.rank0_ok(why.empty(), why, "restoring the resumable state from the database", refused);
 }
 
 std::optional<Progress> Checkpointer::load(const RunShape& shape) {
@@ -155,11 +168,12 @@ void Checkpointer::check_finite(const std::string& what, int64_t step) const {
 void Checkpointer::store(const std::string& artifact, const std::string& dir) {
   if (!store_) return;
   try {
-    const std::vector<track::ArtifactFile> files = store_->upload(record_->id(), artifact, dir);
-    record_->artifact(artifact, files);
+    const std::vector<track::ArtifactFile> files = store_->upload(record_->id(), prefix_ + artifact, dir);
+    record_->artifact(prefix_ + artifact, files);
+    store_->retire(record_->id(), prefix_ + artifact, files);  // (only now: the record never lists a removed file)
     const track::UploadStats& s = store_->last_upload();
-    info(fmt::format("stored {} in GridFS: {} files, {:.2f} MB in {:.2f} s ({:.1f} MB/s)", artifact, files.size(),
-                     static_cast<double>(s.bytes) / 1e6, s.seconds,
+    info(fmt::format("stored {} in GridFS: {} files, {:.2f} MB in {:.2f} s ({:.1f} MB/s)", prefix_ + artifact,
+                     files.size(), static_cast<double>(s.bytes) / 1e6, s.seconds,
                      s.seconds > 0 ? static_cast<double>(s.bytes) / 1e6 / s.seconds : 0.0));
   } catch (const std::exception& e) {
     if (dynamic_cast<const data::ConnectionError*>(&e)) store_unreachable_ = true;
@@ -222,7 +236,9 @@ std::vector<int> Checkpointer::finish(int epochs, const RunSummary& summary) {
   std::string why;
   if (agree_.lead() && store_) {  // out of GridFS, as out of output_dir, go what the policy does not keep
     try {
-      const auto unkept = [&](const std::string& artifact) {
+      const auto unkept = [&](const std::string& stored) {  // (a job's adapter: its own artifacts only)
+        if (!stored.starts_with(prefix_)) return false;
+        const std::string artifact = stored.substr(prefix_.size());
         if (artifact == "resume_state") return !r_.checkpoint.keep_resume_state;
         if (!artifact.starts_with("epoch_")) return false;
         return std::find(kept.begin(), kept.end(), std::atoi(artifact.c_str() + 6)) == kept.end();

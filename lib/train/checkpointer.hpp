@@ -62,6 +62,10 @@ class Checkpointer {
   // see train::load_state.
   std::optional<Progress> load(const RunShape& shape);
 
+  // A job of many adapters: this adapter's artifacts go to GridFS as <name>/<artifact>, and the job
+  // restores them (restore_from_store does nothing).
+  void store_as_adapter(const std::string& name);
+
   // Rank 0, once the run's sinks are open: each epoch saved is reported to them, and with
   // checkpoint.store: mongodb each save also goes to GridFS and is listed in their run record.
   void attach(track::RunSinks& sinks);
@@ -84,7 +88,6 @@ class Checkpointer {
  private:
   void check_finite(const std::string& what, int64_t step) const;
   void store(const std::string& artifact, const std::string& dir);
-  void restore_run(const nlohmann::json& run);
 
   const recipe::Recipe& r_;
   const Agreement& agree_;
@@ -99,6 +102,14 @@ class Checkpointer {
   track::RunRecorder* record_ = nullptr;  // sinks_'s, when the run is recorded
   std::unique_ptr<track::ArtifactStore> store_;
   bool store_unreachable_ = false;
+  std::string prefix_;  // a job's adapter's artifacts: "<name>/"
 };
+
+// checkpoint.store: mongodb with checkpoint.resume: auto, and none of `states` (the resumable state
+// directories of the run, or of a job's adapters) there (a new node, a wiped disk): rank 0 restores
+// the newest unfinished run of this very recipe that stored one — its kept epochs, best/ and, last,
+// the states — into checkpoint.output_dir as its record lists them. A live run's (its lease) is
+// refused (LiveRunError); every rank learns whether it worked.
+void restore_from_store(const recipe::Recipe& r, const Agreement& agree, const std::vector<std::string>& states);
 
 }  // namespace lorarun::train

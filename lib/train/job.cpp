@@ -179,6 +179,7 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
                         [streams, slot](const at::Tensor& b) { streams->set_state(slot, b); }};
     t->ckpt =
         std::make_unique<Checkpointer>(t->r, agree_, m_, cfg, t->params, *t->opt, t->docs->identity(), cuda_, rng);
+    t->ckpt->store_as_adapter(t->name);
     t->schedule = schedule_of(t->r.train.lr_scheduler);
     t->steps_per_epoch = steps_per_epoch(t->r, data::examples_per_rank(t->docs->size(), env.world_size));
     t->epochs = t->r.train.epochs;
@@ -192,6 +193,9 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
 // Each adapter resumes from its own state (or starts, or has finished), then job steps until every
 // adapter has run its own steps.
 int Job::run() {
+  std::vector<std::string> states;  // checkpoint.store: mongodb: none here, the job's stored ones come back
+  for (const auto& t : tenants_) states.push_back(t->ckpt->state_dir());
+  restore_from_store(r_, agree_, states);
   bool resumed = false;
   for (auto& t : tenants_) {
     const fs::path out = t->r.checkpoint.output_dir;
@@ -256,7 +260,10 @@ void Job::begin(bool resumed, const std::string& run_id) {
       {"documents", documents},         {"adapters", adapters},          {"steps_per_epoch", total_steps_},
       {"restart", env_.restart}};
   run_id_ = sinks_->open(about, resumed ? std::optional(step_) : std::nullopt, run_id, env_.world_size);
-  for (auto& t : tenants_) t->ckpt->attach(*sinks_);
+  for (auto& t : tenants_) {
+    t->p.run_id = run_id_;  // (saved with each state: a resumed job continues this record)
+    t->ckpt->attach(*sinks_);
+  }
   if (sinks_->record())
     info(fmt::format("run recorded as {} (lora-train --from-run {} repeats it)", sinks_->ref(), sinks_->ref()));
   io::write_file_atomic((fs::path(r_.checkpoint.output_dir) / "recipe.yaml").string(), recipe::to_yaml(r_));
@@ -643,13 +650,16 @@ int Job::data_lost() {
 
 // Every adapter has ended: the job's run.json (its adapters named, for checkpoint.overwrite).
 int Job::finish() {
-  std::vector<std::string> names, adapters;
+  std::vector<std::string> names;
+  std::vector<std::pair<std::string, std::string>> adapters;  // each one's last kept epoch and best/, for MLflow
   for (const auto& t : tenants_) {
     names.push_back(t->name);
     const fs::path out = t->r.checkpoint.output_dir;
     const std::vector<int> kept = epochs_kept(t->r.checkpoint, t->epochs);
-    if (!kept.empty()) adapters.push_back((out / fmt::format("epoch_{}", kept.back())).string());
-    if (t->r.checkpoint.keep_best && fs::exists(out / "best")) adapters.push_back((out / "best").string());
+    if (!kept.empty())
+      adapters.emplace_back((out / fmt::format("epoch_{}", kept.back())).string(), t->name + "/adapter");
+    if (t->r.checkpoint.keep_best && fs::exists(out / "best"))
+      adapters.emplace_back((out / "best").string(), t->name + "/best");
   }
   if (lead_) {
     if (rejected_total_ > 0)
@@ -722,8 +732,7 @@ std::vector<recipe::AdapterSpec> job_adapters(const recipe::Recipe& r) {
           "adapters.per: {} holds {} in some documents of data's selection, which cannot name an adapter: its values "
           "must be text or whole numbers (narrow data.filter to leave those documents out)",
           a.per, printable(v.dump(), 60)));
-    if (!is_name_component(*name) || name->size() > 64 || name->find('.') != std::string::npos ||
-        recipe::reserved_adapter_name(*name))
+    if (!is_adapter_name(*name))
       throw ConfigError(fmt::format(
           "adapters.per: {} holds '{}', which cannot name an adapter's directory: values must be 1 to 64 letters, "
           "digits, '_', '+' or '-', not starting with '-' and not logs, tensorboard, best, resume_state or epoch_N "

@@ -83,7 +83,7 @@ void claim_output_dir(const std::string& dir, bool overwrite, bool may_resume) {
   // Replacing: nothing of the old run may be taken for this one's (a job's adapters: their directories).
   if (j.is_object() && j.contains("adapters") && j["adapters"].is_array())
     for (const nlohmann::json& name : j["adapters"])
-      if (name.is_string() && is_name_component(name.get<std::string>()))
+      if (name.is_string() && is_adapter_name(name.get<std::string>()))
         io::remove_tree((fs::path(dir) / name.get<std::string>()).string());
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();

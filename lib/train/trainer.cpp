@@ -645,10 +645,10 @@ int Trainer::finish() {
   }
   pg_.barrier();
   if (lead_) {  // (MLflow's uploads after the barrier: the other ranks need not wait for them)
-    std::vector<std::string> adapters;
+    std::vector<std::pair<std::string, std::string>> adapters;  // the last kept epoch, best/
     const fs::path out = r_.checkpoint.output_dir;
-    if (!kept.empty()) adapters.push_back((out / fmt::format("epoch_{}", kept.back())).string());
-    if (r_.checkpoint.keep_best && fs::exists(out / "best")) adapters.push_back((out / "best").string());
+    if (!kept.empty()) adapters.emplace_back((out / fmt::format("epoch_{}", kept.back())).string(), "adapter");
+    if (r_.checkpoint.keep_best && fs::exists(out / "best")) adapters.emplace_back((out / "best").string(), "best");
     sinks_->completed(adapters);
   }
   return 0;

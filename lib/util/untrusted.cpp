@@ -112,7 +112,15 @@ bool is_relative_file_name(std::string_view name) {
   }
 }
 
+bool is_adapter_name(std::string_view name) {
+  return is_name_component(name) && name.size() <= 64 && name.find('.') == std::string_view::npos && name != "logs" &&
+         name != "tensorboard" && name != "best" && name != "resume_state" && !name.starts_with("epoch_");
+}
+
 bool is_artifact_name(std::string_view name) {
+  if (const size_t slash = name.find('/'); slash != std::string_view::npos)  // a job's adapter's
+    return is_adapter_name(name.substr(0, slash)) && name.substr(slash + 1).find('/') == std::string_view::npos &&
+           is_artifact_name(name.substr(slash + 1));
   if (name == "best" || name == "resume_state") return true;
   if (!name.starts_with("epoch_")) return false;
   const std::string_view digits = name.substr(6);
@@ -143,7 +151,8 @@ void check_relative_file_name(std::string_view name, std::string_view what) {
 }
 
 void check_artifact_name(std::string_view name, std::string_view what) {
-  if (!is_artifact_name(name)) refuse(name, what, "which is not epoch_N, best or resume_state: refusing it");
+  if (!is_artifact_name(name))
+    refuse(name, what, "which is not epoch_N, best or resume_state, or an adapter's NAME/epoch_N, …: refusing it");
 }
 
 void check_run_id(std::string_view id, std::string_view what) {

@@ -17,11 +17,15 @@ std::string printable(std::string_view text, size_t max = 160);
 std::string one_line(std::string_view text);
 
 // The grammars. A name component: 1–128 bytes of [A-Za-z0-9._+-], not starting with '.' or '-'.
-// A relative file name: up to 8 components joined by '/', at most 512 bytes. An artifact:
-// epoch_<0-999999>, best or resume_state. A run id: 24 hex digits (an ObjectId). A MongoDB
-// database name: 1–63 bytes of [A-Za-z0-9_-], not starting with '-'.
+// A relative file name: up to 8 components joined by '/', at most 512 bytes. An adapter of a job
+// of many (adapters:): a name component of at most 64 bytes without '.', and none of what the job's
+// output directory holds itself (logs, tensorboard, best, resume_state, epoch_*). An artifact:
+// epoch_<0-999999>, best or resume_state, or a job's adapter's: <adapter>/<one of those>. A run
+// id: 24 hex digits (an ObjectId). A MongoDB database name: 1–63 bytes of [A-Za-z0-9_-], not
+// starting with '-'.
 bool is_name_component(std::string_view name);
 bool is_relative_file_name(std::string_view name);
+bool is_adapter_name(std::string_view name);
 bool is_artifact_name(std::string_view name);
 bool is_run_id(std::string_view id);
 bool is_database_name(std::string_view name);

@@ -44,15 +44,20 @@ TEST_CASE("artifacts: a re-upload replaces the old files, a pull gives them back
   CHECK(first[0].sha256 == io::sha256_hex(big));
   CHECK(first[1].name == "sub/adapter_config.json");
 
-  // best/ rewritten: only the new files remain, with new ids.
+  // best/ rewritten: the new files, with new ids; the old ones stay readable (a run record may
+  // still list them) until retired, then only the new files remain.
   put(dir / "best/adapter_model.safetensors", "new weights");
   fs::remove_all(dir / "best/sub");
   const auto second = store.upload(run, "best", (dir / "best").string());
   REQUIRE(second.size() == 1);
   CHECK(second[0].sha256 == io::sha256_hex("new weights"));
   CHECK(second[0].file_id != first[0].file_id);
-  CHECK(store.list(run).size() == 1);
   data::Client c(test_uri(), std::chrono::seconds(5));
+  CHECK(c.count(db, "lorarun.chunks", {{"files_id", {{"$oid", first[0].file_id}}}}) == 4);
+  store.download(run, "best", first, (dir / "before_retire").string());
+  CHECK(test::read_file((dir / "before_retire/adapter_model.safetensors").string()) == big);
+  store.retire(run, "best", second);
+  CHECK(store.list(run).size() == 1);
   CHECK(c.count(db, "lorarun.chunks", {{"files_id", {{"$oid", first[0].file_id}}}}) == 0);
 
   // Pulled back byte for byte; another artifact is independent of it.

@@ -344,3 +344,65 @@ TEST_CASE("adapters: bad jobs are one line each, before anything is trained or w
     CHECK_FALSE(trained);
   }
 }
+
+TEST_CASE(
+    "adapters with checkpoint.store: mongodb: each adapter's artifacts as <name>/…, a wiped output directory after "
+    "kill -9 restored and resumed byte for byte, lora-runs pull and --adapter mongodb-run: by adapter",
+    "[e2e][db][resume]") {
+  const std::string dir = temp_dir("adapters-store");
+  const std::string uri = test_uri(), db = "lorarun_test_adapters_store";
+  std::string list;
+  int from = 0;
+  for (const auto& [name, n] : {std::pair{"a", 40}, std::pair{"b", 70}}) {
+    write_jsonl(fmt::format("{}/{}.jsonl", dir, name), tenant_docs(name, n, from));
+    from += 1000;
+    list += fmt::format("{}{{name: {}, path: {}/{}.jsonl}}", list.empty() ? "" : ", ", name, dir, name);
+  }
+  const std::string recipe = job_recipe(
+      dir, "job",
+      {.data = fmt::format(", source: jsonl, uri: \"{}\"", uri),
+       .checkpoint = ", keep_best: true, state_every_n_steps: 5, store: mongodb",
+       .extra = fmt::format("eval: {{fraction: 0.1}}\ntrack: {{mongodb: true, database: {}}}\nadapters: {{list: [{}]}}",
+                            db, list)});
+  const auto cmd = [&](const std::string& out) {
+    return fmt::format("{} --nproc-per-node 2 {} data.batch_size=1 checkpoint.output_dir={}/{}", bin("lorarun"), recipe,
+                       dir, out);
+  };
+  const Result full = sh(cmd("full"));
+  INFO(full.output);
+  REQUIRE(full.status == 0);
+  const Result k = interrupt(cmd("cut"), dir + "/cut.log", "step 20/",
+                             "kill -9 $(sed -n 's/.*(pids \\([0-9]*\\) \\([0-9]*\\)).*/\\1 \\2/p' \"$log\")");
+  INFO(read_file(dir + "/cut.log"));
+  CHECK_THAT(k.output, Catch::Contains("exit=1"));
+  fs::remove_all(dir + "/cut");  // a new node: only the database holds the job now
+  const Result again = sh(cmd("cut"));
+  INFO(again.output);
+  REQUIRE(again.status == 0);
+  CHECK_THAT(again.output, Catch::Contains("resume_state of run"));  // a's and b's, after their epochs
+  CHECK_THAT(again.output, Catch::Contains("resuming the job at step"));
+  for (const char* a : {"a/epoch_0", "a/epoch_1", "a/best", "b/epoch_0", "b/epoch_1", "b/best"})
+    CHECK(adapter_diff(fmt::format("{}/full/{}/adapter_model.safetensors", dir, a),
+                       fmt::format("{}/cut/{}/adapter_model.safetensors", dir, a)) == 0.0);
+
+  const std::string id = run_id_in(again.output, db);
+  const std::string env = fmt::format("LORARUN_MONGODB_URI='{}'", uri);
+  const Result show = sh(fmt::format("{} {} show {}/{}", env, bin("lora-runs"), db, id));
+  INFO(show.output);
+  CHECK_THAT(show.output, Catch::Contains("\"b/epoch_1\""));
+  CHECK_THAT(show.output, Catch::Contains("\"a/best\""));
+  CHECK(show.output.find("/resume_state\"") == std::string::npos);  // gone with the job's end
+  const Result pull = sh(fmt::format("{} {} pull {}/{}/b {}/pulled", env, bin("lora-runs"), db, id, dir));
+  INFO(pull.output);
+  REQUIRE(pull.status == 0);
+  CHECK(hashes(dir + "/pulled") == hashes(dir + "/cut/b/epoch_1"));
+  const Result whole = sh(fmt::format("{} {} pull {}/{} {}/whole", env, bin("lora-runs"), db, id, dir));
+  CHECK(whole.status != 0);
+  CHECK_THAT(whole.output, Catch::Contains("the run is a job of many adapters (a, b): name one"));
+  const Result eval =
+      sh(fmt::format("{} {} --model {}/llama --adapter mongodb-run:{}/{}/a/best --data {}/a.jsonl "
+                     "--prompt-field instruction --text-field output",
+                     env, bin("lora-eval"), LORARUN_MODEL_FIXTURES, db, id, dir));
+  INFO(eval.output);
+  CHECK(eval.status == 0);
+}

@@ -39,6 +39,7 @@ TEST_CASE("names from outside: only the strict grammar passes") {
     CHECK_FALSE(is_name_component(bad));
     CHECK_FALSE(is_relative_file_name(bad));
     CHECK_FALSE(is_artifact_name(bad));
+    CHECK_FALSE(is_adapter_name(bad));
     CHECK_FALSE(is_run_id(bad));
     CHECK_FALSE(is_database_name(bad));
   }
@@ -52,6 +53,15 @@ TEST_CASE("names from outside: only the strict grammar passes") {
     CHECK(is_artifact_name(good));
   for (const char* bad : {"epoch_", "epoch_01", "epoch_1000000", "epoch_-1", "epoch_1/..", "Best", "bench"})
     CHECK_FALSE(is_artifact_name(bad));
+  // a job's adapters (adapters:): <adapter>/<artifact>, one level, the adapter a directory name of its own
+  for (const char* good : {"acme/epoch_0", "tenant-7/best", "a+b/resume_state"}) CHECK(is_artifact_name(good));
+  for (const std::string& bad :
+       std::vector<std::string>{"acme/", "/best", "acme/x", "acme/best/x", "a.b/best", "../best", "logs/best",
+                                "epoch_0/best", "best/best", std::string(65, 'a') + "/best"})
+    CHECK_FALSE(is_artifact_name(bad));
+  for (const char* good : {"acme", "tenant-7", "a+b", "T_1"}) CHECK(is_adapter_name(good));
+  for (const char* bad : {"a.b", "logs", "tensorboard", "best", "resume_state", "epoch_3", "-x", "a/b"})
+    CHECK_FALSE(is_adapter_name(bad));
   CHECK(is_run_id("65f0c2aa00112233445566ff"));
   CHECK_FALSE(is_run_id("65f0c2aa00112233445566f"));
   CHECK_FALSE(is_run_id("65f0c2aa00112233445566fg"));
