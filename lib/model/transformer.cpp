@@ -459,15 +459,16 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
     return at::matmul(at::softmax(masked, -1).to(q.scalar_type()), vr);
   };
   at::Tensor out;
-  if (!routes || routes->routes.empty() || cache) {
+  const bool one_route = routes && routes->routes.size() == 1 && routes->routes[0].length == T;
+  if (!routes || routes->routes.empty() || cache || one_route) {
     out = attend(q, k, v, mask);
   } else {  // adapters: each route's rows at their own length, as their own run attends (the kernel's
             // blocking follows the length); the positions past it, padding, left zero
     std::vector<at::Tensor> parts;
     for (const Route& r : routes->routes) {
       const auto mine = [&](const at::Tensor& t) { return t.narrow(0, r.row0, r.rows).narrow(2, 0, r.length); };
-      parts.push_back(at::constant_pad_nd(attend(mine(q), mine(k), mine(v), mine(mask).narrow(3, 0, r.length)),
-                                          {0, 0, 0, T - r.length}));
+      parts.push_back(at::constant_pad_nd(
+          attend(mine(q), mine(k), mine(v), mine(mask).narrow(3, 0, r.length).contiguous()), {0, 0, 0, T - r.length}));
     }
     out = at::cat(parts);
   }

@@ -12,10 +12,10 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <typeinfo>
 
 #include "data/batches.hpp"
 #include "data/collate.hpp"
-#include "data/mongo.hpp"
 #include "dist/grad_buckets.hpp"
 #include "dist/process_group.hpp"
 #include "io/files.hpp"
@@ -153,17 +153,14 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
     t->slot = static_cast<int>(i);
     t->r = recipe::adapter_recipe(r, specs[i]);
     const data::Holdout training = data::Holdout::training(t->r.eval.fraction);
-    try {
+    try {  // (a plain Error names the adapter; one a rerun cannot change, or a lost server, stays as it is)
       t->docs = std::make_unique<data::Documents>(t->r.data, training);
       if (t->r.eval.enabled(t->r.data.source)) {
         t->eval = std::make_unique<data::EvalSplit>(t->r, t->docs.get());
         require_scored_token(t->eval->docs(), *rt_.builder, t->eval->describe());
       }
-    } catch (const ConfigError&) {
-      throw;
-    } catch (const data::ConnectionError&) {
-      throw;
     } catch (const Error& e) {
+      if (typeid(e) != typeid(Error)) throw;
       throw Error(fmt::format("adapter '{}': {}", t->name, e.what()));
     }
     model::LoraConfig cfg = model::lora_config_of(t->r.lora, r.model.path);
@@ -257,7 +254,7 @@ void Job::begin(bool resumed, const std::string& run_id) {
   }
   const track::RunInfo about = {
       {"torch_version", TORCH_VERSION}, {"world_size", env_.world_size}, {"device", cuda_ ? "cuda" : "cpu"},
-      {"documents", documents},         {"adapters", adapters},          {"steps_per_epoch", total_steps_},
+      {"documents", documents},         {"adapters", adapters},          {"job_steps", total_steps_},
       {"restart", env_.restart}};
   run_id_ = sinks_->open(about, resumed ? std::optional(step_) : std::nullopt, run_id, env_.world_size);
   for (auto& t : tenants_) {
