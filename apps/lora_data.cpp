@@ -38,6 +38,7 @@
 #include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "track/plot.hpp"
+#include "train/job.hpp"
 #include "util/error.hpp"
 #include "util/secrets.hpp"
 #include "util/untrusted.hpp"
@@ -118,7 +119,13 @@ struct RecipeArgs {
   std::vector<std::string> overrides;
   std::string split = "train";  // or "eval": the recipe's eval: section
   bool as_json = false;
+  std::string job_adapter;  // a job of many adapters: the one whose documents to look at
 };
+
+// The recipe as its data is looked at: a job's narrowed to --job-adapter's documents.
+recipe::Recipe read_recipe(const RecipeArgs& a) {
+  return lorarun::train::one_adapter(recipe::load_recipe(a.recipe, a.overrides), a.job_adapter, a.recipe);
+}
 
 // The split's documents: the recipe's eval split (checked against the training selection, as
 // training checks it), or without one an error naming the keys.
@@ -134,7 +141,7 @@ std::optional<data::EvalSplit> eval_split(const RecipeArgs& a, const recipe::Rec
 // (eval.fraction's held-out ones left out) or the eval split. Not movable: docs refer to recipe.
 struct Dataset {
   explicit Dataset(const RecipeArgs& a)
-      : recipe(recipe::load_recipe(a.recipe, a.overrides)),
+      : recipe(read_recipe(a)),
         tokenizer(lorarun::model::load_tokenizer(recipe.model.path)),
         train(recipe.data, data::Holdout::training(recipe.eval.fraction)),
         eval(eval_split(a, recipe, train)),
@@ -375,7 +382,7 @@ void mixture_preview(const Mixed& m, int64_t n, bool as_json) {
 
 // The recipe of `a` when it mixes data.sources (stats and preview then show the mixture).
 std::optional<recipe::Recipe> mixing(const RecipeArgs& a) {
-  recipe::Recipe r = recipe::load_recipe(a.recipe, a.overrides);
+  recipe::Recipe r = read_recipe(a);
   if (r.data.sources.empty()) return std::nullopt;
   if (a.split == "eval")
     throw Error(fmt::format(
@@ -530,6 +537,7 @@ void recipe_args(CLI::App* cmd, RecipeArgs& a, const char* json_help) {
   cmd->add_flag("--json", a.as_json, json_help);
   cmd->add_option("--split", a.split, "train (the documents training reads, the default) or eval (the eval: split)")
       ->check(CLI::IsMember({"train", "eval"}));
+  cmd->add_option("--job-adapter", a.job_adapter, "a recipe of many adapters (adapters:): the one to look at");
 }
 
 int run(int argc, char** argv) {

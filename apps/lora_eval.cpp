@@ -29,6 +29,7 @@
 #include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "train/evaluate.hpp"
+#include "train/job.hpp"
 #include "train/preference.hpp"
 #include "train/runtime.hpp"
 
@@ -125,7 +126,7 @@ std::vector<at::Tensor> reference_values(model::CausalLM& m, const recipe::Recip
 
 // --recipe: what lora-eval needs besides the recipe.
 struct RecipeEval {
-  std::string recipe, adapter, split = "eval", per_doc;
+  std::string recipe, adapter, split = "eval", per_doc, job_adapter;
   std::vector<std::string> overrides;
   bool as_json = false;
 };
@@ -133,7 +134,7 @@ struct RecipeEval {
 // The recipe's base model (model.path, dtype, device, QLoRA) with `adapter`, over its eval split
 // or training documents, this rank's share; rank 0 prints the mean of all ranks' sums.
 int eval_recipe(const RecipeEval& a) {
-  const recipe::Recipe r = recipe::load_recipe(a.recipe, a.overrides);
+  const recipe::Recipe r = train::one_adapter(recipe::load_recipe(a.recipe, a.overrides), a.job_adapter, a.recipe);
   const dist::DistEnv env = dist::DistEnv::from_environment();
   if (env.world_size > 1 && !a.per_doc.empty())
     throw Error("--per-doc runs on one rank: drop it, or run lora-eval without lorarun");
@@ -218,6 +219,9 @@ int run(int argc, char** argv) {
       ->check(CLI::IsMember({"eval", "train"}))
       ->needs(recipe_opt);
   app.add_option("overrides", recipe_eval.overrides, "with --recipe: key=value overrides of recipe keys")
+      ->needs(recipe_opt);
+  app.add_option("--job-adapter", recipe_eval.job_adapter,
+                 "with --recipe of many adapters (adapters:): evaluate this one's split (give its --adapter too)")
       ->needs(recipe_opt);
   app.add_flag("--json", as_json, "print the result as one JSON object (documents, tokens, loss, perplexity)");
   recipe_opt->excludes(model_opt)->excludes(data_opt);

@@ -772,6 +772,23 @@ std::vector<recipe::AdapterSpec> job_adapters(const recipe::Recipe& r) {
   return out;
 }
 
+recipe::Recipe one_adapter(const recipe::Recipe& r, const std::string& name, const std::string& file) {
+  if (!r.adapters.enabled()) {
+    if (!name.empty())
+      throw Error(fmt::format("{} trains one adapter (it has no adapters: section): drop --job-adapter", file));
+    return r;
+  }
+  const std::vector<recipe::AdapterSpec> all = job_adapters(r);
+  std::string names;
+  for (const recipe::AdapterSpec& a : all) {
+    if (a.name == name) return recipe::adapter_recipe(r, a);
+    names += (names.empty() ? "" : ", ") + a.name;
+  }
+  throw Error(fmt::format("{} trains {} adapters ({}): {}", file, all.size(), names,
+                          name.empty() ? "name one with --job-adapter NAME"
+                                       : fmt::format("it has none named '{}'", printable(name))));
+}
+
 int run_job(const recipe::Recipe& r, const dist::DistEnv& env) {
   std::unique_ptr<Job> job;
   try {
