@@ -784,9 +784,9 @@ recipe::Recipe one_adapter(const recipe::Recipe& r, const std::string& name, con
     if (a.name == name) return recipe::adapter_recipe(r, a);
     names += (names.empty() ? "" : ", ") + a.name;
   }
-  throw Error(fmt::format("{} trains {} adapters ({}): {}", file, all.size(), names,
-                          name.empty() ? "name one with --job-adapter NAME"
-                                       : fmt::format("it has none named '{}'", printable(name))));
+  throw Error(fmt::format(
+      "{} trains {} adapters ({}): {}", file, all.size(), names,
+      name.empty() ? "name one with --job-adapter NAME" : fmt::format("it has none named '{}'", printable(name))));
 }
 
 int run_job(const recipe::Recipe& r, const dist::DistEnv& env) {
