@@ -13,7 +13,7 @@
 namespace lorarun::model {
 
 struct GgufBlocks {
-  at::Tensor raw;  // uint8 [out * row bytes]: the file's blocks, row after row, on the CPU
+  at::Tensor raw;  // uint8 [out * row bytes]: the file's blocks, row after row, on the CPU (or on `device`)
   io::GgmlType type = io::GgmlType::F32;
   std::vector<int64_t> shape;         // [out, in]: the weight as the layer uses it
   int64_t heads = 0;                  // llama's Q and K: the converter's per-head row interleave undone (0: none)
@@ -22,9 +22,18 @@ struct GgufBlocks {
 
   int64_t bytes() const { return static_cast<int64_t>(raw.nbytes()); }
   // `dtype` [out, in] on `device`: bit for bit what loading the file dequantised gives
-  // (model/gguf_weights.hpp), the blocks dequantised on all intra-op threads.
+  // (model/gguf_weights.hpp): blocks on the CPU dequantised there on all intra-op threads, blocks
+  // on a GPU there (dequantize_on_device).
   at::Tensor dequantize() const;
+  // The same with tensor operations, where `raw` is (what dequantize() does for blocks on a GPU).
+  at::Tensor dequantize_with_tensor_ops() const;
 };
+
+// The blocks `raw` (uint8, whole blocks of `type`, on any device) as float32 values [n] on the same
+// device, with tensor operations: on a GPU the blocks stay in its memory and are dequantised there.
+// io::dequantize's values bit for bit: each value is the same float32 products and sums of the same
+// operands, one operation a kernel (nothing fused).
+at::Tensor dequantize_on_device(io::GgmlType type, const at::Tensor& raw, int64_t n);
 
 // `rows` rows of whole blocks of `type` from `in` into `out` (rows x cols float32), rows split
 // over the intra-op threads: io::dequantize's values, bit for bit.

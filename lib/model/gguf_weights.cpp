@@ -428,6 +428,7 @@ GgufBlocks GgufWeights::blocks(const std::string& name, at::ScalarType dtype, at
   const std::span<const std::byte> src = file_->bytes(t);
   std::memcpy(b.raw.data_ptr(), src.data(), src.size());
   file_->release(t);
+  if (device.is_cuda()) b.raw = b.raw.to(device);  // dequantised on the GPU at each use
   return b;
 }
 

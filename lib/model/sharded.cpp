@@ -138,10 +138,9 @@ ShardedWeight ShardedWeight::of(const GgufBlocks& b, std::shared_ptr<const BaseS
 }
 
 at::Tensor ShardedWeight::whole() const {
-  if (gguf) {  // the bytes gathered where the ranks exchange them, dequantised from the CPU
+  if (gguf) {  // the bytes gathered where the ranks exchange them, and dequantised there
     GgufBlocks b = *gguf;
-    const at::Tensor bytes = group->gather(dense);
-    b.raw = bytes.is_cpu() ? bytes : bytes.cpu();
+    b.raw = group->gather(dense);
     return b.dequantize();
   }
   if (!nf4) return group->gather(dense);

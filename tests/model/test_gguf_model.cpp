@@ -1,14 +1,21 @@
 // A .gguf model.path: config from the metadata, weights dequantised and renamed, logits against
 // transformers' own GGUF loading of the same file (tests/reference/gguf_model_check.py).
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
+#include <cstring>
 #include <filesystem>
+#include <map>
+#include <span>
 #include <string>
+#include <vector>
 
+#include "io/gguf.hpp"
 #include "model/export.hpp"
 #include "model/generate.hpp"
+#include "model/gguf_blocks.hpp"
 #include "model/gguf_export.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
@@ -308,4 +315,65 @@ TEST_CASE("gguf: metadata naming more blocks or tokens than the tensors hold is 
   CHECK_THAT(vocab, Catch::Contains("token_embd.weight has 32 rows but the vocabulary has 40 tokens "
                                     "(llama.vocab_size): the embedding is shorter than the vocabulary"));
   for (const std::string& e : {blocks, fewer, vocab}) CHECK(test::count_lines(e) == 1);
+}
+
+TEST_CASE(
+    "keep_quantized on a GPU: every block type dequantised with tensor operations gives the CPU kernels' values "
+    "bit for bit",
+    "[gguf]") {
+  using io::GgmlType;
+  // random blocks whose fp16 scales are finite (the other bytes: any value)
+  const auto blocks = [](GgmlType type, int64_t n, uint64_t seed) {
+    const auto bytes = static_cast<int64_t>(io::ggml_block_bytes(type)),
+               size = static_cast<int64_t>(io::ggml_block_size(type));
+    at::Tensor raw = at::randint(0, 256, {n / size, bytes}, at::make_generator<at::CPUGeneratorImpl>(seed),
+                                 at::TensorOptions().dtype(at::kByte));
+    const at::Tensor scales =
+        (at::rand({n / size, bytes / 2}, at::make_generator<at::CPUGeneratorImpl>(seed + 1)) - 0.5)
+            .to(at::kHalf)
+            .view(at::kByte)
+            .view({n / size, bytes / 2 * 2});
+    // the fp16 fields of each layout (as io's kernels read them)
+    const std::map<GgmlType, std::vector<int64_t>> halves = {
+        {GgmlType::F16, {0}},     {GgmlType::Q4_0, {0}},    {GgmlType::Q4_1, {0, 2}},   {GgmlType::Q5_0, {0}},
+        {GgmlType::Q5_1, {0, 2}}, {GgmlType::Q8_0, {0}},    {GgmlType::Q2_K, {80, 82}}, {GgmlType::Q3_K, {108}},
+        {GgmlType::Q4_K, {0, 2}}, {GgmlType::Q5_K, {0, 2}}, {GgmlType::Q6_K, {208}}};
+    if (const auto it = halves.find(type); it != halves.end())
+      for (const int64_t at : it->second) raw.narrow(1, at, 2).copy_(scales.narrow(1, at, 2));
+    if (type == GgmlType::BF16)
+      raw = scales.narrow(1, 0, 2).contiguous().view(at::kHalf).to(at::kBFloat16).view(at::kByte);
+    return raw.reshape({-1});
+  };
+  std::vector<at::Device> devices = {at::kCPU};
+  if (at::hasCUDA()) devices.emplace_back(at::kCUDA);
+  for (const GgmlType type :
+       {GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0,
+        GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K}) {
+    const int64_t n = 256 * 48;
+    const at::Tensor raw = blocks(type, n, 7 + static_cast<uint64_t>(type));
+    std::vector<float> want(static_cast<size_t>(n));
+    io::dequantize(type, std::span(static_cast<const std::byte*>(raw.data_ptr()), static_cast<size_t>(raw.numel())),
+                   want);
+    for (const at::Device& device : devices) {
+      INFO(io::ggml_type_name(type) << " on " << device);
+      const at::Tensor got = dequantize_on_device(type, raw.to(device), n).cpu().contiguous();
+      REQUIRE(got.numel() == n);
+      CHECK(std::memcmp(got.data_ptr<float>(), want.data(), want.size() * sizeof(float)) == 0);
+    }
+  }
+  // and through a kept linear: Q and K rows put back in HF's order, into the model's dtype
+  GgufBlocks w{.raw = blocks(GgmlType::Q4_K, 64 * 256, 3),
+               .type = GgmlType::Q4_K,
+               .shape = {64, 256},
+               .heads = 4,
+               .dtype = at::kBFloat16,
+               .device = at::kCPU};
+  const at::Tensor cpu = w.dequantize();
+  CHECK(at::equal(w.dequantize_with_tensor_ops(), cpu));
+  if (at::hasCUDA()) {
+    GgufBlocks on = w;
+    on.raw = w.raw.to(at::kCUDA);
+    on.device = at::kCUDA;
+    CHECK(at::equal(on.dequantize().cpu(), cpu));
+  }
 }
