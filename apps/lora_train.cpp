@@ -23,7 +23,6 @@
 #include "train/trainer.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
-#include "util/process.hpp"
 #include "util/secrets.hpp"
 
 namespace {
@@ -231,6 +230,5 @@ int main(int argc, char** argv) {
   // torch's own log lines stay off unless TORCH_CPP_LOG_LEVEL asks for them: c10d logs each failed
   // connection attempt with the exception's C++ stack trace, and our one error line says it all.
   if (const char* level = std::getenv("TORCH_CPP_LOG_LEVEL"); !level || !*level) FLAGS_caffe2_log_level = 3;  // FATAL
-  lorarun::keep_freed_memory_for_reuse();
   return lorarun::app_main("lora-train", argc, argv, run);
 }

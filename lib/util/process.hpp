@@ -30,12 +30,4 @@ bool alive_here(const ProcessIdentity& p);
 double resident_mib();
 double peak_resident_mib();
 
-// glibc's malloc set for a training loop, unless MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_
-// say otherwise: blocks up to 32 MiB from the heap, and freed memory kept there, so each step's
-// activations reuse the last step's pages instead of mapping and faulting in fresh ones (by default
-// the threshold moves with what was freed, and a larger micro-batch's tensors are mapped anew every
-// step: SmolLM2 at 8 x ~70 tokens, 15% of the step). Peak resident memory is unchanged; the process
-// gives pages back where it calls malloc_trim.
-void keep_freed_memory_for_reuse();
-
 }  // namespace lorarun
