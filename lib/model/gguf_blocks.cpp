@@ -182,6 +182,25 @@ at::Tensor GgufBlocks::dequantize_with_tensor_ops() const {
   return w.to(dtype);
 }
 
+at::Tensor GgufBlocks::rows(const at::Tensor& ids) const {
+  std::vector<int64_t> sizes = ids.sizes().vec();
+  sizes.push_back(shape[1]);
+  if (raw.is_meta()) return at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
+  const int64_t cols = shape[1], row_bytes = raw.numel() / shape[0];
+  const at::Tensor picked = raw.view({shape[0], row_bytes}).index_select(0, ids.reshape({-1}).to(raw.device()));
+  const int64_t n = picked.size(0);
+  at::Tensor values;
+  if (picked.is_cpu()) {
+    values = at::empty({n, cols}, at::kFloat);
+    dequantize_rows(type,
+                    std::span(static_cast<const std::byte*>(picked.data_ptr()), static_cast<size_t>(picked.numel())), n,
+                    std::span(values.data_ptr<float>(), static_cast<size_t>(n * cols)));
+  } else {
+    values = dequantize_on_device(type, picked.reshape({-1}), n * cols);
+  }
+  return values.to(device, dtype).view(sizes);
+}
+
 at::Tensor gguf_linear(const at::Tensor& x, const GgufBlocks& w, const at::Tensor& bias) {
   return remade_weight_linear(x, bias, w.shape[0], [w] { return w.dequantize(); });
 }

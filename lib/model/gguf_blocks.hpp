@@ -27,6 +27,9 @@ struct GgufBlocks {
   at::Tensor dequantize() const;
   // The same with tensor operations, where `raw` is (what dequantize() does for blocks on a GPU).
   at::Tensor dequantize_with_tensor_ops() const;
+  // Rows `ids` [..] (int64) alone, dequantised: [.., in] in `dtype`, the values of dequantize()'s
+  // rows (an embedding looked up without a whole copy of it; heads == 0).
+  at::Tensor rows(const at::Tensor& ids) const;
 };
 
 // The blocks `raw` (uint8, whole blocks of `type`, on any device) as float32 values [n] on the same

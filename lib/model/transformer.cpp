@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <variant>
 
 #include "model/dora.hpp"
 #include "model/gguf_weights.hpp"
@@ -37,11 +38,13 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training, const Routes* rou
 
 namespace {
 
-// ids [..] -> [.., E]: rows of the embedding, or of its trained copy; trainable tokens' rows from
-// token_rows (gathered, not a patched [vocab, E] copy per call, which PEFT makes).
-at::Tensor embed(const TrainedTables& t, const at::Tensor& table, const at::Tensor& ids, at::ScalarType dtype) {
-  if (t.off) return at::embedding(table, ids);
-  at::Tensor h = at::embedding(t.embed.defined() ? t.embed.to(dtype) : table, ids);
+// ids [..] -> [.., E]: rows of the embedding (`frozen` looks them up), or of its trained copy;
+// trainable tokens' rows from token_rows (gathered, not a patched [vocab, E] copy per call, which
+// PEFT makes).
+template <class Frozen>
+at::Tensor embed(const TrainedTables& t, const Frozen& frozen, const at::Tensor& ids, at::ScalarType dtype) {
+  if (t.off) return frozen(ids);
+  at::Tensor h = t.embed.defined() ? at::embedding(t.embed.to(dtype), ids) : frozen(ids);
   if (!t.token_ids.defined()) return h;
   const at::Tensor slot = t.token_slot.index_select(0, ids.flatten()).view(ids.sizes());
   return at::where(slot.ge(0).unsqueeze(-1), at::embedding(t.token_rows.to(dtype), slot.clamp_min(0)), h);
@@ -147,6 +150,18 @@ struct Loader {
     }
     if (bias) l.bias = get(name + ".bias", {out});
     return l;
+  }
+  // The embedding: with opts.keep_quantized a GGUF's blocks (kept unless the file holds it in F32,
+  // which blocks would not make smaller), else the tensor.
+  std::variant<at::Tensor, GgufBlocks> embedding(const std::string& name, std::vector<int64_t> shape) const {
+    if (opts.keep_quantized) {
+      GgufBlocks b = files.blocks(name, dtype, device, shape);
+      if (b.type != io::GgmlType::F32) {
+        named.push_back({name, at::Tensor(), false, shape[0] * shape[1]});
+        return b;
+      }
+    }
+    return get(name, std::move(shape));
   }
   Norm norm(const std::string& name, int64_t n, bool bias) const {
     return {get(name + ".weight", {n}), bias ? get(name + ".bias", {n}) : at::Tensor()};
@@ -255,6 +270,13 @@ CausalLM CausalLM::load(const std::string& path_or_id, at::ScalarType dtype, at:
   return m;
 }
 
+void CausalLM::take_embedding(std::variant<at::Tensor, GgufBlocks> e) {
+  if (auto* t = std::get_if<at::Tensor>(&e))
+    embed_tokens_ = std::move(*t);
+  else
+    embed_blocks_ = std::move(std::get<GgufBlocks>(e));
+}
+
 void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
   CausalLM& m = *this;
   const ModelConfig& c = m.config_;
@@ -264,7 +286,7 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
   const int64_t q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;
 
   if (c.family == Family::Llama) {
-    m.embed_tokens_ = L.get("model.embed_tokens.weight", {V, H});
+    m.take_embedding(L.embedding("model.embed_tokens.weight", {V, H}));
     m.embedding_name_ = "model.embed_tokens";
     const auto rotated = static_cast<int64_t>(c.head_dim * c.partial_rotary);
     const bool longrope = c.rope.type == "longrope";
@@ -308,7 +330,7 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
   } else if (c.family == Family::Opt) {
     const int64_t E = c.word_embed_proj_dim;
     const bool bias = c.enable_bias;
-    m.embed_tokens_ = L.get("model.decoder.embed_tokens.weight", {V, E});
+    m.take_embedding(L.embedding("model.decoder.embed_tokens.weight", {V, E}));
     m.embedding_name_ = "model.decoder.embed_tokens";
     m.embed_positions_ = L.get("model.decoder.embed_positions.weight", {c.max_positions + 2, H});
     if (E != H) {
@@ -332,7 +354,7 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
       m.final_norm_ = L.norm("model.decoder.final_layer_norm", H, true);
   } else {  // gpt2; older checkpoints have no "transformer." prefix
     const std::string t = files.contains("transformer.wte.weight") ? "transformer." : "";
-    m.embed_tokens_ = L.get(t + "wte.weight", {V, H});
+    m.take_embedding(L.embedding(t + "wte.weight", {V, H}));
     m.embedding_name_ = "transformer.wte";
     m.embed_positions_ = L.get(t + "wpe.weight", {c.max_positions, H});
     for (int64_t i = 0; i < c.num_layers; ++i) {
@@ -348,11 +370,12 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
     }
     m.final_norm_ = L.norm(t + "ln_f", H, true);
   }
-  const int64_t E = m.embed_tokens_.size(1);
+  const int64_t E = m.embed_blocks_ ? m.embed_blocks_->shape[1] : m.embed_tokens_.size(1);
+  m.tied_ = c.tie_word_embeddings;
   if (!c.tie_word_embeddings && files.contains("lm_head.weight"))
     m.lm_head_ = L.get("lm_head.weight", {V, E});
   else if (c.tie_word_embeddings)
-    m.lm_head_ = m.embed_tokens_;
+    m.lm_head_ = m.embed_tokens_;  // (undefined when the embedding is held as blocks: frozen_lm_head)
   else
     throw Error(
         fmt::format("{}: lm_head.weight is missing and config.json does not tie it to the "
@@ -501,7 +524,8 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
     positions = at::arange(past, past + T, long_opts).unsqueeze(0).expand({B, T});
   }
 
-  at::Tensor h = embed(tables, embed_tokens_, input_ids.to(device_), dtype_);
+  at::Tensor h =
+      embed(tables, [this](const at::Tensor& ids) { return embedding_rows(ids); }, input_ids.to(device_), dtype_);
   at::Tensor cos[2], sin[2];  // [0] every layer's, [1] gemma3's windowed layers' when they differ
   if (c.family == Family::Llama) {
     if (c.gemma)  // sqrt(hidden) rounded to the model's dtype first, as HF
@@ -569,15 +593,27 @@ std::pair<at::Tensor, at::Tensor> CausalLM::rope_tables(const at::Tensor& positi
   return {cos.to(dtype_).unsqueeze(1), sin.to(dtype_).unsqueeze(1)};  // [B, 1, T, rot]
 }
 
+at::Tensor CausalLM::embedding_rows(const at::Tensor& ids) const {
+  return embed_blocks_ ? embed_blocks_->rows(ids) : at::embedding(embed_tokens_, ids);
+}
+
 at::Tensor CausalLM::lm_head() const {
-  if (tables.off) return lm_head_;
+  const at::Tensor head = frozen_lm_head();  // (a kept embedding tied to it: dequantised for this pass)
+  if (tables.off) return head;
   if (tables.head.defined()) return tables.head.to(dtype_);
-  if (tables.head_tokens) return lm_head_.index_copy(0, tables.token_ids, tables.token_rows.to(dtype_));
-  return lm_head_;
+  if (tables.head_tokens) return head.index_copy(0, tables.token_ids, tables.token_rows.to(dtype_));
+  return head;
 }
 
 void CausalLM::fold_tables() {
   c10::NoGradGuard no_grad;
+  if (embed_blocks_ && (tables.embed.defined() || tables.token_ids.defined())) {  // written into: made whole
+    embed_tokens_ = embed_blocks_->dequantize();
+    embed_blocks_.reset();
+    for (NamedWeight& w : named_)
+      if (w.name == embedding_name_ + ".weight") w.tensor = embed_tokens_;
+    if (tied_) lm_head_ = embed_tokens_;
+  }
   if (head_tied() && (tables.embed.defined() || tables.head.defined()))
     throw Error(fmt::format(
         "the adapter trains {} apart from the output head tied to it (modules_to_save): a merged model would need "
@@ -602,7 +638,9 @@ std::vector<std::pair<std::string, at::Tensor>> CausalLM::state_dict() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const NamedWeight& w : named_) {
     at::Tensor t = w.tensor;
-    if (!t.defined()) {  // quantised: its Linear holds it
+    if (!t.defined() && embed_blocks_ && w.name == embedding_name_ + ".weight") {
+      t = embed_blocks_->dequantize();
+    } else if (!t.defined()) {  // quantised: its Linear holds it
       const Linear& l = *by_weight.at(w.name);
       if (l.sharded)
         throw Error(
@@ -635,6 +673,7 @@ int64_t CausalLM::base_bytes(bool unsharded) const {
   int64_t n = 0;
   for (const NamedWeight& w : named_)
     if (w.tensor.defined()) n += static_cast<int64_t>(w.tensor.nbytes());
+  if (embed_blocks_) n += embed_blocks_->bytes();
   for (const Linear* l : linears())
     n += l->sharded  ? (unsharded ? l->sharded->whole_bytes() : l->sharded->bytes())
          : l->nf4    ? l->nf4->bytes()
@@ -675,7 +714,7 @@ void CausalLM::check_length(int64_t tokens, const std::string& what) const {
 }
 
 void CausalLM::check_tokenizer(const tok::Tokenizer& tokenizer) const {
-  const int64_t ids = tokenizer.id_bound(), rows = embed_tokens_.size(0);
+  const int64_t ids = tokenizer.id_bound(), rows = embed_blocks_ ? embed_blocks_->shape[0] : embed_tokens_.size(0);
   if (ids > rows)
     throw ConfigError(fmt::format(
         "{}: its tokenizer makes ids up to {} but its embedding has {} rows (vocab_size {}): the tokenizer and the "

@@ -5,6 +5,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "model/config.hpp"
@@ -145,9 +146,10 @@ class CausalLM {
   at::Tensor logits(const at::Tensor& hidden) const;
   // The output projection [vocab, H'] as forward uses it: the frozen one, or what `tables` make of it.
   at::Tensor lm_head() const;
-  const at::Tensor& frozen_embedding() const { return embed_tokens_; }  // [vocab, E]
-  const at::Tensor& frozen_lm_head() const { return lm_head_; }
-  bool head_tied() const { return lm_head_.is_same(embed_tokens_); }  // tie_word_embeddings
+  // [vocab, E] (dequantised whole when model.keep_quantized holds it as the file's blocks)
+  at::Tensor frozen_embedding() const { return embed_blocks_ ? embed_blocks_->dequantize() : embed_tokens_; }
+  at::Tensor frozen_lm_head() const { return tied_ ? frozen_embedding() : lm_head_; }
+  bool head_tied() const { return tied_; }  // tie_word_embeddings
   // The embedding's HF module name: "model.embed_tokens", "model.decoder.embed_tokens" (opt), "transformer.wte".
   const std::string& embedding_name() const { return embedding_name_; }
   // Writes `tables` into the frozen embedding and head and drops them (a merge). Throws lorarun::Error
@@ -193,6 +195,7 @@ class CausalLM {
  private:
   // Builds the layers of config_'s family from `files`, in dtype_ on device_.
   void build(const WeightSource& files, const LoadOptions& opts);
+  void take_embedding(std::variant<at::Tensor, GgufBlocks> e);
   at::Tensor attention(const Block& b, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& cos,
                        const at::Tensor& sin, KVCache* cache, size_t layer, const Routes* routes) const;
   // cos and sin [B, 1, T, rotated dims] of rope at `positions` [B, T] with these inverse frequencies.
@@ -206,15 +209,19 @@ class CausalLM {
   at::ScalarType dtype_ = at::kFloat;
   at::Device device_{at::kCPU};
   std::string embedding_name_;
-  at::Tensor embed_tokens_;          // [vocab, E]
-  at::Tensor embed_positions_;       // opt/gpt2 learned positions
-  at::Tensor inv_freq_;              // llama rope, float32 [rotated dims/2]
-  at::Tensor inv_freq_long_;         // longrope: past the pretraining length
-  at::Tensor inv_freq_local_;        // gemma3: the windowed layers'
-  Linear project_in_, project_out_;  // opt when word_embed_proj_dim != hidden
+  at::Tensor embed_tokens_;                 // [vocab, E]; undefined when held as embed_blocks_
+  std::optional<GgufBlocks> embed_blocks_;  // model.keep_quantized: the embedding as the file's blocks
+  bool tied_ = false;                       // tie_word_embeddings: the head is the embedding
+  at::Tensor embed_positions_;              // opt/gpt2 learned positions
+  at::Tensor inv_freq_;                     // llama rope, float32 [rotated dims/2]
+  at::Tensor inv_freq_long_;                // longrope: past the pretraining length
+  at::Tensor inv_freq_local_;               // gemma3: the windowed layers'
+  Linear project_in_, project_out_;         // opt when word_embed_proj_dim != hidden
   std::vector<Block> blocks_;
   Norm final_norm_;
-  at::Tensor lm_head_;  // [vocab, E]; may alias embed_tokens_
+  at::Tensor lm_head_;  // [vocab, E]; may alias embed_tokens_ (undefined when tied to embed_blocks_)
+  // ids [..] -> the frozen embedding's rows [.., E]
+  at::Tensor embedding_rows(const at::Tensor& ids) const;
   struct NamedWeight {
     std::string name;
     at::Tensor tensor;  // undefined for an NF4 or GGUF-blocks weight: its Linear holds it

@@ -349,8 +349,8 @@ K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q
 
 
 def quantized(path, qtype):
-    """A tiny llama (hidden 256, 2 blocks; embedding and norms F32, no output.weight: tied) whose
-    linears are of ggml type `qtype`: gguf.quants.quantize of random weights where gguf-py can,
+    """A tiny llama (hidden 256, 2 blocks; norms F32, no output.weight: tied to the embedding) whose
+    linears and embedding are of ggml type `qtype`: gguf.quants.quantize of random weights where gguf-py can,
     else (the K-quants) seeded random blocks with their float16 scales set in [1e-4, 1e-3]."""
     import gguf
 
@@ -369,7 +369,7 @@ def quantized(path, qtype):
     w.add_token_merges([])
     rng = np.random.default_rng(1)
     for name, shape in llama_shapes("llama", hidden, ffn, heads, kv, hidden // heads, vocab, layers).items():
-        if len(shape) == 1 or name == "token_embd.weight":
+        if len(shape) == 1:
             scale = 1.0 if name.endswith("norm.weight") else 0.5
             w.add_tensor(name, (scale * rng.standard_normal(shape)).astype(np.float32))
             continue
