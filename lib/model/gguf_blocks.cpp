@@ -27,25 +27,31 @@ void dequantize_rows(io::GgmlType type, std::span<const std::byte> in, int64_t r
 }
 
 // Each thread dequantises its own rows (whole heads for Q and K, whose rows move within a head)
-// into float32 and converts them into `dtype` while they are in cache: one pass over the output,
-// no whole float32 copy. The conversion is ATen's copy_, as loading the file dequantised does.
+// into float32, a stretch of about 256 KiB at a time in one buffer of its own, and converts each
+// stretch into `dtype` while it is in cache: one pass over the output, never a float32 copy of a
+// whole weight (a tied 49,152-row head's would be 113 MiB). The conversion is ATen's copy_, as
+// loading the file dequantised does.
 at::Tensor GgufBlocks::dequantize() const {
   if (raw.is_meta()) return at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
   const int64_t rows = shape[0], cols = shape[1];
   if (!raw.is_cpu()) return dequantize_with_tensor_ops();  // blocks in the GPU's memory, dequantised there
   const int64_t units = heads ? heads : rows, unit_rows = rows / units;
+  const int64_t stretch = std::max<int64_t>(1, (int64_t{1} << 16) / (unit_rows * cols));  // units at a time
   const size_t row_bytes = raw.nbytes() / static_cast<size_t>(rows);
   const bool direct = dtype == at::kFloat && heads == 0;
   at::Tensor out = at::empty(shape, at::TensorOptions().dtype(dtype));
   const auto* in = static_cast<const std::byte*>(raw.data_ptr());
   at::parallel_for(0, units, std::max<int64_t>(1, 16384 / (unit_rows * cols)), [&](int64_t a, int64_t b) {
-    const int64_t first = a * unit_rows, n = (b - a) * unit_rows;
-    at::Tensor part = direct ? out.narrow(0, first, n) : at::empty({n, cols}, at::kFloat);
-    io::dequantize(type, std::span(in + static_cast<size_t>(first) * row_bytes, static_cast<size_t>(n) * row_bytes),
-                   std::span(part.data_ptr<float>(), static_cast<size_t>(n * cols)));
-    if (direct) return;
-    const at::Tensor src = heads ? unpermute_rows(part, b - a) : part;
-    out.narrow(0, first, n).view(src.sizes()).copy_(src);
+    at::Tensor buffer = direct ? at::Tensor() : at::empty({std::min(stretch, b - a) * unit_rows, cols}, at::kFloat);
+    for (int64_t u = a; u < b; u += stretch) {
+      const int64_t v = std::min(b, u + stretch), first = u * unit_rows, n = (v - u) * unit_rows;
+      at::Tensor part = direct ? out.narrow(0, first, n) : buffer.narrow(0, 0, n);
+      io::dequantize(type, std::span(in + static_cast<size_t>(first) * row_bytes, static_cast<size_t>(n) * row_bytes),
+                     std::span(part.data_ptr<float>(), static_cast<size_t>(n * cols)));
+      if (direct) continue;
+      const at::Tensor src = heads ? unpermute_rows(part, v - u) : part;
+      out.narrow(0, first, n).view(src.sizes()).copy_(src);
+    }
   });
   return device.is_cpu() ? out : out.to(device);
 }

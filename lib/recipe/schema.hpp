@@ -64,8 +64,8 @@ void for_each_key(R& r, V&& v) {
         .meaning = "where each rank runs; auto: its CUDA device when GPUs are visible, else the CPU"},
     r.model.device);
   v(Key{.name = "model.keep_quantized",
-        .meaning = "a .gguf model: hold its linear weights as the file's own blocks (Q4_K, Q8_0, …), dequantised "
-                   "into model.dtype at each use"},
+        .meaning = "a .gguf model: keep its linears and embedding as the file's own blocks (Q4_K, Q8_0, …), "
+                   "dequantised into model.dtype per use"},
     r.model.keep_quantized);
 
   v(Key{.name = "lora.r", .bound = at_least(1), .meaning = "rank of every adapter (A is r × in, B is out × r)"},
