@@ -1,8 +1,11 @@
 #include "util/process.hpp"
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
+#include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 namespace lorarun {
@@ -56,6 +59,11 @@ double peak_resident_mib() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // (kilobytes)
+}
+
+void keep_freed_memory_for_reuse() {
+  if (!std::getenv("MALLOC_MMAP_THRESHOLD_")) mallopt(M_MMAP_THRESHOLD, 32 << 20);  // (glibc's largest)
+  if (!std::getenv("MALLOC_TRIM_THRESHOLD_")) mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
 }
 
 }  // namespace lorarun

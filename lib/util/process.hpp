@@ -30,4 +30,10 @@ bool alive_here(const ProcessIdentity& p);
 double resident_mib();
 double peak_resident_mib();
 
+// glibc's malloc for a step whose tensors are large (a job of many adapters stacks every adapter's
+// micro-batch), unless MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ say otherwise: blocks up to
+// 32 MiB from the heap, and freed memory kept there, so each step reuses the last step's pages
+// instead of mapping and faulting in fresh ones (glibc's moving threshold maps them anew every step).
+void keep_freed_memory_for_reuse();
+
 }  // namespace lorarun
