@@ -67,29 +67,39 @@ at::Tensor add_lora(at::Tensor y, const at::Tensor& xd, const at::Tensor& a, con
   const at::Tensor x = xd.scalar_type() == a.scalar_type() ? xd : xd.to(a.scalar_type());
   const at::Tensor xa = at::linear(x, a);  // [.., r]
   const int64_t out = b.size(0);
-  if (y.scalar_type() == b.scalar_type())  // no [.., out] temporaries
-    return y.view({-1, out}).addmm_(xa.reshape({-1, xa.size(-1)}), b.t(), 1.0, scaling).view(y.sizes());
+  if (y.scalar_type() == b.scalar_type()) {
+    // One GEMM adding into y: in place when y is rows [N, out] of its own (in place into a view,
+    // autograd would copy and zero a whole [N, out] gradient in backward), else into a new tensor.
+    if (y.dim() == 2 && !y.is_view()) return y.addmm_(xa, b.t(), 1.0, scaling);
+    return at::addmm(y.view({-1, out}), xa.reshape({-1, xa.size(-1)}), b.t(), 1.0, scaling).view(y.sizes());
+  }
   return (y + at::linear(xa * scaling, b)).to(y.scalar_type());
 }
 
 // Each route's rows and positions [rows, length, ..] are a view of x and y, shaped as that adapter's
-// own micro-batch: its dropout mask and its GEMMs are those of its own run.
-at::Tensor add_tenants(const Linear& l, const at::Tensor& x, at::Tensor y, bool training, const Routes& routes) {
+// own micro-batch: its dropout mask and its GEMMs are those of its own run. As in Linear::forward,
+// the base and the adapters read x as rows [N, in] (one view of it), so that x's gradient is summed
+// in the order of the adapter's own run.
+at::Tensor add_tenants(const Linear& l, const at::Tensor& x, bool training, const Routes& routes) {
   const auto drop = [&](int slot, const at::Tensor& in) {
     return training && l.dropout > 0 && routes.streams ? routes.streams->dropout(slot, in, l.dropout) : in;
   };
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = l.out_features();
+  const at::Tensor rows = x.reshape({-1, x.size(-1)});
   if (routes.all >= 0) {
     const TenantLora& t = l.tenants.at(static_cast<size_t>(routes.all));
-    return t.a.defined() ? add_lora(y, drop(routes.all, x), t.a, t.b, t.scaling) : y;
+    if (!t.a.defined()) return l.base(rows).view(shape);
+    return add_lora(l.base(rows), drop(routes.all, rows), t.a, t.b, t.scaling).view(shape);
   }
+  at::Tensor y = l.base(rows).view(shape);
+  const at::Tensor xv = rows.view(x.sizes());
   for (const Route& r : routes.routes) {
     const TenantLora& t = l.tenants.at(static_cast<size_t>(r.slot));
     if (!t.a.defined()) continue;
-    const at::Tensor xs = x.narrow(0, r.row0, r.rows).narrow(1, 0, r.length);
+    const at::Tensor xs = xv.narrow(0, r.row0, r.rows).narrow(1, 0, r.length);
     at::Tensor ys = y.narrow(0, r.row0, r.rows).narrow(1, 0, r.length);
-    const bool in_place = ys.is_contiguous() && ys.scalar_type() == t.b.scalar_type();
-    const at::Tensor sum = add_lora(in_place ? ys : ys.contiguous(), drop(r.slot, xs), t.a, t.b, t.scaling);
-    if (!in_place) ys.copy_(sum);
+    ys.copy_(add_lora(ys.contiguous(), drop(r.slot, xs), t.a, t.b, t.scaling));
   }
   return y;
 }

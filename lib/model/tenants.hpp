@@ -54,12 +54,12 @@ struct Routes {
   DropoutStreams* streams = nullptr;
 };
 
-// y = x W^T + b (the base output, [B, T, out]) plus each route's adapter on its rows: what
-// Linear::forward adds for a job of many adapters. In place into y where the dtypes allow.
-at::Tensor add_tenants(const Linear& l, const at::Tensor& x, at::Tensor y, bool training, const Routes& routes);
+// l's output for a job of many adapters: the base's (x [B, T, in] -> [B, T, out]) plus each route's
+// adapter on that route's rows.
+at::Tensor add_tenants(const Linear& l, const at::Tensor& x, bool training, const Routes& routes);
 
-// y + scaling · B A xd: in place (one GEMM accumulating into y) when y has the adapters' dtype, else
-// summed in float32 and cast back to y's, as PEFT; xd is the (dropped-out) input [.., in].
+// y + scaling · B A xd: one GEMM that adds to y's values when y has the adapters' dtype, else summed
+// in float32 and cast back to y's, as PEFT; xd is the (dropped-out) input [.., in].
 at::Tensor add_lora(at::Tensor y, const at::Tensor& xd, const at::Tensor& a, const at::Tensor& b, double scaling);
 
 }  // namespace lorarun::model

@@ -23,17 +23,26 @@
 
 namespace lorarun::model {
 
+at::Tensor Linear::base(const at::Tensor& x) const {
+  return sharded  ? sharded_linear(x, *sharded, bias)
+         : nf4    ? nf4_linear(x, *nf4, bias)
+         : blocks ? gguf_linear(x, *blocks, bias)
+                  : at::linear(x, weight, bias);
+}
+
 at::Tensor Linear::forward(const at::Tensor& x, bool training, const Routes* routes) const {
-  at::Tensor y = sharded  ? sharded_linear(x, *sharded, bias)
-                 : nf4    ? nf4_linear(x, *nf4, bias)
-                 : blocks ? gguf_linear(x, *blocks, bias)
-                          : at::linear(x, weight, bias);
-  if (!tenants.empty() && routes) return add_tenants(*this, x, y, training, *routes);
-  if (!adapted() || adapter_off) return y;
-  if (dora()) return dora_forward(*this, x, y, training);
+  if (!tenants.empty() && routes) return add_tenants(*this, x, training, *routes);
+  if (!adapted() || adapter_off) return base(x);
+  if (dora()) return dora_forward(*this, x, base(x), training);
   // As PEFT: the adapter path runs in the adapters' dtype (fp32 master weights under a bf16 or
-  // fp16 base); the sum is cast back to the base output's dtype.
-  return add_lora(y, training && dropout > 0 ? at::dropout(x, dropout, true) : x, lora_a, lora_b, scaling);
+  // fp16 base); the sum is cast back to the base output's dtype. Rows [N, in] so that the base
+  // output is a tensor of its own, which the adapter's GEMM can add into (see add_lora).
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out_features();
+  const at::Tensor rows = x.reshape({-1, x.size(-1)});
+  return add_lora(base(rows), training && dropout > 0 ? at::dropout(rows, dropout, true) : rows, lora_a, lora_b,
+                  scaling)
+      .view(shape);
 }
 
 namespace {

@@ -55,6 +55,8 @@ struct Linear {
 
   at::Tensor forward(const at::Tensor& x, bool training, const Routes* routes = nullptr) const;
   bool adapted() const { return lora_a.defined(); }
+  // x W^T + bias: the frozen weight as it is held (dense, NF4, the GGUF's blocks, shards).
+  at::Tensor base(const at::Tensor& x) const;
   bool dora() const { return magnitude.defined(); }
   bool defined() const { return weight.defined() || nf4 || blocks || sharded; }  // families leave some empty
   int64_t out_features() const { return shape()[0]; }
