@@ -233,6 +233,7 @@ struct TrainSection {
   std::optional<int> max_steps_per_epoch;
   int64_t seed = 42;
   bool activation_checkpointing = false;
+  std::optional<int> profile_steps;            // steps traced by LibTorch's profiler; null: none
   std::optional<int> early_stopping_patience;  // evaluations without improvement; null: never
   double early_stopping_min_delta = 0.0;       // an improvement lowers the best eval loss by more
   Objective objective = Objective::Sft;

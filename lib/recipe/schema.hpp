@@ -294,6 +294,13 @@ void for_each_key(R& r, V&& v) {
   v(Key{.name = "train.activation_checkpointing",
         .meaning = "keep only each decoder block's input and run the block again in backward (same gradients)"},
     r.train.activation_checkpointing);
+  v(Key{.name = "train.profile_steps",
+        .bound = at_least(1),
+        .example = "3",
+        .null_means = "no profile",
+        .meaning = "trace this many optimizer steps (after this process's first two) with LibTorch's profiler: "
+                   "every rank writes <output_dir>/profile/rank_<R>.json, a Chrome trace Perfetto opens"},
+    r.train.profile_steps);
   v(Key{.name = "train.early_stopping_patience",
         .bound = at_least(1),
         .example = "3",

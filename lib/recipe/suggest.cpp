@@ -143,6 +143,7 @@ constexpr Alias kAliases[] = {
     {"", "gradient_checkpointing", "train.activation_checkpointing"},
     {"", "enable_activation_checkpointing", "train.activation_checkpointing"},
     {"", "max_steps", "train.max_steps_per_epoch"},
+    {"", "profiler_steps", "train.profile_steps"},
     {"", "model_name_or_path", "model.path"},
     {"", "pretrained_model_name_or_path", "model.path"},
     {"", "base_model", "model.path"},

@@ -1,6 +1,7 @@
 #include "train/job.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/optim/adamw.h>
@@ -26,6 +27,7 @@
 #include "train/checkpointer.hpp"
 #include "train/evaluate.hpp"
 #include "train/output_dir.hpp"
+#include "train/profile.hpp"
 #include "train/runtime.hpp"
 #include "train/schedule.hpp"
 #include "train/stop.hpp"
@@ -122,6 +124,7 @@ class Job {
   double rejected_total_ = 0;
   Clock::time_point started_ = Clock::now();
   int64_t steps_this_process_ = 0;
+  StepProfiler profile_{r_.train.profile_steps, r_.checkpoint.output_dir, env_.rank, cuda_};
 };
 
 Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
@@ -230,7 +233,9 @@ int Job::run() {
       if (!t->done) active.push_back(t.get());
     }
     if (active.empty()) break;
+    profile_.before_step();
     const StepEnd end = step(active);
+    profile_.after_step();
     if (end == StepEnd::DataLost) return data_lost();
     if (end == StepEnd::Stop) return stopped();
   }
@@ -417,11 +422,14 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
           "applied or saved. Lower its lr (now {:g}), set train.max_grad_norm, or check its data, then start over "
           "(checkpoint.resume=never)",
           t.name, t.p.step + 1, loss, grad_norm, t.r.train.lr));
-    if (t.r.train.max_grad_norm && !grads[i].empty())  // torch's clip_grad_norm_
-      at::_foreach_mul_(grads[i], (*t.r.train.max_grad_norm / (norms[i] + 1e-6)).clamp_max(1.0));
     const double lr = t.r.train.lr * lr_factor(t.schedule, t.p.step, t.r.train.warmup_steps, t.total_steps);
-    static_cast<torch::optim::AdamWOptions&>(t.opt->param_groups()[0].options()).lr(lr);
-    t.opt->step();
+    {
+      RECORD_USER_SCOPE("optimizer");
+      if (t.r.train.max_grad_norm && !grads[i].empty())  // torch's clip_grad_norm_
+        at::_foreach_mul_(grads[i], (*t.r.train.max_grad_norm / (norms[i] + 1e-6)).clamp_max(1.0));
+      static_cast<torch::optim::AdamWOptions&>(t.opt->param_groups()[0].options()).lr(lr);
+      t.opt->step();
+    }
     t.epoch_tokens += f[kTokens];
     rejected_total_ += f[kRejected];
     loss_all += f[kLoss], tokens_all += f[kTokens], real_all += f[kReal], slots_all += f[kSlots];

@@ -1,6 +1,7 @@
 #include "train/trainer.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <fmt/format.h>
 #include <torch/optim/adamw.h>
 #include <torch/version.h>
@@ -24,6 +25,7 @@
 #include "train/job.hpp"
 #include "train/output_dir.hpp"
 #include "train/preference.hpp"
+#include "train/profile.hpp"
 #include "train/runtime.hpp"
 #include "train/schedule.hpp"
 #include "train/stop.hpp"
@@ -132,6 +134,7 @@ class Trainer {
   std::string data_error_;        // why this rank's data source gave up (empty: it did not)
   Clock::time_point started_ = Clock::now();
   int64_t steps_this_process_ = 0;
+  StepProfiler profile_{r_.train.profile_steps, r_.checkpoint.output_dir, env_.rank, cuda_};
 };
 
 // AdamW's parameter groups: all adapter tensors, or with LoRA+ (lora.plus_lr_ratio) A's in the
@@ -230,7 +233,9 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
   double epoch_tokens = 0;
   bool stop = false;
   for (int64_t s = first; s < steps_per_epoch_ && !stopping_early_; ++s) {
+    profile_.before_step();
     const StepResult res = step(batches ? &*batches : nullptr);
+    profile_.after_step();
     if (res.data_failed) return data_lost({epoch, s, step_, run_id, steer_});
     stop = res.stop;
     epoch_tokens += res.tokens;
@@ -315,6 +320,7 @@ StepResult Trainer::step(data::MicroBatches* batches) {
                     "step was applied or saved. Lower train.lr (now {:g}), set train.max_grad_norm, or check "
                     "the data, then start over (checkpoint.resume=never)",
                     step_ + 1, res.loss, res.grad_norm, r_.train.lr));
+  RECORD_USER_SCOPE("optimizer");                // (train.profile_steps: the clipping and AdamW's step, as one)
   if (r_.train.max_grad_norm && !grads.empty())  // torch's clip_grad_norm_
     at::_foreach_mul_(grads, (*r_.train.max_grad_norm / (grad_norm + 1e-6)).clamp_max(1.0));
   for (size_t g = 0; g < opt_.param_groups().size(); ++g)  // LoRA+: the second group is B's
