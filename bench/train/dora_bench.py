@@ -29,35 +29,48 @@ SMOLLM2 = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 SHAPE = {"": (GLOBAL_BATCH, SEQ), "smollm2": (2, 128)}
 
 
-def ours(build, work, model_dir, data, dora, steps, shape):
+def run_ours(build, work, name, model_dir, data, shape, steps, lora="", train=""):
+    """lora-train on one rank with 2 threads: LoRA r=16 alpha=32 on every linear (plus `lora` keys),
+    `steps` steps of `shape` (sequences, tokens) in fp32 (plus `train` keys); (output dir, its
+    metrics.jsonl rows)."""
     batch, seq = shape
-    out = os.path.join(work, f"ours-dora{int(dora)}")
-    recipe = os.path.join(work, f"dora{int(dora)}.yaml")
+    out = os.path.join(work, name)
+    recipe = os.path.join(work, f"{name}.yaml")
     with open(recipe, "w") as f:
         f.write(f"""model: {{path: {model_dir}, dtype: fp32, device: cpu}}
-lora: {{r: 16, alpha: 32, target_modules: all-linear, use_dora: {str(dora).lower()}}}
+lora: {{r: 16, alpha: 32, target_modules: all-linear{lora}}}
 data: {{source: jsonl, path: {data}, format: text, max_length: {seq}, batch_size: {batch}}}
-train: {{epochs: 1, lr: 1.0e-4, max_steps_per_epoch: {steps}, lr_scheduler: constant}}
+train: {{epochs: 1, lr: 1.0e-4, max_steps_per_epoch: {steps}, lr_scheduler: constant{train}}}
 checkpoint: {{output_dir: {out}, resume: never, epochs_to_save: none, overwrite: true}}
 track: {{mongodb: false}}
 """)
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
     subprocess.run([f"{build}/bin/lorarun", "--nproc-per-node", "1", recipe], env=env, check=True,
                    stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return out, [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def ours(build, work, model_dir, data, dora, steps, shape):
+    _, rows = run_ours(build, work, f"ours-dora{int(dora)}", model_dir, data, shape, steps,
+                       lora=f", use_dora: {str(dora).lower()}")
     return statistics.median(r["seconds"] for r in rows[2:]), max(r["peak_rss_mb"] for r in rows)
+
+
+def loading(model_dir):
+    """Python expressions that load the model in fp32 and its tokenizer (a tokenizers.Tokenizer), for
+    a HF directory or a GGUF file (transformers' GGUF loading)."""
+    if model_dir.endswith(".gguf"):
+        where, name = os.path.dirname(model_dir), os.path.basename(model_dir)
+        return (f"AutoModelForCausalLM.from_pretrained({where!r}, gguf_file={name!r}, dtype=torch.float32)",
+                f"AutoTokenizer.from_pretrained({where!r}, gguf_file={name!r}).backend_tokenizer")
+    return (f"AutoModelForCausalLM.from_pretrained({model_dir!r}, dtype=torch.float32)",
+            f"Tokenizer.from_file({os.path.join(model_dir, 'tokenizer.json')!r})")
 
 
 def reference(model_dir, data, dora, steps, shape):
     """(median step seconds, peak RSS MB) of PEFT in a process of its own."""
     batch, seq = shape
-    if model_dir.endswith(".gguf"):
-        where, name = os.path.dirname(model_dir), os.path.basename(model_dir)
-        load = (f"AutoModelForCausalLM.from_pretrained({where!r}, gguf_file={name!r}, dtype=torch.float32)",
-                f"AutoTokenizer.from_pretrained({where!r}, gguf_file={name!r}).backend_tokenizer")
-    else:
-        load = (f"AutoModelForCausalLM.from_pretrained({model_dir!r}, dtype=torch.float32)",
-                f"Tokenizer.from_file({os.path.join(model_dir, 'tokenizer.json')!r})")
+    load = loading(model_dir)
     code = f"""
 import json, resource, statistics, time, torch
 from peft import LoraConfig, get_peft_model

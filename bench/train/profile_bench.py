@@ -19,14 +19,13 @@ Each trace stays in WORK_DIR (Perfetto opens it).
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import THREADS, make_assets  # noqa: E402
-from dora_bench import SMOLLM2  # noqa: E402
+from dora_bench import SMOLLM2, loading, run_ours  # noqa: E402
 
 RANK = 16
 WARM = 2  # lora-train's train.profile_steps traces after its first two steps
@@ -93,33 +92,13 @@ def self_times(trace):
 
 
 def ours(build, work, model, data, shape, steps):
-    batch, seq = shape
-    out = os.path.join(work, "ours")
-    recipe = os.path.join(work, "ours.yaml")
-    with open(recipe, "w") as f:
-        f.write(f"""model: {{path: {model}, dtype: fp32, device: cpu}}
-lora: {{r: {RANK}, alpha: 32, target_modules: all-linear}}
-data: {{source: jsonl, path: {data}, format: text, max_length: {seq}, batch_size: {batch}}}
-train: {{epochs: 1, lr: 1.0e-4, max_steps_per_epoch: {WARM + steps}, lr_scheduler: constant, profile_steps: {steps}}}
-checkpoint: {{output_dir: {out}, resume: never, epochs_to_save: none, overwrite: true}}
-track: {{mongodb: false}}
-""")
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
-    subprocess.run([f"{build}/bin/lorarun", "--nproc-per-node", "1", recipe], env=env, check=True,
-                   stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    out, rows = run_ours(build, work, "ours", model, data, shape, WARM + steps, train=f", profile_steps: {steps}")
     return os.path.join(out, "profile", "rank_0.json"), sum(r["seconds"] for r in rows[WARM:WARM + steps])
 
 
 def reference(work, model, data, shape, steps):
     batch, seq = shape
-    if model.endswith(".gguf"):
-        where, name = os.path.dirname(model), os.path.basename(model)
-        load = (f"AutoModelForCausalLM.from_pretrained({where!r}, gguf_file={name!r}, dtype=torch.float32)",
-                f"AutoTokenizer.from_pretrained({where!r}, gguf_file={name!r}).backend_tokenizer")
-    else:
-        load = (f"AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32)",
-                f"Tokenizer.from_file({os.path.join(model, 'tokenizer.json')!r})")
+    load = loading(model)
     trace = os.path.join(work, "peft.json")
     code = f"""
 import json, time, torch
