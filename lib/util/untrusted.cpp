@@ -114,7 +114,8 @@ bool is_relative_file_name(std::string_view name) {
 
 bool is_adapter_name(std::string_view name) {
   return is_name_component(name) && name.size() <= 64 && name.find('.') == std::string_view::npos && name != "logs" &&
-         name != "tensorboard" && name != "best" && name != "resume_state" && !name.starts_with("epoch_");
+         name != "tensorboard" && name != "profile" && name != "best" && name != "resume_state" &&
+         !name.starts_with("epoch_");
 }
 
 bool is_artifact_name(std::string_view name) {

@@ -19,7 +19,7 @@ std::string one_line(std::string_view text);
 // The grammars. A name component: 1–128 bytes of [A-Za-z0-9._+-], not starting with '.' or '-'.
 // A relative file name: up to 8 components joined by '/', at most 512 bytes. An adapter of a job
 // of many (adapters:): a name component of at most 64 bytes without '.', and none of what the job's
-// output directory holds itself (logs, tensorboard, best, resume_state, epoch_*). An artifact:
+// output directory holds itself (logs, tensorboard, profile, best, resume_state, epoch_*). An artifact:
 // epoch_<0-999999>, best or resume_state, or a job's adapter's: <adapter>/<one of those>. A run
 // id: 24 hex digits (an ObjectId). A MongoDB database name: 1–63 bytes of [A-Za-z0-9_-], not
 // starting with '-'.

@@ -60,7 +60,7 @@ TEST_CASE("names from outside: only the strict grammar passes") {
                                 "epoch_0/best", "best/best", std::string(65, 'a') + "/best"})
     CHECK_FALSE(is_artifact_name(bad));
   for (const char* good : {"acme", "tenant-7", "a+b", "T_1"}) CHECK(is_adapter_name(good));
-  for (const char* bad : {"a.b", "logs", "tensorboard", "best", "resume_state", "epoch_3", "-x", "a/b"})
+  for (const char* bad : {"a.b", "logs", "tensorboard", "profile", "best", "resume_state", "epoch_3", "-x", "a/b"})
     CHECK_FALSE(is_adapter_name(bad));
   CHECK(is_run_id("65f0c2aa00112233445566ff"));
   CHECK_FALSE(is_run_id("65f0c2aa00112233445566f"));
