@@ -298,8 +298,8 @@ void for_each_key(R& r, V&& v) {
         .bound = at_least(1),
         .example = "3",
         .null_means = "no profile",
-        .meaning = "trace this many optimizer steps (after this process's first two) with LibTorch's profiler: "
-                   "every rank writes <output_dir>/profile/rank_<R>.json, a Chrome trace Perfetto opens"},
+        .meaning = "trace this many steps (after the first two) with LibTorch's profiler into "
+                   "<output_dir>/profile/rank_<R>.json (Perfetto opens it)"},
     r.train.profile_steps);
   v(Key{.name = "train.early_stopping_patience",
         .bound = at_least(1),

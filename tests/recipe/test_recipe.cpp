@@ -195,6 +195,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "train.max_steps_per_epoch",
                                 "train.seed",
                                 "train.activation_checkpointing",
+                                "train.profile_steps",
                                 "train.early_stopping_patience",
                                 "train.early_stopping_min_delta",
                                 "train.objective",
