@@ -262,8 +262,8 @@ std::vector<std::string> Client::collections(const std::string& db) {
   return out;
 }
 
-std::vector<std::string> Client::sorted_ids(const std::string& db, const std::string& coll,
-                                            const nlohmann::json& filter, std::optional<int64_t> limit) {
+void Client::sorted_ids(const std::string& db, const std::string& coll, const nlohmann::json& filter,
+                        std::optional<int64_t> limit, const std::function<void(const std::string&)>& each) {
   std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
       mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
   const BsonPtr query = to_bson(filter, "data.filter");
@@ -272,16 +272,15 @@ std::vector<std::string> Client::sorted_ids(const std::string& db, const std::st
   const BsonPtr bopts = to_bson(opts, "query options");
   std::unique_ptr<mongoc_cursor_t, CursorDeleter> cur(
       mongoc_collection_find_with_opts(c.get(), query.get(), bopts.get(), nullptr));
-  std::vector<std::string> ids;
   const bson_t* doc = nullptr;
   while (mongoc_cursor_next(cur.get(), &doc)) {
-    ids.push_back(to_json_text(doc, true));
-    if (ids.back().empty()) bad_id(db, coll);
+    const std::string id = to_json_text(doc, true);
+    if (id.empty()) bad_id(db, coll);
+    each(id);
   }
   bson_error_t error;
   if (mongoc_cursor_error(cur.get(), &error))
     fail(error, fmt::format("querying {}.{} at {} failed", db, coll, redacted_uri_));
-  return ids;
 }
 
 std::vector<Found> Client::find_by_ids(const std::string& db, const std::string& coll,

@@ -1,6 +1,7 @@
 // A MongoDB connection (mongo-c-driver) that reports failures as one redacted line.
 #pragma once
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -87,10 +88,11 @@ class Client {
   // Collection names of `db`.
   std::vector<std::string> collections(const std::string& db);
 
-  // The _id of every document matching `filter` (extended JSON), sorted by _id, each as the
-  // canonical extended JSON of {"_id": …} so that its BSON type survives the round trip.
-  std::vector<std::string> sorted_ids(const std::string& db, const std::string& coll, const nlohmann::json& filter,
-                                      std::optional<int64_t> limit = {});
+  // Calls `each` with the _id of every document matching `filter` (extended JSON), sorted by _id,
+  // each as the canonical extended JSON of {"_id": …} so that its BSON type survives the round
+  // trip. Nothing is kept here: the caller decides what the listing costs in memory.
+  void sorted_ids(const std::string& db, const std::string& coll, const nlohmann::json& filter,
+                  std::optional<int64_t> limit, const std::function<void(const std::string&)>& each);
 
   // The documents with these ids (as sorted_ids gives them), in the same order (doc null where
   // one is gone). `fields` (if not empty) limits what the server sends.

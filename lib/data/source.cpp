@@ -142,17 +142,67 @@ FieldValues field_values(const recipe::DataSection& d, const std::string& field)
   return out;
 }
 
+namespace {
+// How libbson writes an ObjectId _id as canonical extended JSON, around its 24 hex digits.
+constexpr std::string_view kOidHead = R"({ "_id" : { "$oid" : ")", kOidTail = R"(" } })";
+constexpr std::string_view kHex = "0123456789abcdef";
+}  // namespace
+
+void IdList::push_back(std::string_view id) {
+  const std::string_view hex = id.substr(std::min(id.size(), kOidHead.size()), 24);
+  const bool oid = !texts_ && id.size() == kOidHead.size() + 24 + kOidTail.size() && id.starts_with(kOidHead) &&
+                   id.ends_with(kOidTail) && hex.find_first_not_of(kHex) == std::string_view::npos;
+  if (oid) {
+    for (size_t k = 0; k < 24; k += 2)
+      oids_.push_back(static_cast<char>(kHex.find(hex[k]) * 16 + kHex.find(hex[k + 1])));
+    return;
+  }
+  if (!texts_) {  // the first id that is not an ObjectId: every id becomes a text
+    for (size_t i = 0; i < oids_.size() / 12; ++i) {
+      const std::string text = (*this)[i];
+      offsets_.push_back(text_.size());
+      text_ += text;
+    }
+    texts_ = true;
+    std::string().swap(oids_);
+  }
+  offsets_.push_back(text_.size());
+  text_.append(id);
+}
+
+std::string IdList::operator[](size_t i) const {
+  if (texts_) {
+    const size_t end = i + 1 < offsets_.size() ? offsets_[i + 1] : text_.size();
+    return text_.substr(offsets_[i], end - offsets_[i]);
+  }
+  std::string out(kOidHead);
+  for (size_t k = 0; k < 12; ++k) {
+    const auto b = static_cast<unsigned char>(oids_[i * 12 + k]);
+    out += kHex[b >> 4];
+    out += kHex[b & 15];
+  }
+  return out += kOidTail;
+}
+
+void IdList::shrink_to_fit() {
+  oids_.shrink_to_fit();
+  text_.shrink_to_fit();
+  offsets_.shrink_to_fit();
+}
+
 Documents::~Documents() = default;
 
 // Called with mu_ held (or from the constructor).
 void Documents::list_ids() const {
   if (listed_) return;
-  ids_ = client_->sorted_ids(d_.database, d_.collection, d_.filter, d_.limit);
-  if (holdout_.fraction > 0) {
-    std::erase_if(ids_, [&](const std::string& id) { return !keep(id); });
-    if (holdout_.max && static_cast<int64_t>(ids_.size()) > *holdout_.max)
-      ids_.resize(static_cast<size_t>(*holdout_.max));
-  }
+  // with eval.fraction, the first eval.max_documents ids this side keeps
+  const bool capped = holdout_.fraction > 0 && holdout_.max;
+  IdList ids;  // ids_ only once whole: a listing cut short by a lost server is retried from scratch
+  client_->sorted_ids(d_.database, d_.collection, d_.filter, d_.limit, [&](const std::string& id) {
+    if (keep(id) && !(capped && static_cast<int64_t>(ids.size()) >= *holdout_.max)) ids.push_back(id);
+  });
+  ids.shrink_to_fit();
+  ids_ = std::move(ids);
   listed_ = true;
   if (size_ && static_cast<int64_t>(ids_.size()) != size_)
     throw Error(fmt::format("{}.{} changed while training ({} documents, then {}): keep the selection fixed",
@@ -166,18 +216,19 @@ std::string Documents::describe() const {
 
 nlohmann::json Documents::identity() const {
   // (a streamed selection's ids may get listed later, by fetch(): its identity is its count alone)
-  const std::vector<std::string>* keys = !client_ ? &lines_ : d_.shuffle == recipe::Shuffle::Stream ? nullptr : &ids_;
-  nlohmann::json digest = nullptr;
-  if (keys) {
+  const auto digest = [](const auto& keys) {
     uint64_t h = 0xcbf29ce484222325ULL;
     const auto add = [&h](unsigned char c) { h = (h ^ c) * 0x100000001b3ULL; };
-    for (const std::string& k : *keys) {
-      for (const char c : k) add(static_cast<unsigned char>(c));
+    for (size_t i = 0; i < keys.size(); ++i) {
+      for (const char c : keys[i]) add(static_cast<unsigned char>(c));
       add('\n');
     }
-    digest = fmt::format("{:016x}", h);
-  }
-  return {{"documents", size_}, {"digest", digest}};
+    return fmt::format("{:016x}", h);
+  };
+  const nlohmann::json d = !client_                                ? nlohmann::json(digest(lines_))
+                           : d_.shuffle == recipe::Shuffle::Stream ? nlohmann::json(nullptr)
+                                                                   : nlohmann::json(digest(ids_));
+  return {{"documents", size_}, {"digest", d}};
 }
 
 std::string Documents::server() const { return client_ ? "MongoDB at " + client_->redacted_uri() : d_.path; }
@@ -202,7 +253,7 @@ std::vector<Found> Documents::fetch_found(const std::vector<int64_t>& positions,
   std::lock_guard lock(mu_);
   list_ids();
   std::vector<std::string> ids;
-  for (int64_t p : positions) ids.push_back(ids_[static_cast<size_t>(p)]);
+  for (int64_t p : positions) ids.emplace_back(ids_[static_cast<size_t>(p)]);
   return client_->find_by_ids(d_.database, d_.collection, ids, fields);
 }
 
@@ -238,9 +289,13 @@ std::optional<std::string> Documents::shared_with(const Documents& other) const 
   std::scoped_lock lock(mu_, other.mu_);
   list_ids();
   other.list_ids();
-  const std::unordered_set<std::string_view> mine(ids_.begin(), ids_.end());
-  for (const std::string& id : other.ids_)
-    if (mine.count(id)) return "_id " + relaxed_id(id);
+  // a set of the smaller list's ids, the other one walked (eval splits are usually the smaller)
+  const IdList& small = ids_.size() <= other.ids_.size() ? ids_ : other.ids_;
+  const IdList& large = &small == &ids_ ? other.ids_ : ids_;
+  std::unordered_set<std::string> in_small;
+  for (size_t i = 0; i < small.size(); ++i) in_small.insert(small[i]);
+  for (size_t i = 0; i < large.size(); ++i)
+    if (std::string id = large[i]; in_small.count(id)) return "_id " + relaxed_id(id);
   return std::nullopt;
 }
 

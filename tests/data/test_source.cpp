@@ -143,6 +143,25 @@ struct OwnServer {
 
 }  // namespace
 
+TEST_CASE("IdList gives back every id's text, ObjectIds packed and any other type after them") {
+  // the texts libbson writes for an ObjectId, a string and an int _id
+  const std::string a = R"({ "_id" : { "$oid" : "65f1c2d3e4f5a6b7c8d9e0f1" } })";
+  const std::string b = R"({ "_id" : { "$oid" : "000000000000000000000000" } })";
+  const std::string odd = R"({ "_id" : { "$oid" : "65F1C2D3E4F5A6B7C8D9E0F1" } })";  // not libbson's: kept as text
+  const std::string s = R"({ "_id" : "tenant \" 7" })", n = R"({ "_id" : { "$numberInt" : "7" } })";
+  data::IdList ids;
+  ids.push_back(a);
+  ids.push_back(b);
+  CHECK(ids.size() == 2);
+  CHECK(ids[0] == a);
+  CHECK(ids[1] == b);
+  for (const std::string& t : {odd, s, n, a}) ids.push_back(t);
+  ids.shrink_to_fit();
+  const std::vector<std::string> want = {a, b, odd, s, n, a};
+  REQUIRE(ids.size() == want.size());
+  for (size_t i = 0; i < want.size(); ++i) CHECK(ids[i] == want[i]);
+}
+
 TEST_CASE("shards: 1, 2, 3 ranks in every mode are complete, disjoint and equal (MongoDB and JSONL)", "[db]") {
   const int64_t n = 49;  // 2 ranks: 1 padded document; 3 ranks: 2
   for (const bool jsonl : {false, true})
