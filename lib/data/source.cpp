@@ -153,18 +153,20 @@ void IdList::push_back(std::string_view id) {
   const bool oid = !texts_ && id.size() == kOidHead.size() + 24 + kOidTail.size() && id.starts_with(kOidHead) &&
                    id.ends_with(kOidTail) && hex.find_first_not_of(kHex) == std::string_view::npos;
   if (oid) {
+    if (oids_ % kBlock == 0) blocks_.emplace_back().reserve(12 * kBlock);
     for (size_t k = 0; k < 24; k += 2)
-      oids_.push_back(static_cast<char>(kHex.find(hex[k]) * 16 + kHex.find(hex[k + 1])));
+      blocks_.back().push_back(static_cast<char>(kHex.find(hex[k]) * 16 + kHex.find(hex[k + 1])));
+    ++oids_;
     return;
   }
   if (!texts_) {  // the first id that is not an ObjectId: every id becomes a text
-    for (size_t i = 0; i < oids_.size() / 12; ++i) {
+    for (size_t i = 0; i < oids_; ++i) {
       const std::string text = (*this)[i];
       offsets_.push_back(text_.size());
       text_ += text;
     }
     texts_ = true;
-    std::string().swap(oids_);
+    std::vector<std::string>().swap(blocks_);
   }
   offsets_.push_back(text_.size());
   text_.append(id);
@@ -177,7 +179,7 @@ std::string IdList::operator[](size_t i) const {
   }
   std::string out(kOidHead);
   for (size_t k = 0; k < 12; ++k) {
-    const auto b = static_cast<unsigned char>(oids_[i * 12 + k]);
+    const auto b = static_cast<unsigned char>(blocks_[i / kBlock][i % kBlock * 12 + k]);
     out += kHex[b >> 4];
     out += kHex[b & 15];
   }
@@ -185,7 +187,7 @@ std::string IdList::operator[](size_t i) const {
 }
 
 void IdList::shrink_to_fit() {
-  oids_.shrink_to_fit();
+  if (!blocks_.empty()) blocks_.back().shrink_to_fit();
   text_.shrink_to_fit();
   offsets_.shrink_to_fit();
 }
@@ -415,39 +417,41 @@ struct ShardReader::Plan {
 
 namespace {
 
-// The next kChunk of `items` from `next` on, fetched by `fetch` through `retry`; `next` moves only
-// after success, so a retry re-reads the same documents. Empty at the end.
-template <class T, class F>
-std::vector<Found> next_chunk_of(const std::vector<T>& items, size_t& next, const Retry& retry, F fetch) {
-  const size_t end = std::min(items.size(), next + static_cast<size_t>(kChunk));
-  const std::vector<T> chunk(items.begin() + static_cast<std::ptrdiff_t>(next),
-                             items.begin() + static_cast<std::ptrdiff_t>(end));
+// The next kChunk of a plan's `size` items from `next` on (`item(k)` is the k-th), fetched by
+// `fetch` through `retry`; `next` moves only after success, so a retry re-reads the same
+// documents. Empty at the end.
+template <class I, class F>
+std::vector<Found> next_chunk_of(int64_t size, int64_t& next, const Retry& retry, I item, F fetch) {
+  std::vector<decltype(item(next))> chunk;
+  for (int64_t k = next; k < std::min(size, next + kChunk); ++k) chunk.push_back(item(k));
   if (chunk.empty()) return {};
   std::vector<Found> out = retry([&] { return fetch(chunk); });
-  next = end;
+  next += static_cast<int64_t>(chunk.size());
   return out;
 }
 
-// global and none: this rank's positions (shard_positions), fetched by id, kChunk at a time.
+// global and none: this rank's positions (ShardOrder, computed as read), fetched by id, kChunk at a time.
 class PositionPlan : public ShardReader::Plan {
  public:
   PositionPlan(const Documents& docs, std::vector<std::string> fields, const ShardSpec& s, int64_t start, Retry retry)
-      : docs_(docs), fields_(std::move(fields)), retry_(std::move(retry)) {
-    const Order order = s.shuffle == recipe::Shuffle::None ? Order::Sorted : Order::Shuffled;
-    order_ = shard_positions(docs.size(), s.world, s.rank, s.seed, s.epoch, order);
-    next_ = static_cast<size_t>(start);
-  }
+      : docs_(docs),
+        fields_(std::move(fields)),
+        retry_(std::move(retry)),
+        order_(docs.size(), s.world, s.rank, s.seed, s.epoch,
+               s.shuffle == recipe::Shuffle::None ? Order::Sorted : Order::Shuffled),
+        next_(start) {}
   std::vector<Found> next_chunk() override {
-    return next_chunk_of(order_, next_, retry_,
-                         [&](const auto& positions) { return docs_.fetch_found(positions, fields_); });
+    return next_chunk_of(
+        order_.size(), next_, retry_, [&](int64_t k) { return order_[k]; },
+        [&](const std::vector<int64_t>& positions) { return docs_.fetch_found(positions, fields_); });
   }
 
  private:
   const Documents& docs_;
   const std::vector<std::string> fields_;
   const Retry retry_;
-  std::vector<int64_t> order_;
-  size_t next_ = 0;
+  const ShardOrder order_;
+  int64_t next_;
 };
 
 // stream: sorted positions [pos, pos + n) of one selection.
@@ -667,17 +671,19 @@ class MixPlan : public ShardReader::Plan {
     const std::vector<Pick> all = mix.order(s.seed, s.epoch);
     for (int64_t i : shard_positions(static_cast<int64_t>(all.size()), s.world, s.rank, 0, 0, Order::Sorted))
       picks_.push_back(all[static_cast<size_t>(i)]);
-    next_ = static_cast<size_t>(start);
+    next_ = start;
   }
   std::vector<Found> next_chunk() override {
-    return next_chunk_of(picks_, next_, retry_, [&](const auto& chunk) { return mix_.fetch(chunk); });
+    return next_chunk_of(
+        static_cast<int64_t>(picks_.size()), next_, retry_, [&](int64_t k) { return picks_[static_cast<size_t>(k)]; },
+        [&](const std::vector<Pick>& chunk) { return mix_.fetch(chunk); });
   }
 
  private:
   const Mixture& mix_;
   const Retry retry_;
   std::vector<Pick> picks_;
-  size_t next_ = 0;
+  int64_t next_ = 0;
 };
 
 // {"_id": {"$oid": "65f…"}} → {"$oid":"65f…"}, {"_id": {"$numberInt": "7"}} → 7; "#12" stays.

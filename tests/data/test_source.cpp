@@ -160,6 +160,16 @@ TEST_CASE("IdList gives back every id's text, ObjectIds packed and any other typ
   const std::vector<std::string> want = {a, b, odd, s, n, a};
   REQUIRE(ids.size() == want.size());
   for (size_t i = 0; i < want.size(); ++i) CHECK(ids[i] == want[i]);
+  // past a block of packed ids (65536 of them), each still read back as given, then as text
+  data::IdList many;
+  const auto oid = [](size_t i) { return fmt::format(R"({{ "_id" : {{ "$oid" : "{:024x}" }} }})", i * 7919); };
+  for (size_t i = 0; i < 65536 + 3; ++i) many.push_back(oid(i));
+  REQUIRE(many.size() == 65536 + 3);
+  for (size_t i : {size_t{0}, size_t{65535}, size_t{65536}, size_t{65538}}) CHECK(many[i] == oid(i));
+  many.push_back(s);
+  REQUIRE(many.size() == 65536 + 4);
+  CHECK(many[65537] == oid(65537));
+  CHECK(many[65539] == s);
 }
 
 TEST_CASE("shards: 1, 2, 3 ranks in every mode are complete, disjoint and equal (MongoDB and JSONL)", "[db]") {

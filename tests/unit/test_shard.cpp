@@ -48,6 +48,41 @@ TEST_CASE("the order depends on seed and epoch only") {
   for (int64_t i = 0; i < 1000; ++i) CHECK(p[static_cast<size_t>(i)] == i);
 }
 
+TEST_CASE("the keyed permutation is a bijection that shuffles, computed without a list of n") {
+  for (int64_t n : {1, 2, 3, 5, 16, 17, 1000, 65537}) {
+    INFO("n " << n);
+    const KeyedPermutation p(n, 99);
+    std::vector<int64_t> seen;
+    for (int64_t i = 0; i < n; ++i) seen.push_back(p(i));
+    std::sort(seen.begin(), seen.end());
+    std::vector<int64_t> all(static_cast<size_t>(n));
+    std::iota(all.begin(), all.end(), 0);
+    CHECK(seen == all);
+  }
+  // Far from the identity and from a rotation: few fixed points, no rank correlation.
+  const int64_t n = 10007;
+  const KeyedPermutation p(n, 7), q(n, 8);
+  int fixed = 0, same = 0;
+  double cov = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    fixed += p(i) == i;
+    same += p(i) == q(i);
+    cov += (static_cast<double>(i) - (n - 1) / 2.0) * (static_cast<double>(p(i)) - (n - 1) / 2.0);
+  }
+  const double rho = cov / (static_cast<double>(n) * (static_cast<double>(n) * n - 1) / 12.0);
+  CHECK(fixed < 10);
+  CHECK(same < 10);
+  CHECK(std::abs(rho) < 0.05);
+  // A trillion documents: a rank's order costs no memory, and its positions stay in range.
+  const int64_t huge = int64_t{1} << 40;
+  const ShardOrder order(huge + 3, 4, 3, 42, 1, Order::Shuffled);
+  CHECK(order.size() == (huge + 3 + 3) / 4);
+  for (int64_t k : {int64_t{0}, int64_t{12345}, order.size() - 1}) {
+    CHECK(order[k] >= 0);
+    CHECK(order[k] < huge + 3);
+  }
+}
+
 // Step k of W ranks with micro-batch b reads, all ranks together, what step k of 1 rank with
 // micro-batch W*b reads (the padding that equalises the ranks aside), so the global batch of a
 // step does not depend on how many ranks share it.
