@@ -29,18 +29,18 @@ SMOLLM2 = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 SHAPE = {"": (GLOBAL_BATCH, SEQ), "smollm2": (2, 128)}
 
 
-def run_ours(build, work, name, model_dir, data, shape, steps, lora="", train=""):
+def run_ours(build, work, name, model_dir, data, shape, steps, lora="", train="", dtype="fp32", data_keys="", epochs=1):
     """lora-train on one rank with 2 threads: LoRA r=16 alpha=32 on every linear (plus `lora` keys),
-    `steps` steps of `shape` (sequences, tokens) in fp32 (plus `train` keys); (output dir, its
-    metrics.jsonl rows)."""
+    `epochs` of `steps` steps of `shape` (sequences, tokens) with the base in `dtype` (plus `train` and
+    `data_keys` keys); (output dir, its metrics.jsonl rows)."""
     batch, seq = shape
     out = os.path.join(work, name)
     recipe = os.path.join(work, f"{name}.yaml")
     with open(recipe, "w") as f:
-        f.write(f"""model: {{path: {model_dir}, dtype: fp32, device: cpu}}
+        f.write(f"""model: {{path: {model_dir}, dtype: {dtype}, device: cpu}}
 lora: {{r: 16, alpha: 32, target_modules: all-linear{lora}}}
-data: {{source: jsonl, path: {data}, format: text, max_length: {seq}, batch_size: {batch}}}
-train: {{epochs: 1, lr: 1.0e-4, max_steps_per_epoch: {steps}, lr_scheduler: constant{train}}}
+data: {{source: jsonl, path: {data}, format: text, max_length: {seq}, batch_size: {batch}{data_keys}}}
+train: {{epochs: {epochs}, lr: 1.0e-4, max_steps_per_epoch: {steps}, lr_scheduler: constant{train}}}
 checkpoint: {{output_dir: {out}, resume: never, epochs_to_save: none, overwrite: true}}
 track: {{mongodb: false}}
 """)
@@ -56,23 +56,30 @@ def ours(build, work, model_dir, data, dora, steps, shape):
     return statistics.median(r["seconds"] for r in rows[2:]), max(r["peak_rss_mb"] for r in rows)
 
 
-def loading(model_dir):
-    """Python expressions that load the model in fp32 and its tokenizer (a tokenizers.Tokenizer), for
-    a HF directory or a GGUF file (transformers' GGUF loading)."""
+def loading(model_dir, dtype="float32"):
+    """Python expressions that load the model in torch's `dtype` and its tokenizer (a
+    tokenizers.Tokenizer), for a HF directory or a GGUF file (transformers' GGUF loading)."""
     if model_dir.endswith(".gguf"):
         where, name = os.path.dirname(model_dir), os.path.basename(model_dir)
-        return (f"AutoModelForCausalLM.from_pretrained({where!r}, gguf_file={name!r}, dtype=torch.float32)",
+        return (f"AutoModelForCausalLM.from_pretrained({where!r}, gguf_file={name!r}, dtype=torch.{dtype})",
                 f"AutoTokenizer.from_pretrained({where!r}, gguf_file={name!r}).backend_tokenizer")
-    return (f"AutoModelForCausalLM.from_pretrained({model_dir!r}, dtype=torch.float32)",
+    return (f"AutoModelForCausalLM.from_pretrained({model_dir!r}, dtype=torch.{dtype})",
             f"Tokenizer.from_file({os.path.join(model_dir, 'tokenizer.json')!r})")
 
 
 def reference(model_dir, data, dora, steps, shape):
     """(median step seconds, peak RSS MB) of PEFT in a process of its own."""
+    times, _, rss = reference_run(model_dir, data, dora, steps, shape)
+    return statistics.median(times[2:]), rss
+
+
+def reference_run(model_dir, data, dora, steps, shape, dtype="float32", epochs=1):
+    """PEFT in a process of its own, the base in torch's `dtype` (PEFT keeps the adapter in fp32),
+    `epochs` passes over the first `steps` batches in file order: (step seconds, losses, peak RSS MB)."""
     batch, seq = shape
-    load = loading(model_dir)
+    load = loading(model_dir, dtype)
     code = f"""
-import json, resource, statistics, time, torch
+import json, resource, time, torch
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -84,16 +91,18 @@ model = get_peft_model({load[0]},
 model.train()
 params = [p for p in model.parameters() if p.requires_grad]
 opt = torch.optim.AdamW(params, lr=1e-4)
-times = []
-for s in range({steps}):
+times, losses = [], []
+for s in [s for _ in range({epochs}) for s in range({steps})]:
     ids = torch.tensor(seqs[s * {batch}:(s + 1) * {batch}])
     t0 = time.perf_counter()
-    model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+    loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+    loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     opt.zero_grad()
     times.append(time.perf_counter() - t0)
-print(json.dumps([statistics.median(times[2:]), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]))
+    losses.append(loss.item())
+print(json.dumps([times, losses, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]))
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     return tuple(json.loads(out.strip().splitlines()[-1]))

@@ -1,6 +1,7 @@
 #include "model/transformer.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/cpu/Utils.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -697,8 +698,17 @@ int64_t CausalLM::base_parameter_count() const {
   return n;
 }
 
-at::ScalarType dtype_of(recipe::Dtype d) {
+bool cpu_has_bf16() {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  for (const char* isa : {"avx512_bf16", "amx_bf16"})
+    if (const auto it = caps.find(isa); it != caps.end() && it->second.isBool() && it->second.toBool()) return true;
+  return false;
+}
+
+at::ScalarType dtype_of(recipe::Dtype d, bool cuda) {
   switch (d) {
+    case recipe::Dtype::Auto:
+      return cuda || cpu_has_bf16() ? at::kBFloat16 : at::kFloat;
     case recipe::Dtype::BF16:
       return at::kBFloat16;
     case recipe::Dtype::FP16:

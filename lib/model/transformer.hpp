@@ -26,8 +26,13 @@ namespace lorarun::model {
 
 class WeightSource;
 
-// The recipe's model.dtype (bf16 | fp16 | fp32) as the weights' tensor dtype.
-at::ScalarType dtype_of(recipe::Dtype d);
+// The recipe's model.dtype as the weights' tensor dtype on CUDA (`cuda`) or this CPU: auto is bf16
+// on CUDA and where the CPU has bf16 instructions (AVX512-BF16 or AMX; elsewhere torch emulates
+// bf16, slower than fp32), else fp32.
+at::ScalarType dtype_of(recipe::Dtype d, bool cuda);
+
+// Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX-BF16).
+bool cpu_has_bf16();
 
 // A frozen linear layer, y = x W^T + b, plus an optional LoRA adapter:
 //   y += scaling * B A dropout(x),  A [r, in], B [out, r]   (PEFT's LoraLayer)

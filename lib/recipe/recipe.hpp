@@ -21,7 +21,7 @@
 
 namespace lorarun::recipe {
 
-enum class Dtype { BF16, FP16, FP32 };
+enum class Dtype { BF16, FP16, FP32, Auto };
 enum class Device { Auto, Cuda, Cpu };
 enum class Source { MongoDB, Jsonl };
 enum class Format { Instruction, Text, Chat, Preference };
@@ -42,8 +42,8 @@ template <class E>
 struct EnumNames;
 template <>
 struct EnumNames<Dtype> {
-  static constexpr std::array<std::pair<std::string_view, Dtype>, 3> values{
-      {{"bf16", Dtype::BF16}, {"fp16", Dtype::FP16}, {"fp32", Dtype::FP32}}};
+  static constexpr std::array<std::pair<std::string_view, Dtype>, 4> values{
+      {{"bf16", Dtype::BF16}, {"fp16", Dtype::FP16}, {"fp32", Dtype::FP32}, {"auto", Dtype::Auto}}};
 };
 template <>
 struct EnumNames<Device> {

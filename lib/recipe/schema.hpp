@@ -58,7 +58,8 @@ void for_each_key(R& r, V&& v) {
                    "downloaded), or a .gguf file"},
     r.model.path);
   v(Key{.name = "model.dtype",
-        .meaning = "the dtype the base weights are held and computed in; QLoRA quantises from it"},
+        .meaning = "the base weights' dtype (QLoRA quantises from it); auto: bf16 on CUDA and on CPUs with "
+                   "AVX512-BF16 or AMX, else fp32"},
     r.model.dtype);
   v(Key{.name = "model.device",
         .meaning = "where each rank runs; auto: its CUDA device when GPUs are visible, else the CPU"},

@@ -14,8 +14,8 @@ namespace lorarun::train {
 MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_base,
                                const std::vector<recipe::AdapterSpec>& adapters) {
   const std::shared_ptr<model::BaseShards> shards = shard_base ? base_shards(r, 0, world, nullptr) : nullptr;
-  model::CausalLM m =
-      model::CausalLM::load(r.model.path, model::dtype_of(r.model.dtype), at::kCPU, load_options(r, shards, true));
+  model::CausalLM m = model::CausalLM::load(r.model.path, model::dtype_of(r.model.dtype, uses_cuda(r)), at::kCPU,
+                                            load_options(r, shards, true));
   model::LoraConfig cfg = model::lora_config_of(r.lora, r.model.path);
   cfg.init = "default";           // shapes only: no weights to decompose (PiSSA/OLoRA keep A and B's start below)
   model::attach_lora(m, cfg, 0);  // (one adapter's activations: what a micro-batch's rows keep alike)

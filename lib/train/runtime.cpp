@@ -148,8 +148,14 @@ Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const Runtim
 // The base model (NF4 with lora.quantize_base, this rank's slices with dist.shard_base) with its
 // adapters: for training new (or lora.init_from's), else `o.adapter` when given.
 model::CausalLM Runtime::load_model(const recipe::Recipe& r, const dist::DistEnv& env, const RuntimeOptions& o) {
-  model::CausalLM m =
-      model::CausalLM::load(r.model.path, model::dtype_of(r.model.dtype), device, load_options(r, shards));
+  model::CausalLM m = model::CausalLM::load(r.model.path, model::dtype_of(r.model.dtype, device.is_cuda()), device,
+                                            load_options(r, shards));
+  if (r.model.dtype == recipe::Dtype::Auto && env.rank == 0)
+    info(fmt::format("model.dtype auto: {} ({})",
+                     recipe::name(m.dtype() == at::kBFloat16 ? recipe::Dtype::BF16 : recipe::Dtype::FP32),
+                     device.is_cuda()        ? "CUDA"
+                     : model::cpu_has_bf16() ? "this CPU has bf16 instructions"
+                                             : "this CPU has no bf16 instructions: fp32 is faster"));
   if (!o.train) {
     if (!o.adapter.empty()) model::load_adapter(m, o.adapter, m.dtype());
     return m;

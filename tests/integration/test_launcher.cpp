@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 #include <csignal>
 #include <fstream>
+#include <regex>
 
 #include "support/process.hpp"
 
@@ -65,8 +66,8 @@ TEST_CASE("a bad recipe fails on every rank with one clear line", "[e2e]") {
 TEST_CASE("lora-train --dry-run prints the resolved recipe, the epochs it will keep and the memory", "[e2e]") {
   // Nothing listens on port 1: the data cannot be checked, which is a warning, not a failure.
   const Result r =
-      sh(fmt::format("cd '{}' && {} --dry-run configs/quickstart.yaml train.epochs=3 checkpoint.epochs_to_save=[0,2] "
-                     "data.uri=mongodb://u:hunter2@127.0.0.1:1/",
+      sh(fmt::format("cd '{}' && {} --dry-run configs/quickstart.yaml model.dtype=fp32 train.epochs=3 "
+                     "checkpoint.epochs_to_save=[0,2] data.uri=mongodb://u:hunter2@127.0.0.1:1/",
                      LORARUN_SOURCE_DIR, bin("lora-train")));
   INFO(r.output);
   CHECK(r.status == 0);
@@ -80,6 +81,31 @@ TEST_CASE("lora-train --dry-run prints the resolved recipe, the epochs it will k
   CHECK_THAT(r.output, Catch::Contains("warning: could not check data.filter: cannot reach MongoDB at "
                                        "mongodb://u:****@127.0.0.1:1/"));
   CHECK_THAT(r.output, !Catch::Contains("hunter2"));
+}
+
+// model.dtype: auto holds the base in bf16 where the CPU has bf16 instructions (as the kernel lists
+// them), else in fp32: the dry run's memory estimate shows which.
+TEST_CASE("model.dtype auto is bf16 where the CPU computes bf16, else fp32", "[e2e]") {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  bool bf16 = false;
+  for (std::string line; std::getline(cpuinfo, line);)
+    if (line.starts_with("flags") &&
+        (line.find(" avx512_bf16") != std::string::npos || line.find(" amx_bf16") != std::string::npos))
+      bf16 = true;
+  const auto base_gib = [](const std::string& dtype) {
+    const Result r =
+        sh(fmt::format("cd '{}' && {} --dry-run configs/quickstart.yaml model.dtype={} "
+                       "data.uri=mongodb://127.0.0.1:1/",
+                       LORARUN_SOURCE_DIR, bin("lora-train"), dtype));
+    INFO(r.output);
+    CHECK(r.status == 0);
+    std::smatch m;
+    REQUIRE(std::regex_search(r.output, m, std::regex("#   whole base, any ranks +([0-9.]+)")));
+    return m[1].str();
+  };
+  const std::string fp32 = base_gib("fp32"), bf16_gib = base_gib("bf16");
+  CHECK(fp32 != bf16_gib);
+  CHECK(base_gib("auto") == (bf16 ? bf16_gib : fp32));
 }
 
 TEST_CASE("workers see torchrun's environment and their output is prefixed", "[e2e]") {

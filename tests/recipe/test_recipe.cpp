@@ -483,7 +483,7 @@ TEST_CASE("wrong types name the key, the value and an example") {
 TEST_CASE("enum keys list their values") {
   const std::vector<std::pair<std::string, std::string>> cases{
       {"train.lr_scheduler=exponential", "train.lr_scheduler must be one of cosine|linear|constant, got 'exponential'"},
-      {"model.dtype=float32", "model.dtype must be one of bf16|fp16|fp32, got 'float32'"},
+      {"model.dtype=float32", "model.dtype must be one of bf16|fp16|fp32|auto, got 'float32'"},
       {"model.device=gpu", "model.device must be one of auto|cuda|cpu, got 'gpu'"},
       {"data.source=postgres", "data.source must be one of mongodb|jsonl, got 'postgres'"},
       {"data.format=alpaca", "data.format must be one of instruction|text|chat|preference, got 'alpaca'"},
