@@ -200,8 +200,12 @@ std::vector<Found> Mixture::fetch(const std::vector<Pick>& picks) const {
 
 nlohmann::json Mixture::identity() const {
   std::string text;
-  for (const MixSource& s : sources_)
-    text += fmt::format("{}\n{}\n{}\n{}\n", s.spec.name, s.docs->identity().dump(), s.per_epoch, s.spec.weight);
+  for (const MixSource& s : sources_) {
+    // the source's selection, not how it alone would be ordered: the mixture draws the order
+    const nlohmann::json id = s.docs->identity();
+    const nlohmann::json selection = {{"documents", id["documents"]}, {"digest", id["digest"]}};
+    text += fmt::format("{}\n{}\n{}\n{}\n", s.spec.name, selection.dump(), s.per_epoch, s.spec.weight);
+  }
   return {{"documents", size_}, {"digest", fmt::format("{:016x}", name_hash(text))}};
 }
 

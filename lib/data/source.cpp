@@ -230,7 +230,9 @@ nlohmann::json Documents::identity() const {
   const nlohmann::json d = !client_                                ? nlohmann::json(digest(lines_))
                            : d_.shuffle == recipe::Shuffle::Stream ? nlohmann::json(nullptr)
                                                                    : nlohmann::json(digest(ids_));
-  return {{"documents", size_}, {"digest", d}};
+  nlohmann::json out = {{"documents", size_}, {"digest", d}};
+  if (d_.shuffle == recipe::Shuffle::Global) out["order"] = "keyed";
+  return out;
 }
 
 std::string Documents::server() const { return client_ ? "MongoDB at " + client_->redacted_uri() : d_.path; }

@@ -88,7 +88,9 @@ class Documents {
   // "mongodb://host:port/" (password redacted) or the JSONL path: who to blame in errors.
   std::string server() const;
   // What the selection is, to tell later whether it changed: {"documents": N, "digest": FNV-1a 64
-  // of the ids (MongoDB) or lines (JSONL) in order, as hex; null when streamed: never listed}.
+  // of the ids (MongoDB) or lines (JSONL) in order, as hex; null when streamed: never listed},
+  // with data.shuffle: global also "order": "keyed" (how the epoch's order is made; a resumable
+  // state written before the order was a keyed permutation lacks it).
   nlohmann::json identity() const;
   // The documents at these positions, in order (null where one vanished, discarded where one is
   // not JSON or not UTF-8).

@@ -352,6 +352,26 @@ TEST_CASE(
   CHECK(lines_with(other.output, "the data changed since the resumable state").size() == 1);
   CHECK_THAT(other.output, Catch::Contains("but other ones (digest"));
   CHECK_THAT(other.output, Catch::Contains("resuming at epoch 1 step"));
+
+  // A state written before data.shuffle: global's order was a keyed permutation (its data has no
+  // "order"): the same documents, but the epoch's order is another; one warning line, and it resumes.
+  const std::string later = write_recipe(dir, "later", "epochs: 2, lr: 1.0e-3", "", ", batch_size: 2");
+  const std::string later_cmd = fmt::format("{} --nproc-per-node 1 {}", bin("lorarun"), later);
+  const Result cut2 = interrupt(later_cmd, dir + "/cut2.log", "epoch 1/2 step 5/100", "kill -TERM $pid");
+  REQUIRE_THAT(cut2.output, Catch::Contains("exit=75"));
+  json older = json::parse(read_file(dir + "/later/resume_state/state.json"));
+  CHECK(older["data"]["order"] == "keyed");
+  older["data"].erase("order");
+  std::ofstream(dir + "/later/resume_state/state.json") << older.dump();
+  json manifest = json::parse(read_file(dir + "/later/resume_state/manifest.json"));  // as that lorarun wrote it
+  manifest["sha256"]["state.json"] = hashes(dir + "/later/resume_state").at("state.json");
+  std::ofstream(dir + "/later/resume_state/manifest.json") << manifest.dump();
+  const Result upgraded = sh(later_cmd);
+  INFO(upgraded.output);
+  CHECK(upgraded.status == 0);
+  CHECK(lines_with(upgraded.output, "the data changed since the resumable state").size() == 1);
+  CHECK_THAT(upgraded.output, Catch::Contains("data.shuffle: global's order is a keyed permutation now"));
+  CHECK_THAT(upgraded.output, Catch::Contains("resuming at epoch 1 step"));
 }
 
 TEST_CASE(
