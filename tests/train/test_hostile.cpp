@@ -323,13 +323,22 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "resuming after the data changed says so in one line: the same count of other documents resumes at the same "
-    "step, another count is refused naming the change",
+    "resuming after the data changed says so in one line: the same count of other documents (or a state from "
+    "before the keyed global order) resumes at the same step, another count is refused naming the change",
     "[e2e][resume]") {
   const std::string dir = temp_dir("hostile-data-changed");
   write_data(dir + "/data.jsonl", 200);  // 100 steps an epoch: SIGTERM lands well before the end
   const std::string recipe = write_recipe(dir, "out", "epochs: 2, lr: 1.0e-3", "", ", batch_size: 2");
   const std::string cmd = fmt::format("{} --nproc-per-node 1 {}", bin("lorarun"), recipe);
+  // `command` again after its state was saved: it resumes at that step with one warning naming `change`.
+  const auto resumes_warning = [](const std::string& command, const std::string& change) {
+    const Result r = sh(command);
+    INFO(r.output);
+    CHECK(r.status == 0);
+    CHECK(lines_with(r.output, "the data changed since the resumable state").size() == 1);
+    CHECK_THAT(r.output, Catch::Contains(change));
+    CHECK_THAT(r.output, Catch::Contains("resuming at epoch 1 step"));
+  };
   const Result cut = interrupt(cmd, dir + "/cut.log", "epoch 1/2 step 5/100", "kill -TERM $pid");
   REQUIRE_THAT(cut.output, Catch::Contains("exit=75"));
   const json state = json::parse(read_file(dir + "/out/resume_state/state.json"));
@@ -346,12 +355,7 @@ TEST_CASE(
   CHECK(fs::exists(dir + "/out/resume_state/state.json"));
   // As many documents, other ones: one warning line, and the run resumes at its step.
   write_data(dir + "/data.jsonl", 200, 7);
-  const Result other = sh(cmd);
-  INFO(other.output);
-  CHECK(other.status == 0);
-  CHECK(lines_with(other.output, "the data changed since the resumable state").size() == 1);
-  CHECK_THAT(other.output, Catch::Contains("but other ones (digest"));
-  CHECK_THAT(other.output, Catch::Contains("resuming at epoch 1 step"));
+  resumes_warning(cmd, "but other ones (digest");
 
   // A state written before data.shuffle: global's order was a keyed permutation (its data has no
   // "order"): the same documents, but the epoch's order is another; one warning line, and it resumes.
@@ -366,12 +370,7 @@ TEST_CASE(
   json manifest = json::parse(read_file(dir + "/later/resume_state/manifest.json"));  // as that lorarun wrote it
   manifest["sha256"]["state.json"] = hashes(dir + "/later/resume_state").at("state.json");
   std::ofstream(dir + "/later/resume_state/manifest.json") << manifest.dump();
-  const Result upgraded = sh(later_cmd);
-  INFO(upgraded.output);
-  CHECK(upgraded.status == 0);
-  CHECK(lines_with(upgraded.output, "the data changed since the resumable state").size() == 1);
-  CHECK_THAT(upgraded.output, Catch::Contains("data.shuffle: global's order is a keyed permutation now"));
-  CHECK_THAT(upgraded.output, Catch::Contains("resuming at epoch 1 step"));
+  resumes_warning(later_cmd, "data.shuffle: global's order is a keyed permutation now");
 }
 
 TEST_CASE(
