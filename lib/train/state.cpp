@@ -119,7 +119,9 @@ std::string data_change(const nlohmann::json& saved, const nlohmann::json& now) 
   if (a.is_string() && b.is_string() && a != b)
     return fmt::format("the selection held {} documents then as now, but other ones (digest {} then, {} now)", is,
                        a.get<std::string>(), b.get<std::string>());
-  if (now.value("order", "") == "keyed" && saved.value("order", "") != "keyed")
+  // (compared as JSON: an "order" of another type in a hand-edited state is "not keyed", not a throw)
+  const auto keyed = [](const nlohmann::json& id) { return id.contains("order") && id["order"] == "keyed"; };
+  if (keyed(now) && !keyed(saved))
     return "data.shuffle: global's order is a keyed permutation now, and the lorarun that wrote the state drew "
            "another: the rest of this epoch reads other documents than the interrupted run would have";
   return "";
