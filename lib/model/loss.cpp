@@ -1,9 +1,13 @@
 #include "model/loss.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "data/example.hpp"
+#include "model/cpu_kernels.hpp"
+#include "model/fused_ops.hpp"
 
 namespace lorarun::model {
 namespace {
@@ -43,6 +47,21 @@ at::Tensor logit_grad(at::Tensor& logp, const at::Tensor& t, const at::Tensor& c
   return logp;
 }
 
+// One chunk's float32 logits z [n, V] -> its rows' losses [n], z overwritten by d loss / d z, in one
+// pass over each row (the CPU's fused loop) instead of log_softmax, gather, exp and scatter.
+at::Tensor fused_cross_entropy(at::Tensor& z, const at::Tensor& t) {
+  RECORD_FUNCTION("lorarun::softmax_cross_entropy", {});
+  const int64_t n = z.size(0), V = z.size(1);
+  at::Tensor losses = at::empty({n}, z.options());
+  const at::Tensor targets = t.contiguous();
+  float *zp = z.mutable_data_ptr<float>(), *lp = losses.mutable_data_ptr<float>();
+  const int64_t* tp = targets.const_data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    cpu::kernels().softmax_cross_entropy(zp + b * V, tp + b, lp + b, e - b, V);
+  });
+  return losses;
+}
+
 // Fused output projection + cross-entropy over rows of hidden states, chunked over rows.
 // forward: h [N, H], W [V, H], targets [N] -> sum of -log softmax(z)[target] (float32), where
 // z = h W^T, or cap * tanh(h W^T / cap) with a soft cap (softcap > 0). Gradients: h's always (when
@@ -50,10 +69,11 @@ at::Tensor logit_grad(at::Tensor& logp, const at::Tensor& t, const at::Tensor& c
 // head): float32 [V, H] summed here, or for per-row losses recomputed in backward, where each row's
 // weight is known.
 struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
-  // Each chunk's logits and log_softmax, handed to `each(s, n, t, logp, capped)`.
+  // Each chunk's row losses [n] and (when `grads`) d loss / d logits [n, V] float32, handed to
+  // `each(s, n, losses, dz)`.
   template <class F>
   static void chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, int64_t chunk_rows,
-                     double softcap, F&& each) {
+                     double softcap, bool grads, F&& each) {
     for (int64_t s = 0; s < h.size(0); s += chunk_rows) {
       const int64_t n = std::min(chunk_rows, h.size(0) - s);
       const at::Tensor t = targets.narrow(0, s, n).unsqueeze(1);
@@ -64,8 +84,15 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
         capped = at::tanh(z / softcap);
         z = capped * softcap;
       }
-      at::Tensor logp = at::log_softmax(z.to(at::kFloat), 1);
-      each(s, n, t, logp, capped);
+      at::Tensor zf = z.to(at::kFloat);
+      if (softcap == 0 && zf.device().is_cpu() && fused::enabled() && zf.is_contiguous()) {
+        const at::Tensor losses = fused_cross_entropy(zf, t);
+        each(s, n, losses, zf);
+        continue;
+      }
+      at::Tensor logp = at::log_softmax(zf, 1);
+      const at::Tensor losses = logp.gather(1, t).squeeze(1).neg();
+      each(s, n, losses, grads ? logit_grad(logp, t, capped, softcap) : at::Tensor());
     }
   }
 
@@ -78,14 +105,13 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     at::Tensor grad = need_grad ? at::empty_like(h) : at::Tensor();
     const bool need_w = w.requires_grad();
     at::Tensor grad_w = need_w && !per_row ? at::zeros(w.sizes(), w.options().dtype(at::kFloat)) : at::Tensor();
-    chunks(h, w, targets, chunk_rows, softcap,
-           [&](int64_t s, int64_t n, const at::Tensor& t, at::Tensor& logp, const at::Tensor& capped) {
+    chunks(h, w, targets, chunk_rows, softcap, need_grad || grad_w.defined(),
+           [&](int64_t s, int64_t n, const at::Tensor& losses, const at::Tensor& dz) {
              if (per_row)
-               loss.narrow(0, s, n).copy_(logp.gather(1, t).squeeze(1).neg());
+               loss.narrow(0, s, n).copy_(losses);
              else
-               loss -= logp.gather(1, t).sum();
+               loss += losses.sum();
              if (!need_grad && !grad_w.defined()) return;
-             const at::Tensor dz = logit_grad(logp, t, capped, softcap);
              if (need_grad) {
                at::Tensor rows = grad.narrow(0, s, n);
                at::mm_out(rows, dz.to(w.scalar_type()), w);
@@ -116,9 +142,8 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
       const auto in = ctx->saved_data["inputs"].toTensorVector();
       const at::Tensor g = grad_out[0].to(at::kFloat);
       gw = at::zeros(in[1].sizes(), in[1].options().dtype(at::kFloat));
-      chunks(in[0], in[1], in[2], ctx->saved_data["chunk_rows"].toInt(), ctx->saved_data["softcap"].toDouble(),
-             [&](int64_t s, int64_t n, const at::Tensor& t, at::Tensor& logp, const at::Tensor& capped) {
-               const at::Tensor dz = logit_grad(logp, t, capped, ctx->saved_data["softcap"].toDouble());
+      chunks(in[0], in[1], in[2], ctx->saved_data["chunk_rows"].toInt(), ctx->saved_data["softcap"].toDouble(), true,
+             [&](int64_t s, int64_t n, const at::Tensor&, const at::Tensor& dz) {
                gw.addmm_((dz * g.narrow(0, s, n).unsqueeze(1)).t(), in[0].narrow(0, s, n).to(at::kFloat));
              });
     }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include "model/fused_ops.hpp"
 #include "model/lora.hpp"
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
@@ -16,7 +17,8 @@ namespace lorarun::model {
 // The tensors this implementation keeps (transformer.cpp, lora Linear::forward, loss.cpp), per
 // token of one block: norms keep their input (RMSNorm in float32), attention keeps q, k, v and
 // its output (the fused kernels keep no [T, T] scores; gemma2's soft-capped scores are), the
-// gated MLP its gate, up, activation and product. A frozen base linear keeps nothing of its
+// gated MLP its gate, up, activation and product (fused SwiGLU on the CPU in float32: gate, up and
+// product). A frozen base linear keeps nothing of its
 // input (NF4 and sharded ones neither); LoRA's A keeps its input in float32 (a copy per linear
 // under a bf16/fp16 base), dropout its own copy and mask. Checked against the tensor bytes
 // measured on every fixture family (tests/model/test_memory.cpp).
@@ -51,7 +53,10 @@ int64_t CausalLM::activation_bytes(int64_t batch, int64_t tokens) const {
   if (c.attn_softcap) block += c.num_heads * tokens * 3 * f32;  // gemma2's scores: capped, softmax
   block += Q * b + input({&k.o}, Q, true);                      // o's input (a copy of the output)
   const bool gated = k.gate.defined() || k.gate_up.defined();
-  block += (gated ? 4 : 2) * F * b;  // gate, up, act(gate), product (ungated: fc1 out, act)
+  const bool cpu = device_.is_cpu() && fused::enabled();  // the fused CPU ops (fused_ops.hpp, loss.cpp) run
+  const bool swiglu =
+      cpu && dtype_ == at::kFloat && k.gate.defined() && (c.activation == "silu" || c.activation == "swish");
+  block += (swiglu ? 3 : gated ? 4 : 2) * F * b;  // gate, up, act(gate), product (ungated: fc1 out, act)
   block += input({&k.gate, &k.up, &k.gate_up}, H, false) + input({&k.down}, F, true);
 
   const auto L = static_cast<int64_t>(blocks_.size());
@@ -61,10 +66,13 @@ int64_t CausalLM::activation_bytes(int64_t batch, int64_t tokens) const {
   const bool two_masks = c.sliding_window && !c.sliding_layers.empty();
   const int64_t kept = (recompute_activations ? L * N * H * b : L * N * block) + N * H * (b + f32) +
                        batch * tokens * tokens * (two_masks ? 2 : 1) + N * H * b;
-  // Then the most of: the loss's chunk of logits (in the model's dtype, float32, log-softmax), or
-  // backward's (a recomputed block and the gradients in flight, about a block's widest).
+  // Then the most of: the loss's chunk of logits (in the model's dtype, float32, log-softmax; the
+  // CPU's fused loop overwrites the float32 logits instead, then their copy in the model's dtype
+  // meets the head), or backward's (a recomputed block and the gradients in flight, about a
+  // block's widest).
   const int64_t rows = std::min(N, loss_chunk_rows(V, c.logit_softcap.has_value()));
-  const int64_t chunk = rows * V * ((b == f32 ? 2 * f32 : b + 2 * f32) + (c.logit_softcap ? b : 0));
+  const int64_t logits = cpu && !c.logit_softcap ? (b == f32 ? f32 : 2 * b + f32) : (b == f32 ? 2 * f32 : b + 2 * f32);
+  const int64_t chunk = rows * V * (logits + (c.logit_softcap ? b : 0));
   const int64_t back = (recompute_activations ? N * block : 0) + N * ((gated ? 2 : 1) * F + H) * std::max(b, f32);
   return kept + std::max(chunk, back);
 }

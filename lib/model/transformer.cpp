@@ -14,6 +14,7 @@
 #include <variant>
 
 #include "model/dora.hpp"
+#include "model/fused_ops.hpp"
 #include "model/gguf_weights.hpp"
 #include "model/recompute.hpp"
 #include "model/resolve.hpp"
@@ -409,7 +410,8 @@ at::Tensor CausalLM::norm(const Norm& n, const at::Tensor& x) const {
   if (n.bias.defined() || config_.family != Family::Llama)
     return at::layer_norm(x, {x.size(-1)}, n.weight, n.bias, config_.norm_eps);
   // RMSNorm as HF computes it: in float32, then back to the input dtype before the weight (gemma:
-  // times 1 + weight in float32, then back).
+  // times 1 + weight in float32, then back). One fused op where the model is float32 on the CPU.
+  if (!config_.gemma && fused::rms_norm_applies(x, n.weight)) return fused::rms_norm(x, n.weight, config_.norm_eps);
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor y = xf * at::rsqrt(xf.pow(2).mean(-1, true) + config_.norm_eps);
   if (config_.gemma) return (y * (1.0 + n.weight.to(at::kFloat))).to(x.scalar_type());
@@ -422,7 +424,12 @@ at::Tensor CausalLM::mlp(const Block& b, const at::Tensor& x, const Routes* rout
     const auto gu = fc(b.gate_up, x).chunk(2, -1);
     return fc(b.down, gu[1] * activation(config_.activation, gu[0]));
   }
-  if (config_.family == Family::Llama) return fc(b.down, activation(config_.activation, fc(b.gate, x)) * fc(b.up, x));
+  if (config_.family == Family::Llama) {
+    const at::Tensor g = fc(b.gate, x), u = fc(b.up, x);
+    const bool silu = config_.activation == "silu" || config_.activation == "swish";
+    if (silu && fused::swiglu_applies(g, u)) return fc(b.down, fused::swiglu(g, u));
+    return fc(b.down, activation(config_.activation, g) * u);
+  }
   return fc(b.down, activation(config_.activation, fc(b.up, x)));
 }
 
@@ -449,10 +456,13 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
     q = norm(b.q_norm, q);
     k = norm(b.k_norm, k);
   }
-  q = q.transpose(1, 2);  // [B, nh, T, hd]
-  k = k.transpose(1, 2);  // [B, nkv, T, hd]
   v = v.view({B, T, c.num_kv_heads, hd}).transpose(1, 2);
-  if (cos.defined()) {
+  if (cos.defined() && fused::rope_applies(q, cos, sin) && fused::rope_applies(k, cos, sin)) {
+    q = fused::rope(q, cos, sin);  // [B, nh, T, hd]
+    k = fused::rope(k, cos, sin);  // [B, nkv, T, hd]
+  } else if (cos.defined()) {
+    q = q.transpose(1, 2);
+    k = k.transpose(1, 2);
     const int64_t rot = cos.size(-1);  // phi3's partial rotary turns the first dims only
     const auto rotate = [&](const at::Tensor& t) {
       if (rot == hd) return t * cos + rotate_half(t) * sin;
@@ -461,6 +471,9 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
     };
     q = rotate(q);
     k = rotate(k);
+  } else {
+    q = q.transpose(1, 2);
+    k = k.transpose(1, 2);
   }
   if (cache) {
     if (cache->k.size() <= layer) {
