@@ -5,6 +5,9 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <stdexcept>
+#include <string>
+
 #include "data/example.hpp"
 #include "model/cpu_kernels.hpp"
 #include "model/fused_ops.hpp"
@@ -54,6 +57,11 @@ at::Tensor fused_cross_entropy(at::Tensor& z, const at::Tensor& t) {
   const int64_t n = z.size(0), V = z.size(1);
   at::Tensor losses = at::empty({n}, z.options());
   const at::Tensor targets = t.contiguous();
+  // The loop writes at z[row, target]: an id outside the vocabulary must not reach it (gather, on
+  // ATen's path, refuses one too).
+  if (n > 0 && (targets.min().item<int64_t>() < 0 || targets.max().item<int64_t>() >= V))
+    throw std::runtime_error("a target token id is outside the model's vocabulary of " + std::to_string(V) +
+                             " (does the tokenizer belong to this model?)");
   float *zp = z.mutable_data_ptr<float>(), *lp = losses.mutable_data_ptr<float>();
   const int64_t* tp = targets.const_data_ptr<int64_t>();
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {

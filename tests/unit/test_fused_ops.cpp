@@ -9,6 +9,7 @@
 
 #include "model/cpu_kernels.hpp"
 #include "model/fused_ops.hpp"
+#include "model/loss.hpp"
 
 using namespace lorarun::model;
 
@@ -149,4 +150,13 @@ TEST_CASE("fused rotary embedding equals x * cos + rotate_half(x) * sin on [B, H
   CHECK(rel_diff(xf.grad(), xa.grad()) <= 1e-6);
   CHECK_FALSE(fused::rope_applies(x, cos.narrow(-1, 0, D / 2), sin.narrow(-1, 0, D / 2)));  // partial rotary
   CHECK_FALSE(fused::rope_applies(x, cos.expand({B, 1, T, D}).narrow(0, 0, 1), sin.narrow(0, 0, 1)));
+}
+
+TEST_CASE("the fused loss refuses a target token id outside the vocabulary instead of writing past the logits") {
+  const at::Tensor hidden = at::randn({1, 4, 8}), head = at::randn({10, 8}), rows = at::arange(4);
+  CHECK_NOTHROW(lm_head_loss(hidden, head, rows, at::tensor({1, 2, 3, 9}, at::kLong)));
+  CHECK_THROWS_WITH(lm_head_loss(hidden, head, rows, at::tensor({1, 2, 3, 10}, at::kLong)),
+                    Catch::Contains("outside the model's vocabulary of 10"));
+  CHECK_THROWS_WITH(lm_head_loss(hidden, head, rows, at::tensor({-1, 2, 3, 4}, at::kLong)),
+                    Catch::Contains("outside the model's vocabulary"));
 }
