@@ -33,7 +33,7 @@ SHAPES = {"smollm2": (8, 128), "tiny": (4, 256)}  # sequences a step, tokens a s
 
 KINDS = ["GEMM, base", "GEMM, LoRA", "attention", "loss", "optimizer", "autograd engine", "copies, allocation",
          "elementwise, norms, rope", "collectives", "outside operators"]
-LOSS = re.compile(r"cross_entropy|log_softmax|nll_loss")
+LOSS = re.compile(r"cross_entropy|log_softmax|nll_loss")  # lorarun::softmax_cross_entropy too
 ATTENTION = re.compile(r"scaled_dot_product|flash_attention|efficient_attention")
 GEMM = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation"}
 COPY = re.compile(r"^aten::(empty|empty_strided|empty_like|zeros|zeros_like|ones_like|full|copy_|clone|_to_copy|to|"
