@@ -76,10 +76,10 @@ at::Tensor add_lora(at::Tensor y, const at::Tensor& xd, const at::Tensor& a, con
   return (y + at::linear(xa * scaling, b)).to(y.scalar_type());
 }
 
-// Each route's rows and positions [rows, length, ..] are a view of x and y, shaped as that adapter's
-// own micro-batch: its dropout mask and its GEMMs are those of its own run. As in Linear::forward,
-// the base and the adapters read x as rows [N, in] (one view of it), so that x's gradient is summed
-// in the order of the adapter's own run.
+// Each route's rows and positions [rows, length, ..] are shaped as that adapter's own micro-batch:
+// its dropout mask and its GEMMs are those of its own run. As in Linear::forward, the base and the
+// adapters read x as rows [N, in] (one view of it), so that x's gradient is summed in the order of
+// the adapter's own run.
 at::Tensor add_tenants(const Linear& l, const at::Tensor& x, bool training, const Routes& routes) {
   const auto drop = [&](int slot, const at::Tensor& in) {
     return training && l.dropout > 0 && routes.streams ? routes.streams->dropout(slot, in, l.dropout) : in;
@@ -87,21 +87,37 @@ at::Tensor add_tenants(const Linear& l, const at::Tensor& x, bool training, cons
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = l.out_features();
   const at::Tensor rows = x.reshape({-1, x.size(-1)});
-  if (routes.all >= 0) {
-    const TenantLora& t = l.tenants.at(static_cast<size_t>(routes.all));
+  // One adapter for the whole batch (an evaluation, or a pass of one adapter's micro-batch): its own
+  // run's layer, with no views to copy back.
+  const bool whole =
+      routes.routes.size() == 1 && routes.routes[0].rows == x.size(0) && routes.routes[0].length == x.size(1);
+  if (const int only = routes.all >= 0 ? routes.all : whole ? routes.routes[0].slot : -1; only >= 0) {
+    const TenantLora& t = l.tenants.at(static_cast<size_t>(only));
     if (!t.a.defined()) return l.base(rows).view(shape);
-    return add_lora(l.base(rows), drop(routes.all, rows), t.a, t.b, t.scaling).view(shape);
+    return add_lora(l.base(rows), drop(only, rows), t.a, t.b, t.scaling).view(shape);
   }
-  at::Tensor y = l.base(rows).view(shape);
-  const at::Tensor xv = rows.view(x.sizes());
-  for (const Route& r : routes.routes) {
+  // The routes' rows one after another, split (not narrowed: a split's backward is one cat, where
+  // each narrow's would be a zeroed tensor of the whole batch) and the outputs put back with one cat.
+  std::vector<int64_t> sizes;
+  for (const Route& r : routes.routes) sizes.push_back(r.rows);
+  const std::vector<at::Tensor> ys = l.base(rows).view(shape).split_with_sizes(sizes);
+  const std::vector<at::Tensor> xs = rows.view(x.sizes()).split_with_sizes(sizes);
+  const int64_t T = x.size(1);
+  std::vector<at::Tensor> out;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const Route& r = routes.routes[k];
     const TenantLora& t = l.tenants.at(static_cast<size_t>(r.slot));
-    if (!t.a.defined()) continue;
-    const at::Tensor xs = xv.narrow(0, r.row0, r.rows).narrow(1, 0, r.length);
-    at::Tensor ys = y.narrow(0, r.row0, r.rows).narrow(1, 0, r.length);
-    ys.copy_(add_lora(ys.contiguous(), drop(r.slot, xs), t.a, t.b, t.scaling));
+    if (!t.a.defined()) {
+      out.push_back(ys[k]);
+    } else if (r.length == T) {
+      out.push_back(add_lora(ys[k], drop(r.slot, xs[k]), t.a, t.b, t.scaling));
+    } else {  // its own positions, then the padding past them as the base left it
+      const std::vector<at::Tensor> y2 = ys[k].split_with_sizes({r.length, T - r.length}, 1);
+      const at::Tensor x2 = xs[k].narrow(1, 0, r.length);
+      out.push_back(at::cat({add_lora(y2[0].contiguous(), drop(r.slot, x2), t.a, t.b, t.scaling), y2[1]}, 1));
+    }
   }
-  return y;
+  return at::cat(out);
 }
 
 }  // namespace lorarun::model
