@@ -330,6 +330,9 @@ struct AdaptersSection {
   std::string per;  // a document field of data's selection; empty: the adapters are listed
   int max = 64;     // with per: at most this many adapters
   std::vector<AdapterSpec> list;
+  // How many adapters' micro-batches go through the base in one forward and backward pass (the
+  // rest in further passes of the same step); unset: all of them on a GPU, one on the CPU.
+  std::optional<int> per_pass;
   bool enabled() const { return !per.empty() || !list.empty(); }
   bool operator==(const AdaptersSection&) const = default;
 };

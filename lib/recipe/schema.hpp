@@ -477,6 +477,13 @@ void for_each_key(R& r, V&& v) {
                    "alpha, target_modules, lr, epochs",
         .may_be_empty = true},
     r.adapters.list);
+  v(Key{.name = "adapters.per_pass",
+        .bound = at_least(1),
+        .example = "1",
+        .null_means = "all on a GPU, 1 on the CPU",
+        .meaning = "adapters whose micro-batches share one forward and backward pass through the base; fewer "
+                   "hold fewer activations"},
+    r.adapters.per_pass);
 }
 
 // The key names: "model.path" → section "model", leaf "path".

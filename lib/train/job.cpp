@@ -94,6 +94,7 @@ class Job {
   bool settle(Tenant& t);
   void open_batches(Tenant& t);
   StepEnd step(const std::vector<Tenant*>& active);
+  void pass(const std::vector<data::Batch>& parts, const std::vector<Tenant*>& owners);
   std::vector<data::Example> examples(Tenant& t);
   bool after_step(Tenant& t, bool stopping, bool stop);
   bool end_epoch(Tenant& t, bool stopping);
@@ -311,11 +312,33 @@ void Job::open_batches(Tenant& t) {
   }
 }
 
-// One job step: micro-batch k of every active adapter's step, stacked, through the model once;
-// each adapter's loss summed over its own tokens, and one backward. Then one all-reduce of every
-// adapter's figures, and per adapter what its own run does: gradients divided by its global token
-// count, clipped by its own norm, its AdamW step at its own learning rate; then its evaluation,
-// epoch end and state as its own run has them after that step.
+// Micro-batches of several adapters (parts[k] owners[k]'s), stacked, through the model once; each
+// adapter's loss summed over its own tokens, and one backward.
+void Job::pass(const std::vector<data::Batch>& parts, const std::vector<Tenant*>& owners) {
+  const data::Stacked s = data::stack(parts);
+  auto routes = std::make_shared<model::Routes>();
+  routes->streams = &streams_;
+  for (size_t k = 0; k < parts.size(); ++k)
+    routes->routes.push_back({owners[k]->slot, s.parts[k].row0, s.parts[k].rows, s.parts[k].length});
+  m_.routes = routes;
+  const at::Tensor hidden = m_.hidden_states(s.ids, s.mask, nullptr, r_.data.packing);
+  at::Tensor total;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const model::LossSum l =
+        model::lm_head_loss(hidden, m_.lm_head(), s.parts[k].flat_rows, s.parts[k].targets, m_.config().logit_softcap);
+    total = total.defined() ? total + l.sum : l.sum;
+    owners[k]->loss += l.sum.detach();
+    owners[k]->tokens += parts[k].tokens;
+  }
+  total.backward();
+  m_.routes.reset();
+}
+
+// One job step: micro-batch k of every active adapter's step through the model, in passes of
+// adapters.per_pass adapters. Then one all-reduce of every adapter's figures, and per adapter what
+// its own run does: gradients divided by its global token count, clipped by its own norm, its AdamW
+// step at its own learning rate; then its evaluation, epoch end and state as its own run has them
+// after that step.
 StepEnd Job::step(const std::vector<Tenant*>& active) {
   const auto t0 = Clock::now();
   const auto waited = [&] {
@@ -331,40 +354,31 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
     t->tokens = t->real = t->slots = t->rejected = 0;
     t->rng_at_step_start = streams_.state(t->slot);
   }
+  // The adapters in passes of at most adapters.per_pass, in slot order: the same passes on every rank
+  // (a sharded base gathers in each), whichever of them have rows here.
+  const auto per_pass = static_cast<size_t>(adapters_per_pass(r_, static_cast<int>(active.size())));
   const int accum = r_.train.gradient_accumulation_steps;
   for (int a = 0; a < accum; ++a) {
     if (a + 1 == accum) sync_->arm();
-    std::vector<data::Batch> parts;
-    std::vector<Tenant*> owners;
-    for (Tenant* t : active) {
-      data::Batch b = data::collate(examples(*t), r_.data.packing, static_cast<size_t>(r_.data.max_length), rt_.device);
-      t->real += b.real;
-      t->slots += b.slots;
-      if (b.tokens == 0) continue;  // as its own run: no pass, no dropout drawn
-      parts.push_back(std::move(b));
-      owners.push_back(t);
+    for (size_t first = 0; first < active.size(); first += per_pass) {
+      std::vector<data::Batch> parts;
+      std::vector<Tenant*> owners;
+      for (size_t i = first; i < std::min(active.size(), first + per_pass); ++i) {
+        Tenant* t = active[i];
+        data::Batch b =
+            data::collate(examples(*t), r_.data.packing, static_cast<size_t>(r_.data.max_length), rt_.device);
+        t->real += b.real;
+        t->slots += b.slots;
+        if (b.tokens == 0) continue;  // as its own run: no pass, no dropout drawn
+        parts.push_back(std::move(b));
+        owners.push_back(t);
+      }
+      if (parts.empty()) {  // the other ranks' gathers, joined with zero gradients
+        if (m_.base_sharded() && env_.world_size > 1) m_.idle_pass(true, r_.data.packing);
+        continue;
+      }
+      pass(parts, owners);
     }
-    if (parts.empty()) {  // the other ranks' gathers, joined with zero gradients
-      if (m_.base_sharded() && env_.world_size > 1) m_.idle_pass(true, r_.data.packing);
-      continue;
-    }
-    const data::Stacked s = data::stack(parts);
-    auto routes = std::make_shared<model::Routes>();
-    routes->streams = &streams_;
-    for (size_t k = 0; k < parts.size(); ++k)
-      routes->routes.push_back({owners[k]->slot, s.parts[k].row0, s.parts[k].rows, s.parts[k].length});
-    m_.routes = routes;
-    const at::Tensor hidden = m_.hidden_states(s.ids, s.mask, nullptr, r_.data.packing);
-    at::Tensor total;
-    for (size_t k = 0; k < parts.size(); ++k) {
-      const model::LossSum l = model::lm_head_loss(hidden, m_.lm_head(), s.parts[k].flat_rows, s.parts[k].targets,
-                                                   m_.config().logit_softcap);
-      total = total.defined() ? total + l.sum : l.sum;
-      owners[k]->loss += l.sum.detach();
-      owners[k]->tokens += parts[k].tokens;
-    }
-    total.backward();
-    m_.routes.reset();
   }
   const double busy = std::chrono::duration<double>(Clock::now() - t0).count();
   sync_->finish();

@@ -42,7 +42,7 @@ MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_ba
     e.trainable += p.numel();
     e.lora += p.numel() * (16 + start);
   }
-  const int64_t stacked = std::max<int64_t>(1, static_cast<int64_t>(adapters.size()));  // a job's micro-batches
+  const int stacked = adapters_per_pass(r, static_cast<int>(adapters.size()));  // micro-batches in a pass
   e.activations = m.activation_bytes(r.data.batch_size * stacked, r.data.max_length);
   return e;
 }
@@ -55,7 +55,9 @@ std::string memory_report(const recipe::Recipe& r, int world, const std::vector<
       "# memory per rank, estimated in GiB (a micro-batch of {} x {} tokens: data.batch_size x data.max_length{}{}):\n"
       "#   {:<28} {:>9} {:>11} {:>12} {:>9}\n",
       r.data.batch_size, r.data.max_length,
-      adapters.empty() ? "" : fmt::format(", for each of the {} adapters", adapters.size()),
+      adapters.empty() ? ""
+                       : fmt::format(", for each of {} of the {} adapters in a pass",
+                                     adapters_per_pass(r, static_cast<int>(adapters.size())), adapters.size()),
       r.train.activation_checkpointing ? ", activation checkpointing" : "", "", "base", "LoRA+AdamW", "activations",
       "total");
   const auto row = [&](const std::string& what, const MemoryEstimate& e, bool chosen) {

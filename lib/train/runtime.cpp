@@ -65,6 +65,10 @@ void start_from_adapter(model::CausalLM& m, const model::LoraConfig& cfg, const 
 
 bool uses_cuda(const recipe::Recipe& r) { return r.model.device != recipe::Device::Cpu && torch::cuda::is_available(); }
 
+int adapters_per_pass(const recipe::Recipe& r, int adapters) {
+  return std::max(1, std::min(adapters, r.adapters.per_pass.value_or(uses_cuda(r) ? adapters : 1)));
+}
+
 at::Device rank_device(const recipe::Recipe& r, const dist::DistEnv& env) {
   const bool cuda = uses_cuda(r);
   if (r.model.device == recipe::Device::Cuda && !cuda)

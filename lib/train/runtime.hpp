@@ -25,6 +25,11 @@ namespace lorarun::train {
 // Whether the recipe runs on CUDA here (model.device auto or cuda, and a GPU visible).
 bool uses_cuda(const recipe::Recipe& r);
 
+// How many of a job's `adapters` go through the base in one pass: adapters.per_pass, or when unset
+// all of them on a GPU (one pass keeps it busy) and one on the CPU, where a pass of several is no
+// faster than one after another and holds all their activations at once.
+int adapters_per_pass(const recipe::Recipe& r, int adapters);
+
 // cuda:LOCAL_RANK, or the CPU. More ranks than GPUs share them round-robin, which Gloo allows (NCCL
 // refuses two ranks on one GPU, so that is an error there).
 at::Device rank_device(const recipe::Recipe& r, const dist::DistEnv& env);

@@ -233,7 +233,8 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "eval.batch_size",
                                 "adapters.per",
                                 "adapters.max",
-                                "adapters.list"});
+                                "adapters.list",
+                                "adapters.per_pass"});
 }
 
 TEST_CASE("eval: off by default, and an evaluation selection that would overlap the training documents is refused") {

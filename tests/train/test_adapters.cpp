@@ -182,8 +182,7 @@ TEST_CASE(
 
 TEST_CASE(
     "adapters.list: each adapter of an 8-adapter job (6 to 40 documents, with their own r, alpha, lr, epochs) on 2 "
-    "ranks "
-    "with QLoRA, activation checkpointing and packing is its own run",
+    "ranks in passes of 3 adapters, with QLoRA, activation checkpointing and packing, is its own run",
     "[e2e]") {
   const std::string dir = temp_dir("adapters-list");
   const std::vector<Tenant> tenants = {
@@ -209,7 +208,7 @@ TEST_CASE(
                  {.lora = ", quantize_base: true",
                   .data = ", source: jsonl, packing: true, max_length: 48",
                   .train = ", activation_checkpointing: true",
-                  .extra = fmt::format("track: {{mongodb: false}}\nadapters: {{list: [{}]}}", list)});
+                  .extra = fmt::format("track: {{mongodb: false}}\nadapters: {{per_pass: 3, list: [{}]}}", list)});
   const Result job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
   INFO(job.output);
   REQUIRE(job.status == 0);
