@@ -292,6 +292,43 @@ TEST_CASE(
     CHECK_FALSE(fs::exists(fmt::format("{}/stopped/{}/resume_state", dir, name)));
 }
 
+TEST_CASE(
+    "adapters on one rank: a step where an adapter trains no token (its one document skipped) is no AdamW step, as "
+    "in its own run, in passes of one adapter and of both",
+    "[e2e]") {
+  const std::string dir = temp_dir("adapters-empty-step");
+  const std::vector<Tenant> tenants = {{"a", 6, "", ""}, {"b", 5, "", ""}};
+  for (const Tenant& t : tenants) {
+    std::vector<json> docs = tenant_docs(t.name, t.documents, 0);
+    if (t.name == "a")  // its third step: one document longer than max_length, skipped
+      docs.insert(docs.begin() + 2, json{{"instruction", std::string(400, 'x')}, {"output", "1"}});
+    write_jsonl(fmt::format("{}/{}.jsonl", dir, t.name), docs);
+  }
+  const std::string recipe = job_recipe(
+      dir, "job",
+      {.data = ", source: jsonl, max_length: 48, overlong: skip, shuffle: none",
+       .extra = fmt::format("track: {{mongodb: false}}\nadapters: {{list: [{{name: a, path: {0}/a.jsonl}}, {{name: b, "
+                            "path: {0}/b.jsonl}}]}}",
+                            dir)});
+  for (const char* per_pass : {"1", "2"}) {
+    const Result job = sh(fmt::format("{} {} data.batch_size=1 adapters.per_pass={} checkpoint.output_dir={}/job{}",
+                                      bin("lora-train"), recipe, per_pass, dir, per_pass));
+    INFO(job.output);
+    REQUIRE(job.status == 0);
+    CHECK_THAT(job.output, Catch::Contains("skipped"));
+  }
+  for (const Tenant& t : tenants) {
+    const Result own =
+        sh(fmt::format("{} {} 'adapters.list=[]' data.batch_size=1 data.path={}/{}.jsonl "
+                       "checkpoint.output_dir={}/own/{}",
+                       bin("lora-train"), recipe, dir, t.name, dir, t.name));
+    INFO(own.output);
+    REQUIRE(own.status == 0);
+  }
+  check_against_own_runs(dir + "/job1", dir + "/own", tenants, "one rank, a step of no tokens, passes of 1");
+  check_against_own_runs(dir + "/job2", dir + "/own", tenants, "one rank, a step of no tokens, passes of 2");
+}
+
 TEST_CASE("adapters: bad jobs are one line each, before anything is trained or written", "[e2e][db]") {
   const std::string dir = temp_dir("adapters-bad");
   const std::string uri = test_uri(), db = "lorarun_test_adapters_bad";
