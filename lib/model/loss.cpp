@@ -5,6 +5,7 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -57,13 +58,13 @@ at::Tensor fused_cross_entropy(at::Tensor& z, const at::Tensor& t) {
   const int64_t n = z.size(0), V = z.size(1);
   at::Tensor losses = at::empty({n}, z.options());
   const at::Tensor targets = t.contiguous();
+  const int64_t* tp = targets.const_data_ptr<int64_t>();
   // The loop writes at z[row, target]: an id outside the vocabulary must not reach it (gather, on
-  // ATen's path, refuses one too).
-  if (n > 0 && (targets.min().item<int64_t>() < 0 || targets.max().item<int64_t>() >= V))
+  // ATen's path, refuses one too). One pass over n ids, next to n x V logits.
+  if (std::any_of(tp, tp + n, [V](int64_t id) { return id < 0 || id >= V; }))
     throw std::runtime_error("a target token id is outside the model's vocabulary of " + std::to_string(V) +
                              " (does the tokenizer belong to this model?)");
   float *zp = z.mutable_data_ptr<float>(), *lp = losses.mutable_data_ptr<float>();
-  const int64_t* tp = targets.const_data_ptr<int64_t>();
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
     cpu::kernels().softmax_cross_entropy(zp + b * V, tp + b, lp + b, e - b, V);
   });
