@@ -9,8 +9,10 @@ Each adapter: 16 documents of its own (about 60 tokens each), LoRA r=8 on every 
 1 epoch (8 optimizer steps), one rank (lora-train, 2 intra-op threads). The job trains TENANTS
 adapters (default 4 and 8) from one JSONL file per adapter (adapters.list); "own runs" are the
 same adapters' recipes (the job's without adapters:, each one's file) run one after another. Wall
-times are whole processes (loading the model included); peak RSS is the rank's high-water mark.
-Both with the activations kept and with activation checkpointing. The variants run interleaved,
+times and peak RSS are whole processes' (loading the model and saving the adapters included).
+With the activations kept and with activation checkpointing (the job in passes of one adapter,
+the CPU default), and with every adapter in one pass (adapters.per_pass: all, the GPU default, its
+own runs as the first variant's). The variants run interleaved,
 REPEATS times (default 3): the table gives medians and ranges, and checks that every adapter of the
 job is its own run's bit for bit.
 Prints one JSON line per measurement, then the table.
@@ -20,9 +22,15 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
-VARIANTS = {"activations kept": [], "activation checkpointing": ["train.activation_checkpointing=true"]}
+# variant: (overrides of the job and the own runs, of the job alone)
+VARIANTS = {
+    "activations kept": ([], []),
+    "activation checkpointing": (["train.activation_checkpointing=true"], []),
+    "activations kept, one pass of all": ([], ["adapters.per_pass=64"]),
+}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(ROOT, ".fixtures/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 WORDS = ["red", "blue", "chair", "lamp", "table", "green", "rug", "yellow", "order", "code"]
@@ -54,15 +62,19 @@ def recipe(work, name, data_path, adapters=None):
 
 
 def run(build, recipe_path, out, overrides):
+    """The run's wall time and its process's peak RSS in MiB (its whole life: loading, steps, saving)."""
     cmd = [os.path.join(build, "bin/lora-train"), recipe_path, f"checkpoint.output_dir={out}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.monotonic() - t0
-    if p.returncode != 0:
-        sys.exit(f"run failed: {' '.join(cmd)}\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in line]
-    return wall, max(r["peak_rss_mb"] for r in rows)
+    with tempfile.TemporaryFile() as log:
+        t0 = time.monotonic()
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(p.pid, 0)
+        wall = time.monotonic() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        if p.returncode != 0:
+            log.seek(0)
+            sys.exit(f"run failed: {' '.join(cmd)}\n{log.read()[-6000:].decode(errors='replace')}")
+    return wall, usage.ru_maxrss / 1024
 
 
 def same_files(a, b):
@@ -81,18 +93,25 @@ def main():
     keys = [(v, n) for v in VARIANTS for n in tenants]
     results = {k: {"job": [], "own": [], "one_rss": [], "job_rss": [], "identical": True} for k in keys}
     for repeat in range(repeats):
+        own_this_repeat = {}
         for variant, n in keys:
-            overrides = VARIANTS[variant]
+            overrides, job_only = VARIANTS[variant]
             names = [(f"t{t}", paths[t]) for t in range(n)]
             job_out = os.path.join(work, f"job{n}")
-            job_wall, job_rss = run(build, recipe(work, f"job{n}", None, names), job_out, overrides)
-            own_wall, own_rss = 0.0, []
-            for name, path in names:
-                w, rss = run(build, recipe(work, "own", path), os.path.join(work, f"own-{name}"), overrides)
-                own_wall += w
-                own_rss.append(rss)
+            job_wall, job_rss = run(build, recipe(work, f"job{n}", None, names), job_out, overrides + job_only)
+            own_key = (tuple(overrides), n)
+            if own_key not in own_this_repeat:  # own runs shared by variants that differ in the job alone
+                own_wall, own_rss = 0.0, []
+                for name, path in names:
+                    w, rss = run(build, recipe(work, f"own-{len(own_this_repeat)}", path),
+                                 os.path.join(work, f"own-{len(own_this_repeat)}-{name}"), overrides)
+                    own_wall += w
+                    own_rss.append(rss)
+                own_this_repeat[own_key] = (own_wall, own_rss, len(own_this_repeat))
+            own_wall, own_rss, own_index = own_this_repeat[own_key]
+            for name, _ in names:
                 a = os.path.join(job_out, name, "epoch_0", "adapter_model.safetensors")
-                b = os.path.join(work, f"own-{name}", "epoch_0", "adapter_model.safetensors")
+                b = os.path.join(work, f"own-{own_index}-{name}", "epoch_0", "adapter_model.safetensors")
                 results[(variant, n)]["identical"] &= same_files(a, b)
             r = results[(variant, n)]
             r["job"].append(job_wall), r["own"].append(own_wall)
