@@ -125,12 +125,17 @@ TEST_CASE(
   client.drop(db, "docs");
   const std::vector<Tenant> tenants = {
       {"acme", 9, "", ""}, {"globex", 17, "{name: globex, r: 8}", "lora.r=8"}, {"initech", 30, "", ""}};
+  // Fixed _ids: eval.fraction holds out by a hash of each _id. With random ObjectIds it held out none
+  // of acme's 9 documents about one time in seven (its own run refuses that split, as the job does);
+  // these hold out 1, 3 and 3 documents.
   int from = 0;
   for (const Tenant& t : tenants) {
-    client.insert_many(db, "docs", tenant_docs(t.name, t.documents, from));
-    from += 100;
+    std::vector<json> docs = tenant_docs(t.name, t.documents, from);
+    for (size_t i = 0; i < docs.size(); ++i) docs[i]["_id"] = from + static_cast<int>(i);
+    client.insert_many(db, "docs", docs);
+    from += 50;
   }
-  client.insert_many(db, "docs", {json{{"instruction", "no tenant"}, {"output", "1"}}});
+  client.insert_many(db, "docs", {json{{"_id", from}, {"instruction", "no tenant"}, {"output", "1"}}});
   const std::string data = fmt::format(", uri: \"{}\", database: {}, collection: docs", uri, db);
   const std::string recipe =
       job_recipe(dir, "job",
