@@ -84,13 +84,13 @@ Documents::Documents(const recipe::DataSection& d, const Holdout& holdout) : d_(
     std::erase_if(lines_, [&](const std::string& line) { return !keep(line); });
     if (holdout_.max && static_cast<int64_t>(lines_.size()) > *holdout_.max)
       lines_.resize(static_cast<size_t>(*holdout_.max));
+    if (lines_.empty() && holdout_.fraction <= 0) throw Error(fmt::format("{} {} holds no documents", key, d.path));
     if (lines_.empty())
-      throw Error(holdout_.fraction <= 0 ? fmt::format("{} {} holds no documents", key, d.path)
-                  : holdout_.eval
-                      ? fmt::format("eval.fraction {} holds out no document of data.path {}: raise eval.fraction",
-                                    holdout_.fraction, d.path)
-                      : fmt::format("eval.fraction {} holds out every document of data.path {}: lower eval.fraction",
-                                    holdout_.fraction, d.path));
+      throw EmptySplit(
+          holdout_.eval ? fmt::format("eval.fraction {} holds out no document of data.path {}: raise eval.fraction",
+                                      holdout_.fraction, d.path)
+                        : fmt::format("eval.fraction {} holds out every document of data.path {}: lower eval.fraction",
+                                      holdout_.fraction, d.path));
     size_ = static_cast<int64_t>(lines_.size());
     return;
   }
@@ -103,9 +103,9 @@ Documents::Documents(const recipe::DataSection& d, const Holdout& holdout) : d_(
     size_ = static_cast<int64_t>(ids_.size());
   }
   if (size_ == 0 && holdout_.fraction > 0)
-    throw Error(fmt::format("eval.fraction {} {} of data.filter {}'s documents: {} eval.fraction", holdout_.fraction,
-                            holdout_.eval ? "holds out none" : "holds out every one", d.filter.dump(),
-                            holdout_.eval ? "raise" : "lower"));
+    throw EmptySplit(fmt::format("eval.fraction {} {} of data.filter {}'s documents: {} eval.fraction",
+                                 holdout_.fraction, holdout_.eval ? "holds out none" : "holds out every one",
+                                 d.filter.dump(), holdout_.eval ? "raise" : "lower"));
   check_not_empty(d, *client_, size_);
 }
 

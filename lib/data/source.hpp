@@ -36,6 +36,13 @@ struct DataUnavailable : Error {
   using Error::Error;
 };
 
+// eval.fraction's split of a selection left one side empty: it holds out none of the selected
+// documents, or all of them. A recipe error for one run; a job of many adapters trains such an
+// adapter on all its documents, unevaluated.
+struct EmptySplit : Error {
+  using Error::Error;
+};
+
 // The selected documents, addressable by position 0..size()-1 in _id order (MongoDB) or file
 // order (JSONL). Construction checks that the selection exists and is not empty, connecting
 // within data.timeout_s (unless data.uri sets serverSelectionTimeoutMS / connectTimeoutMS: the

@@ -99,6 +99,7 @@ class Job {
   bool after_step(Tenant& t, bool stopping, bool stop);
   bool end_epoch(Tenant& t, bool stopping);
   void close_epoch(Tenant& t);
+  void open_data(Tenant& t);
   bool evaluate(Tenant& t);
   void steer(Tenant& t, const nlohmann::json& row);
   void check_replicas();
@@ -156,13 +157,8 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
     t->name = specs[i].name;
     t->slot = static_cast<int>(i);
     t->r = recipe::adapter_recipe(r, specs[i]);
-    const data::Holdout training = data::Holdout::training(t->r.eval.fraction);
     try {  // (a plain Error names the adapter; one a rerun cannot change, or a lost server, stays as it is)
-      t->docs = std::make_unique<data::Documents>(t->r.data, training);
-      if (t->r.eval.enabled(t->r.data.source)) {
-        t->eval = std::make_unique<data::EvalSplit>(t->r, t->docs.get());
-        require_scored_token(t->eval->docs(), *rt_.builder, t->eval->describe());
-      }
+      open_data(*t);
     } catch (const Error& e) {
       if (typeid(e) != typeid(Error)) throw;
       throw Error(fmt::format("adapter '{}': {}", t->name, e.what()));
@@ -189,6 +185,33 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
     tenants_.push_back(std::move(t));
   }
   sync_ = std::make_unique<dist::GradBuckets>(pg_, all, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4));
+}
+
+// Adapter t's documents and evaluation split. When eval.fraction holds out none of its documents,
+// or all of them (a tenant of a few), it trains on them all, unevaluated, as its own run with
+// eval.fraction 0 does: one small tenant does not stop the job.
+void Job::open_data(Tenant& t) {
+  try {
+    t.docs = std::make_unique<data::Documents>(t.r.data, data::Holdout::training(t.r.eval.fraction));
+    if (t.r.eval.enabled(t.r.data.source)) {
+      t.eval = std::make_unique<data::EvalSplit>(t.r, t.docs.get());
+      require_scored_token(t.eval->docs(), *rt_.builder, t.eval->describe());
+    }
+    return;
+  } catch (const data::EmptySplit&) {
+  }
+  const bool none = t.docs != nullptr;  // training kept every document: none held out
+  const double fraction = t.r.eval.fraction;
+  t.r.eval.fraction = 0;
+  t.r.checkpoint.keep_best = false;
+  t.r.train.early_stopping_patience.reset();
+  t.eval.reset();
+  t.docs = std::make_unique<data::Documents>(t.r.data);
+  if (lead_)
+    warn(
+        fmt::format("adapter '{}': eval.fraction {:g} holds out {} of its {} documents: it trains on them all and "
+                    "is not evaluated (no eval_loss, best/ or early stop of its own)",
+                    t.name, fraction, none ? "none" : "every one", t.docs->size()));
 }
 
 // Each adapter resumes from its own state (or starts, or has finished), then job steps until every

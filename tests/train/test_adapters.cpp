@@ -116,18 +116,23 @@ void run_own(const std::string& recipe, const std::string& solo_dir, const Tenan
 }  // namespace
 
 TEST_CASE(
-    "adapters.per from FerretDB: each adapter of a 3-adapter job on 2 ranks (9, 17, 30 documents, dropout, cosine "
-    "with warmup, one at r 8) is its own run, eval and best/ per adapter, metrics and run record per adapter",
+    "adapters.per from FerretDB: each adapter of a 5-adapter job on 2 ranks (9, 17, 30, 1, 1 documents, dropout, "
+    "cosine with warmup, one at r 8) is its own run, eval and best/ per adapter, metrics and run record per adapter; "
+    "a tenant that eval.fraction holds out none or all of trains on all, unevaluated",
     "[e2e][db]") {
   const std::string dir = temp_dir("adapters-per");
   const std::string uri = test_uri(), db = "lorarun_test_adapters";
   lorarun::data::Client client(uri, std::chrono::seconds(10), {"the test"});
   client.drop(db, "docs");
-  const std::vector<Tenant> tenants = {
-      {"acme", 9, "", ""}, {"globex", 17, "{name: globex, r: 8}", "lora.r=8"}, {"initech", 30, "", ""}};
+  // hooli's and piper's own runs: eval.fraction holds out none and all of their one document
+  const std::string unsplit = "eval.fraction=0 checkpoint.keep_best=false";
+  const std::vector<Tenant> tenants = {{"acme", 9, "", ""},
+                                       {"globex", 17, "{name: globex, r: 8}", "lora.r=8"},
+                                       {"initech", 30, "", ""},
+                                       {"hooli", 1, "", unsplit},
+                                       {"piper", 1, "", unsplit}};
   // Fixed _ids: eval.fraction holds out by a hash of each _id. With random ObjectIds it held out none
-  // of acme's 9 documents about one time in seven (its own run refuses that split, as the job does);
-  // these hold out 1, 3 and 3 documents.
+  // of acme's 9 documents about one time in seven; these hold out 1, 3, 3, none and all.
   int from = 0;
   for (const Tenant& t : tenants) {
     std::vector<json> docs = tenant_docs(t.name, t.documents, from);
@@ -147,7 +152,7 @@ TEST_CASE(
   const Result dry = sh(fmt::format("{} --dry-run {}", bin("lora-train"), recipe));
   INFO(dry.output);
   REQUIRE(dry.status == 0);
-  CHECK_THAT(dry.output, Catch::Contains("# 3 adapters, each trained as its own run would be"));
+  CHECK_THAT(dry.output, Catch::Contains("# 5 adapters, each trained as its own run would be"));
   CHECK_THAT(dry.output, Catch::Contains("globex: 17 documents, 5 steps per epoch x 2 epochs"));
   CHECK_THAT(dry.output, Catch::Contains("LoRA r 8"));
 
@@ -155,11 +160,20 @@ TEST_CASE(
   INFO(job.output);
   REQUIRE(job.status == 0);
   CHECK_THAT(job.output, Catch::Contains("1 documents of data's selection have no field tenant"));
+  CHECK_THAT(job.output, Catch::Contains("adapter 'hooli': eval.fraction 0.2 holds out none of its 1 documents: it "
+                                         "trains on them all and is not evaluated"));
+  CHECK_THAT(job.output, Catch::Contains("adapter 'piper': eval.fraction 0.2 holds out every one of its 1 documents"));
   for (const Tenant& t : tenants) run_own(recipe, dir + "/own", t, fmt::format("'data.filter={{tenant: {}}}'", t.name));
   check_against_own_runs(dir + "/job", dir + "/own", tenants, "per: tenant, 2 ranks, eval.fraction, keep_best");
-  for (const Tenant& t : tenants)  // the same best step and loss as its own run
-    CHECK(json::parse(read_file(fmt::format("{}/job/{}/best/best.json", dir, t.name)))["eval_loss"] ==
+  for (const Tenant& t : tenants) {  // the same best step and loss as its own run, or none
+    const std::string best = fmt::format("{}/job/{}/best/best.json", dir, t.name);
+    if (t.overrides == unsplit) {
+      CHECK_FALSE(fs::exists(best));
+      continue;
+    }
+    CHECK(json::parse(read_file(best))["eval_loss"] ==
           json::parse(read_file(fmt::format("{}/own/{}/best/best.json", dir, t.name)))["eval_loss"]);
+  }
 
   // metrics.jsonl: per adapter its loss, tokens, lr, grad_norm in the step rows, and its eval rows
   int steps = 0, evals = 0, last = 0;
@@ -177,7 +191,7 @@ TEST_CASE(
   }
   CHECK(steps == last);  // a row every job step: initech's, the largest
   CHECK(steps >= 6);
-  CHECK(evals == 6);  // each adapter at each epoch end
+  CHECK(evals == 6);  // each split adapter at each epoch end
   const std::string id = run_id_in(job.output, db);
   const Result record = sh(fmt::format("{} show {}/{} --uri '{}'", bin("lora-runs"), db, id, uri));
   INFO(record.output);
