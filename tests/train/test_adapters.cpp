@@ -117,8 +117,8 @@ void run_own(const std::string& recipe, const std::string& solo_dir, const Tenan
 
 TEST_CASE(
     "adapters.per from FerretDB: each adapter of a 5-adapter job on 2 ranks (9, 17, 30, 1, 1 documents, dropout, "
-    "cosine with warmup, one at r 8) is its own run, eval and best/ per adapter, metrics and run record per adapter; "
-    "a tenant that eval.fraction holds out none or all of trains on all, unevaluated",
+    "cosine with warmup, one at r 8) is its own run, eval and best/ per adapter, metrics and run record per adapter, "
+    "a tenant eval.fraction holds out none or all of trained on all, unevaluated",
     "[e2e][db]") {
   const std::string dir = temp_dir("adapters-per");
   const std::string uri = test_uri(), db = "lorarun_test_adapters";
