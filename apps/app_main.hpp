@@ -2,6 +2,7 @@
 #pragma once
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -57,6 +58,10 @@ inline bool write_error_file(const std::string& line, std::optional<int> blamed_
 // printed there alone, once, rather than by every rank as well.
 inline int fail(const char* name, const char* kind, const std::string& message,
                 std::optional<int> blamed_rank = std::nullopt) {
+  // This process is ending: the launcher's SIGTERM (sent once another rank ended first) must not
+  // kill it between its error file and its exit, or the launcher sees a signal where this rank's
+  // own status (kExitConfig: do not restart) was due. SIGKILL after the grace period still ends it.
+  std::signal(SIGTERM, SIG_IGN);
   const std::string line = fmt::format("{}: {}: {}", name, kind, one_line(scrub(without_backtrace(message))));
   const char* summary = std::getenv("LORARUN_ERROR_SUMMARY");
   const bool recorded = write_error_file(line, blamed_rank);
