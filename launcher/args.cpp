@@ -18,6 +18,7 @@
 #include "launch.hpp"
 #include "slurm.hpp"
 #include "util/error.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::launch {
 namespace {
@@ -69,6 +70,17 @@ int parse_nproc(const std::string& nproc) {
   const auto [end, ec] = std::from_chars(nproc.data(), nproc.data() + nproc.size(), n);
   if (ec != std::errc() || end != nproc.data() + nproc.size() || n < 1)
     throw Error(fmt::format("--nproc-per-node '{}' is not a positive integer, auto, gpu or cpu", nproc));
+  return n;
+}
+
+// A whole number from `lo` to `hi` given as `flag` (or its PET_ variable `env`), or one line naming
+// both and the range (the value escaped and cut: it may be a variable's whatever).
+int whole_number(const std::string& text, std::string_view flag, std::string_view env, int lo, int hi) {
+  int n = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+  if (ec != std::errc() || end != text.data() + text.size() || n < lo || n > hi)
+    throw Error(
+        fmt::format("{} (or {}) '{}' is not a whole number from {} to {}", flag, env, printable(text, 40), lo, hi));
   return n;
 }
 
@@ -316,6 +328,7 @@ Parsed parse_args(int argc, char** argv, const std::string& self) {
   app.prefix_command();
   Config c;
   std::string nproc = "1", nnodes_text = "1", redirects = "0", tee = "0", from_run, rdzv_conf, rdzv_endpoint;
+  std::string node_rank_text, master_port_text, max_restarts_text;  // (parsed below: messages name PET_*)
   double grace_s = 30;
   bool standalone = false;
   // Each flag torchrun has also comes from PET_<FLAG> when not given, as torchrun reads it (Kubeflow's
@@ -328,14 +341,12 @@ Parsed parse_args(int argc, char** argv, const std::string& self) {
           ->check(CLI::Range(1, 1 << 24));
   auto* nnodes = app.add_option("--nnodes", nnodes_text, "number of nodes: N (or torchrun's MIN:MAX with MIN = MAX)")
                      ->envname("PET_NNODES");
-  auto* node_rank = app.add_option("--node-rank,--node_rank", c.node_rank, "rank of this node")
-                        ->check(CLI::NonNegativeNumber)
-                        ->envname("PET_NODE_RANK");
+  auto* node_rank =
+      app.add_option("--node-rank,--node_rank", node_rank_text, "rank of this node")->envname("PET_NODE_RANK");
   auto* master_addr =
       app.add_option("--master-addr,--master_addr", c.master_addr, "address of node 0")->envname("PET_MASTER_ADDR");
-  auto* master_port = app.add_option("--master-port,--master_port", c.master_port,
+  auto* master_port = app.add_option("--master-port,--master_port", master_port_text,
                                      "rendezvous port (default: a free port on one node, 29500 on several)")
-                          ->check(CLI::Range(1, 65535))
                           ->envname("PET_MASTER_PORT");
   app.add_option("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint,
                  "HOST[:PORT] of the rendezvous: torchrun's form of --master-addr and --master-port")
@@ -349,9 +360,8 @@ Parsed parse_args(int argc, char** argv, const std::string& self) {
   auto* run_id = app.add_option("--run-id,--rdzv-id,--rdzv_id", c.run_id,
                                 "job id given to workers as TORCHELASTIC_RUN_ID (default: SLURM_JOB_ID or random)")
                      ->envname("PET_RDZV_ID");
-  app.add_option("--max-restarts,--max_restarts", c.max_restarts,
+  app.add_option("--max-restarts,--max_restarts", max_restarts_text,
                  "restart the whole group up to N times when a rank fails")
-      ->check(CLI::Range(0, 1000000))
       ->envname("PET_MAX_RESTARTS");
   app.add_option("--log-dir,--log_dir", c.log_dir, "per-rank files go to DIR/RUN_ID/attempt_N/LOCAL_RANK/")
       ->envname("PET_LOG_DIR");
@@ -369,6 +379,11 @@ Parsed parse_args(int argc, char** argv, const std::string& self) {
   }
   c.nproc_per_node = parse_nproc(nproc);
   c.nnodes = parse_nnodes(nnodes_text);
+  if (!node_rank_text.empty()) c.node_rank = whole_number(node_rank_text, "--node-rank", "PET_NODE_RANK", 0, 99999);
+  if (!master_port_text.empty())
+    c.master_port = whole_number(master_port_text, "--master-port", "PET_MASTER_PORT", 1, 65535);
+  if (!max_restarts_text.empty())
+    c.max_restarts = whole_number(max_restarts_text, "--max-restarts", "PET_MAX_RESTARTS", 0, 1000000);
   if (!rdzv_endpoint.empty()) apply_endpoint(c, rdzv_endpoint, master_addr->count() > 0, master_port->count() > 0);
   if (!rdzv_conf.empty()) {
     const int flag = c.rdzv_timeout_s;

@@ -137,11 +137,10 @@ void ProcessGroup::Impl::collective_failed(const std::exception& e, Clock::durat
   const std::string why = short_message(e);
   const bool timed_out = why.find("imed out") != std::string::npos || why.find("imeout") != std::string::npos ||
                          elapsed >= timeout * 9 / 10;
-  if (!timed_out || !heartbeat)
-    throw Error(
-        fmt::format("rank {} lost its connection to another rank ({}): that rank stopped first, and its "
-                    "error says why",
-                    env.rank, why));
+  if (!timed_out || !heartbeat)  // (a consequence: the launcher names the rank that failed with a reason)
+    throw PeerError(-1, fmt::format("rank {} lost its connection to another rank ({}): that rank stopped first, and "
+                                    "its error says why",
+                                    env.rank, why));
   const std::string what = fmt::format("rank {}'s all-reduce timed out after {} s (dist.timeout_s)", env.rank,
                                        std::chrono::duration_cast<std::chrono::seconds>(timeout).count());
   const std::optional<Blame> blame = heartbeat->find_stopped_rank();

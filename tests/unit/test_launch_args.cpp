@@ -167,11 +167,13 @@ TEST_CASE("bad launcher arguments are one clear error") {
   CHECK_THROWS_WITH(parse({"--tee", "0:1,x:2", "--", "true"}), Catch::Contains("--tee '0:1,x:2'"));
   CHECK_THROWS_WITH(parse({"--tee", "0:", "--", "true"}), Catch::Contains("--tee '0:'"));
   CHECK_THROWS_WITH(parse({"--run-id", "a/b", "--", "true"}), Catch::Contains("use no '/'"));
-  // CLI11's own checks print their message and give a non-zero exit status.
-  CHECK(parse({"--max-restarts", "-1", "--", "true"}).exit_code > 0);
+  CHECK_THROWS_WITH(parse({"--max-restarts", "-1", "--", "true"}),
+                    "--max-restarts (or PET_MAX_RESTARTS) '-1' is not a whole number from 0 to 1000000");
   CHECK_THROWS_WITH(parse({"--nnodes", "0", "--", "true"}), Catch::Contains("'0' is not a number of nodes"));
   CHECK_THROWS_WITH(parse({"--nnodes", "1:3", "--", "true"}), Catch::Contains("elastic world"));
-  CHECK(parse({"--master-port", "70000", "--", "true"}).exit_code > 0);
+  CHECK_THROWS_WITH(parse({"--master-port", "70000", "--", "true"}),
+                    "--master-port (or PET_MASTER_PORT) '70000' is not a whole number from 1 to 65535");
+  // CLI11's own checks print their message and give a non-zero exit status.
   CHECK(parse({"--grace-period", "x", "--", "true"}).exit_code > 0);
   CHECK_THROWS_WITH(parse({"--no-such-flag", "--", "true"}), Catch::Contains("unknown lorarun flag '--no-such-flag'"));
   CHECK(parse({"--help"}).exit_code == 0);
@@ -353,8 +355,20 @@ TEST_CASE("PET_RDZV_ENDPOINT and torchrun's MIN:MAX node counts") {
     CHECK(c.master_addr == "trainer-node-0-0.trainer");
     CHECK(c.master_port == 29400);
   }
-  const SlurmEnv elastic(Env{{"PET_NNODES", "1:4"}});
-  CHECK_THROWS_WITH(parse({"--", "true"}), Catch::Contains("PET_NNODES) '1:4' asks for an elastic world"));
+  {
+    const SlurmEnv elastic(Env{{"PET_NNODES", "1:4"}});
+    CHECK_THROWS_WITH(parse({"--", "true"}), Catch::Contains("PET_NNODES) '1:4' asks for an elastic world"));
+  }
+  {  // a variable's value that is no number, or one of 309 digits: named, escaped, cut, one line
+    const SlurmEnv port(Env{{"PET_MASTER_PORT", std::string(309, '9')}});
+    CHECK_THROWS_WITH(parse({"--", "true"}), "--master-port (or PET_MASTER_PORT) '" + std::string(40, '9') +
+                                                 "… (309 bytes)' is not a whole number from 1 to 65535");
+  }
+  {
+    const SlurmEnv rank(Env{{"PET_NNODES", "2"}, {"PET_NODE_RANK", "one\x1b[2J"}});
+    CHECK_THROWS_WITH(parse({"--", "true"}),
+                      "--node-rank (or PET_NODE_RANK) 'one\\x1b[2J' is not a whole number from 0 to 99999");
+  }
   CHECK(parsed({"--nnodes", "3:3", "--node-rank", "2", "--", "true"}).nnodes == 3);
 }
 
