@@ -10,6 +10,7 @@
 // json.dumps writes (ensure_ascii=False, keys unsorted, indent=), Python's string and dict
 // methods, and the {% generation %} ... {% endgeneration %} tag, whose spans are returned.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -30,6 +31,9 @@ inline constexpr uint64_t kDefaultFuel = 10'000'000;
 // The message of a render that spent its fuel.
 inline constexpr std::string_view kFuelSpent = "the render ran out of fuel";
 
+// The message of a render abandoned because a stop was requested (render's `stop`).
+inline constexpr std::string_view kRenderStopped = "the render was stopped: a stop was requested";
+
 struct Rendered {
   std::string text;
   // The byte ranges [begin, end) of text that {% generation %} blocks wrote, in order.
@@ -45,12 +49,16 @@ class Template {
 
   // Renders with the variables of `context` (a JSON object: messages, add_generation_prompt,
   // bos_token, ...). On failure, a one-line message that starts "line N: " when the template
-  // line is known (raise_exception's message as given).
-  std::variant<Rendered, std::string> render(const nlohmann::ordered_json& context) const;
+  // line is known (raise_exception's message as given). With `stop`, a render that needs more
+  // than a quick try's fuel goes on in a thread of its own while this waits, and is abandoned
+  // (kRenderStopped) within 50 ms of *stop being set, however much fuel it may still spend.
+  std::variant<Rendered, std::string> render(const nlohmann::ordered_json& context,
+                                             const std::atomic<bool>* stop = nullptr) const;
 
  private:
   struct Handle;
   std::shared_ptr<Handle> handle_;
+  uint64_t fuel_ = kDefaultFuel;
 };
 
 // Compiles `tmpl` and renders it once (Template::compile, then render).

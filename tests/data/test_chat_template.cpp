@@ -1,10 +1,12 @@
 // The chat template engine (lib/chat): what transformers' Jinja environment provides, on small
 // templates. Parity with transformers on whole conversations is chat_template_check.py's.
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 
 #include "chat/chat_template.hpp"
 
@@ -82,6 +84,33 @@ TEST_CASE("chat templates: a render spends at most its fuel, and stops in well u
   CHECK(spent("{{ 'x' * 1000000000 }}"));                                       // memory, not time
   CHECK(spent("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}") == false);  // recursion: its own limit
   CHECK_FALSE(spent("{% for i in range(1000) %}{{ i }}{% endfor %}"));
+}
+
+TEST_CASE(
+    "chat templates: with a stop flag, a render past the quick try's fuel finishes as without one, and one "
+    "that would run for ever is given up within 50 ms of the stop") {
+  using Clock = std::chrono::steady_clock;
+  const std::string heavy = "{% for i in range(3000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}done";
+  auto t = lorarun::chat::Template::compile(heavy, 0);
+  REQUIRE(std::holds_alternative<lorarun::chat::Template>(t));
+  std::atomic<bool> stop{false};
+  const auto r = std::get<lorarun::chat::Template>(t).render(ordered_json::object(), &stop);
+  REQUIRE(std::holds_alternative<lorarun::chat::Rendered>(r));
+  CHECK(std::get<lorarun::chat::Rendered>(r).text == "done");
+  auto endless = lorarun::chat::Template::compile(
+      "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", 0);
+  REQUIRE(std::holds_alternative<lorarun::chat::Template>(endless));
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    stop = true;
+  });
+  const auto t0 = Clock::now();
+  const auto given_up = std::get<lorarun::chat::Template>(endless).render(ordered_json::object(), &stop);
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  stopper.join();
+  REQUIRE(std::holds_alternative<std::string>(given_up));
+  CHECK(std::get<std::string>(given_up) == lorarun::chat::kRenderStopped);
+  CHECK(s < 0.3 + 0.2);
 }
 
 TEST_CASE("chat templates: a real template on a long conversation with tools needs under 1% of the default fuel") {

@@ -266,16 +266,22 @@ fn describe(e: &Error) -> String {
     s.replace('\n', " ")
 }
 
-/// A template compiled once: the environment with transformers' additions, and the rewritten
-/// source it borrows (owned here, freed after the environment).
+/// The fuel of a first, quick try at a render (real chat templates spend far less): one that
+/// needs more is rendered again with the whole fuel, where the caller can stop waiting for it.
+const QUICK_FUEL: u64 = 1_000_000;
+
+/// A template compiled once: the environment with transformers' additions (one allowed the whole
+/// fuel, one the quick try's), and the rewritten source they borrow (owned here, freed after them).
 pub struct Compiled {
     env: Environment<'static>,
+    quick: Environment<'static>,
     source: *mut str,
 }
 
 impl Drop for Compiled {
     fn drop(&mut self) {
         self.env = Environment::empty();
+        self.quick = Environment::empty();
         // SAFETY: `source` came from Box::into_raw in compile(), and nothing borrows it any more.
         unsafe { drop(Box::from_raw(self.source)) };
     }
@@ -285,9 +291,25 @@ fn compile(template: &str, fuel: u64) -> Result<Compiled, String> {
     if template.contains(OPEN) || template.contains(CLOSE) {
         return Err("the template holds U+FDD0 or U+FDD1, which mark generation spans".into());
     }
+    let source: *mut str = Box::into_raw(rewrite_generation_tags(template).into_boxed_str());
+    // SAFETY: `source` lives until Compiled is dropped, after the environments that borrow it.
+    let text: &'static str = unsafe { &*source };
+    let quick_fuel = if fuel == 0 { QUICK_FUEL } else { fuel.min(QUICK_FUEL) };
+    let made = environment(text, fuel).and_then(|env| Ok((env, environment(text, quick_fuel)?)));
+    match made {
+        Ok((env, quick)) => Ok(Compiled { env, quick, source }),
+        Err(e) => {
+            // SAFETY: as in Drop: nothing borrows `source` once the environments are gone.
+            unsafe { drop(Box::from_raw(source)) };
+            Err(e)
+        }
+    }
+}
+
+/// The environment of `text`, each render of it allowed `fuel` (minijinja's unit: about one
+/// instruction, or 64 bytes of data made; 0: unbounded).
+fn environment(text: &'static str, fuel: u64) -> Result<Environment<'static>, String> {
     let mut env = Environment::new();
-    // One render may spend at most `fuel` (minijinja's unit: about one instruction, or 64 bytes
-    // of data made); 0: unbounded.
     env.set_fuel(if fuel == 0 { None } else { Some(fuel) });
     env.set_syntax(
         minijinja::syntax::SyntaxConfig::builder()
@@ -301,21 +323,18 @@ fn compile(template: &str, fuel: u64) -> Result<Compiled, String> {
     env.add_function("strftime_now", strftime_now);
     env.add_function("__lorarun_generation", generation);
     env.add_filter("tojson", tojson);
-    let source: *mut str = Box::into_raw(rewrite_generation_tags(template).into_boxed_str());
-    let mut compiled = Compiled { env, source };
-    // SAFETY: `source` lives until Compiled is dropped, after the environment that borrows it.
-    let text: &'static str = unsafe { &*compiled.source };
-    compiled.env.add_template("chat", text).map_err(|e| describe(&e))?;
-    Ok(compiled)
+    env.add_template("chat", text).map_err(|e| describe(&e))?;
+    Ok(env)
 }
 
-fn render(compiled: &Compiled, context_json: &str) -> Result<String, String> {
+fn render(compiled: &Compiled, context_json: &str, quick: bool) -> Result<String, String> {
     if context_json.contains(OPEN) || context_json.contains(CLOSE) {
         return Err("the messages hold U+FDD0 or U+FDD1, which mark generation spans".into());
     }
     let context: serde_json::Value =
         serde_json::from_str(context_json).map_err(|e| format!("the context is not JSON: {}", e))?;
-    let t = compiled.env.get_template("chat").map_err(|e| describe(&e))?;
+    let env = if quick { &compiled.quick } else { &compiled.env };
+    let t = env.get_template("chat").map_err(|e| describe(&e))?;
     t.render(Value::from(minijinja::value::Serde(&context)))
         .map_err(|e| describe(&e))
 }
@@ -371,10 +390,10 @@ pub unsafe extern "C" fn lorarun_chat_release(handle: *mut Compiled) {
     }
 }
 
-/// Renders the compiled template with the variables of the JSON object `context`. Returns 0 and
-/// the text in *out (generation spans between U+FDD0 and U+FDD1), or 1 and a one-line message
-/// ("line N: ...") in *out. *out is freed with lorarun_chat_free. Several threads may render one
-/// handle at once.
+/// Renders the compiled template with the variables of the JSON object `context`, allowed its
+/// whole fuel, or with `quick` (not 0) at most the quick try's. Returns 0 and the text in *out
+/// (generation spans between U+FDD0 and U+FDD1), or 1 and a one-line message ("line N: ...") in
+/// *out. *out is freed with lorarun_chat_free. Several threads may render one handle at once.
 ///
 /// # Safety
 /// `handle` must be live; the pointers must be valid for the lengths given; `out` and `out_len`
@@ -384,12 +403,13 @@ pub unsafe extern "C" fn lorarun_chat_render(
     handle: *const Compiled,
     context: *const u8,
     context_len: usize,
+    quick: i32,
     out: *mut *mut u8,
     out_len: *mut usize,
 ) -> i32 {
     let c = std::slice::from_raw_parts(context, context_len);
     let result = match std::str::from_utf8(c) {
-        Ok(c) => render(&*handle, c),
+        Ok(c) => render(&*handle, c, quick != 0),
         Err(_) => Err("the context is not UTF-8".to_string()),
     };
     let (status, text) = match result {
