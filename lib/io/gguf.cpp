@@ -3,9 +3,12 @@
 #include <fmt/format.h>
 #include <unistd.h>
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cerrno>
 #include <cstring>
+#include <optional>
+#include <span>
 
 #include "io/files.hpp"
 #include "util/error.hpp"
@@ -751,6 +754,75 @@ void dequantize(GgmlType type, std::span<const std::byte> in, std::span<float> o
   if (in.size() % tr->block_bytes != 0 || in.size() / tr->block_bytes * tr->block_size != out.size())
     throw Error(fmt::format("dequantising {}: {} bytes do not make {} values", tr->name, in.size(), out.size()));
   dequantize_values(*tr, in.data(), out.size(), out.data());
+}
+
+namespace {
+
+// Where a block of `type` holds its float16 scales (d, and dmin or m where it has one): -1 none.
+std::array<int, 2> scale_offsets(GgmlType type) {
+  switch (type) {
+    case GgmlType::Q4_0:
+    case GgmlType::Q5_0:
+    case GgmlType::Q8_0:
+      return {0, -1};
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_1:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+      return {0, 2};
+    case GgmlType::Q2_K:
+      return {80, 82};
+    case GgmlType::Q3_K:
+      return {108, -1};
+    case GgmlType::Q6_K:
+      return {208, -1};
+    default:
+      return {-1, -1};
+  }
+}
+
+bool f16_finite(uint16_t h) { return (h & 0x7c00) != 0x7c00; }
+
+// The index of the first value (F32, F16, BF16) or block (the block types) that is not finite.
+std::optional<size_t> first_not_finite(GgmlType type, std::span<const std::byte> in, size_t block_bytes) {
+  const std::byte* p = in.data();
+  switch (type) {
+    case GgmlType::F32:
+      for (size_t i = 0; i < in.size() / 4; ++i) {
+        uint32_t u;
+        std::memcpy(&u, p + 4 * i, 4);
+        if ((u & 0x7f800000u) == 0x7f800000u) return i;
+      }
+      return std::nullopt;
+    case GgmlType::F16:
+      for (size_t i = 0; i < in.size() / 2; ++i)
+        if (!f16_finite(u16(p + 2 * i))) return i;
+      return std::nullopt;
+    case GgmlType::BF16:
+      for (size_t i = 0; i < in.size() / 2; ++i)
+        if ((u16(p + 2 * i) & 0x7f80) == 0x7f80) return i;
+      return std::nullopt;
+    default:
+      break;
+  }
+  const std::array<int, 2> at = scale_offsets(type);
+  for (size_t b = 0; at[0] >= 0 && b < in.size() / block_bytes; ++b)
+    for (const int o : at)
+      if (o >= 0 && !f16_finite(u16(p + b * block_bytes + static_cast<size_t>(o)))) return b;
+  return std::nullopt;
+}
+
+}  // namespace
+
+void check_finite(const GgufFile& file, const GgufTensorInfo& t) {
+  if (!can_dequantize(t.type)) return;
+  const TypeTraits& tr = traits(t.type);
+  const std::optional<size_t> bad = first_not_finite(t.type, file.bytes(t), tr.block_bytes);
+  if (!bad) return;
+  throw ConfigError(fmt::format(
+      "{}: tensor '{}' ({}) holds {} that is NaN or infinite: the file is damaged; download or convert it again",
+      file.path(), t.name, tr.name,
+      tr.block_size == 1 ? fmt::format("value {}", *bad) : fmt::format("block {} with a scale", *bad)));
 }
 
 void dequantize(const GgufFile& file, const GgufTensorInfo& t, std::span<float> out) {

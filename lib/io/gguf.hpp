@@ -166,4 +166,10 @@ void dequantize(GgmlType type, std::span<const std::byte> in, std::span<float> o
 // the file's order); the error for an unsupported type names the file, the tensor and the types.
 void dequantize(const GgufFile& file, const GgufTensorInfo& t, std::span<float> out);
 
+// Throws ConfigError naming the file and the tensor when `t` would dequantise to a value that is
+// not finite (a damaged file): for F32, F16 and BF16 any value that is NaN or infinite, for the
+// block types a block scale that is (each value of a block is its scales times small whole
+// numbers, so finite scales make finite values). Types dequantize() refuses pass unchecked.
+void check_finite(const GgufFile& file, const GgufTensorInfo& t);
+
 }  // namespace lorarun::io

@@ -390,6 +390,7 @@ at::Tensor GgufWeights::load(const std::string& name, at::ScalarType dtype, at::
   std::vector<int64_t> hf_shape = t.torch_shape();
   if (conv1d) std::swap(hf_shape[0], hf_shape[1]);
   check_shape(g, hf_shape, shape);
+  io::check_finite(*file_, t);                                 // (a damaged file is never trained on)
   at::Tensor w = dequantize(*file_, t);                        // float32, the one temporary
   if (config_.gemma && g.ends_with("norm.weight")) w.sub_(1);  // llama.cpp's converter stores Gemma's 1 + weight
   const int64_t heads = permuted_heads(g);
@@ -420,10 +421,11 @@ GgufBlocks GgufWeights::blocks(const std::string& name, at::ScalarType dtype, at
                .dtype = dtype,
                .device = device};
   const auto bytes = static_cast<int64_t>(t.nbytes);
-  if (device.is_meta()) {
+  if (device.is_meta()) {  // (shapes only: no value is read)
     b.raw = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
     return b;
   }
+  io::check_finite(*file_, t);  // (its scales once here: dequantised at every use later)
   b.raw = at::empty({bytes}, at::kByte);
   const std::span<const std::byte> src = file_->bytes(t);
   std::memcpy(b.raw.data_ptr(), src.data(), src.size());

@@ -148,3 +148,49 @@ TEST_CASE("model.keep_quantized: refusals are one line each, before training", "
     CHECK_FALSE(std::filesystem::exists(dir + "/bad/epoch_0"));
   }
 }
+
+TEST_CASE(
+    "a GGUF whose block scale is NaN (or whose F16 value is infinite) is refused in one line naming the file and the "
+    "tensor: by lora-train (dequantised at load and kept quantised), lora-generate and lora-merge",
+    "[e2e][gguf]") {
+  const std::string dir = temp_dir("gguf-not-finite");
+  for (const auto& [type, patch] : {std::pair{"Q4_1", "007e"}, std::pair{"F16", "007c"}}) {
+    INFO(type);
+    const std::string file = quantized_model(dir, type);
+    const std::string good = recipe(dir, std::string("good-") + type, file);
+    const Result trained = sh(fmt::format("{} --nproc-per-node 1 {}", bin("lorarun"), good));
+    INFO(trained.output);
+    REQUIRE(trained.status == 0);
+    const std::string adapter = fmt::format("{}/good-{}/epoch_0", dir, type);
+    // The first block's scale (Q4_1: d, a float16 at its start) or the first value (F16) of one tensor,
+    // as gguf-py finds it, made NaN (0x7e00) or +inf (0x7c00), little-endian.
+    const Result patched = sh(fmt::format(
+        "'{}' -c \"import gguf, sys; r = gguf.GGUFReader(sys.argv[1]); "
+        "t = next(t for t in r.tensors if t.name == 'blk.0.ffn_down.weight'); "
+        "f = open(sys.argv[1], 'r+b'); f.seek(int(t.data_offset)); f.write(bytes.fromhex(sys.argv[2]))\" '{}' {}",
+        LORARUN_PYTHON, file, patch));
+    INFO(patched.output);
+    REQUIRE(patched.status == 0);
+    const std::string says = fmt::format(
+        "{}: tensor 'blk.0.ffn_down.weight' ({}) holds {} that is NaN or infinite: "
+        "the file is damaged",
+        file, type, std::string(type) == "F16" ? "value 0" : "block 0 with a scale");
+    const std::string cfg = recipe(dir, std::string("bad-") + type, file);
+    for (const std::string& cmd :
+         {fmt::format("{} --nproc-per-node 1 {}", bin("lorarun"), cfg),
+          fmt::format("{} --nproc-per-node 1 {} model.keep_quantized=true", bin("lorarun"), cfg),
+          fmt::format("{} --model {} --adapter {} --prompt ABCD --max-new-tokens 4", bin("lora-generate"), file,
+                      adapter),
+          fmt::format("{} --model {} --adapter {} --out {}/merged-{}.gguf --gguf-type q8_0", bin("lora-merge"), file,
+                      adapter, dir, type)}) {
+      const Result r = sh(cmd);
+      INFO(cmd);
+      INFO(r.output);
+      CHECK(r.status != 0);
+      CHECK_THAT(r.output, Catch::Contains(says));
+      CHECK_THAT(r.output, !Catch::Contains("internal error") && !Catch::Contains("train.lr"));
+    }
+    CHECK_FALSE(std::filesystem::exists(fmt::format("{}/merged-{}.gguf", dir, type)));
+    CHECK_FALSE(std::filesystem::exists(fmt::format("{}/bad-{}/epoch_0", dir, type)));
+  }
+}
