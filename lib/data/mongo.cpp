@@ -287,11 +287,14 @@ std::vector<Found> Client::find_by_ids(const std::string& db, const std::string&
                                        const std::vector<std::string>& ids, const std::vector<std::string>& fields) {
   std::unique_ptr<mongoc_collection_t, CollectionDeleter> c(
       mongoc_client_get_collection(client_.get(), db.c_str(), coll.c_str()));
+  // An id may come more than once (a mixture repeats an upsampled source's documents): asked for
+  // once, its document fills every position that named it.
   nlohmann::json in = nlohmann::json::array();
-  std::map<std::string, size_t> where;
+  std::map<std::string, std::vector<size_t>> where;
   for (size_t i = 0; i < ids.size(); ++i) {
-    in.push_back(nlohmann::json::parse(ids[i])["_id"]);
-    where.emplace(ids[i], i);
+    std::vector<size_t>& at = where[ids[i]];
+    if (at.empty()) in.push_back(nlohmann::json::parse(ids[i])["_id"]);
+    at.push_back(i);
   }
   const BsonPtr query = to_bson({{"_id", {{"$in", in}}}}, "id query");
   nlohmann::json opts = nlohmann::json::object();
@@ -306,7 +309,10 @@ std::vector<Found> Client::find_by_ids(const std::string& db, const std::string&
   const bson_t* doc = nullptr;
   while (mongoc_cursor_next(cur.get(), &doc)) {
     Found f = decode(doc);
-    if (auto w = where.find(f.id); w != where.end()) out[w->second] = std::move(f);
+    const auto w = where.find(f.id);
+    if (w == where.end()) continue;
+    for (size_t k = 1; k < w->second.size(); ++k) out[w->second[k]] = f;
+    out[w->second.front()] = std::move(f);
   }
   bson_error_t error;
   if (mongoc_cursor_error(cur.get(), &error))

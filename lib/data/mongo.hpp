@@ -95,7 +95,8 @@ class Client {
                   std::optional<int64_t> limit, const std::function<void(const std::string&)>& each);
 
   // The documents with these ids (as sorted_ids gives them), in the same order (doc null where
-  // one is gone). `fields` (if not empty) limits what the server sends.
+  // one is gone); an id given twice gets its document twice. `fields` (if not empty) limits what
+  // the server sends.
   std::vector<Found> find_by_ids(const std::string& db, const std::string& coll, const std::vector<std::string>& ids,
                                  const std::vector<std::string>& fields);
 

@@ -335,6 +335,21 @@ TEST_CASE("the reader fetches only the fields the format needs", "[db]") {
   CHECK(data::ExampleBuilder(chat, tokenizer()).fields() == std::vector<std::string>{"messages"});
 }
 
+TEST_CASE("a fetch that names a document several times gets it at every place (a mixture's repeats)", "[db]") {
+  recipe::DataSection d = with_documents(test_uri(), 3, Shuffle::None);
+  const data::Documents docs(d);
+  const std::vector<data::Found> once = docs.fetch_found({0, 1, 2}, {});
+  const std::vector<data::Found> got = docs.fetch_found({2, 0, 2, 1, 0, 2}, {});
+  REQUIRE(got.size() == 6);
+  for (const auto& [at, position] :
+       std::vector<std::pair<size_t, size_t>>{{0, 2}, {1, 0}, {2, 2}, {3, 1}, {4, 0}, {5, 2}}) {
+    INFO(at);
+    CHECK(got[at].id == once[position].id);
+    CHECK(got[at].doc == once[position].doc);
+    CHECK_FALSE(got[at].doc.is_null());
+  }
+}
+
 TEST_CASE("bad documents are counted by kind, with the first ids and reasons", "[db]") {
   const std::vector<nlohmann::json> docs{
       {{"_id", 1}, {"instruction", "doc 1"}, {"output", "ok"}},
