@@ -153,18 +153,6 @@ std::vector<std::pair<std::string, at::Tensor>> state_of(const CausalLM& model, 
   return out;
 }
 
-// Adapter `slot` of a job of many, under PEFT's names.
-std::vector<std::pair<std::string, at::Tensor>> tenant_state(const CausalLM& model, int slot) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const Linear* l : model.linears()) {
-    if (l->tenants.size() <= static_cast<size_t>(slot) || !l->tenants[static_cast<size_t>(slot)].a.defined()) continue;
-    const TenantLora& t = l->tenants[static_cast<size_t>(slot)];
-    out.emplace_back(kPrefix + l->name + ".lora_A.weight", t.a);
-    out.emplace_back(kPrefix + l->name + ".lora_B.weight", t.b);
-  }
-  return out;
-}
-
 // Throws the error of target_modules that match no layer, listing the model's layer names.
 [[noreturn]] void matched_nothing(const CausalLM& model, const LoraConfig& cfg) {
   std::set<std::string> names;
@@ -238,6 +226,17 @@ void attach_tenant(CausalLM& model, const LoraConfig& cfg, uint64_t seed, int sl
     ++matched;
   }
   if (matched == 0) matched_nothing(model, cfg);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> tenant_state(const CausalLM& model, int slot) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const Linear* l : model.linears()) {
+    if (l->tenants.size() <= static_cast<size_t>(slot) || !l->tenants[static_cast<size_t>(slot)].a.defined()) continue;
+    const TenantLora& t = l->tenants[static_cast<size_t>(slot)];
+    out.emplace_back(kPrefix + l->name + ".lora_A.weight", t.a);
+    out.emplace_back(kPrefix + l->name + ".lora_B.weight", t.b);
+  }
+  return out;
 }
 
 std::vector<at::Tensor> tenant_parameters(const CausalLM& model, int slot) {

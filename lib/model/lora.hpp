@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lorarun::recipe {
@@ -50,7 +51,8 @@ void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::Scal
 // as attach_lora starts an adapter with the same config and seed (default or gaussian init); the
 // linears' other slots stay empty until theirs are added. Throws as attach_lora does.
 void attach_tenant(CausalLM& model, const LoraConfig& cfg, uint64_t seed, int slot, int slots);
-// Adapter `slot`'s A and B of each layer it adapts, in model order.
+// Adapter `slot`'s A and B of each layer it adapts, in model order: under PEFT's names, and alone.
+std::vector<std::pair<std::string, at::Tensor>> tenant_state(const CausalLM& model, int slot);
 std::vector<at::Tensor> tenant_parameters(const CausalLM& model, int slot);
 
 // The trainable tensors, A, B (and DoRA's magnitude) for each adapted layer in model order, then

@@ -26,6 +26,7 @@
 #include "train/agreement.hpp"
 #include "train/checkpointer.hpp"
 #include "train/evaluate.hpp"
+#include "train/optimizer.hpp"
 #include "train/output_dir.hpp"
 #include "train/profile.hpp"
 #include "train/runtime.hpp"
@@ -167,9 +168,8 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
     cfg.tenant = t->slot;
     model::attach_tenant(m_, cfg, static_cast<uint64_t>(r.train.seed), t->slot, static_cast<int>(specs.size()));
     t->params = model::tenant_parameters(m_, t->slot);
-    t->opt = std::make_unique<torch::optim::AdamW>(
-        std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(t->params)},
-        torch::optim::AdamWOptions(t->r.train.lr).weight_decay(t->r.train.weight_decay));
+    t->opt =
+        make_adamw(model::tenant_state(m_, t->slot), t->r.train.lr, t->r.train.weight_decay, t->r.lora.plus_lr_ratio);
     model::DropoutStreams* streams = &streams_;
     const int slot = t->slot;
     const RngStream rng{[streams, slot] { return streams->state(slot); },
@@ -464,7 +464,7 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
       RECORD_USER_SCOPE("optimizer");
       if (t.r.train.max_grad_norm && !grads[i].empty())  // torch's clip_grad_norm_
         at::_foreach_mul_(grads[i], (*t.r.train.max_grad_norm / (norms[i] + 1e-6)).clamp_max(1.0));
-      static_cast<torch::optim::AdamWOptions&>(t.opt->param_groups()[0].options()).lr(lr);
+      set_lr(*t.opt, lr, t.r.lora.plus_lr_ratio);
       // One rank and no rows of it this step: its own run has no gradients, and AdamW skips them.
       if (env_.world_size > 1 || t.tokens > 0) t.opt->step();
     }

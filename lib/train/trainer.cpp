@@ -23,6 +23,7 @@
 #include "train/checkpointer.hpp"
 #include "train/evaluate.hpp"
 #include "train/job.hpp"
+#include "train/optimizer.hpp"
 #include "train/output_dir.hpp"
 #include "train/preference.hpp"
 #include "train/profile.hpp"
@@ -112,7 +113,7 @@ class Trainer {
   const Agreement agree_;
   std::vector<at::Tensor> params_;
   std::optional<PreferenceObjective> pref_;  // train.objective: dpo, orpo
-  torch::optim::AdamW opt_;
+  std::unique_ptr<torch::optim::AdamW> opt_;
   dist::GradBuckets sync_;
   Checkpointer ckpt_;
   std::unique_ptr<track::RunSinks> sinks_;  // rank 0
@@ -137,16 +138,6 @@ class Trainer {
   StepProfiler profile_{r_.train.profile_steps, r_.checkpoint.output_dir, env_.rank, cuda_};
 };
 
-// AdamW's parameter groups: all adapter tensors, or with LoRA+ (lora.plus_lr_ratio) A's in the
-// first and B's and the 1-D ones (DoRA's magnitudes) in a second, as PEFT's
-// create_loraplus_optimizer groups them.
-std::vector<torch::optim::OptimizerParamGroup> adamw_groups(const model::CausalLM& m, std::optional<double> ratio) {
-  if (!ratio) return {torch::optim::OptimizerParamGroup(model::lora_parameters(m))};
-  std::vector<at::Tensor> a, b;
-  for (const auto& [name, t] : model::lora_state(m)) (name.ends_with(".lora_A.weight") ? a : b).push_back(t);
-  return {torch::optim::OptimizerParamGroup(a), torch::optim::OptimizerParamGroup(b)};
-}
-
 // The process group and the runtime first; AdamW over the LoRA parameters, their gradient buckets.
 Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
     : r_(r),
@@ -162,10 +153,9 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       pref_(r.train.objective != recipe::Objective::Sft
                 ? std::optional<PreferenceObjective>(std::in_place, r, m_, params_)
                 : std::nullopt),
-      opt_(adamw_groups(m_, r.lora.plus_lr_ratio),
-           torch::optim::AdamWOptions(r.train.lr).weight_decay(r.train.weight_decay)),
+      opt_(make_adamw(model::lora_state(m_), r.train.lr, r.train.weight_decay, r.lora.plus_lr_ratio)),
       sync_(pg_, params_, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4)),
-      ckpt_(r, agree_, m_, model::lora_config_of(r.lora, r.model.path), params_, opt_, rt_.data_identity(), cuda_),
+      ckpt_(r, agree_, m_, model::lora_config_of(r.lora, r.model.path), params_, *opt_, rt_.data_identity(), cuda_),
       schedule_(schedule_of(r.train.lr_scheduler)),
       steps_per_epoch_(steps_per_epoch(r, rt_.per_rank(env.world_size))),
       total_steps_(steps_per_epoch_ * r.train.epochs) {}
@@ -311,7 +301,7 @@ StepResult Trainer::step(data::MicroBatches* batches) {
                             *sinks_->lost_lease()));
   }
   if (res.data_failed) {
-    opt_.zero_grad();
+    opt_->zero_grad();
     return res;
   }
   if (!std::isfinite(res.loss) || !std::isfinite(res.grad_norm))
@@ -323,11 +313,9 @@ StepResult Trainer::step(data::MicroBatches* batches) {
   RECORD_USER_SCOPE("optimizer");                // (train.profile_steps: the clipping and AdamW's step, as one)
   if (r_.train.max_grad_norm && !grads.empty())  // torch's clip_grad_norm_
     at::_foreach_mul_(grads, (*r_.train.max_grad_norm / (grad_norm + 1e-6)).clamp_max(1.0));
-  for (size_t g = 0; g < opt_.param_groups().size(); ++g)  // LoRA+: the second group is B's
-    static_cast<torch::optim::AdamWOptions&>(opt_.param_groups()[g].options())
-        .lr(g == 0 ? res.lr : res.lr * *r_.lora.plus_lr_ratio);
-  opt_.step();
-  opt_.zero_grad();
+  set_lr(*opt_, res.lr, r_.lora.plus_lr_ratio);
+  opt_->step();
+  opt_->zero_grad();
   res.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return res;
 }

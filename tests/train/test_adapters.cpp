@@ -1,8 +1,8 @@
 // adapters: (a job of many adapters on one base) end to end with the real binaries on the tiny llama
 // fixture: every adapter of a 3- and an 8-adapter job against its own run (adapter_recipe's recipe,
 // trained by lora-train alone) at every kept epoch and best/, per: from FerretDB and list: from
-// JSONL files, 2 ranks, dropout, cosine with warmup, per-adapter r, alpha, lr and epochs, QLoRA with
-// activation checkpointing, packing; an exact resume after kill -9 and after SIGTERM during an
+// JSONL files, 2 ranks, dropout, cosine with warmup, per-adapter r, alpha, lr and epochs, QLoRA and
+// LoRA+ with activation checkpointing, packing; an exact resume after kill -9 and after SIGTERM during an
 // evaluation; the metrics rows and the run record; the dry run; the refusals.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
@@ -201,7 +201,7 @@ TEST_CASE(
 
 TEST_CASE(
     "adapters.list: each adapter of an 8-adapter job (6 to 40 documents, with their own r, alpha, lr, epochs) on 2 "
-    "ranks in passes of 3 adapters, with QLoRA, activation checkpointing and packing, is its own run",
+    "ranks in passes of 3 adapters, with QLoRA, LoRA+, activation checkpointing and packing, is its own run",
     "[e2e]") {
   const std::string dir = temp_dir("adapters-list");
   const std::vector<Tenant> tenants = {
@@ -224,7 +224,7 @@ TEST_CASE(
   }
   const std::string recipe =
       job_recipe(dir, "job",
-                 {.lora = ", quantize_base: true",
+                 {.lora = ", quantize_base: true, plus_lr_ratio: 16",
                   .data = ", source: jsonl, packing: true, max_length: 48",
                   .train = ", activation_checkpointing: true",
                   .extra = fmt::format("track: {{mongodb: false}}\nadapters: {{per_pass: 3, list: [{}]}}", list)});
@@ -232,7 +232,8 @@ TEST_CASE(
   INFO(job.output);
   REQUIRE(job.status == 0);
   for (const Tenant& t : tenants) run_own(recipe, dir + "/own", t, fmt::format("data.path={}/{}.jsonl", dir, t.name));
-  check_against_own_runs(dir + "/job", dir + "/own", tenants, "list of 8, QLoRA, activation checkpointing, packing");
+  check_against_own_runs(dir + "/job", dir + "/own", tenants,
+                         "list of 8, QLoRA, LoRA+, activation checkpointing, packing");
   CHECK(fs::exists(dir + "/job/t6/epoch_2"));   // 3 epochs
   CHECK(!fs::exists(dir + "/job/t3/epoch_1"));  // 1 epoch
   const json config = json::parse(read_file(dir + "/job/t1/epoch_0/adapter_config.json"));
