@@ -2,13 +2,11 @@
 
 #include <fmt/format.h>
 #include <algorithm>
-#include <filesystem>
-#include <fstream>
 #include <optional>
-#include <sstream>
 
 #include "chat/chat_template.hpp"
 #include "util/error.hpp"
+#include "util/input_file.hpp"
 
 namespace lorarun::data {
 namespace {
@@ -225,14 +223,7 @@ nlohmann::ordered_json template_message(const Document& m) {
   return out;
 }
 
-std::string read_template(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in || std::filesystem::is_directory(path))
-    throw Error(fmt::format("data.chat_template: cannot read '{}' (a Jinja chat template file)", path));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string read_template(const std::string& path) { return read_input(path, "data.chat_template"); }
 
 // transformers' assistant mask: a token is marked when its range overlaps a span (spans and
 // ranges in order; a span cut by truncation keeps its remaining tokens).

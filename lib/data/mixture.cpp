@@ -98,7 +98,7 @@ Mixture::Mixture(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, PairT
       s.docs = std::make_unique<Documents>(*s.config, holdout);
       s.builder = std::make_unique<ExampleBuilder>(*s.config, tokenizer, std::nullopt, pairs);
     } catch (const Error& e) {
-      throw Error(fmt::format("data.sources '{}': {}", spec.name, e.what()));
+      rethrow_within(e, fmt::format("data.sources '{}': ", spec.name));
     }
   }
   int64_t held = 0;

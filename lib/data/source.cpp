@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 #include <algorithm>
-#include <fstream>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <unordered_map>
 #include <unordered_set>
@@ -11,6 +14,7 @@
 #include "data/mongo.hpp"
 #include "data/shard.hpp"
 #include "util/error.hpp"
+#include "util/input_file.hpp"
 
 namespace lorarun::data {
 
@@ -76,15 +80,24 @@ Documents::Documents(const recipe::DataSection& d, const Holdout& holdout) : d_(
   if (d.source == recipe::Source::Jsonl) {
     // the key that named the file: eval.path for an eval split of its own
     const char* key = holdout_.eval && holdout_.fraction <= 0 ? "eval.path" : "data.path";
-    std::ifstream in(d.path);
-    if (!in) throw Error(fmt::format("{} {} cannot be read", key, d.path));
-    for (std::string line; std::getline(in, line);)
-      if (line.find_first_not_of(" \t\r") != std::string::npos) lines_.push_back(line);
+    std::unique_ptr<std::FILE, int (*)(std::FILE*)> in(fdopen(open_input(d.path, key), "r"), &std::fclose);
+    if (!in) throw ConfigError(fmt::format("{} {} cannot be read: {}", key, d.path, std::strerror(errno)));
+    char* buf = nullptr;
+    size_t cap = 0;
+    for (ssize_t n; (n = getline(&buf, &cap, in.get())) >= 0;) {
+      std::string line(buf, static_cast<size_t>(n));
+      if (!line.empty() && line.back() == '\n') line.pop_back();
+      if (line.find_first_not_of(" \t\r") != std::string::npos) lines_.push_back(std::move(line));
+    }
+    std::free(buf);
+    if (std::ferror(in.get()))
+      throw ConfigError(fmt::format("{} {} cannot be read: {}", key, d.path, std::strerror(errno)));
     if (d.limit && static_cast<int64_t>(lines_.size()) > *d.limit) lines_.resize(static_cast<size_t>(*d.limit));
     std::erase_if(lines_, [&](const std::string& line) { return !keep(line); });
     if (holdout_.max && static_cast<int64_t>(lines_.size()) > *holdout_.max)
       lines_.resize(static_cast<size_t>(*holdout_.max));
-    if (lines_.empty() && holdout_.fraction <= 0) throw Error(fmt::format("{} {} holds no documents", key, d.path));
+    if (lines_.empty() && holdout_.fraction <= 0)
+      throw ConfigError(fmt::format("{} {} holds no documents", key, d.path));
     if (lines_.empty())
       throw EmptySplit(
           holdout_.eval ? fmt::format("eval.fraction {} holds out no document of data.path {}: raise eval.fraction",

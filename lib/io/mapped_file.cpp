@@ -9,12 +9,12 @@
 #include <cstring>
 
 #include "util/error.hpp"
+#include "util/input_file.hpp"
 
 namespace lorarun::io {
 
 MappedFile::MappedFile(const std::string& path, Access access) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(fmt::format("cannot open {}: {}", path, std::strerror(errno)));
+  const int fd = open_input(path);
   struct stat st{};
   if (fstat(fd, &st) != 0) {
     const int e = errno;

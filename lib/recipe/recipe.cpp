@@ -11,7 +11,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <set>
 #include <utility>
@@ -22,6 +21,7 @@
 #include "recipe/schema.hpp"
 #include "recipe/suggest.hpp"
 #include "util/error.hpp"
+#include "util/input_file.hpp"
 #include "util/secrets.hpp"
 
 namespace lorarun::recipe {
@@ -533,11 +533,10 @@ Recipe recipe_from_yaml(const YAML::Node& root, const std::vector<std::string>& 
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
   if (std::filesystem::is_directory(path))
     throw Error(fmt::format("{}: is a directory, not a recipe; give a .yaml file (see configs/)", path));
-  std::ifstream in(path);
-  if (!in) throw Error(fmt::format("{}: cannot open the recipe ({}); check the path", path, std::strerror(errno)));
+  const std::string text = read_input(path, "the recipe");
   YAML::Node root;
   try {
-    root = YAML::Load(in);
+    root = YAML::Load(text);
   } catch (const YAML::ParserException& e) {
     throw Error(
         fmt::format("{}: malformed YAML at line {}, column {}: {} (check the indentation, colons and "

@@ -6,9 +6,7 @@
 #include <atomic>
 #include <cctype>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <thread>
 #include <unordered_map>
 
@@ -17,6 +15,7 @@
 #include "tokenizer/components.hpp"
 #include "tokenizer/unicode.hpp"
 #include "util/error.hpp"
+#include "util/input_file.hpp"
 
 namespace lorarun::tok {
 
@@ -61,13 +60,7 @@ constexpr int64_t kMaxTokenId = (int64_t{1} << 24) - 1;
 // Padding allocates its length in every encode (and decode of the ids): cap a corrupt value.
 constexpr int64_t kMaxPadLength = int64_t{1} << 22;
 
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(fmt::format("{}: cannot read the file (check that it exists and is readable)", path.string()));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string read_file(const std::filesystem::path& path) { return read_input(path.string()); }
 
 json parse_json(const std::filesystem::path& path) {
   std::string text = read_file(path);

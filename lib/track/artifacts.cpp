@@ -248,8 +248,7 @@ void ArtifactStore::Impl::fetch_file(const std::string& run_id, const std::strin
   const std::string what =
       fmt::format("downloading {} of {}/{} from GridFS at {} failed", f.name, run_id, artifact, client.redacted_uri());
   fs::create_directories(path.parent_path());
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw Error(fmt::format("cannot write {}: check that the directory is writable", path.string()));
+  io::OutFile out(path.string(), io::OutFile::Mode::Truncate);
   io::Sha256 sha;
   int64_t got = 0;
   each_chunk(f.file_id, what, [&](const uint8_t* data, uint32_t n) {
@@ -258,10 +257,8 @@ void ArtifactStore::Impl::fetch_file(const std::string& run_id, const std::strin
       throw Error(fmt::format("{} of {}/{} in GridFS is damaged: it holds more than the {} bytes its record says",
                               f.name, run_id, artifact, f.bytes));
     sha.update(data, n);
-    out.write(reinterpret_cast<const char*>(data), n);
+    out.write(data, n);
   });
-  out.close();
-  if (!out) throw Error(fmt::format("writing {} failed (is the disk full?)", path.string()));
   const std::string hex = sha.hex();
   if (got != f.bytes || hex != f.sha256)
     throw Error(

@@ -6,6 +6,7 @@
 #include "track/record.hpp"
 #include "util/error.hpp"
 #include "util/secrets.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::track {
 namespace {
@@ -45,6 +46,7 @@ recipe::Recipe recipe_from_run(const std::string& ref, const std::string& runs_d
                                const std::vector<std::string>& overrides, std::chrono::milliseconds timeout) {
   if (uri.empty()) throw Error("--from-run reads the run record from MongoDB: give --uri or set LORARUN_MONGODB_URI");
   const RunRef run = parse_run_ref(ref, runs_db);
+  check_database_name(run.database, "--from-run names the database");  // before the server sees it
   nlohmann::json j = load_run_recipe(uri, run.database, run.id, timeout);
   std::vector<std::string> notes;
   nlohmann::json& data = j["data"];

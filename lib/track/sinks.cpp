@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <torch/version.h>
 #include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "io/files.hpp"
@@ -139,11 +140,11 @@ void RunSinks::open_metrics(std::optional<int64_t> resumed_step) {
     }
     io::write_file_atomic(path.string(), kept);
   }
-  metrics_.open(path, resumed_step ? std::ios::app : std::ios::trunc);
+  metrics_ = io::OutFile(path.string(), resumed_step ? io::OutFile::Mode::Append : io::OutFile::Mode::Truncate);
 }
 
 void RunSinks::step(const json& row) {
-  metrics_ << row.dump() << "\n" << std::flush;
+  metrics_.write(row.dump() + "\n");
   if (record_) record_->metrics(row);
   const Tags tags = tags_of(row, kTrainTags);
   to_tensorboard(row.at("step").get<int64_t>(), row, tags);
@@ -152,7 +153,7 @@ void RunSinks::step(const json& row) {
 }
 
 void RunSinks::eval(const json& row) {
-  metrics_ << row.dump() << "\n" << std::flush;
+  metrics_.write(row.dump() + "\n");
   if (record_) record_->metrics(row);
   const Tags tags = tags_of(row, kEvalTags);
   to_tensorboard(row.at("step").get<int64_t>(), row, tags);

@@ -3,7 +3,6 @@
 // Rank 0 holds the sinks; the trainer hands them a row and they each take what they log.
 #pragma once
 #include <cstdint>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -11,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "io/files.hpp"
 #include "recipe/recipe.hpp"
 
 namespace lorarun::track {
@@ -67,7 +67,7 @@ class RunSinks {
                       const std::vector<std::pair<std::string, std::string>>& tags);
 
   const recipe::Recipe& r_;
-  std::ofstream metrics_;
+  io::OutFile metrics_;
   std::unique_ptr<RunRecorder> record_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;
   std::unique_ptr<MlflowRun> mlflow_;

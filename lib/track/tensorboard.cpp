@@ -237,34 +237,31 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir, std::optional<int64
   else
     remove_events_files(dir);
   path_ = (fs::path(dir) / events_file_name()).string();
-  out_.open(path_, std::ios::binary | std::ios::trunc);
-  if (!out_)
-    throw Error(
-        fmt::format("cannot write the TensorBoard events file {}: {}; make checkpoint.output_dir writable or "
-                    "set track.tensorboard: false",
-                    path_, std::strerror(errno)));
+  try {
+    out_ = io::OutFile(path_, io::OutFile::Mode::Truncate);
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}; make checkpoint.output_dir writable or set track.tensorboard: false", e.what()));
+  }
   write_event(version_event());
-  flush();
 }
 
 void TensorBoardWriter::scalars(int64_t step, const std::vector<Scalar>& values) {
-  for (const Scalar& s : values) write_event(scalar_event(step, s));
-  flush();
+  std::string records;  // one write: a live TensorBoard sees them at once
+  for (const Scalar& s : values) records += tf_record(scalar_event(step, s));
+  write(records);
 }
 
-void TensorBoardWriter::write_event(const std::string& event) {
-  const std::string record = tf_record(event);
-  out_.write(record.data(), static_cast<std::streamsize>(record.size()));
-}
+void TensorBoardWriter::write_event(const std::string& event) { write(tf_record(event)); }
 
-// Flushes to the file; a failed write (disk full, file gone) is an error.
-void TensorBoardWriter::flush() {
-  out_.flush();
-  if (!out_)
-    throw Error(
-        fmt::format("writing the TensorBoard events file {} failed (disk full?); free space or set "
-                    "track.tensorboard: false",
-                    path_));
+// A failed write (disk full, file gone) is an error.
+void TensorBoardWriter::write(const std::string& records) {
+  try {
+    out_.write(records);
+  } catch (const Error& e) {
+    throw Error(fmt::format("{} (disk full?); free space or set track.tensorboard: false", e.what()));
+  }
 }
 
 }  // namespace lorarun::track

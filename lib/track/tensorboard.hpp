@@ -6,11 +6,12 @@
 // The first event of a file holds file_version "brain.Event:2"; each scalar is an event of its own.
 #pragma once
 #include <cstdint>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "io/files.hpp"
 
 namespace lorarun::track {
 
@@ -45,10 +46,10 @@ class TensorBoardWriter {
 
  private:
   void write_event(const std::string& event);
-  void flush();
+  void write(const std::string& records);
 
   std::string path_;
-  std::ofstream out_;
+  io::OutFile out_;
 };
 
 }  // namespace lorarun::track

@@ -97,15 +97,24 @@ void restore_run(const recipe::Recipe& r, const nlohmann::json& run) {
     track::ArtifactStore store(r.data.uri, r.track.database, std::chrono::seconds(r.data.timeout_s));
     std::vector<std::string> artifacts = track::recorded_artifacts(run);
     std::stable_partition(artifacts.begin(), artifacts.end(), [&](const std::string& a) { return !is_state(a); });
+    // Every artifact's files read (and their names checked) before any is written: a record refused
+    // for one name leaves the output directory as it was.
+    std::vector<std::vector<track::ArtifactFile>> files;
+    for (const std::string& a : artifacts) {
+      files.push_back(track::recorded_files(run, a));
+      if (files.back().empty())
+        throw ConfigError(
+            fmt::format("its record lists {} without a file: the record was not written by lora-train", a));
+    }
     std::vector<std::string> restored;
     int64_t bytes = 0;
-    for (const std::string& a : artifacts) {
+    for (size_t i = 0; i < artifacts.size(); ++i) {
+      const std::string& a = artifacts[i];
       const fs::path dir = fs::path(out) / a;  // (a job's adapter's: <output_dir>/<adapter>/<artifact>)
       if (fs::exists(dir)) continue;           // what the output directory still has is its own
       fs::create_directories(dir.parent_path());
-      const std::vector<track::ArtifactFile> files = track::recorded_files(run, a);
-      store.download(id, a, files, dir.string());
-      for (const track::ArtifactFile& f : files) bytes += f.bytes;
+      store.download(id, a, files[i], dir.string());
+      for (const track::ArtifactFile& f : files[i]) bytes += f.bytes;
       restored.push_back(a);
     }
     io::sync_dir(out);

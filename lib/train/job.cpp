@@ -158,15 +158,16 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
     t->name = specs[i].name;
     t->slot = static_cast<int>(i);
     t->r = recipe::adapter_recipe(r, specs[i]);
-    try {  // (a plain Error names the adapter; one a rerun cannot change, or a lost server, stays as it is)
+    try {  // (an Error or a ConfigError names the adapter; a lost server stays as it is)
       open_data(*t);
     } catch (const Error& e) {
-      if (typeid(e) != typeid(Error)) throw;
-      throw Error(fmt::format("adapter '{}': {}", t->name, e.what()));
+      rethrow_within(e, fmt::format("adapter '{}': ", t->name));
     }
     model::LoraConfig cfg = model::lora_config_of(t->r.lora, r.model.path);
     cfg.tenant = t->slot;
-    model::attach_tenant(m_, cfg, static_cast<uint64_t>(r.train.seed), t->slot, static_cast<int>(specs.size()));
+    as_input_error([&] {
+      model::attach_tenant(m_, cfg, static_cast<uint64_t>(r.train.seed), t->slot, static_cast<int>(specs.size()));
+    });
     t->params = model::tenant_parameters(m_, t->slot);
     t->opt =
         make_adamw(model::tenant_state(m_, t->slot), t->r.train.lr, t->r.train.weight_decay, t->r.lora.plus_lr_ratio);
@@ -751,7 +752,7 @@ std::vector<data::Example> Job::examples(Tenant& t) {
     }
     const auto& why = std::get<data::Rejection>(built);
     if (r_.data.bad_documents == recipe::BadDocuments::Fail && why.kind == data::Rejection::BadDocument)
-      throw Error(fmt::format(
+      throw ConfigError(fmt::format(
           "rank {}: adapter '{}': bad document {}({}) and data.bad_documents is fail: fix the document or set "
           "data.bad_documents=skip",
           env_.rank, t.name, why.document.empty() ? "" : why.document + " ", why.reason));

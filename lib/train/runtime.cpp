@@ -117,10 +117,12 @@ int64_t steps_per_epoch(const recipe::Recipe& r, int64_t per_rank) {
 Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const RuntimeOptions& o)
     : device(rank_device(r, env)),
       shards(o.train && r.dist.shard_base ? base_shards(r, env.rank, env.world_size, o.pg) : nullptr),
-      model(load_model(r, env, o)),
-      tokenizer(model::load_tokenizer(model.dir())) {
-  model.check_tokenizer(tokenizer);
-  model.check_length(r.data.max_length, fmt::format("data.max_length {}", r.data.max_length));
+      model(as_input_error([&] { return load_model(r, env, o); })),
+      tokenizer(as_input_error([&] { return model::load_tokenizer(model.dir()); })) {
+  as_input_error([&] {
+    model.check_tokenizer(tokenizer);
+    model.check_length(r.data.max_length, fmt::format("data.max_length {}", r.data.max_length));
+  });
   const auto pairs = r.train.objective == recipe::Objective::Orpo ? data::PairTokens::Orpo : data::PairTokens::Dpo;
   if (o.tenants) {
     builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt, pairs);

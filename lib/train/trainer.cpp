@@ -450,7 +450,7 @@ std::vector<data::Example> Trainer::examples(data::MicroBatches* batches) {
     }
     const auto& why = std::get<data::Rejection>(built);
     if (r_.data.bad_documents == recipe::BadDocuments::Fail && why.kind == data::Rejection::BadDocument)
-      throw Error(
+      throw ConfigError(
           fmt::format("rank {}: bad document {}({}) and data.bad_documents is fail: fix the document or set "
                       "data.bad_documents=skip",
                       env_.rank, why.document.empty() ? "" : why.document + " ", why.reason));
@@ -663,13 +663,16 @@ void Trainer::failed(const std::string& error) {
 
 int run_training(const recipe::Recipe& r, const dist::DistEnv& env) {
   install_stop_handlers(env.rank == 0);
-  // Rank 0 holds the output directory for the run's life, before anything is written there.
+  // Rank 0 holds the output directory for the run's life, before anything is written there; no
+  // rank writes a line into it while a link planted there could take the line elsewhere.
   std::optional<OutputDirLock> lock;
-  if (env.rank == 0) {
-    lock.emplace(r.checkpoint.output_dir);
+  if (env.rank == 0) lock.emplace(r.checkpoint.output_dir);
+  io::refuse_links(r.checkpoint.output_dir, "checkpoint.output_dir");
+  if (env.rank == 0)
     claim_output_dir(r.checkpoint.output_dir, r.checkpoint.overwrite, r.checkpoint.resume == recipe::Resume::Auto);
-  }
-  log_to_file((fs::path(r.checkpoint.output_dir) / "logs" / fmt::format("rank_{}.log", env.rank)).string());
+  const fs::path logs = fs::path(r.checkpoint.output_dir) / "logs";
+  fs::create_directories(logs);
+  log_to_file(io::OutFile((logs / fmt::format("rank_{}.log", env.rank)).string(), io::OutFile::Mode::Append).release());
   info(fmt::format("rank {}/{} (local {}) on {}; lorarun {}, torch {}", env.rank, env.world_size, env.local_rank,
                    uses_cuda(r) ? "cuda" : "cpu", LORARUN_VERSION, TORCH_VERSION),
        false);

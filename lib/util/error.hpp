@@ -2,6 +2,7 @@
 #pragma once
 #include <stdexcept>
 #include <string>
+#include <typeinfo>
 
 namespace lorarun {
 
@@ -17,6 +18,28 @@ struct ConfigError : Error {
   using Error::Error;
 };
 inline constexpr int kExitConfig = 78;  // sysexits' EX_CONFIG
+
+// Within a catch block of an Error `e`: throws it again with `prefix` before its message, of the
+// same kind where that is Error or ConfigError (what the launcher decides restarts by); other kinds
+// pass as they are.
+[[noreturn]] inline void rethrow_within(const Error& e, const std::string& prefix) {
+  if (typeid(e) == typeid(ConfigError)) throw ConfigError(prefix + e.what());
+  if (typeid(e) == typeid(Error)) throw Error(prefix + e.what());
+  throw;
+}
+
+// Runs `f`; a plain Error it throws is thrown again as a ConfigError with the same message: for work
+// on input a rerun reads again alike (a model's files, the adapter they start), where a plain Error
+// means bad input. Errors of other kinds (a lost connection, another rank) pass as they are.
+template <class F>
+decltype(auto) as_input_error(F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    if (typeid(e) == typeid(Error)) throw ConfigError(e.what());
+    throw;
+  }
+}
 
 // An error this rank saw but another rank caused (it stopped or hung): `rank` is that rank, which
 // the error file records so that the launcher's summary names it rather than the rank that noticed

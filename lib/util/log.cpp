@@ -1,11 +1,11 @@
 #include "util/log.hpp"
 
 #include <fmt/format.h>
+#include <unistd.h>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
-#include <filesystem>
 #include <mutex>
 
 #include "util/error.hpp"
@@ -40,11 +40,13 @@ std::string clock_text(int64_t s) {
   return fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60);
 }
 
-void log_to_file(const std::string& path) {
-  std::error_code ec;
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
-  std::FILE* f = std::fopen(path.c_str(), "a");
-  if (!f) throw Error(fmt::format("cannot open the log file {}: {}", path, std::strerror(errno)));
+void log_to_file(int fd) {
+  std::FILE* f = fdopen(fd, "a");
+  if (!f) {
+    const int e = errno;
+    close(fd);
+    throw Error(fmt::format("cannot use the log file: {}", std::strerror(e)));
+  }
   std::lock_guard lock(g_mutex);
   if (g_file) std::fclose(g_file);
   g_file = f;

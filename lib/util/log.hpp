@@ -11,9 +11,10 @@ std::string utc_stamp(std::time_t t = std::time(nullptr));
 // `seconds` as a clock reads: "4:07", "1:02:03" (an ETA on a progress line).
 std::string clock_text(int64_t seconds);
 
-// From now on, also append every line to `path` (a rank's log: <output_dir>/logs/rank_N.log).
-// The directory is created. Throws lorarun::Error when the file cannot be opened.
-void log_to_file(const std::string& path);
+// From now on, also append every line to the file open for writing at `fd` (a rank's log:
+// <output_dir>/logs/rank_N.log, opened as io::OutFile), which this takes. Throws lorarun::Error
+// when it cannot be used.
+void log_to_file(int fd);
 
 // An informational line: on stdout when `console`, always in the log file.
 void info(const std::string& message, bool console = true);

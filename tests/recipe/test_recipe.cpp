@@ -2,6 +2,7 @@
 // checkpoint policy, secrets, round trips and every recipe in configs/.
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -695,9 +696,11 @@ TEST_CASE("prompt templates: placeholders, escaped braces, unbalanced braces") {
 
 TEST_CASE("files: a missing file, a directory, malformed YAML, the output_dir default") {
   TempDir tmp;
-  CHECK_THROWS_WITH(
-      load_recipe((tmp.dir / "nope.yaml").string()),
-      (tmp.dir / "nope.yaml").string() + ": cannot open the recipe (No such file or directory); check the path");
+  CHECK_THROWS_WITH(load_recipe((tmp.dir / "nope.yaml").string()),
+                    "the recipe " + (tmp.dir / "nope.yaml").string() + " cannot be read: No such file or directory");
+  const std::string fifo = (tmp.dir / "fifo.yaml").string();
+  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);  // no writer: reading it would wait for ever
+  CHECK_THROWS_WITH(load_recipe(fifo), "the recipe " + fifo + " cannot be read: it is a FIFO, not a file");
   CHECK_THROWS_WITH(load_recipe(tmp.dir.string()),
                     tmp.dir.string() + ": is a directory, not a recipe; give a .yaml file (see configs/)");
 

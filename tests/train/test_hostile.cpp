@@ -3,6 +3,7 @@
 // over a live run; a stop during an evaluation; data that changed under a resumable state.
 #include <fmt/format.h>
 #include <mongoc/mongoc.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <catch2/catch.hpp>
 #include <filesystem>
@@ -182,6 +183,23 @@ TEST_CASE(
       CHECK(!fs::exists(far));
     }
   }
+  // A bad name in the resumable state's files (the state is restored last): refused before any
+  // epoch is restored, so the output directory holds nothing of the run.
+  json kept_without_state = json::array();
+  for (const json& a : kept)
+    if (a["artifact"] != "resume_state") kept_without_state.push_back(a);
+  for (const std::string name : {"..", "zzz/../../escaped"}) {
+    INFO("a file of resume_state named " << name);
+    tamper(db, id, kept_without_state, "resume_state", name, state_file);
+    fs::remove_all(out);
+    sh(cmd + fmt::format(" > '{}/run.log' 2>&1", dir));
+    const std::string log = read_file(dir + "/run.log");
+    INFO(log);
+    CHECK(lines_with(log, "refusing it").size() == 1);
+    CHECK(!fs::exists(out + "/epoch_0"));
+    CHECK(!fs::exists(out + "/resume_state"));
+    CHECK(outside() == before);
+  }
   // The record as lora-train wrote it: the same command restores it and finishes.
   REQUIRE(client.update_one(db, "runs", {{"_id", {{"$oid", id}}}}, {{"$set", {{"artifacts", kept}}}}));
   fs::remove_all(out);
@@ -209,16 +227,33 @@ TEST_CASE(
       env, bin("lorarun"), recipe, db);
 
   // (a) A is live; its output directory is removed under it; the same command must not restore A's
-  // run from the database, and a run without the store must not share A's directory.
+  // run from the database, and a run without the store must not share A's directory. On 2 ranks the
+  // launcher reports rank 0's refusal, not rank 1's lost connection (3 tries: it was a race).
+  std::string two = cmd;
+  two.replace(two.find("--nproc-per-node 1"), 18, "--nproc-per-node 2");
   const Result second = interrupt(
       cmd, dir + "/a.log", "stored resume_state in GridFS",
-      fmt::format("rm -rf '{}'; {} > '{}/b.log' 2>&1; echo b=$?; {} checkpoint.store=none > '{}/c.log' 2>&1; echo c=$?",
-                  out, cmd, dir, cmd, dir));
+      fmt::format("rm -rf '{0}'; {1} > '{2}/b.log' 2>&1; echo b=$?; {1} checkpoint.store=none > '{2}/c.log' 2>&1; "
+                  "echo c=$?; for k in 1 2 3; do s=$(date +%s%N); {3} checkpoint.store=none checkpoint.resume=never "
+                  "> \"{2}/d$k.log\" 2>&1; "
+                  "echo d=$? ms=$(( ($(date +%s%N) - s) / 1000000 )); done",
+                  out, cmd, dir, two));
   const std::string a = read_file(dir + "/a.log"), b = read_file(dir + "/b.log"), c = read_file(dir + "/c.log");
   INFO(a);
   INFO(b);
   INFO(c);
+  INFO(second.output);
   CHECK_THAT(second.output, Catch::Contains("b=78") && Catch::Contains("c=78") && Catch::Contains("exit=0"));
+  CHECK(occurrences(second.output, "d=78 ") == 3);
+  for (int k = 1; k <= 3; ++k) {
+    const std::string d = read_file(fmt::format("{}/d{}.log", dir, k));
+    INFO(d);
+    CHECK_THAT(d,
+               Catch::Contains("rank 0 (local rank 0, pid ") && Catch::Contains("failed first: exited with code 78"));
+    CHECK_THAT(d, Catch::Contains("is live (pid "));
+  }
+  for (size_t at = 0; (at = second.output.find("ms=", at)) != std::string::npos; at += 3)
+    CHECK(std::stoi(second.output.substr(at + 3)) < 20000);  // seconds, not dist.timeout_s
   const std::string id = run_id_in(a, db);
   const std::string host = sh("hostname").output.substr(0, sh("hostname").output.find('\n'));
   for (const std::string& refused : {b, c}) {
@@ -466,7 +501,7 @@ TEST_CASE("the words of the refusals: unwritable paths, an empty eval file, numb
   std::ofstream(dir + "/empty.jsonl") << "";
   const Result empty = sh(fmt::format("{} {} eval.path={}/empty.jsonl", bin("lora-train"), recipe, dir));
   INFO(empty.output);
-  CHECK(empty.status == 1);
+  CHECK(empty.status == 78);
   CHECK_THAT(empty.output, Catch::Contains("eval.path " + dir + "/empty.jsonl holds no documents"));
   // A whole number too large for its key says so; one written as 1e3 is a whole number.
   const Result big = sh(fmt::format("{} --dry-run {} train.epochs=1e12", bin("lora-train"), recipe));
@@ -484,7 +519,10 @@ TEST_CASE("the words of the refusals: unwritable paths, an empty eval file, numb
   CHECK(done.output.find("  ") == std::string::npos);
 }
 
-TEST_CASE("lorarun --max-restarts does not restart a rank whose error a restart cannot change", "[e2e]") {
+TEST_CASE(
+    "lorarun --max-restarts does not restart a rank whose error a restart cannot change: a bad recipe, a missing, "
+    "truncated or bad model, a data.path that is missing, a directory or a FIFO, pissa with r above a layer",
+    "[e2e]") {
   const std::string dir = temp_dir("hostile-no-restart");
   write_data(dir + "/data.jsonl", 8);
   const std::string recipe = write_recipe(dir, "out", "epochs: 1, lr: 1.0e-3", "", ", batch_size: 4");
@@ -494,9 +532,64 @@ TEST_CASE("lorarun --max-restarts does not restart a rank whose error a restart 
   CHECK(occurrences(r.output, "started 2 rank(s)") == 1);
   CHECK_THAT(r.output, Catch::Contains("failed with an error a restart cannot change (exit 78): not restarting"));
   CHECK(r.seconds < 20);
-  // A model that is not there is such an error too.
-  const Result missing =
-      sh(fmt::format("{} --nproc-per-node 1 --max-restarts 2 {} model.path={}/nowhere", bin("lorarun"), recipe, dir));
-  CHECK(missing.status == 78);
-  CHECK(occurrences(missing.output, "started 1 rank(s)") == 1);
+  // The model's safetensors cut in half; the training data a FIFO nothing writes to (which open()
+  // would wait on for ever), a directory, or missing.
+  fs::create_directories(dir + "/cut");
+  for (const auto& e : fs::directory_iterator(std::string(LORARUN_MODEL_FIXTURES) + "/llama"))
+    fs::copy(e.path(), dir + "/cut/" + e.path().filename().string());
+  fs::resize_file(dir + "/cut/model.safetensors", fs::file_size(dir + "/cut/model.safetensors") / 2);
+  REQUIRE(mkfifo((dir + "/fifo.jsonl").c_str(), 0600) == 0);
+  fs::create_directories(dir + "/a-directory");
+  for (const auto& [overrides, says] : {
+           std::pair{"model.path=" + dir + "/nowhere", std::string("nowhere")},
+           std::pair{"model.path=" + dir + "/cut", dir + "/cut/model.safetensors"},
+           std::pair{"data.path=" + dir + "/fifo.jsonl",
+                     "data.path " + dir + "/fifo.jsonl cannot be read: it is a FIFO"},
+           std::pair{"data.path=" + dir + "/a-directory",
+                     "data.path " + dir + "/a-directory cannot be read: it is a directory"},
+           std::pair{"data.path=" + dir + "/missing.jsonl",
+                     "data.path " + dir + "/missing.jsonl cannot be read: No such file or directory"},
+           std::pair{std::string("lora.init=pissa lora.r=300"), std::string("lora.init pissa takes r directions")},
+       }) {
+    INFO(overrides);
+    const Result failed =
+        sh(fmt::format("timeout 120 {} --nproc-per-node 1 --max-restarts 2 {} {}", bin("lorarun"), recipe, overrides));
+    INFO(failed.output);
+    CHECK(failed.status == 78);
+    CHECK(occurrences(failed.output, "started 1 rank(s)") == 1);
+    CHECK_THAT(failed.output, Catch::Contains(says));
+    CHECK(failed.seconds < 30);
+  }
+}
+
+TEST_CASE(
+    "symbolic links planted in checkpoint.output_dir (a log, metrics.jsonl, logs/, an epoch directory kept for a "
+    "restore) are refused in one line before anything is written or restored, and nothing is written through them",
+    "[e2e][db]") {
+  const std::string dir = temp_dir("hostile-links");
+  write_data(dir + "/data.jsonl", 8);
+  const std::string recipe = write_recipe(dir, "out", "epochs: 1, lr: 1.0e-3", "", ", batch_size: 4");
+  fs::create_directories(dir + "/elsewhere/epoch");
+  std::ofstream(dir + "/elsewhere/victim.txt") << "precious\n";
+  const std::string out = dir + "/out";
+  for (const auto& [planted, target] :
+       {std::pair{"logs/rank_0.log", "elsewhere/victim.txt"}, std::pair{"metrics.jsonl", "elsewhere/victim.txt"},
+        std::pair{"logs", "elsewhere/epoch"}, std::pair{"epoch_0", "elsewhere/epoch"}}) {
+    INFO(planted);
+    fs::remove_all(out);
+    fs::create_directories(fs::path(out + "/" + planted).parent_path());
+    fs::create_symlink(dir + "/" + target, out + "/" + planted);
+    const auto before = tree(dir + "/elsewhere");
+    const Result r =
+        sh(fmt::format("LORARUN_MONGODB_URI='{}' {} --nproc-per-node 2 {} track.mongodb=true "
+                       "track.database=hostile_links checkpoint.store=mongodb",
+                       test_uri(), bin("lorarun"), recipe));
+    INFO(r.output);
+    CHECK(r.status == 78);
+    CHECK_THAT(r.output, Catch::Contains(fmt::format("checkpoint.output_dir {} holds a symbolic link, {}/{} (to {}/{})",
+                                                     out, out, planted, dir, target)));
+    CHECK(read_file(dir + "/elsewhere/victim.txt") == "precious\n");
+    CHECK(tree(dir + "/elsewhere") == before);
+    CHECK_FALSE(fs::exists(out + "/recipe.yaml"));
+  }
 }

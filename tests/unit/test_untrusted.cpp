@@ -1,8 +1,15 @@
 // util/untrusted: the one grammar every name from a database or a file passes before it becomes
 // part of a path, and the escaping of what is printed.
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 
+#include "io/files.hpp"
 #include "util/error.hpp"
 #include "util/untrusted.hpp"
 
@@ -96,4 +103,42 @@ TEST_CASE("printable and one_line escape what a terminal would act on, and keep 
   CHECK(printable("\u202e") == "\\u{202e}");              // a bidi override
   CHECK(printable(std::string(500, 'x'), 10) == std::string(10, 'x') + "… (500 bytes)");
   CHECK(one_line(std::string(5000, 'y')) == std::string(5000, 'y'));
+}
+
+TEST_CASE("files a run writes: never through a planted link, into a FIFO or into another file's hard link") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("lorarun-outfile-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "out");
+  std::ofstream(dir / "victim") << "precious";
+  const auto victim = [&] {
+    std::ifstream in(dir / "victim");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  fs::create_symlink(dir / "victim", dir / "out" / "metrics.jsonl");
+  CHECK_THROWS_WITH(io::OutFile((dir / "out" / "metrics.jsonl").string(), io::OutFile::Mode::Append),
+                    Catch::Contains("metrics.jsonl is a symbolic link"));
+  fs::create_hard_link(dir / "victim", dir / "out" / "rank_0.log");
+  CHECK_THROWS_WITH(io::OutFile((dir / "out" / "rank_0.log").string(), io::OutFile::Mode::Truncate),
+                    Catch::Contains("it has 2 hard links"));
+  REQUIRE(mkfifo((dir / "out" / "events").c_str(), 0600) == 0);
+  CHECK_THROWS_WITH(io::OutFile((dir / "out" / "events").string(), io::OutFile::Mode::Append),
+                    Catch::Contains("it is a FIFO"));
+  // an atomic write's temporary name, planted as a link, is not written through
+  fs::create_symlink(dir / "victim", dir / "out" / fmt::format("recipe.yaml.tmp.{}", getpid()));
+  io::write_file_atomic((dir / "out" / "recipe.yaml").string(), "model: {}\n");
+  CHECK(victim() == "precious");
+  CHECK(io::read_file((dir / "out" / "recipe.yaml").string()) == "model: {}\n");
+  // the directory as a whole: its first link named
+  CHECK_THROWS_WITH(
+      io::refuse_links((dir / "out").string(), "checkpoint.output_dir"),
+      Catch::Contains("holds a symbolic link") && Catch::Contains("metrics.jsonl (to " + (dir / "victim").string()));
+  fs::remove(dir / "out" / "metrics.jsonl");
+  CHECK_NOTHROW(io::refuse_links((dir / "out").string(), "checkpoint.output_dir"));
+  {
+    io::OutFile f((dir / "out" / "metrics.jsonl").string(), io::OutFile::Mode::Append);
+    f.write("{\"step\": 1}\n");
+  }
+  CHECK(io::read_file((dir / "out" / "metrics.jsonl").string()) == "{\"step\": 1}\n");
+  fs::remove_all(dir);
 }
