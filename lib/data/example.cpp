@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "chat/chat_template.hpp"
+#include "data/source.hpp"
 #include "util/error.hpp"
 #include "util/input_file.hpp"
 
@@ -12,6 +13,23 @@ namespace lorarun::data {
 namespace {
 
 Rejection bad(std::string reason) { return {Rejection::BadDocument, std::move(reason)}; }
+
+// One document's renderings: its messages (or a prefix of them) with the template and context. A
+// render given up for a stop request throws DataUnavailable (the step that needed it is not taken:
+// a resumed run reads its documents again).
+struct Renderer {
+  const chat::Template& tmpl;
+  nlohmann::ordered_json context;
+  const std::atomic<bool>* stop = nullptr;
+  std::variant<chat::Rendered, std::string> operator()(const nlohmann::ordered_json& messages, bool prompt) {
+    context["messages"] = messages;
+    context["add_generation_prompt"] = prompt;
+    auto r = tmpl.render(context, stop);
+    if (const auto* e = std::get_if<std::string>(&r); e && *e == chat::kRenderStopped)
+      throw DataUnavailable("stopped while the chat template rendered a document (a stop was requested)");
+    return r;
+  }
+};
 
 // The string value of `field`, or why there is none.
 std::variant<std::string, Rejection> string_field(const Document& doc, const std::string& field) {
@@ -74,8 +92,8 @@ bool valid_utf8(std::string_view s) {
 std::string invalid_utf8_reason(std::string_view field) { return fmt::format("field '{}' is not valid UTF-8", field); }
 
 ExampleBuilder::ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer,
-                               std::optional<int32_t> eos, PairTokens tokens)
-    : cfg_(cfg), tok_(tokenizer), eos_(eos ? eos : tokenizer.eos_id()), pairs_(tokens) {
+                               std::optional<int32_t> eos, PairTokens tokens, const std::atomic<bool>* stop)
+    : cfg_(cfg), tok_(tokenizer), eos_(eos ? eos : tokenizer.eos_id()), pairs_(tokens), stop_(stop) {
   const bool pairs = cfg.format == recipe::Format::Preference;
   if (cfg.format == recipe::Format::Instruction || (pairs && !cfg.prompt_template.empty()))
     template_ = recipe::parse_template(cfg.prompt_template);
@@ -285,7 +303,7 @@ void ExampleBuilder::setup_chat_template() {
     nlohmann::ordered_json context = chat_context_;
     context["messages"] = messages;
     context["add_generation_prompt"] = false;
-    const auto r = compiled_template_->render(context);
+    const auto r = Renderer{*compiled_template_, context, stop_}(messages, false);
     if (const auto* e = std::get_if<std::string>(&r)) {
       if (*e == chat::kFuelSpent)
         throw Error(
@@ -319,17 +337,6 @@ void ExampleBuilder::setup_chat_template() {
 namespace {
 
 using Span = std::pair<size_t, size_t>;  // [begin, end) bytes of the rendered text
-
-// One document's renderings: its messages (or a prefix of them) with the template and context.
-struct Renderer {
-  const chat::Template& tmpl;
-  nlohmann::ordered_json context;
-  std::variant<chat::Rendered, std::string> operator()(const nlohmann::ordered_json& messages, bool prompt) {
-    context["messages"] = messages;
-    context["add_generation_prompt"] = prompt;
-    return tmpl.render(context);
-  }
-};
 
 // Where assistant message i's turn starts in `text`: the end of render(messages[:i]) with the
 // generation prompt when that is a prefix of the conversation; else, when render(messages[:i])
@@ -391,7 +398,7 @@ std::optional<std::vector<Span>> contents_by_marks(Renderer& render, nlohmann::o
 std::variant<std::vector<std::pair<size_t, size_t>>, std::string> ExampleBuilder::assistant_turns(
     const nlohmann::ordered_json& messages, const std::vector<size_t>& assistants, const std::string& text,
     const nlohmann::ordered_json& context) const {
-  Renderer render{*compiled_template_, context};
+  Renderer render{*compiled_template_, context, stop_};
   std::optional<std::optional<std::vector<Span>>> marked;  // computed once, when first needed
   std::vector<Span> spans;
   for (size_t k = 0; k < assistants.size(); ++k) {
@@ -432,7 +439,7 @@ std::variant<Example, Rejection> ExampleBuilder::chat_template(const Document& d
   if (assistants.empty()) return bad("no assistant message to train on");
   nlohmann::ordered_json context = chat_context_;
   if (auto it = doc.find("tools"); it != doc.end() && !it->is_null()) context["tools"] = *it;
-  const auto whole = Renderer{*compiled_template_, context}(messages, false);
+  const auto whole = Renderer{*compiled_template_, context, stop_}(messages, false);
   if (const auto* e = std::get_if<std::string>(&whole))
     return bad(*e == chat::kFuelSpent
                    ? fmt::format("rendering it with the chat template ({}) spent all of data.chat_template_fuel ({}): "
@@ -534,7 +541,7 @@ std::variant<std::array<std::string, 3>, Rejection> ExampleBuilder::preference_t
   special = false;  // (apply_chat_template tokenises without adding special tokens)
   nlohmann::ordered_json context = chat_context_;
   if (auto it = doc.find("tools"); it != doc.end() && !it->is_null()) context["tools"] = *it;
-  Renderer render{*compiled_template_, context};
+  Renderer render{*compiled_template_, context, stop_};
   for (int k = 0; k < 3; ++k) {
     nlohmann::ordered_json messages = parts[0];
     if (k > 0) messages.insert(messages.end(), parts[k].begin(), parts[k].end());

@@ -2,6 +2,7 @@
 // labels that train only the response (and EOS).
 #pragma once
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -49,9 +50,10 @@ class ExampleBuilder {
   // `eos` ends every response; the tokenizer's EOS when not given. With chat_format: template,
   // throws lorarun::Error (one line) when there is no chat template (or data.chat_template
   // cannot be read), or when the template has no {% generation %} tags and no end-of-turn token
-  // can be found after an assistant message.
+  // can be found after an assistant message. `stop` (a stop request's flag): a chat template's
+  // render that takes long is given up once it is set, and build() throws DataUnavailable.
   ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer, std::optional<int32_t> eos = {},
-                 PairTokens pairs = PairTokens::Dpo);
+                 PairTokens pairs = PairTokens::Dpo, const std::atomic<bool>* stop = nullptr);
 
   std::variant<Example, Rejection> build(const Document& doc) const;
   // The top-level fields build() reads (template fields + response, text or messages): the
@@ -103,6 +105,7 @@ class ExampleBuilder {
   std::optional<chat::Template> compiled_template_;  // ... compiled once
   std::string chat_template_source_;                 // where it came from, for messages
   nlohmann::ordered_json chat_context_;              // bos_token, eos_token, ..., data.chat_template_kwargs
+  const std::atomic<bool>* stop_ = nullptr;          // a stop request: long renders are given up
   bool generation_tags_ = false;                     // the template marks assistant text with {% generation %}
   std::string eot_;                                  // the end-of-turn token's text (without generation tags)
 };

@@ -87,7 +87,8 @@ std::vector<int64_t> apportion(int64_t total, const std::vector<double>& weights
   return out;
 }
 
-Mixture::Mixture(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, PairTokens pairs, const Holdout& holdout)
+Mixture::Mixture(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, PairTokens pairs, const Holdout& holdout,
+                 const std::atomic<bool>* stop)
     : shuffle_(r.data.shuffle) {
   const recipe::DataSection& d = r.data;
   for (const recipe::DataSource& spec : d.sources) {
@@ -96,7 +97,7 @@ Mixture::Mixture(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, PairT
     s.config = std::make_unique<recipe::DataSection>(d.of_source(spec));
     try {
       s.docs = std::make_unique<Documents>(*s.config, holdout);
-      s.builder = std::make_unique<ExampleBuilder>(*s.config, tokenizer, std::nullopt, pairs);
+      s.builder = std::make_unique<ExampleBuilder>(*s.config, tokenizer, std::nullopt, pairs, stop);
     } catch (const Error& e) {
       rethrow_within(e, fmt::format("data.sources '{}': ", spec.name));
     }

@@ -1,6 +1,7 @@
 // data.sources: several selections mixed by weight into one order per epoch, the same for any
 // number of ranks, which the ranks shard as they shard one selection.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -47,7 +48,8 @@ struct MixSource {
 // epoch holds each source near its share.
 class Mixture {
  public:
-  Mixture(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, PairTokens pairs, const Holdout& holdout);
+  Mixture(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, PairTokens pairs, const Holdout& holdout,
+          const std::atomic<bool>* stop = nullptr);
   ~Mixture();
   const std::vector<MixSource>& sources() const { return sources_; }
   int64_t size() const { return size_; }  // documents per epoch

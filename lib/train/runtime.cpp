@@ -11,6 +11,7 @@
 #include "model/lora.hpp"
 #include "model/resolve.hpp"
 #include "train/evaluate.hpp"
+#include "train/stop.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
 #include "util/process.hpp"
@@ -125,7 +126,7 @@ Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const Runtim
   });
   const auto pairs = r.train.objective == recipe::Objective::Orpo ? data::PairTokens::Orpo : data::PairTokens::Dpo;
   if (o.tenants) {
-    builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt, pairs);
+    builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt, pairs, stop_flag());
     return;
   }
   const bool evaluating = o.eval_split && r.eval.enabled(r.data.source);
@@ -133,9 +134,9 @@ Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const Runtim
   if (r.data.sources.empty())
     docs = std::make_unique<data::Documents>(r.data, training);
   else
-    mix = std::make_unique<data::Mixture>(r, tokenizer, pairs, training);
+    mix = std::make_unique<data::Mixture>(r, tokenizer, pairs, training, stop_flag());
   if (!mix || (evaluating && r.eval.fraction <= 0))
-    builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt, pairs);
+    builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt, pairs, stop_flag());
   if (!evaluating) return;
   // Read and built as training data is (the same builder); never a document training reads.
   if (mix && r.eval.fraction > 0) {

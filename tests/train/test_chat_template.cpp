@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/process.hpp"
+#include "support/runs.hpp"
 
 using namespace lorarun::test;
 namespace fs = std::filesystem;
@@ -105,6 +106,33 @@ TEST_CASE("chat_format template: a template that does not compile is one line at
   REQUIRE(errors.size() == 1);
   CHECK_THAT(errors[0], Catch::Contains("is not a valid Jinja template: line 2:"));
   CHECK_FALSE(fs::exists(dir + "/out/epoch_0"));
+}
+
+TEST_CASE(
+    "chat_format template: a render that would run for ever (the highest data.chat_template_fuel) is given up on "
+    "SIGTERM: the run stops within seconds with its resumable state, exit 75",
+    "[e2e][resume]") {
+  const std::string dir = temp_dir("chat_template_stop");
+  write_chats(dir + "/data.jsonl", 8);
+  std::ofstream(dir + "/one.jinja") << "{% if 'Add 5 and' in messages[0].content %}{% for i in range(100000) %}"
+                                       "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
+                                    << kTemplate;
+  const std::string cmd = fmt::format("{} {} data.chat_template_fuel=9223372036854775807", bin("lora-train"),
+                                      recipe(dir, ", chat_template: " + dir + "/one.jinja"));
+  const Result r = interrupt(cmd, dir + "/run.log", "trainable params",
+                             "sleep 2; t0=$(date +%s%N); kill -TERM $pid; wait $pid; echo rc=$?; "
+                             "echo ms=$(( ($(date +%s%N) - t0) / 1000000 ))");
+  const std::string log = read_file(dir + "/run.log");
+  INFO(log);
+  INFO(r.output);
+  CHECK_THAT(r.output, Catch::Contains("rc=75"));
+  const size_t at = r.output.find("ms=");
+  REQUIRE(at != std::string::npos);
+  const int ms = std::stoi(r.output.substr(at + 3));
+  CHECK(ms < 5000);
+  fmt::print("chat template: SIGTERM during an endless render: lora-train ended {} ms after the signal\n", ms);
+  CHECK_THAT(log, Catch::Contains("stopped while the chat template rendered a document"));
+  CHECK(fs::exists(dir + "/out/resume_state/state.json"));
 }
 
 TEST_CASE(
