@@ -49,6 +49,9 @@ namespace data = lorarun::data;
 namespace recipe = lorarun::recipe;
 namespace tok = lorarun::tok;
 using lorarun::Error;
+using lorarun::one_line;
+using lorarun::printable;
+using lorarun::terminal_text;
 using nlohmann::json;
 
 // import's server selection / connect timeout (data.timeout_s's default) unless the URI sets its own.
@@ -185,11 +188,11 @@ std::string where(int64_t position, const data::Found& found) {
   const data::Document& doc = found.doc;
   if (!doc.is_object() || !doc.contains("_id")) {
     if (found.id.empty() || found.id[0] == '#') return fmt::format("#{}", position);
-    return fmt::format("#{} (_id {})", position, data::relaxed_id(found.id));  // not JSON itself (not UTF-8)
+    return fmt::format("#{} (_id {})", position, printable(data::relaxed_id(found.id)));  // not JSON (not UTF-8)
   }
   const json& id = doc["_id"];
   const std::string text = id.is_object() && id.contains("$oid") ? id["$oid"].get<std::string>() : id.dump();
-  return fmt::format("#{} (_id {})", position, text);
+  return fmt::format("#{} (_id {})", position, printable(text));
 }
 
 int64_t labelled_tokens(const data::Example& e) {
@@ -412,7 +415,7 @@ std::string render(const tok::Tokenizer& tokenizer, const data::Example& e, bool
     const bool trained = e.labels[i] != data::kIgnoreIndex;
     size_t j = i;
     while (j < e.ids.size() && (e.labels[j] != data::kIgnoreIndex) == trained) ++j;
-    const std::string text = tokenizer.decode(std::span(e.ids).subspan(i, j - i));
+    const std::string text = terminal_text(tokenizer.decode(std::span(e.ids).subspan(i, j - i)));
     if (!trained)
       out += text;
     else if (colour)
@@ -427,7 +430,7 @@ std::string render(const tok::Tokenizer& tokenizer, const data::Example& e, bool
 void print_preview(const tok::Tokenizer& tokenizer, int max_length, int64_t position, const data::Found& doc,
                    const data::Built& built, bool colour) {
   if (const auto* r = std::get_if<data::Rejection>(&built)) {
-    fmt::print("── {}  rejected: {}\n\n", where(position, doc), r->reason);
+    fmt::print("── {}  rejected: {}\n\n", where(position, doc), one_line(r->reason));
     return;
   }
   const auto& e = std::get<data::Example>(built);

@@ -13,6 +13,7 @@ namespace lorarun::data {
 namespace {
 
 constexpr int64_t kTokenSample = 1024;  // documents per source that mix_by: tokens measures
+constexpr int64_t kCheckSample = 32;    // documents per source checked to make examples at all
 
 uint64_t hash(uint64_t a, uint64_t b) {
   uint64_t z = a * 0x9e3779b97f4a7c15ULL + b + 0x2545f4914f6cdd1dULL;
@@ -27,10 +28,10 @@ uint64_t name_hash(const std::string& name) {
   return h;
 }
 
-// Up to kTokenSample documents of `s` spread evenly over it (the same on every rank): single
-// documents by position, or with data.shuffle: stream (no id list) 32 evenly spaced runs.
-std::vector<Found> sample(const MixSource& s) {
-  const int64_t n = s.docs->size(), k = std::min(n, kTokenSample);
+// Up to `most` documents of `s` spread evenly over it (the same on every rank): single documents
+// by position, or with data.shuffle: stream (no id list) 32 evenly spaced runs.
+std::vector<Found> sample(const MixSource& s, int64_t most) {
+  const int64_t n = s.docs->size(), k = std::min(n, most);
   std::vector<Found> out;
   if (s.config->shuffle == recipe::Shuffle::Stream) {
     const int64_t runs = std::min<int64_t>(32, k);
@@ -46,38 +47,54 @@ std::vector<Found> sample(const MixSource& s) {
   return out;
 }
 
-// The mean trained tokens per document of `s` over sample(s); rejected documents do not count.
-void sample_tokens(MixSource& s) {
-  int64_t tokens = 0, examples = 0;
+// Samples `s` (kTokenSample documents to weigh it by tokens, else kCheckSample): a source none of
+// whose sampled documents makes an example (a file that is not JSONL, the wrong format keys) is
+// refused before training. With `tokens`, the mean trained tokens per document of the sample
+// (rejected documents do not count).
+void sample_source(MixSource& s, bool tokens) {
+  int64_t trained = 0, examples = 0;
   std::string first_reason;
-  const std::vector<Found> found = sample(s);
+  const std::vector<Found> found = sample(s, tokens ? kTokenSample : kCheckSample);
   for (const Found& f : found) {
     const Built b = build_found(*s.builder, f);
     if (const auto* e = std::get_if<Example>(&b)) {
-      tokens += trained_tokens(*e);
+      trained += trained_tokens(*e);
       ++examples;
     } else if (first_reason.empty()) {
       first_reason = std::get<Rejection>(b).reason;
     }
   }
-  if (tokens == 0)
-    throw Error(fmt::format(
-        "data.sources '{}': none of the {} documents sampled from {} has a trained token ({}), so data.mix_by: "
-        "tokens cannot weigh it: fix the source or its format keys",
+  if (trained == 0)
+    throw ConfigError(fmt::format(
+        "data.sources '{}': none of the {} documents sampled from {} makes an example with a trained token ({}): "
+        "fix the source or its format keys",
         s.spec.name, found.size(), s.docs->describe(), first_reason.empty() ? "no response" : first_reason));
+  if (!tokens) return;
   s.sampled = examples;
-  s.tokens_per_document = static_cast<double>(tokens) / static_cast<double>(examples);
+  s.tokens_per_document = static_cast<double>(trained) / static_cast<double>(examples);
 }
 
 }  // namespace
 
 std::vector<int64_t> apportion(int64_t total, const std::vector<double>& weights) {
-  const double sum = std::accumulate(weights.begin(), weights.end(), 0.0);
   std::vector<int64_t> out(weights.size());
+  if (weights.empty()) return out;
+  const double top = *std::max_element(weights.begin(), weights.end());
+  if (!(top > 0) || !std::isfinite(top) || total < 0)
+    throw Error(fmt::format("cannot share {} documents by the weights given (the largest is {})", total, top));
+  // Weights whose sum, or whose product with the total, overflows (1e308) are taken over the largest
+  // first: each is then in [0, 1] and their sum at most their count. Others are used as they are, so
+  // plans stay what they were.
+  double scale = 1, sum = std::accumulate(weights.begin(), weights.end(), 0.0);
+  if (!std::isfinite(sum) || !std::isfinite(static_cast<double>(total) * top)) {
+    scale = top;
+    sum = 0;
+    for (const double w : weights) sum += w / scale;
+  }
   std::vector<std::pair<double, size_t>> rest;
   int64_t given = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
-    const double exact = static_cast<double>(total) * weights[i] / sum;
+    const double exact = std::min(static_cast<double>(total), static_cast<double>(total) * (weights[i] / scale) / sum);
     out[i] = static_cast<int64_t>(std::floor(exact));
     given += out[i];
     rest.emplace_back(exact - std::floor(exact), i);
@@ -107,14 +124,14 @@ Mixture::Mixture(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, PairT
   size_ = d.epoch_documents.value_or(held);
   std::vector<double> shares;
   for (MixSource& s : sources_) {
-    if (d.mix_by == recipe::MixBy::Tokens) sample_tokens(s);
+    sample_source(s, d.mix_by == recipe::MixBy::Tokens);
     shares.push_back(d.mix_by == recipe::MixBy::Tokens ? s.spec.weight / s.tokens_per_document : s.spec.weight);
   }
   const std::vector<int64_t> counts = apportion(size_, shares);
   for (size_t i = 0; i < sources_.size(); ++i) {
     sources_[i].per_epoch = counts[i];
     if (counts[i] == 0)
-      throw Error(fmt::format(
+      throw ConfigError(fmt::format(
           "data.sources '{}' gets no document of an epoch of {}: its weight {:g} is too small a share; raise it or "
           "data.epoch_documents",
           sources_[i].spec.name, size_, sources_[i].spec.weight));
@@ -220,7 +237,7 @@ std::string Mixture::describe() const {
 
 void Mixture::measure_tokens() {
   for (MixSource& s : sources_)
-    if (!s.sampled) sample_tokens(s);
+    if (!s.sampled) sample_source(s, true);
 }
 
 nlohmann::json Mixture::plan() const {

@@ -149,9 +149,12 @@ FieldValues field_values(const recipe::DataSection& d, const std::string& field)
   check_collection(d, *c);
   FieldValues out;
   out.values = selecting(d, *c, [&] { return c->distinct(d.database, d.collection, field, d.filter); });
-  const nlohmann::json lacking = {{field, {{"$exists", false}}}};
-  out.missing =
-      c->count(d.database, d.collection, d.filter.empty() ? lacking : nlohmann::json{{"$and", {d.filter, lacking}}});
+  const auto where = [&](const nlohmann::json& q) {
+    return c->count(d.database, d.collection, d.filter.empty() ? q : nlohmann::json{{"$and", {d.filter, q}}});
+  };
+  out.missing = where({{field, {{"$exists", false}}}});
+  // ($type 4 is "array"; written as {"$numberInt": "4"}: libbson reads a bare "$type" as a legacy binary's)
+  out.arrays = where({{field, {{"$type", {{"$numberInt", "4"}}}}}});
   return out;
 }
 

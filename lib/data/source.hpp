@@ -169,6 +169,7 @@ Selection check_selection(const recipe::DataSection& d);
 struct FieldValues {
   std::vector<nlohmann::json> values;
   int64_t missing = 0;
+  int64_t arrays = 0;  // documents whose field holds a list (distinct lists its items one by one)
 };
 FieldValues field_values(const recipe::DataSection& d, const std::string& field);
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include <fmt/format.h>
@@ -518,6 +519,7 @@ void check_adapters(const Recipe& r, const RecipeOrigin& o, Warnings&) {
     fail(o, "adapters.per",
          fmt::format("'{}' is not a document field name (e.g. tenant, meta.customer)", detail::show(a.per)));
   std::set<std::string> names;
+  std::map<std::string, std::string> folded;  // case_folded(name) -> name
   for (size_t i = 0; i < a.list.size(); ++i) {
     const AdapterSpec& s = a.list[i];
     if (!is_adapter_name(s.name))
@@ -528,6 +530,11 @@ void check_adapters(const Recipe& r, const RecipeOrigin& o, Warnings&) {
                        i, s.name.empty() ? std::string("nothing") : fmt::format("'{}'", printable(s.name))));
     if (!names.insert(s.name).second)
       fail(o, "adapters.list", fmt::format("name '{}' twice: give each adapter its own name", s.name));
+    if (const auto [it, fresh] = folded.emplace(case_folded(s.name), s.name); !fresh)
+      fail(o, "adapters.list",
+           fmt::format("names '{}' and '{}' differ only in case: they would share a directory on a case-insensitive "
+                       "filesystem or store; rename one",
+                       it->second, s.name));
     if (per && (s.selects() || !s.eval_filter.empty()))
       fail(o, "adapters.list",
            fmt::format("'{}' sets {} with adapters.per, which selects its documents ({} is its name): with per, an "

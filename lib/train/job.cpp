@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <typeinfo>
@@ -49,6 +50,18 @@ std::optional<std::string> name_of_value(const nlohmann::json& v) {
   if (v.is_string()) return v.get<std::string>();
   if (v.is_number_integer()) return v.dump();
   return std::nullopt;
+}
+
+// Adapters whose names differ only in case would share a directory on a case-insensitive filesystem
+// or object store: refused, `what` ("adapters.per: tenant holds") saying where the names came from.
+void refuse_case_twins(const std::vector<recipe::AdapterSpec>& specs, const std::string& what) {
+  std::map<std::string, std::string> folded;
+  for (const recipe::AdapterSpec& s : specs)
+    if (const auto [it, fresh] = folded.emplace(case_folded(s.name), s.name); !fresh)
+      throw ConfigError(
+          fmt::format("{} '{}' and '{}', which differ only in case: they would share a directory on a "
+                      "case-insensitive filesystem or store; make them one, or narrow data.filter",
+                      what, printable(it->second), printable(s.name)));
 }
 
 // One adapter of the job: its own run's recipe, documents, adapter, optimizer, schedule,
@@ -770,6 +783,12 @@ std::vector<recipe::AdapterSpec> job_adapters(const recipe::Recipe& r) {
   const recipe::AdaptersSection& a = r.adapters;
   if (a.per.empty()) return a.list;
   const data::FieldValues found = data::field_values(r.data, a.per);
+  if (found.arrays > 0)  // (a filter on one of its items would train the document in each item's adapter)
+    throw ConfigError(fmt::format(
+        "adapters.per: {} holds a list in {} document(s) of data's selection, which would train each of them in "
+        "several adapters: its values must be text or whole numbers (narrow data.filter to leave those documents "
+        "out)",
+        a.per, found.arrays));
   std::vector<recipe::AdapterSpec> out;
   for (const nlohmann::json& v : found.values) {
     const std::optional<std::string> name = name_of_value(v);
@@ -799,6 +818,7 @@ std::vector<recipe::AdapterSpec> job_adapters(const recipe::Recipe& r) {
     if (out[i].name == out[i - 1].name)  // the text "7" and the number 7
       throw ConfigError(fmt::format("adapters.per: {} holds '{}' both as text and as a number: make them one type",
                                     a.per, out[i].name));
+  refuse_case_twins(out, fmt::format("adapters.per: {} holds", a.per));
   if (static_cast<int64_t>(out.size()) > a.max)
     throw ConfigError(
         fmt::format("adapters.per: {} has {} distinct values in data's selection, more than adapters.max "
@@ -818,6 +838,22 @@ std::vector<recipe::AdapterSpec> job_adapters(const recipe::Recipe& r) {
   if (found.missing > 0)
     warn(fmt::format("adapters.per: {} documents of data's selection have no field {}: no adapter trains on them",
                      found.missing, a.per));
+  if (r.eval.fraction <= 0 && !r.eval.filter.empty()) {  // each adapter evaluates on eval.filter's of its value
+    recipe::DataSection held = r.data;
+    held.filter = r.eval.filter;
+    if (!r.eval.collection.empty()) held.collection = r.eval.collection;
+    std::vector<std::string> unevaluated;
+    for (const nlohmann::json& v : data::field_values(held, a.per).values) {
+      const std::optional<std::string> name = name_of_value(v);
+      if (std::none_of(out.begin(), out.end(), [&](const auto& s) { return name && s.name == *name; }))
+        unevaluated.push_back(printable(name.value_or(v.dump()), 40));
+    }
+    if (!unevaluated.empty())
+      warn(
+          fmt::format("adapters.per: the evaluation documents hold {} {} that no training document has: no adapter "
+                      "trains or evaluates on those",
+                      a.per, fmt::join(unevaluated, ", ")));
+  }
   return out;
 }
 

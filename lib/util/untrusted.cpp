@@ -59,8 +59,9 @@ bool hex(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c
   throw ConfigError(fmt::format("{} '{}', {}", what, printable(name), why));
 }
 
-// printable() and one_line(): the same escapes, `backslash` doubled or not.
-std::string escape(std::string_view text, size_t max, bool backslash) {
+// printable(), one_line() and terminal_text(): the same escapes, `backslash` doubled or not, line
+// breaks and tabs kept or not.
+std::string escape(std::string_view text, size_t max, bool backslash, bool keep_lines = false) {
   std::string out;
   size_t i = 0;
   for (; i < text.size() && out.size() < max;) {
@@ -71,6 +72,8 @@ std::string escape(std::string_view text, size_t max, bool backslash) {
       out += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
     } else if (n == 1 && c == '\\' && backslash) {
       out += "\\\\";
+    } else if (n == 1 && (c == '\n' || c == '\t') && keep_lines) {
+      out += c;
     } else if (n == 1 && c == '\n') {
       out += "\\n";
     } else if (n == 1 && c == '\t') {
@@ -95,6 +98,8 @@ std::string escape(std::string_view text, size_t max, bool backslash) {
 std::string printable(std::string_view text, size_t max) { return escape(text, max, true); }
 
 std::string one_line(std::string_view text) { return escape(text, 1 << 20, false); }
+
+std::string terminal_text(std::string_view text) { return escape(text, std::string_view::npos, false, true); }
 
 bool is_name_component(std::string_view name) {
   return !name.empty() && name.size() <= 128 && name[0] != '.' && name[0] != '-' &&
@@ -163,6 +168,13 @@ void check_run_id(std::string_view id, std::string_view what) {
 void check_database_name(std::string_view name, std::string_view what) {
   if (!is_database_name(name))
     refuse(name, what, "which is not a database name (1-63 of A-Z a-z 0-9 _ -, not starting with '-')");
+}
+
+std::string case_folded(std::string_view name) {
+  std::string out(name);
+  for (char& c : out)
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  return out;
 }
 
 }  // namespace lorarun

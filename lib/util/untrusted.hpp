@@ -16,6 +16,10 @@ std::string printable(std::string_view text, size_t max = 160);
 // so that one message is one line whatever file or document content it quotes.
 std::string one_line(std::string_view text);
 
+// The same escapes, line breaks and tabs kept, nothing cut: a document's text shown on a terminal
+// over several lines (no escape sequence, bell or direction override of its own reaches it).
+std::string terminal_text(std::string_view text);
+
 // The grammars. A name component: 1–128 bytes of [A-Za-z0-9._+-], not starting with '.' or '-'.
 // A relative file name: up to 8 components joined by '/', at most 512 bytes. An adapter of a job
 // of many (adapters:): a name component of at most 64 bytes without '.', and none of what the job's
@@ -29,6 +33,9 @@ bool is_adapter_name(std::string_view name);
 bool is_artifact_name(std::string_view name);
 bool is_run_id(std::string_view id);
 bool is_database_name(std::string_view name);
+
+// `name` with A-Z as a-z: two names equal so collide on a case-insensitive filesystem or store.
+std::string case_folded(std::string_view name);
 
 // Each throws ConfigError "<what> '<name, printable>', <why it is refused>" when `name` does not
 // fit its grammar (the same input refuses it again). `what` says where the name came from ("run

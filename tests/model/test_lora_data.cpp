@@ -154,6 +154,16 @@ TEST_CASE("lora-data preview ids equal HF tokenizers' and labels mask exactly th
   CHECK_THAT(text.output, Catch::Contains("Q: Add 0 and 1\nA: ⟦1<|endoftext|>⟧") &&
                               Catch::Contains("#3  rejected: field 'output' is missing"));
   CHECK_THAT(text.output, !Catch::Contains("#4"));
+
+  // A document's terminal escapes, bell and direction override are shown, not sent to the terminal.
+  std::ofstream(dir + "/hostile.jsonl") << json{{"instruction", "\x1b[2J\x07\u202e clear"}, {"output", "ok"}}.dump()
+                                        << "\n";
+  const Result hostile = sh(fmt::format("{} preview 1 {} data.path={}/hostile.jsonl", bin("lora-data"), recipe, dir));
+  INFO(hostile.output);
+  CHECK(hostile.status == 0);
+  CHECK_THAT(hostile.output, Catch::Contains("\\x1b[2J\\x07\\u{202e} clear"));
+  CHECK(hostile.output.find('\x1b') == std::string::npos);
+  CHECK(hostile.output.find('\x07') == std::string::npos);
 }
 
 TEST_CASE("lora-data import streams JSONL into MongoDB in batches and names a bad line", "[e2e][db][lora-data]") {

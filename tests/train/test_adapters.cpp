@@ -376,6 +376,13 @@ TEST_CASE("adapters: bad jobs are one line each, before anything is trained or w
                       std::string("tenant holds 'bad/../name', which cannot name an adapter's directory")},
            std::tuple{mongo, std::string("{list: [{name: x, filter: {tenant: nobody}}]}"),
                       std::string("adapter 'x': data.filter")},
+           std::tuple{mongo, std::string("{per: tenant}"),
+                      std::string("tenant holds a list in 1 document(s) of data's selection, which would train each "
+                                  "of them in several adapters")},
+           std::tuple{mongo, std::string("{per: tenant}"),
+                      std::string("adapters.per: tenant holds 'Acme' and 'acme', which differ only in case")},
+           std::tuple{jsonl, fmt::format("{{list: [{}, {{name: A, path: {}/a.jsonl}}]}}", a, dir),
+                      std::string("names 'a' and 'A' differ only in case")},
        }) {
     if (n == 4) {  // a second tenant, and (n == 5) one whose name would leave the output directory
       client.insert_many(db, "docs", tenant_docs("other", 3, 50));
@@ -383,6 +390,14 @@ TEST_CASE("adapters: bad jobs are one line each, before anything is trained or w
       client.drop(db, "docs");
       client.insert_many(db, "docs", tenant_docs("good", 4, 0));
       client.insert_many(db, "docs", tenant_docs("bad/../name", 4, 10));
+    } else if (n == 7) {  // a document of two tenants at once; then (n == 8) two that differ only in case
+      client.drop(db, "docs");
+      client.insert_many(db, "docs", tenant_docs("good", 4, 0));
+      client.insert_many(db, "docs", {json{{"tenant", {"good", "other"}}, {"instruction", "q"}, {"output", "1"}}});
+    } else if (n == 8) {
+      client.drop(db, "docs");
+      client.insert_many(db, "docs", tenant_docs("Acme", 4, 0));
+      client.insert_many(db, "docs", tenant_docs("acme", 4, 10));
     }
     const std::string name = fmt::format("bad{}", n++);
     const std::string recipe = job_recipe(
@@ -399,6 +414,29 @@ TEST_CASE("adapters: bad jobs are one line each, before anything is trained or w
             trained || e.path().filename().string().starts_with("epoch_") || e.path().filename() == "resume_state";
     CHECK_FALSE(trained);
   }
+}
+
+TEST_CASE("adapters.per: tenants found only among the evaluation documents are named in a warning", "[e2e][db]") {
+  const std::string dir = temp_dir("adapters-eval-only");
+  const std::string uri = test_uri(), db = "lorarun_test_adapters_eval_only";
+  lorarun::data::Client client(uri, std::chrono::seconds(10), {"the test"});
+  client.drop(db, "docs");
+  for (const auto& [tenant, split, n, from] :
+       {std::tuple{"acme", "train", 6, 0}, std::tuple{"acme", "eval", 2, 10}, std::tuple{"ghost", "eval", 2, 20}}) {
+    std::vector<json> docs = tenant_docs(tenant, n, from);
+    for (json& d : docs) d["split"] = split;
+    client.insert_many(db, "docs", docs);
+  }
+  const std::string recipe = job_recipe(
+      dir, "job",
+      {.data = fmt::format(", uri: \"{}\", database: {}, collection: docs, filter: {{split: train}}", uri, db),
+       .extra = "eval: {filter: {split: eval}}\ntrack: {mongodb: false}\nadapters: {per: tenant}"});
+  const Result dry = sh(fmt::format("{} --dry-run {}", bin("lora-train"), recipe));
+  INFO(dry.output);
+  REQUIRE(dry.status == 0);
+  CHECK_THAT(dry.output, Catch::Contains("adapters.per: the evaluation documents hold tenant ghost that no training "
+                                         "document has: no adapter trains or evaluates on those"));
+  CHECK(occurrences(dry.output, "ghost") == 1);
 }
 
 TEST_CASE(

@@ -100,6 +100,25 @@ std::string small_and_large(const std::string& dir) {
       "[{{name: small, path: {0}/small.jsonl, weight: 1}}, {{name: large, path: {0}/large.jsonl, weight: 2}}]", dir);
 }
 
+// write_source's documents as the collection `coll` of `db` at the test server (dropped first),
+// with _ids 0, 1, … (eval.fraction hashes the _id: fixed ones fix the split) and a field lang.
+void insert_source(const std::string& dir, const std::string& db, const std::string& coll, const std::string& tag,
+                   int n, int words) {
+  lorarun::data::Client client(test_uri(), std::chrono::seconds(10), {"the test"});
+  client.drop(db, coll);
+  write_source(fmt::format("{}/{}.jsonl", dir, coll), tag, n, words);
+  std::vector<json> docs;
+  std::istringstream in(read_file(fmt::format("{}/{}.jsonl", dir, coll)));
+  int i = 0;
+  for (std::string line; std::getline(in, line); ++i) {
+    json j = json::parse(line);
+    j["_id"] = i;
+    j["lang"] = i % 3 == 0 ? "de" : "en";
+    docs.push_back(j);
+  }
+  client.insert_many(db, coll, docs);
+}
+
 // (source, position) of each of the first n documents lora-data preview shows for `recipe`.
 std::vector<std::pair<std::string, int>> previewed(const std::string& recipe, int n) {
   const Result r = sh(fmt::format("{} preview {} --json {}", bin("lora-data"), n, recipe));
@@ -299,21 +318,8 @@ TEST_CASE(
     "[e2e][db]") {
   const std::string dir = temp_dir("mix-mongo");
   const std::string uri = test_uri(), db = "lorarun_test_mix";
-  lorarun::data::Client client(uri, std::chrono::seconds(10), {"the test"});
-  for (const auto& [coll, tag, n, words] : {std::tuple{"tasks", "t", 120, 3}, std::tuple{"chat", "c", 30, 1}}) {
-    client.drop(db, coll);
-    write_source(fmt::format("{}/{}.jsonl", dir, coll), tag, n, words);
-    std::vector<json> docs;
-    std::istringstream in(read_file(fmt::format("{}/{}.jsonl", dir, coll)));
-    int i = 0;
-    for (std::string line; std::getline(in, line); ++i) {
-      json j = json::parse(line);
-      j["_id"] = i;  // eval.fraction hashes the _id: fixed ones fix the split (random ones may hold out none)
-      j["lang"] = i % 3 == 0 ? "de" : "en";
-      docs.push_back(j);
-    }
-    client.insert_many(db, coll, docs);
-  }
+  insert_source(dir, db, "tasks", "t", 120, 3);
+  insert_source(dir, db, "chat", "c", 30, 1);
   const std::string path = dir + "/mongo.yaml";
   std::ofstream(path) << fmt::format(R"(model: {{path: {}/llama, dtype: fp32, device: cpu}}
 lora: {{r: 4, alpha: 8, target_modules: all-linear}}
@@ -368,13 +374,30 @@ TEST_CASE("data.sources: bad mixtures are one line each, before training", "[e2e
                       std::string("data.sources and data.path")},
            std::tuple{fmt::format("[{}, {{name: ../x, path: {}/a.jsonl}}]", a, dir), std::string(),
                       std::string("is named '../x'")},
+           std::tuple{
+               fmt::format("[{{name: a, path: {0}/a.jsonl, weight: 1e308}}, {{name: b, path: {0}/a.jsonl}}]", dir),
+               std::string(), std::string("data.sources 'b' gets no document of an epoch of 20")},
+           std::tuple{fmt::format("[{}, {{name: b, path: {}/prose.txt}}]", a, dir), std::string(),
+                      std::string("data.sources 'b': none of the 2 documents sampled from")},
        }) {
     const std::string recipe = mix_recipe(dir, "bad", sources, data);
-    const Result r = sh(fmt::format("{} --nproc-per-node 1 {}", bin("lorarun"), recipe));
+    const Result r = sh(fmt::format("timeout 60 {} --nproc-per-node 1 {}", bin("lorarun"), recipe));
     INFO(r.output);
-    CHECK(r.status != 0);
+    CHECK(r.status == 78);
     CHECK_THAT(r.output, Catch::Contains(expected));
     CHECK_THAT(r.output, !Catch::Contains("terminate"));
     CHECK_FALSE(std::filesystem::exists(dir + "/bad/epoch_0"));
   }
+  // Weights near the largest double share an epoch as their ratio says (they once overflowed).
+  const Result stats =
+      sh(fmt::format("timeout 60 {} stats --json {}", bin("lora-data"),
+                     mix_recipe(dir, "huge",
+                                fmt::format("[{{name: a, path: {0}/a.jsonl, weight: 1.5e308}}, {{name: b, path: "
+                                            "{0}/a.jsonl, weight: 0.5e308}}]",
+                                            dir))));
+  INFO(stats.output);
+  REQUIRE(stats.status == 0);
+  const json plan = json::parse(stats.output);
+  CHECK(plan["sources"][0]["per_epoch"] == 15);
+  CHECK(plan["sources"][1]["per_epoch"] == 5);
 }

@@ -118,6 +118,10 @@ TEST_CASE("apportion: shares by weight that sum to the total, largest remainders
   CHECK(apportion(7, {1, 2}) == std::vector<int64_t>{2, 5});
   CHECK(apportion(400, {1, 3}) == std::vector<int64_t>{100, 300});
   CHECK(apportion(5, {0.001, 1}) == std::vector<int64_t>{0, 5});
+  // weights near the largest double: their sum and products overflow unless taken over the largest
+  CHECK(apportion(20, {1e308, 1}) == std::vector<int64_t>{20, 0});
+  CHECK(apportion(20, {1.5e308, 0.5e308}) == std::vector<int64_t>{15, 5});
+  CHECK(apportion(3, {1e308, 1e308, 1e308}) == std::vector<int64_t>{1, 1, 1});
   for (int64_t total : {1, 13, 1000, 999'983}) {
     const std::vector<int64_t> got = apportion(total, {0.3, 1.7, 5, 0.01});
     CHECK(std::accumulate(got.begin(), got.end(), int64_t{0}) == total);

@@ -103,6 +103,9 @@ TEST_CASE("printable and one_line escape what a terminal would act on, and keep 
   CHECK(printable("\u202e") == "\\u{202e}");              // a bidi override
   CHECK(printable(std::string(500, 'x'), 10) == std::string(10, 'x') + "… (500 bytes)");
   CHECK(one_line(std::string(5000, 'y')) == std::string(5000, 'y'));
+  // a document's text on a terminal: its lines kept, nothing it holds acts on the terminal
+  CHECK(terminal_text("two\nlines\tand a tab") == "two\nlines\tand a tab");
+  CHECK(terminal_text("\x1b[2Jclear\a\u202eevil\r") == "\\x1b[2Jclear\\x07\\u{202e}evil\\r");
 }
 
 TEST_CASE("files a run writes: never through a planted link, into a FIFO or into another file's hard link") {
