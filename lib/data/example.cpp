@@ -12,7 +12,14 @@
 namespace lorarun::data {
 namespace {
 
-Rejection bad(std::string reason) { return {Rejection::BadDocument, std::move(reason)}; }
+Rejection bad(std::string reason, Rejection::Cause cause = Rejection::kMalformed) {
+  return {Rejection::BadDocument, std::move(reason), {}, cause};
+}
+Rejection untrainable(std::string reason) { return bad(std::move(reason), Rejection::kUntrainable); }
+Rejection unreadable(std::string reason) { return bad(std::move(reason), Rejection::kUnreadable); }
+Rejection template_failed(std::string reason) { return bad(std::move(reason), Rejection::kTemplate); }
+// `r` (of a part of the document) with `prefix` before its reason, its cause kept.
+Rejection within(const std::string& prefix, const Rejection& r) { return bad(prefix + r.reason, r.cause_of_bad); }
 
 // One document's renderings: its messages (or a prefix of them) with the template and context. A
 // render given up for a stop request throws DataUnavailable (the step that needed it is not taken:
@@ -36,7 +43,7 @@ std::variant<std::string, Rejection> string_field(const Document& doc, const std
   if (!doc.is_object() || !doc.contains(field)) return bad(fmt::format("field '{}' is missing", field));
   if (!doc[field].is_string()) return bad(fmt::format("field '{}' is not a string", field));
   std::string s = doc[field].get<std::string>();
-  if (!valid_utf8(s)) return bad(invalid_utf8_reason(field));
+  if (!valid_utf8(s)) return unreadable(invalid_utf8_reason(field));
   return s;
 }
 
@@ -89,6 +96,12 @@ bool valid_utf8(std::string_view s) {
   return true;
 }
 
+std::string_view cause_name(Rejection::Cause c) {
+  static constexpr std::string_view kNames[] = {"malformed", "untrainable", "unreadable",
+                                                "deleted",   "template",    "overlong"};
+  return c >= 0 && c < Rejection::kCauses ? kNames[c] : "?";
+}
+
 std::string invalid_utf8_reason(std::string_view field) { return fmt::format("field '{}' is not valid UTF-8", field); }
 
 ExampleBuilder::ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer,
@@ -122,7 +135,7 @@ std::variant<Example, Rejection> ExampleBuilder::finish(Example e, bool add_eos)
     e.truncated = true;
   }
   if (std::all_of(e.labels.begin(), e.labels.end(), [](int32_t l) { return l == kIgnoreIndex; }))
-    return bad("no token left to train on after truncation");
+    return untrainable("no token left to train on after truncation");
   return e;
 }
 
@@ -206,8 +219,8 @@ std::variant<Example, Rejection> ExampleBuilder::chat(const Document& doc) const
   for (const auto& m : doc[cfg_.messages_field]) {
     auto role = string_field(m, "role");
     auto content = string_field(m, "content");
-    if (auto* r = std::get_if<Rejection>(&role)) return bad("a message: " + r->reason);
-    if (auto* r = std::get_if<Rejection>(&content)) return bad("a message: " + r->reason);
+    if (auto* r = std::get_if<Rejection>(&role)) return within("a message: ", *r);
+    if (auto* r = std::get_if<Rejection>(&content)) return within("a message: ", *r);
     const std::string& who = std::get<std::string>(role);
     const bool trained = who == "assistant" || cfg_.train_on_input;
     any_assistant |= who == "assistant";
@@ -217,7 +230,7 @@ std::variant<Example, Rejection> ExampleBuilder::chat(const Document& doc) const
     append(e, std::get<std::string>(content) + t.after, trained, false);
     first = false;
   }
-  if (!any_assistant) return bad("no assistant message to train on");
+  if (!any_assistant) return untrainable("no assistant message to train on");
   return finish(std::move(e), /*add_eos=*/false);  // each format's turn end is already trained
 }
 
@@ -432,28 +445,29 @@ std::variant<Example, Rejection> ExampleBuilder::chat_template(const Document& d
   std::vector<size_t> assistants;
   for (const auto& m : doc[cfg_.messages_field]) {
     auto role = string_field(m, "role");
-    if (auto* r = std::get_if<Rejection>(&role)) return bad("a message: " + r->reason);
+    if (auto* r = std::get_if<Rejection>(&role)) return within("a message: ", *r);
     if (std::get<std::string>(role) == "assistant") assistants.push_back(messages.size());
     messages.push_back(template_message(m));
   }
-  if (assistants.empty()) return bad("no assistant message to train on");
+  if (assistants.empty()) return untrainable("no assistant message to train on");
   nlohmann::ordered_json context = chat_context_;
   if (auto it = doc.find("tools"); it != doc.end() && !it->is_null()) context["tools"] = *it;
   const auto whole = Renderer{*compiled_template_, context, stop_}(messages, false);
   if (const auto* e = std::get_if<std::string>(&whole))
-    return bad(*e == chat::kFuelSpent
-                   ? fmt::format("rendering it with the chat template ({}) spent all of data.chat_template_fuel ({}): "
-                                 "raise it, or fix the template",
-                                 chat_template_source_, cfg_.chat_template_fuel)
-                   : fmt::format("the chat template ({}) failed: {}", chat_template_source_, *e));
+    return template_failed(
+        *e == chat::kFuelSpent
+            ? fmt::format("rendering it with the chat template ({}) spent all of data.chat_template_fuel ({}): "
+                          "raise it, or fix the template",
+                          chat_template_source_, cfg_.chat_template_fuel)
+            : fmt::format("the chat template ({}) failed: {}", chat_template_source_, *e));
   const chat::Rendered& conversation = std::get<chat::Rendered>(whole);
   const std::string& text = conversation.text;
-  if (!valid_utf8(text)) return bad(invalid_utf8_reason(cfg_.messages_field));
+  if (!valid_utf8(text)) return unreadable(invalid_utf8_reason(cfg_.messages_field));
   tok::Tokenizer::Encoding enc;
   try {
     enc = tok_.encode_with_offsets(text);
   } catch (const Error& err) {
-    return bad(err.what());
+    return unreadable(err.what());
   }
   Example e;
   e.ids = enc.ids;
@@ -464,7 +478,7 @@ std::variant<Example, Rejection> ExampleBuilder::chat_template(const Document& d
     mark_spans(enc, conversation.generation, e.labels);
   } else {
     const auto turns = assistant_turns(messages, assistants, text, context);
-    if (const auto* why = std::get_if<std::string>(&turns)) return bad(*why);
+    if (const auto* why = std::get_if<std::string>(&turns)) return template_failed(*why);
     mark_spans(enc, std::get<std::vector<Span>>(turns), e.labels);
   }
   return finish(std::move(e), /*add_eos=*/false);
@@ -481,7 +495,7 @@ std::variant<nlohmann::ordered_json, Rejection> messages_of(const Document& doc,
   for (const auto& m : list) {
     for (const char* key : {"role", "content"}) {
       auto v = string_field(m, key);
-      if (auto* r = std::get_if<Rejection>(&v)) return bad(fmt::format("a message of '{}': {}", field, r->reason));
+      if (auto* r = std::get_if<Rejection>(&v)) return within(fmt::format("a message of '{}': ", field), *r);
     }
     out.push_back(template_message(m));
   }
@@ -496,7 +510,7 @@ size_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& 
 
 std::variant<std::array<std::string, 3>, Rejection> ExampleBuilder::preference_texts(const Document& doc,
                                                                                      bool& special) const {
-  if (!doc.is_object()) return bad("the document is not an object");
+  if (!doc.is_object()) return unreadable("the document is not an object");
   for (const std::string* f : {&cfg_.chosen_field, &cfg_.rejected_field})
     if (!doc.contains(*f)) return bad(fmt::format("field '{}' is missing", *f));
   const bool conversation =
@@ -547,7 +561,7 @@ std::variant<std::array<std::string, 3>, Rejection> ExampleBuilder::preference_t
     if (k > 0) messages.insert(messages.end(), parts[k].begin(), parts[k].end());
     const auto r = render(messages, k == 0);
     if (const auto* e = std::get_if<std::string>(&r))
-      return bad(fmt::format("the chat template ({}) failed: {}", chat_template_source_, *e));
+      return template_failed(fmt::format("the chat template ({}) failed: {}", chat_template_source_, *e));
     out[static_cast<size_t>(k)] = std::get<chat::Rendered>(r).text;
   }
   return out;
@@ -558,15 +572,15 @@ std::variant<Example, Rejection> ExampleBuilder::preference(const Document& doc)
   auto texts = preference_texts(doc, special);
   if (auto* r = std::get_if<Rejection>(&texts)) return *r;
   const auto& t = std::get<std::array<std::string, 3>>(texts);
-  if (t[1] == t[2]) return bad("the chosen and the rejected completion are the same");
+  if (t[1] == t[2]) return untrainable("the chosen and the rejected completion are the same");
   for (const std::string& text : t)
-    if (!valid_utf8(text)) return bad("a rendered text is not valid UTF-8");
+    if (!valid_utf8(text)) return unreadable("a rendered text is not valid UTF-8");
   if (pairs_ == PairTokens::Orpo) return orpo_pair(t);
   std::vector<int32_t> ids[3];
   try {
     for (int k = 0; k < 3; ++k) ids[k] = tok_.encode(t[static_cast<size_t>(k)], special);
   } catch (const Error& err) {
-    return bad(err.what());
+    return unreadable(err.what());
   }
   const size_t prompt = std::min(common_prefix(ids[0], ids[1]), common_prefix(ids[0], ids[2]));
   const auto max = static_cast<size_t>(cfg_.max_length);
@@ -578,7 +592,7 @@ std::variant<Example, Rejection> ExampleBuilder::preference(const Document& doc)
   Example e;
   for (int k = 1; k < 3; ++k) {
     std::vector<int32_t>& seq = ids[k];
-    if (seq.size() == prompt) return bad("a completion has no token");
+    if (seq.size() == prompt) return untrainable("a completion has no token");
     e.truncated |= seq.size() > max;
     if (seq.size() > max) seq.resize(max);
     std::vector<int32_t> labels = seq;
@@ -596,7 +610,7 @@ std::variant<Example, Rejection> ExampleBuilder::orpo_pair(const std::array<std:
     prompt = tok_.encode(t[0], false);
     for (int k = 0; k < 2; ++k) seq[k] = tok_.encode(t[static_cast<size_t>(k) + 1], false);
   } catch (const Error& err) {
-    return bad(err.what());
+    return unreadable(err.what());
   }
   const auto max = static_cast<size_t>(cfg_.max_length);
   const std::optional<int32_t> bos = tok_.bos_id();
@@ -617,7 +631,7 @@ std::variant<Example, Rejection> ExampleBuilder::orpo_pair(const std::array<std:
       return Rejection{Rejection::Overlong, fmt::format("{} tokens, data.max_length is {}", ids.size(), max)};
     e.truncated |= ids.size() > max;
     if (ids.size() > max) ids.resize(max);
-    if (ids.size() == start[k]) return bad("a completion has no token");
+    if (ids.size() == start[k]) return untrainable("a completion has no token");
     std::vector<int32_t> labels = ids;
     std::fill(labels.begin(), labels.begin() + static_cast<std::ptrdiff_t>(start[k]), kIgnoreIndex);
     (k == 0 ? e.ids : e.rejected_ids) = std::move(ids);

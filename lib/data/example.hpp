@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -40,7 +41,16 @@ struct Rejection {
   enum Kind { BadDocument, Overlong } kind;
   std::string reason;
   std::string document = {};  // its _id (or "#position" in a JSONL file) when the reader knows it
+  // What kind of bad document (a run counts skipped documents by cause; an Overlong kind is kOverlong).
+  enum Cause { kMalformed, kUntrainable, kUnreadable, kDeleted, kTemplate, kOverlong, kCauses };
+  Cause cause_of_bad = kMalformed;
+  Cause cause() const { return kind == Overlong ? kOverlong : cause_of_bad; }
 };
+
+// The cause's name in metrics and messages: "malformed" (a field missing, of the wrong type or
+// empty), "untrainable" (no token to train), "unreadable" (not JSON or not UTF-8), "deleted" (gone
+// from the collection since it was listed), "template" (the chat template failed), "overlong".
+std::string_view cause_name(Rejection::Cause c);
 
 // How a preference pair is tokenised: as TRL's DPOTrainer does, or as its ORPOTrainer does.
 enum class PairTokens { Dpo, Orpo };

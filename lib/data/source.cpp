@@ -710,9 +710,12 @@ std::string shown_id(const std::string& id) { return id.empty() || id[0] == '#' 
 }  // namespace
 
 Built build_found(const ExampleBuilder& builder, const Found& f) {
-  Built b = !f.invalid_utf8.empty() ? Rejection{Rejection::BadDocument, invalid_utf8_reason(f.invalid_utf8)}
-            : f.doc.is_discarded()  ? Rejection{Rejection::BadDocument, "not valid JSON or not valid UTF-8"}
-            : f.doc.is_null()       ? Rejection{Rejection::BadDocument, "no longer in the collection"}
+  const auto bad = [](std::string why, Rejection::Cause cause) {
+    return Rejection{Rejection::BadDocument, std::move(why), {}, cause};
+  };
+  Built b = !f.invalid_utf8.empty() ? bad(invalid_utf8_reason(f.invalid_utf8), Rejection::kUnreadable)
+            : f.doc.is_discarded()  ? bad("not valid JSON or not valid UTF-8", Rejection::kUnreadable)
+            : f.doc.is_null()       ? bad("no longer in the collection", Rejection::kDeleted)
                                     : builder.build(f.doc);
   if (auto* r = std::get_if<Rejection>(&b)) r->document = shown_id(f.id);
   if (auto* e = std::get_if<Example>(&b)) e->source = f.source;

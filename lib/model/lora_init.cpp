@@ -57,13 +57,13 @@ std::optional<InitMethod> parse_init(const std::string& name) {
   if (name == "pissa") return InitMethod{.kind = LoraInit::Pissa, .niter = {}};
   if (name == "olora") return InitMethod{.kind = LoraInit::Olora, .niter = {}};
   constexpr std::string_view prefix = "pissa_niter_";
-  if (!name.starts_with(prefix) || name.size() == prefix.size() || name.size() > prefix.size() + 6) return std::nullopt;
+  if (!name.starts_with(prefix) || name.size() == prefix.size() || name.size() > prefix.size() + 4) return std::nullopt;
   int64_t n = 0;
   for (const char c : name.substr(prefix.size())) {
     if (c < '0' || c > '9') return std::nullopt;
     n = n * 10 + (c - '0');
   }
-  if (n < 1) return std::nullopt;
+  if (n < 1 || n > 1000) return std::nullopt;  // (the recipe's bound)
   return InitMethod{.kind = LoraInit::Pissa, .niter = n};
 }
 

@@ -203,6 +203,7 @@ struct DataSection {
   int max_length = 1024;
   Overlong overlong = Overlong::Truncate;
   BadDocuments bad_documents = BadDocuments::Skip;
+  double max_skipped_share = 0.05;  // of an epoch's documents; more skipped stops the run
   Shuffle shuffle = Shuffle::Global;
   bool packing = false;
   int batch_size = 4;

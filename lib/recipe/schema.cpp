@@ -158,6 +158,8 @@ std::string bound_text(const Bound& b, bool whole_numbers) {
       return whole_numbers ? "at least " + number(b.lo) : ">= " + number(b.lo);
     case Bound::Kind::Above:
       return "> " + number(b.lo);
+    case Bound::Kind::AboveAtMost:
+      return fmt::format("in ({}, {}]", number(b.lo), number(b.hi));
     case Bound::Kind::Within:
       return fmt::format("in [{}, {}{}{}", number(b.lo), number(b.hi), b.hi_open ? ")" : "]",
                          b.unit.empty() ? "" : " " + std::string(b.unit));
@@ -177,6 +179,8 @@ bool inside(const Bound& b, T value) {
       return value >= lo;
     case Bound::Kind::Above:
       return value > lo;
+    case Bound::Kind::AboveAtMost:
+      return value > lo && value <= hi;
     case Bound::Kind::Within:
       return value >= lo && (b.hi_open ? value < hi : value <= hi);
   }

@@ -19,7 +19,7 @@ inline constexpr std::array<std::string_view, 10> kSections{"model",      "lora"
 // How far a number may go. Messages and docs/recipe.md word it the same way (bound_text):
 // whole numbers "at least 1", other numbers ">= 0", "> 0", "in [0, 1)", "in [0, 3600] seconds".
 struct Bound {
-  enum class Kind { None, AtLeast, Above, Within };
+  enum class Kind { None, AtLeast, Above, AboveAtMost, Within };
   Kind kind = Kind::None;
   double lo = 0, hi = 0;
   bool hi_open = false;   // Within: [lo, hi) rather than [lo, hi]
@@ -27,6 +27,7 @@ struct Bound {
 };
 constexpr Bound at_least(double lo) { return {Bound::Kind::AtLeast, lo, 0, false, {}}; }
 constexpr Bound above(double lo) { return {Bound::Kind::Above, lo, 0, false, {}}; }
+constexpr Bound above_at_most(double lo, double hi) { return {Bound::Kind::AboveAtMost, lo, hi, false, {}}; }
 constexpr Bound within(double lo, double hi, bool hi_open, std::string_view unit = {}) {
   return {Bound::Kind::Within, lo, hi, hi_open, unit};
 }
@@ -92,7 +93,7 @@ void for_each_key(R& r, V&& v) {
                    "saved as lora_magnitude_vector"},
     r.lora.use_dora);
   v(Key{.name = "lora.plus_lr_ratio",
-        .bound = above(0),
+        .bound = within(0.001, 10000, false),
         .null_means = "one learning rate for every adapter tensor",
         .meaning = "LoRA+: B's (and DoRA's magnitudes') learning rate is the schedule's × this, as PEFT's "
                    "create_loraplus_optimizer sets it"},
@@ -222,6 +223,11 @@ void for_each_key(R& r, V&& v) {
   v(Key{.name = "data.bad_documents",
         .meaning = "a document missing a field or of the wrong shape: skip it (counted), or fail the run"},
     r.data.bad_documents);
+  v(Key{.name = "data.max_skipped_share",
+        .bound = within(0, 1, false),
+        .meaning = "the share of an epoch's documents that may be skipped (any cause) before the run stops, naming "
+                   "the commonest; 1: never"},
+    r.data.max_skipped_share);
   v(Key{.name = "data.shuffle",
         .meaning = "order per epoch: one permutation from (train.seed, epoch), windows of shuffle_buffer per rank, "
                    "or `_id` order"},
@@ -266,7 +272,9 @@ void for_each_key(R& r, V&& v) {
         .bound = at_least(1),
         .meaning = "micro-batches per optimizer step"},
     r.train.gradient_accumulation_steps);
-  v(Key{.name = "train.lr", .bound = above(0), .meaning = "AdamW's peak learning rate, reached after warmup_steps"},
+  v(Key{.name = "train.lr",
+        .bound = above_at_most(0, 1e30),
+        .meaning = "AdamW's peak learning rate, reached after warmup_steps"},
     r.train.lr);
   v(Key{.name = "train.weight_decay", .bound = at_least(0), .meaning = "AdamW's decoupled weight decay"},
     r.train.weight_decay);
@@ -319,7 +327,7 @@ void for_each_key(R& r, V&& v) {
     r.train.objective);
 
   v(Key{.name = "preference.beta",
-        .bound = above(0),
+        .bound = within(0.0001, 1000, false),
         .meaning = "DPO's beta (rewards are beta × log-ratio to the reference); orpo: lambda, the weight of the "
                    "odds-ratio term"},
     r.preference.beta);

@@ -235,15 +235,16 @@ constexpr Rule kRules[] = {
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        const std::string& init = r.lora.init;
        const std::string n = init.starts_with("pissa_niter_") ? init.substr(12) : "";
-       const bool count =
-           !n.empty() && n.size() <= 6 && std::all_of(n.begin(), n.end(), [](char c) { return c >= '0' && c <= '9'; });
+       const bool count = !n.empty() && n.size() <= 4 &&
+                          std::all_of(n.begin(), n.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+                          std::stol(n) <= 1000;
        if (count && std::stol(n) == 0)
          fail(o, "lora.init",
               "is pissa_niter_0, but N counts the randomised SVD's subspace iterations and must be at least 1: "
               "pissa_niter_4, say, or pissa for the exact SVD");
        if (!count && init != "default" && init != "gaussian" && init != "pissa" && init != "olora")
          fail(o, "lora.init",
-              fmt::format("'{}' is not one of default, gaussian, pissa, pissa_niter_N (N >= 1) or olora",
+              fmt::format("'{}' is not one of default, gaussian, pissa, pissa_niter_N (N from 1 to 1000) or olora",
                           printable(init)));
        if (init == "default") return;
        if (!r.lora.init_from.empty())

@@ -32,6 +32,7 @@
 #include "train/profile.hpp"
 #include "train/runtime.hpp"
 #include "train/schedule.hpp"
+#include "train/skips.hpp"
 #include "train/stop.hpp"
 #include "train/trainer.hpp"
 #include "util/error.hpp"
@@ -83,9 +84,11 @@ struct Tenant {
   std::optional<data::MicroBatches> batches;  // its current epoch's, from p.step_in_epoch on
   std::optional<double> last_eval_loss;
   double epoch_tokens = 0;
-  // this step: summed token losses on the device, trained tokens, document tokens, row slots, skipped documents
+  // this step: summed token losses on the device, trained tokens, document tokens, row slots
   at::Tensor loss;
-  int64_t tokens = 0, real = 0, slots = 0, rejected = 0;
+  int64_t tokens = 0, real = 0, slots = 0;
+  Skips skips;                  // documents skipped: this rank's in the step, all ranks' in the epoch and the run
+  int64_t epoch_documents = 0;  // what its epoch's steps read, all ranks together
   at::Tensor rng_at_step_start;
   bool whole_epoch_here = false;  // this process runs its current epoch from step 0
 };
@@ -95,7 +98,7 @@ enum class StepEnd { Go, Stop, DataLost };
 
 // The figures the ranks sum per step, first the job's, then per active adapter kPerTenant.
 enum JobSum { kStop, kDataWait, kDataFailed, kTakenOver, kJobSums };
-enum TenantSum { kLoss, kTokens, kReal, kSlots, kRejected, kPerTenant };
+enum TenantSum { kLoss, kTokens, kReal, kSlots, kSkipped, kPerTenant = kSkipped + Skips::kCauses };
 
 class Job {
  public:
@@ -137,7 +140,6 @@ class Job {
   std::string run_id_;
   std::string data_error_;
   int warned_ = 0;
-  double rejected_total_ = 0;
   Clock::time_point started_ = Clock::now();
   int64_t steps_this_process_ = 0;
   StepProfiler profile_{r_.train.profile_steps, r_.checkpoint.output_dir, env_.rank, cuda_};
@@ -192,7 +194,9 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
         std::make_unique<Checkpointer>(t->r, agree_, m_, cfg, t->params, *t->opt, t->docs->identity(), cuda_, rng);
     t->ckpt->store_as_adapter(t->name);
     t->schedule = schedule_of(t->r.train.lr_scheduler);
-    t->steps_per_epoch = steps_per_epoch(t->r, data::examples_per_rank(t->docs->size(), env.world_size));
+    const int64_t per_rank = data::examples_per_rank(t->docs->size(), env.world_size);
+    t->steps_per_epoch = steps_per_epoch(t->r, per_rank);
+    t->epoch_documents = epoch_documents(t->r, per_rank, env.world_size);
     t->epochs = t->r.train.epochs;
     t->total_steps = t->steps_per_epoch * t->epochs;
     all.insert(all.end(), t->params.begin(), t->params.end());
@@ -341,6 +345,7 @@ void Job::open_batches(Tenant& t) {
                              t.r.data.group_by_length ? t.r.data.group_window : 1, seed, t.p.epoch};
   t.whole_epoch_here = t.p.step_in_epoch == 0;
   if (t.whole_epoch_here) t.epoch_tokens = 0;
+  t.skips.new_epoch();
   try {
     t.batches.emplace(*t.docs, *rt_.builder, spec, plan, t.p.step_in_epoch);
   } catch (const data::DataUnavailable& e) {
@@ -388,7 +393,7 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
   const auto device_zero = at::TensorOptions().dtype(at::kFloat).device(rt_.device);
   for (Tenant* t : active) {
     t->loss = at::zeros({}, device_zero);
-    t->tokens = t->real = t->slots = t->rejected = 0;
+    t->tokens = t->real = t->slots = 0;
     t->rng_at_step_start = streams_.state(t->slot);
   }
   // The adapters in passes of at most adapters.per_pass, in slot order: the same passes on every rank
@@ -431,7 +436,8 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
     f[kTokens] = static_cast<double>(active[i]->tokens);
     f[kReal] = static_cast<double>(active[i]->real);
     f[kSlots] = static_cast<double>(active[i]->slots);
-    f[kRejected] = static_cast<double>(active[i]->rejected);
+    const Skips::Counts skipped = active[i]->skips.take();
+    std::copy(skipped.begin(), skipped.end(), f + kSkipped);
   }
   at::Tensor stats = at::tensor(mine, at::kDouble).to(rt_.device);
   for (size_t i = 0; i < active.size(); ++i) stats[kJobSums + kPerTenant * i + kLoss].add_(active[i]->loss);
@@ -483,9 +489,10 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
       if (env_.world_size > 1 || t.tokens > 0) t.opt->step();
     }
     t.epoch_tokens += f[kTokens];
-    rejected_total_ += f[kRejected];
+    t.skips.add(f + kSkipped);
     loss_all += f[kLoss], tokens_all += f[kTokens], real_all += f[kReal], slots_all += f[kSlots];
     per[t.name] = {{"loss", loss}, {"tokens", f[kTokens]}, {"lr", lr}, {"grad_norm", grad_norm}, {"epoch", t.p.epoch}};
+    per[t.name].update(Skips::figures(f + kSkipped));
   }
   // Zeroed, not freed (the finished ones' zeros from the all-reduce too): allocated once, not anew in
   // each step's passes among their activations, which raised 8 adapters' peak RSS by 12%.
@@ -524,6 +531,8 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
       sinks_->step(row);
     }
   }
+  for (Tenant* t : active)
+    t->skips.check(t->p.epoch, t->epoch_documents, t->r.data.max_skipped_share, fmt::format("adapter '{}': ", t->name));
   if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) check_replicas();
   bool stopping = false;  // an evaluation of this step was cut short by a stop
   for (Tenant* t : active) stopping = !after_step(*t, stopping, stop) || stopping;
@@ -721,8 +730,8 @@ int Job::finish() {
       adapters.emplace_back((out / "best").string(), t->name + "/best");
   }
   if (lead_) {
-    if (rejected_total_ > 0)
-      warn(fmt::format("{} documents were skipped on all ranks together (bad or overlong)", rejected_total_));
+    for (const auto& t : tenants_)
+      if (t->skips.run_total() > 0) warn(fmt::format("adapter '{}': {}", t->name, t->skips.summary()));
     const nlohmann::json done = {{"status", "completed"},
                                  {"run_id", lead_ ? sinks_->ref() : ""},
                                  {"steps", step_},
@@ -769,7 +778,7 @@ std::vector<data::Example> Job::examples(Tenant& t) {
           "rank {}: adapter '{}': bad document {}({}) and data.bad_documents is fail: fix the document or set "
           "data.bad_documents=skip",
           env_.rank, t.name, why.document.empty() ? "" : why.document + " ", why.reason));
-    ++t.rejected;
+    t.skips.count(why);
     if (warned_++ < 3)
       warn(fmt::format("rank {}: adapter '{}': skipping {}: {}", env_.rank, t.name,
                        why.document.empty() ? "a document" : "document " + why.document, why.reason));

@@ -115,6 +115,11 @@ int64_t steps_per_epoch(const recipe::Recipe& r, int64_t per_rank) {
   return r.train.max_steps_per_epoch ? std::min<int64_t>(steps, *r.train.max_steps_per_epoch) : steps;
 }
 
+int64_t epoch_documents(const recipe::Recipe& r, int64_t per_rank, int world) {
+  const int64_t read = steps_per_epoch(r, per_rank) * r.data.batch_size * r.train.gradient_accumulation_steps;
+  return std::min(per_rank, read) * world;
+}
+
 Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const RuntimeOptions& o)
     : device(rank_device(r, env)),
       shards(o.train && r.dist.shard_base ? base_shards(r, env.rank, env.world_size, o.pg) : nullptr),

@@ -45,6 +45,8 @@ model::LoadOptions load_options(const recipe::Recipe& r, std::shared_ptr<model::
 // Optimizer steps per epoch of a rank reading `per_rank` documents (Runtime::per_rank): every
 // rank the same (shards are equalised), at most train.max_steps_per_epoch.
 int64_t steps_per_epoch(const recipe::Recipe& r, int64_t per_rank);
+// The documents those steps read on all `world` ranks together (data.max_skipped_share's whole).
+int64_t epoch_documents(const recipe::Recipe& r, int64_t per_rank, int world);
 
 // The seed of rank `rank`'s dropout stream in a run of train.seed `seed`.
 uint64_t dropout_seed(int64_t seed, int rank);

@@ -29,6 +29,7 @@
 #include "train/profile.hpp"
 #include "train/runtime.hpp"
 #include "train/schedule.hpp"
+#include "train/skips.hpp"
 #include "train/stop.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
@@ -43,15 +44,15 @@ using Clock = std::chrono::steady_clock;
 // What one step's ranks sum, as one all-reduce of these doubles in this order; then the gradient
 // norm of the summed (and normalised) gradients.
 struct StepSums {
-  double loss;         // summed token losses (a trivial type: memcpy reads it from the reduced tensor)
-  double tokens;       // trained tokens
-  double stop;         // ranks asked to stop
-  double data_wait;    // shares of the step spent waiting for data
-  double real;         // document tokens
-  double slots;        // row slots, padding included
-  double rejected;     // documents skipped
-  double data_failed;  // ranks whose data source gave up
-  double taken_over;   // ranks whose run record another process took over (rank 0's)
+  double loss;            // summed token losses (a trivial type: memcpy reads it from the reduced tensor)
+  double tokens;          // trained tokens
+  double stop;            // ranks asked to stop
+  double data_wait;       // shares of the step spent waiting for data
+  double real;            // document tokens
+  double slots;           // row slots, padding included
+  double data_failed;     // ranks whose data source gave up
+  double taken_over;      // ranks whose run record another process took over (rank 0's)
+  Skips::Counts skipped;  // documents skipped, by cause
 };
 constexpr int64_t kStepSums = sizeof(StepSums) / sizeof(double);
 
@@ -62,7 +63,7 @@ struct StepResult {
   double rank_tokens = 0;       // trained tokens, this rank
   double data_wait = 0;         // mean share of the step the ranks spent waiting for data
   double padding = 0;           // share of the row slots that held padding, all ranks
-  double rejected = 0;          // documents skipped in this step, all ranks
+  Skips::Counts skipped{};      // documents skipped in this step by cause, all ranks
   std::vector<double> sources;  // data.sources: examples then trained tokens per source, all ranks
   bool stop = false;            // some rank was asked to stop
   bool data_failed = false;     // some rank lost its data source: nothing of this step was applied
@@ -119,17 +120,17 @@ class Trainer {
   std::unique_ptr<track::RunSinks> sinks_;  // rank 0
   const Schedule schedule_;
   const int64_t steps_per_epoch_, total_steps_;
+  const int64_t epoch_documents_;  // what an epoch's steps read, all ranks together
   std::optional<double> last_eval_loss_;
   Steering steer_;                    // best eval loss so far, evaluations since it improved
   int epochs_ran_ = r_.train.epochs;  // the epochs the run ends with (fewer when it stops early)
   bool stopping_early_ = false;       // patience ran out: the current epoch is the last
   int64_t step_ = 0;
-  int64_t rejected_here_ = 0;  // documents this rank skipped in the current step
+  Skips skips_;  // documents skipped: this rank's in the current step, all ranks' in the epoch and the run
   // data.sources: this rank's examples and trained tokens per source in the current step, and all
   // ranks' since the last metrics row ([documents of each source…, tokens of each source…]).
   std::vector<double> source_here_ = std::vector<double>(2 * (rt_.mix ? rt_.mix->sources().size() : 0));
   std::vector<double> source_logged_ = source_here_;
-  double rejected_total_ = 0;     // documents all ranks skipped, this process's steps
   int warned_ = 0;                // skipped documents this rank has warned about
   at::Tensor rng_at_step_start_;  // this rank's generators before the current step
   std::string data_error_;        // why this rank's data source gave up (empty: it did not)
@@ -158,7 +159,8 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       ckpt_(r, agree_, m_, model::lora_config_of(r.lora, r.model.path), params_, *opt_, rt_.data_identity(), cuda_),
       schedule_(schedule_of(r.train.lr_scheduler)),
       steps_per_epoch_(steps_per_epoch(r, rt_.per_rank(env.world_size))),
-      total_steps_(steps_per_epoch_ * r.train.epochs) {}
+      total_steps_(steps_per_epoch_ * r.train.epochs),
+      epoch_documents_(epoch_documents(r, rt_.per_rank(env.world_size), env.world_size)) {}
 
 // The run, as the recipe describes it: resume if there is a state, then epochs of steps, each
 // epoch ending with its checkpoint (per the policy) and a resumable state.
@@ -222,6 +224,7 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
   if (first < steps_per_epoch_) batches = open_epoch(epoch, first);
   double epoch_tokens = 0;
   bool stop = false;
+  skips_.new_epoch();
   for (int64_t s = first; s < steps_per_epoch_ && !stopping_early_; ++s) {
     profile_.before_step();
     const StepResult res = step(batches ? &*batches : nullptr);
@@ -232,6 +235,8 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
     ++step_;
     ++steps_this_process_;
     log_step(res, epoch, s);
+    skips_.add(res.skipped.data());
+    skips_.check(epoch, epoch_documents_, r_.data.max_skipped_share);
     if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) check_replicas();
     const bool last = s + 1 == steps_per_epoch_;
     if (rt_.evaluates() && !last && r_.eval.every_n_steps && step_ % *r_.eval.every_n_steps == 0) {
@@ -248,7 +253,7 @@ std::optional<int> Trainer::run_epoch(int epoch, int64_t first, const std::strin
         fmt::format("epoch {} trained on no token: every document of the selection was rejected ({} skipped: "
                     "bad, longer than data.max_length with data.overlong=skip, or with no trained token); fix "
                     "the data or the data.* keys (see the warnings above)",
-                    epoch, rejected_total_));
+                    epoch, skips_.epoch_total()));
   // (a step's evaluation that stopped the run early is the last; one stopped by a signal is redone
   // when the run resumes, at the end of this epoch's steps)
   if (rt_.evaluates() && !stopping_early_ && !evaluate(epoch))
@@ -284,7 +289,6 @@ StepResult Trainer::step(data::MicroBatches* batches) {
   const auto t0 = Clock::now();
   const auto waited = [&] { return batches ? batches->reader().wait_seconds() : 0.0; };
   const double wait0 = waited();
-  rejected_here_ = 0;
   std::fill(source_here_.begin(), source_here_.end(), 0.0);
   rng_at_step_start_ = rng_state(cuda_);  // a step given up for lost data must not move the streams
   const LocalSums sums = pref_ ? forward_backward_pairs(batches) : forward_backward(batches);
@@ -393,9 +397,9 @@ StepResult Trainer::reduce(const LocalSums& local, double data_wait, const std::
                 .data_wait = data_wait,
                 .real = double(local.real),
                 .slots = double(local.slots),
-                .rejected = double(rejected_here_),
                 .data_failed = data_error_.empty() ? 0.0 : 1.0,
-                .taken_over = sinks_ && sinks_->lost_lease() ? 1.0 : 0.0};
+                .taken_over = sinks_ && sinks_->lost_lease() ? 1.0 : 0.0,
+                .skipped = skips_.take()};
   at::Tensor stats = at::from_blob(&mine, {kStepSums}, at::kDouble).to(rt_.device, /*non_blocking=*/false);
   stats[0].add_(local.loss);
   const bool normalised = local.pref.defined();
@@ -418,11 +422,10 @@ StepResult Trainer::reduce(const LocalSums& local, double data_wait, const std::
   res.data_wait = all.data_wait / env_.world_size;
   res.loss = normalised ? all.loss : all.loss / std::max(res.tokens, 1.0);  // 0 without tokens, unless non-finite
   res.padding = all.slots > 0 ? 1.0 - all.real / all.slots : 0.0;
-  res.rejected = all.rejected;
+  res.skipped = all.skipped;
   res.data_failed = all.data_failed > 0;
   res.taken_over = all.taken_over > 0;
   res.grad_norm = done.data_ptr<double>()[done.numel() - 1];
-  rejected_total_ += res.rejected;
   res.lr = r_.train.lr * lr_factor(schedule_, step_, r_.train.warmup_steps, total_steps_);
   return res;
 }
@@ -454,7 +457,7 @@ std::vector<data::Example> Trainer::examples(data::MicroBatches* batches) {
           fmt::format("rank {}: bad document {}({}) and data.bad_documents is fail: fix the document or set "
                       "data.bad_documents=skip",
                       env_.rank, why.document.empty() ? "" : why.document + " ", why.reason));
-    ++rejected_here_;
+    skips_.count(why);
     if (warned_++ < 3)
       warn(fmt::format("rank {}: skipping {}: {}", env_.rank,
                        why.document.empty() ? "a document" : "document " + why.document, why.reason));
@@ -502,6 +505,7 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
                         {"rss_mb", resident_mib()},
                         {"seconds", s.seconds}};
   row.update(s.figures);
+  row.update(Skips::figures(s.skipped.data()));
   if (rt_.mix) {  // since the last row: the rows of an epoch add up to its mixture
     const auto& sources = rt_.mix->sources();
     nlohmann::json docs = nlohmann::json::object(), tokens = nlohmann::json::object();
@@ -630,8 +634,7 @@ int Trainer::finish() {
                            .early_stopped_in = stopping_early_ ? std::optional(epochs_ran_ - 1) : std::nullopt};
   const std::vector<int> kept = ckpt_.finish(epochs_ran_, summary);
   if (lead_) {
-    if (rejected_total_ > 0)
-      warn(fmt::format("{} documents were skipped on all ranks together (bad or overlong)", rejected_total_));
+    if (skips_.run_total() > 0) warn(skips_.summary());
     info(fmt::format("done: {} steps{}; adapters in {}", step_,
                      stopping_early_ ? fmt::format(" (stopped early in epoch {})", epochs_ran_ - 1) : "",
                      r_.checkpoint.output_dir));

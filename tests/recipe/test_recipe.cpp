@@ -176,6 +176,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "data.max_length",
                                 "data.overlong",
                                 "data.bad_documents",
+                                "data.max_skipped_share",
                                 "data.shuffle",
                                 "data.packing",
                                 "data.batch_size",
@@ -506,8 +507,9 @@ TEST_CASE("enum keys list their values") {
 
 TEST_CASE("out-of-range values name the bound and an example") {
   const std::vector<std::pair<std::string, std::string>> cases{
-      {"train.lr=0", "train.lr must be > 0, got 0.0 (e.g. train.lr: 0.0002)"},
-      {"train.lr=-1e-4", "train.lr must be > 0, got -0.0001 (e.g. train.lr: 0.0002)"},
+      {"train.lr=0", "train.lr must be in (0, 1e+30], got 0.0 (e.g. train.lr: 0.0002)"},
+      {"train.lr=-1e-4", "train.lr must be in (0, 1e+30], got -0.0001 (e.g. train.lr: 0.0002)"},
+      {"train.lr=1e300", "train.lr must be in (0, 1e+30], got 1e+300 (e.g. train.lr: 0.0002)"},
       {"train.epochs=0", "train.epochs must be at least 1, got 0 (e.g. train.epochs: 3)"},
       {"lora.r=0", "lora.r must be at least 1, got 0 (e.g. lora.r: 8)"},
       {"lora.alpha=0", "lora.alpha must be > 0, got 0.0 (e.g. lora.alpha: 16.0)"},
@@ -912,8 +914,9 @@ TEST_CASE("train.objective: dpo needs pairs, and the preference: keys belong to 
   CHECK_THAT(error_of(pairs, {"train.objective=dpo", "data.packing=true"}), Catch::Contains("does not pack pairs"));
   CHECK_THAT(error_of(pairs, {"train.objective=dpo", "data.rejected_field=chosen"}),
              Catch::Contains("data.chosen_field and data.rejected_field are both 'chosen'"));
-  CHECK_THAT(error_of(pairs, {"train.objective=dpo", "preference.beta=0"}),
-             Catch::Contains("preference.beta must be > 0"));
+  for (const char* beta : {"preference.beta=0", "preference.beta=1e-300", "preference.beta=1e300"})
+    CHECK_THAT(error_of(pairs, {"train.objective=dpo", beta}),
+               Catch::Contains("preference.beta must be in [0.0001, 1000], got"));
   CHECK(load(pairs, {"train.objective=orpo", "preference.beta=0.2"}).train.objective == Objective::Orpo);
   CHECK_THAT(error_of(pairs, {"train.objective=orpo", "preference.loss_type=ipo"}),
              Catch::Contains("train.objective is orpo, which has no reference and its own loss"));
@@ -927,8 +930,8 @@ TEST_CASE("lora.use_dora and lora.plus_lr_ratio: their defaults, and what they r
   const Recipe r = load(kBase, {"lora.use_dora=true", "lora.plus_lr_ratio=16"});
   CHECK(r.lora.use_dora);
   CHECK(r.lora.plus_lr_ratio == 16.0);
-  for (const char* bad : {"lora.plus_lr_ratio=0", "lora.plus_lr_ratio=-2"})
-    CHECK_THAT(override_error({bad}), Catch::Contains("lora.plus_lr_ratio must be > 0"));
+  for (const char* bad : {"lora.plus_lr_ratio=0", "lora.plus_lr_ratio=-2", "lora.plus_lr_ratio=1e300"})
+    CHECK_THAT(override_error({bad}), Catch::Contains("lora.plus_lr_ratio must be in [0.001, 10000] or null, got"));
   CHECK(load(kBase, {"lora.use_dora=true", "dist.shard_base=true"}).dist.shard_base);  // each W gathered whole
 }
 
@@ -943,8 +946,9 @@ TEST_CASE("lora.init: PEFT's names, and what each refuses in one line") {
     CHECK(e.find('\n') == std::string::npos);
   };
   refused({"lora.init=pissa_niter_0"}, "lora.init is pissa_niter_0, but N counts");
-  for (const char* bad : {"loftq", "pissa_niter_", "pissa_niter_x", "pissa_niter_-1"})
-    refused({std::string("lora.init=") + bad}, "is not one of default, gaussian, pissa, pissa_niter_N (N >= 1)");
+  for (const char* bad : {"loftq", "pissa_niter_", "pissa_niter_x", "pissa_niter_-1", "pissa_niter_1001"})
+    refused({std::string("lora.init=") + bad},
+            "is not one of default, gaussian, pissa, pissa_niter_N (N from 1 to 1000)");
   refused({"lora.init=pissa", "lora.use_dora=true"}, "set lora.use_dora: false or lora.init: default");
   refused({"lora.init=olora", "dist.shard_base=true"}, "set dist.shard_base: false");
   refused({"lora.init=pissa", "lora.quantize_base=true"}, "(PEFT refuses this too): drop quantize_base");

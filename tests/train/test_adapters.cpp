@@ -326,7 +326,7 @@ TEST_CASE(
   }
   const std::string recipe = job_recipe(
       dir, "job",
-      {.data = ", source: jsonl, max_length: 48, overlong: skip, shuffle: none",
+      {.data = ", source: jsonl, max_length: 48, overlong: skip, max_skipped_share: 0.2, shuffle: none",
        .extra = fmt::format("track: {{mongodb: false}}\nadapters: {{list: [{{name: a, path: {0}/a.jsonl}}, {{name: b, "
                             "path: {0}/b.jsonl}}]}}",
                             dir)});

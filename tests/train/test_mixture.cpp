@@ -356,10 +356,39 @@ track: {{mongodb: true, database: {}}}
   CHECK_THAT(record.output, Catch::Contains("chat-en"));
 }
 
+TEST_CASE(
+    "data.sources from FerretDB: an upsampled collection's repeats that fall into one fetch all train (200 and 50 "
+    "documents 1:3 on one rank: 187 of the small one's, none skipped)",
+    "[e2e][db]") {
+  const std::string dir = temp_dir("mix-mongo-repeats");
+  const std::string uri = test_uri(), db = "lorarun_test_mix_repeats";
+  insert_source(dir, db, "big", "b", 200, 2);
+  insert_source(dir, db, "small", "s", 50, 2);
+  const std::string path = dir + "/repeats.yaml";
+  std::ofstream(path) << fmt::format(R"(model: {{path: {}/llama, dtype: fp32, device: cpu}}
+lora: {{r: 4, alpha: 8, target_modules: [q_proj]}}
+data: {{uri: "{}", database: {}, format: instruction, prompt_template: "Q: {{instruction}}\nA: ", batch_size: 8,
+        max_length: 32, sources: [{{name: big, collection: big, weight: 1}}, {{name: small, collection: small, weight: 3}}]}}
+train: {{epochs: 1, lr: 1.0e-3}}
+checkpoint: {{output_dir: {}/out}}
+track: {{mongodb: false}}
+)",
+                                     LORARUN_MODEL_FIXTURES, uri, db, dir);
+  const Result run = sh(fmt::format("{} --nproc-per-node 1 {}", bin("lorarun"), path));
+  INFO(run.output);
+  REQUIRE(run.status == 0);
+  CHECK_THAT(run.output, !Catch::Contains("skipping"));
+  const auto got = realised(dir + "/out");
+  CHECK(got.at("big").first == 63);
+  CHECK(got.at("small").first == 187);
+  for (const json& row : metrics(dir + "/out")) CHECK(row["skipped"] == 0);
+}
+
 TEST_CASE("data.sources: bad mixtures are one line each, before training", "[e2e]") {
   const std::string dir = temp_dir("mix-bad");
   write_source(dir + "/a.jsonl", "a", 10, 1);
   std::ofstream(dir + "/empty.jsonl") << "\n";
+  std::ofstream(dir + "/prose.txt") << "Not JSON at all.\nA second line of prose.\n";
   const std::string a = fmt::format("{{name: a, path: {}/a.jsonl, weight: 1}}", dir);
   for (const auto& [sources, data, expected] : {
            std::tuple{fmt::format("[{}, {{name: b, path: {}/a.jsonl, weight: 0}}]", a, dir), std::string(),

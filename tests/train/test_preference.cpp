@@ -229,13 +229,15 @@ TEST_CASE(
   }
   write_pairs(dir + "/eval.jsonl", 4, 50);
   const std::string recipe = write_dpo_recipe(dir, "b", "epochs: 1, lr: 5.0e-3", "beta: 0.1", ", batch_size: 2");
-  const Result t = sh(fmt::format("{} {} eval.path={}/eval.jsonl", bin("lora-train"), recipe, dir));
+  const Result t =
+      sh(fmt::format("{} {} eval.path={}/eval.jsonl data.max_skipped_share=0.3", bin("lora-train"), recipe, dir));
   INFO(t.output);
   REQUIRE(t.status == 0);
   CHECK_THAT(t.output, Catch::Contains("field 'rejected' is missing"));
   CHECK_THAT(t.output, Catch::Contains("the chosen and the rejected completion are the same"));
   CHECK_THAT(t.output, Catch::Contains("data.max_length is 64"));
-  CHECK_THAT(t.output, Catch::Contains("3 documents were skipped"));
+  CHECK_THAT(t.output, Catch::Contains("3 documents were skipped on all ranks together: 1 malformed, 1 untrainable, "
+                                       "1 overlong"));
   std::vector<nlohmann::json> evals;
   std::ifstream in(dir + "/b/metrics.jsonl");
   for (std::string line; std::getline(in, line);)

@@ -11,6 +11,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <sstream>
 
 #include "data/mongo.hpp"
 #include "io/files.hpp"
@@ -153,8 +154,10 @@ TEST_CASE("a diverging run stops every rank at the same step, saves no adapter, 
   CHECK_THAT(runs[0]["error"].get<std::string>(), Catch::Contains("diverged"));
 }
 
-TEST_CASE("every selected document rejected: the run fails and says why, and skipped counts are summed over ranks",
-          "[e2e]") {
+TEST_CASE(
+    "skipped documents: a run that skips more than data.max_skipped_share of an epoch stops at that step with one line "
+    "naming the commonest cause, and skipped counts are summed over ranks by cause",
+    "[e2e]") {
   const std::string dir = temp_dir("rejected");
   {
     std::ofstream data(dir + "/data.jsonl");
@@ -163,10 +166,26 @@ TEST_CASE("every selected document rejected: the run fails and says why, and ski
   }
   const std::string recipe =
       write_recipe(dir, "out", "epochs: 1, lr: 1.0e-3", "", ", batch_size: 2, max_length: 16, overlong: skip");
+  // Every document overlong: the first step (4 of the epoch's 12) shows it.
   const Result r = sh(lorarun_cmd(2, recipe));
   INFO(r.output);
-  CHECK(r.status != 0);
-  CHECK_THAT(r.output,
+  CHECK(r.status == 78);
+  CHECK_THAT(r.output, Catch::Contains("epoch 0 skipped 4 of its 12 documents (4 overlong), more than "
+                                       "data.max_skipped_share 0.05 allows: most were overlong (here: document #"));
+  CHECK_FALSE(fs::exists(dir + "/out/epoch_0"));
+  std::vector<json> rows;
+  {
+    std::istringstream in(read_file(dir + "/out/metrics.jsonl"));
+    for (std::string line; std::getline(in, line);) rows.push_back(json::parse(line));
+  }
+  REQUIRE(rows.size() == 1);  // stopped after its first step
+  CHECK(rows[0]["skipped"] == 4);
+  CHECK(rows[0]["skipped/overlong"] == 4);
+  // With data.max_skipped_share 1 the epoch runs out and trains nothing, which is never success.
+  const Result all = sh(lorarun_cmd(2, recipe, "data.max_skipped_share=1 checkpoint.overwrite=true"));
+  INFO(all.output);
+  CHECK(all.status != 0);
+  CHECK_THAT(all.output,
              Catch::Contains("trained on no token: every document of the selection was rejected (12 skipped"));
   CHECK_FALSE(fs::exists(dir + "/out/epoch_0"));
 
@@ -178,10 +197,15 @@ TEST_CASE("every selected document rejected: the run fails and says why, and ski
                   .dump()
            << "\n";
   }
-  const Result some = sh(lorarun_cmd(2, recipe, "data.max_length=64 checkpoint.overwrite=true"));
+  const Result some =
+      sh(lorarun_cmd(2, recipe, "data.max_length=64 data.max_skipped_share=0.25 checkpoint.overwrite=true"));
   INFO(some.output);
   CHECK(some.status == 0);
-  CHECK_THAT(some.output, Catch::Contains("5 documents were skipped on all ranks together"));
+  CHECK_THAT(some.output, Catch::Contains("5 documents were skipped on all ranks together: 5 malformed"));
+  const Result most = sh(lorarun_cmd(2, recipe, "data.max_length=64 checkpoint.overwrite=true"));
+  INFO(most.output);
+  CHECK(most.status == 78);
+  CHECK_THAT(most.output, Catch::Contains("of its 20 documents") && Catch::Contains("most were malformed"));
 }
 
 TEST_CASE("with dropout, the same recipe gives the same adapter bit for bit, another seed another one", "[e2e]") {

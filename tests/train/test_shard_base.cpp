@@ -37,8 +37,9 @@ TEST_CASE("dist.shard_base on 2 and 3 ranks ends with the unsharded run's adapte
     std::ofstream out(dir + "/data.jsonl", std::ios::app);
     out << "{\"instruction\": 7}\n{\"output\": \"no instruction\"}\n";
   }
-  const std::string recipe = write_recipe(dir, "run", "epochs: 2, lr: 1.0e-3", "", ", batch_size: 1",
-                                          "eval: {fraction: 0.25, batch_size: 1, every_n_steps: 3}\n");
+  const std::string recipe =
+      write_recipe(dir, "run", "epochs: 2, lr: 1.0e-3", "", ", batch_size: 1, max_skipped_share: 0.1",
+                   "eval: {fraction: 0.25, batch_size: 1, every_n_steps: 3}\n");
   const std::vector<std::string> variants = {"", "lora.quantize_base=true", "train.activation_checkpointing=true",
                                              "data.packing=true data.batch_size=3", "dist.shard_base_prefetch=false"};
   for (const int world : {1, 2, 3})
