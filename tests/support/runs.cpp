@@ -100,6 +100,18 @@ Result interrupt(const std::string& cmd, const std::string& log, const std::stri
                   log, cmd, marker, act));
 }
 
+Stopped sigterm_after(const std::string& cmd, const std::string& log, const std::string& marker, double pause) {
+  const Result r = interrupt(cmd, log, marker,
+                             fmt::format("sleep {}; t0=$(date +%s%N); kill -TERM $pid; wait $pid; echo rc=$?; "
+                                         "echo ms=$(( ($(date +%s%N) - t0) / 1000000 ))",
+                                         pause));
+  INFO(r.output);
+  const size_t rc = r.output.find("rc="), ms = r.output.find("ms=");
+  REQUIRE(rc != std::string::npos);
+  REQUIRE(ms != std::string::npos);
+  return {std::stoi(r.output.substr(rc + 3)), std::stoi(r.output.substr(ms + 3))};
+}
+
 Result stop_and_resume(const std::string& cmd, const std::string& output_dir, const std::string& marker) {
   const std::string log = output_dir + ".log";
   const Result stopped = interrupt(cmd, log, marker, "kill -TERM $pid");

@@ -37,6 +37,14 @@ std::string run_id_in(const std::string& output, const std::string& db);
 // ($pid: the command, $log: its output); waits for the command and prints exit=<status>.
 Result interrupt(const std::string& cmd, const std::string& log, const std::string& marker, const std::string& act);
 
+// `cmd` sent SIGTERM `pause` seconds after its output (into `log`) shows `marker`: its exit status
+// and the milliseconds from the signal to its end (Catch: that it ended and said so).
+struct Stopped {
+  int status = -1;
+  int ms = -1;
+};
+Stopped sigterm_after(const std::string& cmd, const std::string& log, const std::string& marker, double pause);
+
 // `cmd` (a training run into `output_dir`) stopped by SIGTERM once its output shows `marker`: it
 // must exit 75 with its resumable state saved; then `cmd` again, which must resume and finish.
 // Checks both (Catch) and returns the second run.

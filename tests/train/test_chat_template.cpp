@@ -25,6 +25,11 @@ const char* kTemplate = R"({%- for m in messages %}
 {%- if add_generation_prompt %}assistant: {% endif %}
 )";
 
+// Before kTemplate: a loop of 10^10 iterations for the conversation whose first message is "Add 5 and …".
+const char* kEndlessOnFive =
+    "{% if 'Add 5 and' in messages[0].content %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+    "{% endfor %}{% endif %}";
+
 // `n` conversations of two exchanges; document #bad (if any) has two user turns in a row.
 void write_chats(const std::string& path, int n, int bad = -1) {
   std::ofstream f(path);
@@ -114,23 +119,15 @@ TEST_CASE(
     "[e2e][resume]") {
   const std::string dir = temp_dir("chat_template_stop");
   write_chats(dir + "/data.jsonl", 8);
-  std::ofstream(dir + "/one.jinja") << "{% if 'Add 5 and' in messages[0].content %}{% for i in range(100000) %}"
-                                       "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
-                                    << kTemplate;
+  std::ofstream(dir + "/one.jinja") << kEndlessOnFive << kTemplate;
   const std::string cmd = fmt::format("{} {} data.chat_template_fuel=9223372036854775807", bin("lora-train"),
                                       recipe(dir, ", chat_template: " + dir + "/one.jinja"));
-  const Result r = interrupt(cmd, dir + "/run.log", "trainable params",
-                             "sleep 2; t0=$(date +%s%N); kill -TERM $pid; wait $pid; echo rc=$?; "
-                             "echo ms=$(( ($(date +%s%N) - t0) / 1000000 ))");
+  const Stopped stopped = sigterm_after(cmd, dir + "/run.log", "trainable params", 2);
   const std::string log = read_file(dir + "/run.log");
   INFO(log);
-  INFO(r.output);
-  CHECK_THAT(r.output, Catch::Contains("rc=75"));
-  const size_t at = r.output.find("ms=");
-  REQUIRE(at != std::string::npos);
-  const int ms = std::stoi(r.output.substr(at + 3));
-  CHECK(ms < 5000);
-  fmt::print("chat template: SIGTERM during an endless render: lora-train ended {} ms after the signal\n", ms);
+  CHECK(stopped.status == 75);
+  CHECK(stopped.ms < 5000);
+  fmt::print("chat template: SIGTERM during an endless render: lora-train ended {} ms after the signal\n", stopped.ms);
   CHECK_THAT(log, Catch::Contains("stopped while the chat template rendered a document"));
   CHECK(fs::exists(dir + "/out/resume_state/state.json"));
 }
@@ -154,9 +151,7 @@ TEST_CASE(
   REQUIRE(errors.size() == 1);
   CHECK_THAT(errors[0], Catch::Contains("spent all of data.chat_template_fuel (10000000)"));
   // ...or only for the one conversation whose first message says so.
-  std::ofstream(dir + "/one.jinja") << "{% if 'Add 5 and' in messages[0].content %}{% for i in range(100000) %}"
-                                       "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
-                                    << kTemplate;
+  std::ofstream(dir + "/one.jinja") << kEndlessOnFive << kTemplate;
   const Result one = sh(fmt::format("{} {}", bin("lora-train"),
                                     recipe(dir, ", bad_documents: fail, chat_template: " + dir + "/one.jinja")));
   INFO(one.output);
