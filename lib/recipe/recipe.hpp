@@ -298,6 +298,7 @@ struct EvalSection {
   std::string path;
   double fraction = 0.0;
   std::optional<int> every_n_steps;
+  bool on_start = false;  // evaluate once before the first step (transformers' eval_on_start)
   std::optional<int64_t> max_documents;
   std::optional<int> batch_size;
   // Whether the run evaluates: a filter or a collection (mongodb), a path (jsonl) or a fraction

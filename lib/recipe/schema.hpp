@@ -457,6 +457,10 @@ void for_each_key(R& r, V&& v) {
         .null_means = "at the end of each epoch only",
         .meaning = "also evaluate every N optimizer steps (always at each epoch end when eval is set)"},
     r.eval.every_n_steps);
+  v(Key{.name = "eval.on_start",
+        .meaning = "also evaluate before a new run's first step (transformers' eval_on_start): step 0, not steering "
+                   "best/"},
+    r.eval.on_start);
   v(Key{.name = "eval.max_documents",
         .bound = at_least(1),
         .example = "1000",

@@ -22,9 +22,12 @@ constexpr double kWidth = 800, kHeight = 480;
 constexpr double kLeft = 76, kRight = 776, kTop = 64, kBottom = 420;
 constexpr std::string_view kTrainColour = "#1f77b4", kEvalColour = "#d62728";
 
-// An axis: its domain [lo, hi] and the spacing of its ticks, which fall on whole multiples of it.
+// An axis: its domain [lo, hi] and the spacing of its ticks, which fall on whole multiples of it;
+// or (log) a logarithmic one over whole decades [lo, hi], its ticks at 1, 2 and 5 of each decade
+// (each power of ten alone beyond three decades).
 struct Axis {
   double lo = 0, hi = 1, step = 1;
+  bool log = false;
 };
 
 // Adds a metrics.jsonl row's loss (a training row) or eval_loss (an evaluation row) to `c`.
@@ -59,9 +62,24 @@ Axis nice_axis(double lo, double hi, bool whole) {
   return a;
 }
 
+// The decades holding [lo, hi] (both above 0), as a logarithmic axis.
+Axis log_axis(double lo, double hi) {
+  return {.lo = std::pow(10.0, std::floor(std::log10(lo))),
+          .hi = std::pow(10.0, std::ceil(std::log10(hi))),
+          .step = 10,
+          .log = true};
+}
+
 // The tick values of `a`, lo to hi.
 std::vector<double> ticks(const Axis& a) {
   std::vector<double> out;
+  if (a.log) {
+    const int decades = static_cast<int>(std::lround(std::log10(a.hi / a.lo)));
+    for (int d = 0; d <= decades; ++d)
+      for (const double m : decades <= 3 ? std::vector<double>{1, 2, 5} : std::vector<double>{1})
+        if (const double v = a.lo * std::pow(10.0, d) * m; v <= a.hi * (1 + 1e-9)) out.push_back(v);
+    return out;
+  }
   for (int i = 0; a.lo + i * a.step <= a.hi + a.step * 1e-9; ++i) {
     const double v = a.lo + i * a.step;
     out.push_back(std::abs(v) < a.step * 1e-9 ? 0.0 : v);
@@ -71,7 +89,10 @@ std::vector<double> ticks(const Axis& a) {
 
 // Canvas coordinates of a step and of a loss.
 double px(const Axis& x, double v) { return kLeft + (v - x.lo) / (x.hi - x.lo) * (kRight - kLeft); }
-double py(const Axis& y, double v) { return kBottom - (v - y.lo) / (y.hi - y.lo) * (kBottom - kTop); }
+double py(const Axis& y, double v) {
+  const double at = y.log ? std::log10(v / y.lo) / std::log10(y.hi / y.lo) : (v - y.lo) / (y.hi - y.lo);
+  return kBottom - at * (kBottom - kTop);
+}
 
 // `text` with XML's special characters escaped, for element content and attribute values.
 std::string xml_escape(std::string_view text) {
@@ -97,7 +118,8 @@ std::string xml_escape(std::string_view text) {
   return out;
 }
 
-// The axes of `c`: steps over both curves, losses over both curves.
+// The axes of `c`: steps over both curves, losses over both curves, on a logarithmic axis when they
+// span more than a decade (a loss that falls from 4.8 to 0.0009 is otherwise flat after its start).
 std::pair<Axis, Axis> axes_of(const LossCurves& c) {
   double x0 = c.train.front().first, x1 = x0, y0 = c.train.front().second, y1 = y0;
   for (const Points* points : {&c.train, &c.eval})
@@ -107,6 +129,7 @@ std::pair<Axis, Axis> axes_of(const LossCurves& c) {
       y0 = std::min(y0, loss);
       y1 = std::max(y1, loss);
     }
+  if (y0 > 0 && y1 > 10 * y0) return {nice_axis(x0, x1, true), log_axis(y0, y1)};
   return {nice_axis(x0, x1, true), nice_axis(y0, y1, false)};
 }
 
@@ -136,9 +159,9 @@ std::string draw_axes(const Axis& x, const Axis& y) {
                   kLeft, kRight, kBottom, kTop);
   const std::string names = fmt::format(
       R"(<text class="axis-name" x="{}" y="{}" text-anchor="middle">optimizer step</text>)"
-      R"svg(<text class="axis-name" transform="translate(20 {}) rotate(-90)" text-anchor="middle">loss</text>)svg"
+      R"svg(<text class="axis-name" transform="translate(20 {}) rotate(-90)" text-anchor="middle">{}</text>)svg"
       "\n",
-      (kLeft + kRight) / 2, kHeight - 14, (kTop + kBottom) / 2);
+      (kLeft + kRight) / 2, kHeight - 14, (kTop + kBottom) / 2, y.log ? "loss (log scale)" : "loss");
   return grid + lines + labels + names;
 }
 

@@ -117,7 +117,7 @@ class Job {
   bool end_epoch(Tenant& t, bool stopping);
   void close_epoch(Tenant& t);
   void open_data(Tenant& t);
-  bool evaluate(Tenant& t);
+  bool evaluate(Tenant& t, bool steers = true);
   void steer(Tenant& t, const nlohmann::json& row);
   void check_replicas();
   int stopped();
@@ -267,6 +267,8 @@ int Job::run() {
   if (step_ == INT64_MAX) step_ = total_steps_;
   if (lead_) begin(resumed, run_id_);
   m_.training = true;
+  for (auto& t : tenants_)  // eval.on_start: each adapter before its first step, as its own run
+    if (!resumed && r_.eval.on_start && t->eval && !evaluate(*t, false)) return stopped();
   while (true) {
     std::vector<Tenant*> active;
     for (auto& t : tenants_) {
@@ -609,7 +611,7 @@ void Job::close_epoch(Tenant& t) {
 
 // Adapter t's evaluation split through the model with its adapter alone, as its own run evaluates;
 // a stop between two batches cuts it short (false: nothing logged or steered).
-bool Job::evaluate(Tenant& t) {
+bool Job::evaluate(Tenant& t, bool steers) {
   const StopCheck stop = [this] { return agree_.any(stop_requested()); };
   m_.routes = std::make_shared<model::Routes>(model::Routes{.routes = {}, .all = t.slot, .streams = nullptr});
   std::optional<nlohmann::json> row;
@@ -638,11 +640,11 @@ bool Job::evaluate(Tenant& t) {
                     t.name, t.p.epoch, t.p.step, mean, std::exp(mean), (*row)["eval_tokens"].get<int64_t>(),
                     (*row)["eval_documents"].get<int64_t>(), (*row)["eval_seconds"].get<double>()));
   }
-  steer(t, *row);
+  if (steers) steer(t, *row);
   if (!lead_) return true;
   (*row)["adapter"] = t.name;
   (*row)["eval_loss/" + t.name] = mean;
-  (*row)["best_eval_loss"] = *t.p.steering.best_loss;
+  if (t.p.steering.best_loss) (*row)["best_eval_loss"] = *t.p.steering.best_loss;
   sinks_->eval(*row);
   return true;
 }

@@ -98,7 +98,7 @@ class Trainer {
   std::vector<data::Example> examples(data::MicroBatches* batches);
   void lose_data(const std::string& why);
   void log_step(const StepResult& s, int epoch, int64_t s_in_epoch);
-  bool evaluate(int epoch);
+  bool evaluate(int epoch, bool steers = true);
   void steer(int epoch, const nlohmann::json& eval_row);
   void check_replicas();
   int stopped(const std::optional<Progress>& save = std::nullopt);
@@ -178,6 +178,8 @@ int Trainer::run() {
   step_ = p.step;
   if (lead_) begin(p, resumed.has_value());
   m_.training = true;
+  // eval.on_start: the model before any step (a stop during it ends the run, which has nothing to save)
+  if (!resumed && r_.eval.on_start && rt_.evaluates() && !evaluate(p.epoch, false)) return stopped();
   for (int epoch = p.epoch; epoch < epochs_ran_; ++epoch) {
     const bool first = epoch == p.epoch;
     if (const auto ended = run_epoch(epoch, first ? p.step_in_epoch : 0, p.run_id, first && p.pending_eval))
@@ -528,8 +530,9 @@ void Trainer::log_step(const StepResult& s, int epoch, int64_t s_in_epoch) {
 //
 // A stop request (SIGTERM/SIGINT) is honoured between two evaluation batches, the ranks agreeing
 // before each: the partial evaluation is dropped (nothing logged or steered) and false returned;
-// the state then saved says the evaluation is due, and a resumed run does it first.
-bool Trainer::evaluate(int epoch) {
+// the state then saved says the evaluation is due, and a resumed run does it first. Without
+// `steers` (eval.on_start's, before any step) it is reported but leaves best/ and early stopping be.
+bool Trainer::evaluate(int epoch, bool steers) {
   const StopCheck stop = [this] { return agree_.any(stop_requested()); };
   const PreferenceObjective* pref = pref_ ? &*pref_ : nullptr;
   std::optional<nlohmann::json> row;
@@ -557,9 +560,9 @@ bool Trainer::evaluate(int epoch) {
         step_, mean, std::exp(mean), (*row)["eval_tokens"].get<int64_t>(), (*row)["eval_documents"].get<int64_t>(),
         (*row)["eval_seconds"].get<double>()));
   }
-  steer(epoch, *row);
+  if (steers) steer(epoch, *row);
   if (!lead_) return true;
-  (*row)["best_eval_loss"] = *steer_.best_loss;
+  if (steer_.best_loss) (*row)["best_eval_loss"] = *steer_.best_loss;
   sinks_->eval(*row);
   return true;
 }

@@ -231,6 +231,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "eval.path",
                                 "eval.fraction",
                                 "eval.every_n_steps",
+                                "eval.on_start",
                                 "eval.max_documents",
                                 "eval.batch_size",
                                 "adapters.per",

@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -150,8 +151,9 @@ TEST_CASE("the loss plot: a line of every train row, a marker per evaluation, we
   {
     std::ofstream m(dir + "/metrics.jsonl");
     for (int step = 1; step <= 20; ++step) {
-      m << nlohmann::json{{"epoch", 0}, {"step", step}, {"loss", 4.0 / step}, {"lr", 1e-3}}.dump() << "\n";
-      if (step % 5 == 0) m << nlohmann::json{{"epoch", 0}, {"step", step}, {"eval_loss", 5.0 / step}}.dump() << "\n";
+      m << nlohmann::json{{"epoch", 0}, {"step", step}, {"loss", 4.0 / (1 + 0.1 * step)}, {"lr", 1e-3}}.dump() << "\n";
+      if (step % 5 == 0)
+        m << nlohmann::json{{"epoch", 0}, {"step", step}, {"eval_loss", 5.0 / (1 + 0.1 * step)}}.dump() << "\n";
     }
     m << R"({"epoch": 0, "step": 21, "lo)";  // a row being written: left out
   }
@@ -172,6 +174,24 @@ TEST_CASE("the loss plot: a line of every train row, a marker per evaluation, we
   const std::vector<std::string> texts = svg.data.at("texts");
   for (const char* label : {"train loss", "eval loss", "optimizer step", "loss", "0", "20"})
     CHECK(std::find(texts.begin(), texts.end(), label) != texts.end());
+
+  // A loss that falls over more than a decade (the quickstart's 4.8 to 0.0009), with an evaluation
+  // before the first step: a logarithmic axis over whole decades, the step-0 marker drawn.
+  fs::create_directories(dir + "/log");
+  {
+    std::ofstream m(dir + "/log/metrics.jsonl");
+    m << nlohmann::json{{"epoch", 0}, {"step", 0}, {"eval_loss", 4.8}}.dump() << "\n";
+    for (int step = 1; step <= 60; ++step)
+      m << nlohmann::json{{"epoch", 0}, {"step", step}, {"loss", 4.8 * std::pow(0.85, step)}}.dump() << "\n";
+  }
+  const PythonRead log = check_svg(track::plot_loss(dir + "/log"));
+  INFO(log.run.output << log.error);
+  REQUIRE(log.data.is_object());
+  const std::vector<std::string> log_texts = log.data.at("texts");
+  for (const char* label : {"loss (log scale)", "0.0001", "0.001", "0.01", "0.1", "1", "10", "0"})
+    CHECK(std::find(log_texts.begin(), log_texts.end(), label) != log_texts.end());
+  CHECK(std::find(log_texts.begin(), log_texts.end(), "loss") == log_texts.end());
+  CHECK(log.data.at("circles").at("eval-loss") == 1);
 
   // A bad line in the middle, no loss row, no file: one line each, naming the fix.
   fs::create_directories(dir + "/bad");

@@ -117,8 +117,8 @@ void run_own(const std::string& recipe, const std::string& solo_dir, const Tenan
 
 TEST_CASE(
     "adapters.per from FerretDB: each adapter of a 5-adapter job on 2 ranks (9, 17, 30, 1, 1 documents, dropout, "
-    "cosine with warmup, one at r 8) is its own run, eval and best/ per adapter, metrics and run record per adapter, "
-    "a tenant eval.fraction holds out none or all of trained on all, unevaluated",
+    "cosine with warmup, one at r 8) is its own run, eval (on start too) and best/ per adapter, metrics and run record "
+    "per adapter, a tenant eval.fraction holds out none or all of trained on all, unevaluated",
     "[e2e][db]") {
   const std::string dir = temp_dir("adapters-per");
   const std::string uri = test_uri(), db = "lorarun_test_adapters";
@@ -142,13 +142,13 @@ TEST_CASE(
   }
   client.insert_many(db, "docs", {json{{"_id", from}, {"instruction", "no tenant"}, {"output", "1"}}});
   const std::string data = fmt::format(", uri: \"{}\", database: {}, collection: docs", uri, db);
-  const std::string recipe =
-      job_recipe(dir, "job",
-                 {.data = data,
-                  .checkpoint = ", keep_best: true",
-                  .extra = fmt::format("eval: {{fraction: 0.2}}\ntrack: {{mongodb: true, database: {}}}\n"
-                                       "adapters: {{per: tenant, list: [{{name: globex, r: 8}}]}}",
-                                       db)});
+  const std::string recipe = job_recipe(
+      dir, "job",
+      {.data = data,
+       .checkpoint = ", keep_best: true",
+       .extra = fmt::format("eval: {{fraction: 0.2, on_start: true}}\ntrack: {{mongodb: true, database: {}}}\n"
+                            "adapters: {{per: tenant, list: [{{name: globex, r: 8}}]}}",
+                            db)});
   const Result dry = sh(fmt::format("{} --dry-run {}", bin("lora-train"), recipe));
   INFO(dry.output);
   REQUIRE(dry.status == 0);
@@ -176,10 +176,11 @@ TEST_CASE(
   }
 
   // metrics.jsonl: per adapter its loss, tokens, lr, grad_norm in the step rows, and its eval rows
-  int steps = 0, evals = 0, last = 0;
+  int steps = 0, evals = 0, last = 0, on_start = 0;
   for (const json& row : metrics(dir + "/job")) {
     if (row.contains("adapter")) {
       ++evals;
+      on_start += row["step"] == 0;
       CHECK(row.contains("eval_loss/" + row["adapter"].get<std::string>()));
       continue;
     }
@@ -191,7 +192,8 @@ TEST_CASE(
   }
   CHECK(steps == last);  // a row every job step: initech's, the largest
   CHECK(steps >= 6);
-  CHECK(evals == 6);  // each split adapter at each epoch end
+  CHECK(evals == 9);     // each split adapter before its first step (eval.on_start) and at each epoch end
+  CHECK(on_start == 3);  // (steering nothing: best/ is its own run's, above)
   const std::string id = run_id_in(job.output, db);
   const Result record = sh(fmt::format("{} show {}/{} --uri '{}'", bin("lora-runs"), db, id, uri));
   INFO(record.output);

@@ -131,19 +131,26 @@ TEST_CASE(
   CHECK(lora_eval("", fmt::format("--adapter {}/a/epoch_1 --split train", dir)).at("documents") == trained);
 
   // (b) the same adapter (lora.init_from, a learning rate too small to move a float32 weight)
-  // evaluated on 1, 2 and 3 ranks: the same number.
+  // evaluated on 1, 2 and 3 ranks: the same number, before the first step (eval.on_start: step 0,
+  // steering nothing) and at the epoch's end.
   std::vector<double> losses;
   for (int world = 1; world <= 3; ++world) {
     const std::string name = fmt::format("b{}", world);
     const std::string b = write_recipe(dir, name, "epochs: 1, lr: 1.0e-30, max_steps_per_epoch: 1",
-                                       fmt::format(", init_from: {}/a/epoch_1", dir), ", batch_size: 3", eval);
+                                       fmt::format(", init_from: {}/a/epoch_1", dir), ", batch_size: 3",
+                                       "eval: {fraction: 0.25, every_n_steps: 2, on_start: true}\n");
     const Result r = sh(fmt::format("{} --nproc-per-node {} {}", bin("lorarun"), world, b));
     INFO(r.output);
     REQUIRE(r.status == 0);
     const Metrics mb = metrics(dir + "/" + name);
-    REQUIRE(mb.eval.size() == 1);
-    CHECK(mb.eval[0].at("eval_documents") == held);
+    REQUIRE(mb.eval.size() == 2);
+    CHECK(mb.eval[0].at("step") == 0);
+    CHECK_FALSE(mb.eval[0].contains("best_eval_loss"));
+    CHECK(mb.eval[1].at("step") == 1);
+    CHECK(rel(mb.eval[0].at("eval_loss"), mb.eval[1].at("eval_loss")) <= 1e-6);
+    for (const auto& row : mb.eval) CHECK(row.at("eval_documents") == held);
     losses.push_back(mb.eval[0].at("eval_loss"));
+    losses.push_back(mb.eval[1].at("eval_loss"));
   }
   double worst_ranks = 0, worst_ref = rel(last, want);
   for (const double l : losses) {
@@ -151,9 +158,10 @@ TEST_CASE(
     worst_ref = std::max(worst_ref, rel(l, want));
   }
   WARN(
-      fmt::format("eval loss: 1 rank {:.9f}, 2 ranks {:.9f}, 3 ranks {:.9f}, training run {:.9f}, transformers "
-                  "{:.9f}; worst relative difference across ranks {:.2e}, to transformers {:.2e}",
-                  losses[0], losses[1], losses[2], last, want, worst_ranks, worst_ref));
+      fmt::format("eval loss (at step 0 and at the end): 1 rank {:.9f}, 2 ranks {:.9f}, 3 ranks {:.9f}, training "
+                  "run {:.9f}, transformers {:.9f}; worst relative difference across ranks {:.2e}, to transformers "
+                  "{:.2e}",
+                  losses[1], losses[3], losses[5], last, want, worst_ranks, worst_ref));
   CHECK(worst_ranks <= 1e-6);
   CHECK(worst_ref <= 1e-5);
 }
