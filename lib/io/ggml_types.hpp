@@ -1,0 +1,61 @@
+// ggml's tensor types as the GGUF reader and its dequantisers share them (lib/io's own: the
+// block size and bytes of each type, and which ones lorarun dequantises).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "io/gguf.hpp"
+
+namespace lorarun::io::detail {
+
+struct TypeTraits {
+  GgmlType type;
+  const char* name;
+  size_t block_size, block_bytes;
+  bool dequantize;
+};
+// ggml's type_traits (block size, bytes per block), for every type a file may hold.
+constexpr TypeTraits kTypes[] = {
+    {GgmlType::F32, "F32", 1, 4, true},
+    {GgmlType::F16, "F16", 1, 2, true},
+    {GgmlType::Q4_0, "Q4_0", 32, 18, true},
+    {GgmlType::Q4_1, "Q4_1", 32, 20, true},
+    {GgmlType::Q5_0, "Q5_0", 32, 22, true},
+    {GgmlType::Q5_1, "Q5_1", 32, 24, true},
+    {GgmlType::Q8_0, "Q8_0", 32, 34, true},
+    {GgmlType::Q8_1, "Q8_1", 32, 40, false},
+    {GgmlType::Q2_K, "Q2_K", 256, 84, true},
+    {GgmlType::Q3_K, "Q3_K", 256, 110, true},
+    {GgmlType::Q4_K, "Q4_K", 256, 144, true},
+    {GgmlType::Q5_K, "Q5_K", 256, 176, true},
+    {GgmlType::Q6_K, "Q6_K", 256, 210, true},
+    {GgmlType::Q8_K, "Q8_K", 256, 292, false},
+    {GgmlType::IQ2_XXS, "IQ2_XXS", 256, 66, false},
+    {GgmlType::IQ2_XS, "IQ2_XS", 256, 74, false},
+    {GgmlType::IQ3_XXS, "IQ3_XXS", 256, 98, false},
+    {GgmlType::IQ1_S, "IQ1_S", 256, 50, false},
+    {GgmlType::IQ4_NL, "IQ4_NL", 32, 18, false},
+    {GgmlType::IQ3_S, "IQ3_S", 256, 110, false},
+    {GgmlType::IQ2_S, "IQ2_S", 256, 82, false},
+    {GgmlType::IQ4_XS, "IQ4_XS", 256, 136, false},
+    {GgmlType::I8, "I8", 1, 1, false},
+    {GgmlType::I16, "I16", 1, 2, false},
+    {GgmlType::I32, "I32", 1, 4, false},
+    {GgmlType::I64, "I64", 1, 8, false},
+    {GgmlType::F64, "F64", 1, 8, false},
+    {GgmlType::IQ1_M, "IQ1_M", 256, 56, false},
+    {GgmlType::BF16, "BF16", 1, 2, true},
+    {GgmlType::TQ1_0, "TQ1_0", 256, 54, false},
+    {GgmlType::TQ2_0, "TQ2_0", 256, 66, false},
+    {GgmlType::MXFP4, "MXFP4", 32, 17, false},
+};
+
+// The traits of the type with this id (nullptr: none ggml has), or of `t` (lorarun::Error when unknown).
+const TypeTraits* traits(uint32_t id);
+const TypeTraits& traits(GgmlType t);
+
+// "F32, F16, …": the types dequantize() takes, for messages.
+std::string dequantizable_names();
+
+}  // namespace lorarun::io::detail
