@@ -25,7 +25,7 @@ namespace lorarun::chat {
 
 // What one render may spend (minijinja's fuel: about one template instruction, or 64 bytes of data
 // made, each): the default of data.chat_template_fuel. Real chat templates spend far less (the
-// README gives figures); a template that loops without end stops here in under a second.
+// docs/data.md gives figures); a template that loops without end stops here in under a second.
 inline constexpr uint64_t kDefaultFuel = 10'000'000;
 
 // The message of a render that spent its fuel.
