@@ -27,7 +27,11 @@ constexpr std::array<FamilyTraits, 9> kFamilies = {{
      .gguf = "gemma2",
      .gemma = true,
      .always_windowed = true,
-     .global_every = 2},
+     .global_every = 2,
+     .large_variant_layers = 46,
+     .gguf_window = 4096,
+     .gguf_attn_softcap = 50,
+     .gguf_logit_softcap = 30},
     {.model_type = "gemma3_text",
      .hf_class = "Gemma3ForCausalLM",
      .gguf = "gemma3",
@@ -35,7 +39,8 @@ constexpr std::array<FamilyTraits, 9> kFamilies = {{
      .gemma = true,
      .always_windowed = true,
      .global_every = 6,  // sliding_window_pattern's default
-     .local_rope = true},
+     .local_rope = true,
+     .large_variant_layers = 62},
     {.model_type = "phi3", .hf_class = "Phi3ForCausalLM", .gguf = "phi3", .fused = true, .always_windowed = true},
     {.model_type = "opt", .hf_class = "OPTForCausalLM", .family = Family::Opt},
     {.model_type = "gpt2", .hf_class = "GPT2LMHeadModel", .gguf = "gpt2", .family = Family::Gpt2},
@@ -54,6 +59,12 @@ std::string listed(std::string_view name(const FamilyTraits&)) {
 bool gguf_writable(const FamilyTraits& f) { return !f.gguf.empty() && f.family == Family::Llama; }
 
 }  // namespace
+
+tok::SentencePieceKind sentencepiece_kind_of_gguf(const std::string& arch) {
+  if (arch == "gemma" || arch == "gemma2" || arch == "gemma3") return tok::SentencePieceKind::Gemma;
+  if (arch == "phi3") return tok::SentencePieceKind::Phi3;
+  return tok::SentencePieceKind::Llama;
+}
 
 const FamilyTraits& family_of_model_type(const std::string& model_type, const std::string& file) {
   for (const FamilyTraits& f : kFamilies)

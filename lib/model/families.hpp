@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "model/config.hpp"
+#include "tokenizer/gguf_vocab.hpp"
 
 namespace lorarun::model {
 
@@ -24,7 +25,18 @@ struct FamilyTraits {
   int global_every = 0;          // without layer_types: every Nth layer (sliding_window_pattern) is global (gemma)
   bool local_rope = false;       // windowed layers have a rope base of their own (gemma3)
   bool llama_gguf = false;       // llama.cpp's llama: Q/K rows in its rotary order, vocab_size and rope keys
+  // What llama.cpp assumes of a GGUF file of the family that does not say (gemma): the layer count
+  // of the large variant whose queries are scaled by hidden/heads rather than head_dim (27B), the
+  // sliding window, and the attention and final logit soft-caps (0: none unless the file says).
+  int64_t large_variant_layers = 0;
+  int64_t gguf_window = 0;
+  double gguf_attn_softcap = 0, gguf_logit_softcap = 0;
 };
+
+// How transformers builds a SentencePiece tokenizer of a GGUF file of architecture `arch` (its
+// GGUF_SENTENCEPIECE_BUILDERS): llama's, Gemma's (gemma, gemma2, gemma3) or phi3's (llama's with a
+// prepending normalizer). Any architecture, lorarun's families or not: a tokenizer is read alone.
+tok::SentencePieceKind sentencepiece_kind_of_gguf(const std::string& arch);
 
 // The family of config.json's model_type; lorarun::Error naming `file` and the supported types
 // (or why a known checkpoint kind is refused) when there is none.

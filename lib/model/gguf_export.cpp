@@ -306,15 +306,15 @@ std::vector<std::pair<std::string, std::vector<double>>> rope_tensors(const Mode
 }
 
 // Gemma's keys, and a refusal for what llama.cpp would compute otherwise than the model does.
-void add_gemma(Metadata& md, const ModelConfig& c, const std::string& arch) {
+void add_gemma(Metadata& md, const ModelConfig& c, const std::string& arch, const FamilyTraits& family) {
   const auto f32 = [](double v) { return io::gguf_f32(static_cast<float>(v)); };
-  const double assumed = gemma_query_scalar(c, arch);
+  const double assumed = gemma_query_scalar(c, family);
   if (c.query_pre_attn_scalar.value_or(assumed) != assumed)
     throw Error(fmt::format(
         "query_pre_attn_scalar {} cannot be written to GGUF: llama.cpp scales a {}-layer {} model's queries by {} "
         "(write a HF directory instead: --out without .gguf)",
         *c.query_pre_attn_scalar, c.num_layers, arch, assumed));
-  if (arch == "gemma2") {
+  if (family.gguf_attn_softcap > 0) {  // (the keys of a family whose file always has them)
     if (c.attn_softcap) md.emplace_back(arch + ".attn_logit_softcapping", f32(*c.attn_softcap));
     if (c.logit_softcap) md.emplace_back(arch + ".final_logit_softcapping", f32(*c.logit_softcap));
   } else if (c.logit_softcap) {
@@ -324,9 +324,9 @@ void add_gemma(Metadata& md, const ModelConfig& c, const std::string& arch) {
   md.emplace_back(arch + ".attention.sliding_window", io::gguf_u32(static_cast<uint32_t>(*c.sliding_window)));
   const std::vector<bool> windowed =
       c.sliding_layers.empty() ? std::vector<bool>(static_cast<size_t>(c.num_layers), true) : c.sliding_layers;
-  if (windowed != windowed_every(c.num_layers, arch == "gemma2" ? 2 : 6))  // llama.cpp's default: no key
+  if (windowed != windowed_every(c.num_layers, family.global_every))  // llama.cpp's default: no key
     md.emplace_back(arch + ".attention.sliding_window_pattern", io::gguf_bools(windowed));
-  if (arch == "gemma3") md.emplace_back(arch + ".rope.freq_base_swa", f32(c.local_rope_theta));
+  if (family.local_rope) md.emplace_back(arch + ".rope.freq_base_swa", f32(c.local_rope_theta));
 }
 
 // The converter's keys in its order: general.*, TextModel.set_gguf_parameters, then the family's own.
@@ -360,7 +360,7 @@ Metadata model_metadata(const CausalLM& model, const std::string& arch, io::Ggml
     md.emplace_back(arch + ".rope.scaling.type", io::gguf_string("linear"));
     md.emplace_back(arch + ".rope.scaling.factor", f32(c.rope.factor));
   }
-  if (c.gemma) add_gemma(md, c, arch);
+  if (c.gemma) add_gemma(md, c, arch, family);
   if (family.fused) {  // Phi3MiniModel.set_gguf_parameters
     md.emplace_back(arch + ".rope.dimension_count", u32(static_cast<int64_t>(c.head_dim * c.partial_rotary)));
     md.emplace_back(arch + ".rope.scaling.original_context_length",

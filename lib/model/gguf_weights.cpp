@@ -51,8 +51,8 @@ void check_sizes(const io::GgufFile& f, const ModelConfig& c) {
 
 }  // namespace
 
-double gemma_query_scalar(const ModelConfig& c, const std::string& arch) {
-  const bool large = c.num_layers == (arch == "gemma2" ? 46 : 62);  // the 27B models
+double gemma_query_scalar(const ModelConfig& c, const FamilyTraits& family) {
+  const bool large = c.num_layers == family.large_variant_layers;  // the 27B models
   return static_cast<double>(large ? c.hidden_size / c.num_heads : c.head_dim);
 }
 
@@ -86,22 +86,25 @@ std::vector<double> factor_tensor(const io::GgufFile& f, const char* name, size_
   return out;
 }
 
-// llama.cpp's gemma2/gemma3: what the file does not say is what llama.cpp assumes — queries
-// scaled by head_dim (by hidden/heads for the 27B models, told by their layer count), every 2nd
-// (gemma2) or 6th (gemma3) layer global unless attention.sliding_window_pattern says otherwise,
-// and gemma3's windowed layers on rope base 10000 unless rope.freq_base_swa is given.
-void gemma_config(const io::GgufFile& f, const std::string& arch, ModelConfig& c) {
+// llama.cpp's gemma2/gemma3: what the file does not say is what llama.cpp assumes (the family
+// table's gguf_* traits) — queries scaled by head_dim (by hidden/heads for the 27B models, told by
+// their layer count), the soft-caps and the window, every global_every-th layer global unless
+// attention.sliding_window_pattern says otherwise, and (local_rope) the windowed layers on rope
+// base 10000 unless rope.freq_base_swa is given.
+void gemma_config(const io::GgufFile& f, const std::string& arch, const FamilyTraits& family, ModelConfig& c) {
   const auto key = [&arch](const char* k) { return arch + "." + k; };
   c.gemma = true;
   c.activation = "gelu_pytorch_tanh";
-  c.query_pre_attn_scalar = gemma_query_scalar(c, arch);
-  if (arch == "gemma2") {
-    c.attn_softcap = positive(f, key("attn_logit_softcapping"), f.get_float(key("attn_logit_softcapping"), 50.0));
-    c.logit_softcap = positive(f, key("final_logit_softcapping"), f.get_float(key("final_logit_softcapping"), 30.0));
+  c.query_pre_attn_scalar = gemma_query_scalar(c, family);
+  if (family.gguf_attn_softcap > 0) {
+    c.attn_softcap = positive(f, key("attn_logit_softcapping"),
+                              f.get_float(key("attn_logit_softcapping"), family.gguf_attn_softcap));
+    c.logit_softcap = positive(f, key("final_logit_softcapping"),
+                               f.get_float(key("final_logit_softcapping"), family.gguf_logit_softcap));
   } else if (f.has(key("final_logit_softcapping")) && f.get_float(key("final_logit_softcapping")) != 0) {
     c.logit_softcap = positive(f, key("final_logit_softcapping"), f.get_float(key("final_logit_softcapping")));
   }
-  const int64_t window = f.get_int(key("attention.sliding_window"), arch == "gemma2" ? 4096 : 0);
+  const int64_t window = f.get_int(key("attention.sliding_window"), family.gguf_window);
   if (window <= 0) return;
   c.sliding_window = window;
   c.sliding_layers.clear();
@@ -120,13 +123,13 @@ void gemma_config(const io::GgufFile& f, const std::string& arch, ModelConfig& c
       throw Error(fmt::format("{}: {} has {} entries for {} layers; re-convert the model", f.path(),
                               key("attention.sliding_window_pattern"), c.sliding_layers.size(), c.num_layers));
   } else {
-    const int64_t every = f.get_int(key("attention.sliding_window_pattern"), arch == "gemma2" ? 2 : 6);
+    const int64_t every = f.get_int(key("attention.sliding_window_pattern"), family.global_every);
     if (every <= 0)
       throw Error(
           fmt::format("{}: {} is {}; it must be positive", f.path(), key("attention.sliding_window_pattern"), every));
     c.sliding_layers = windowed_every(c.num_layers, every);
   }
-  if (arch == "gemma3")
+  if (family.local_rope)
     c.local_rope_theta = positive(f, key("rope.freq_base_swa"), f.get_float(key("rope.freq_base_swa"), 10000.0));
 }
 
@@ -203,7 +206,7 @@ ModelConfig llama_config(const io::GgufFile& f, const FamilyTraits& family) {
   c.qkv_bias = family.qkv_bias;
   c.qk_norm = family.qk_norm;
   c.fused = family.fused;
-  if (family.gemma) gemma_config(f, arch, c);
+  if (family.gemma) gemma_config(f, arch, family, c);
   if (family.fused) {  // phi3: a window of 0 is none (Phi-4)
     if (const int64_t window = f.get_int(key("attention.sliding_window"), 0); window > 0) c.sliding_window = window;
   }

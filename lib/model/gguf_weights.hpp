@@ -9,6 +9,7 @@
 
 #include "io/gguf.hpp"
 #include "model/config.hpp"
+#include "model/families.hpp"
 #include "model/weights.hpp"
 
 namespace lorarun::model {
@@ -60,9 +61,9 @@ class GgufWeights : public WeightSource {
   mutable std::set<std::string> used_;  // GGUF names
 };
 
-// What llama.cpp assumes of a gemma2/gemma3 file (`arch`), which does not store it: queries
-// scaled by head_dim's -1/2 power, or hidden/heads' for the 27B models (told by their layer count).
-double gemma_query_scalar(const ModelConfig& c, const std::string& arch);
+// What llama.cpp assumes of a gemma2/gemma3 file, which does not store it: queries scaled by
+// head_dim's -1/2 power, or hidden/heads' for the family's large variant (told by its layer count).
+double gemma_query_scalar(const ModelConfig& c, const FamilyTraits& family);
 // llama.cpp's window pattern N: of each N layers, the first N - 1 are windowed and the last global.
 std::vector<bool> windowed_every(int64_t layers, int64_t every);
 

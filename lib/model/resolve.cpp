@@ -7,6 +7,7 @@
 
 #include "io/files.hpp"
 #include "io/gguf.hpp"
+#include "model/families.hpp"
 #include "model/gguf_weights.hpp"
 #include "util/error.hpp"
 
@@ -66,7 +67,7 @@ tok::HfTokenizerFiles gguf_tokenizer_files(const std::string& gguf_path) {
   const io::GgufFile f(gguf_path);
   tok::GgufVocab v;
   v.source = gguf_path;
-  v.architecture = f.get_string("general.architecture");
+  v.sentencepiece = sentencepiece_kind_of_gguf(f.get_string("general.architecture"));
   if (!f.has("tokenizer.ggml.model"))
     throw Error(
         fmt::format("{}: has no tokenizer (no tokenizer.ggml.model in its metadata); convert the model with "

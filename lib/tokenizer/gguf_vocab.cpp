@@ -138,14 +138,19 @@ struct Built {
 };
 
 // What transformers builds from a vocabulary, by tokenizer.ggml.model and, for SentencePiece
-// files, the architecture (its GGUF_SENTENCEPIECE_BUILDERS): GPT2Tokenizer, LlamaTokenizer,
-// GemmaTokenizer (gemma, gemma2, gemma3), and phi3's LlamaTokenizer with a prepending normalizer.
+// files, the kind lib/model tells by the architecture: GPT2Tokenizer, or the SentencePiece kinds.
 enum class Kind { ByteLevel, Llama, Gemma, Phi3 };
 
 Kind kind_of(const GgufVocab& v) {
   if (v.model == "gpt2") return Kind::ByteLevel;
-  if (v.architecture == "gemma" || v.architecture == "gemma2" || v.architecture == "gemma3") return Kind::Gemma;
-  if (v.architecture == "phi3") return Kind::Phi3;
+  switch (v.sentencepiece) {
+    case SentencePieceKind::Gemma:
+      return Kind::Gemma;
+    case SentencePieceKind::Phi3:
+      return Kind::Phi3;
+    case SentencePieceKind::Llama:
+      break;
+  }
   return Kind::Llama;
 }
 

@@ -8,12 +8,16 @@
 
 namespace lorarun::tok {
 
+// Which transformers class builds a SentencePiece vocabulary (lib/model tells, by the file's
+// architecture): LlamaTokenizer, GemmaTokenizer, or phi3's LlamaTokenizer with a prepending normalizer.
+enum class SentencePieceKind { Llama, Gemma, Phi3 };
+
 // The tokenizer keys of a GGUF file, as read by lib/model (this library does not read GGUF).
 struct GgufVocab {
-  std::string source;        // the file, for messages
-  std::string architecture;  // general.architecture
-  std::string model;         // tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece)
-  std::string pre;           // tokenizer.ggml.pre: which split pattern the merges were learned on
+  std::string source;  // the file, for messages
+  SentencePieceKind sentencepiece = SentencePieceKind::Llama;
+  std::string model;  // tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+  std::string pre;    // tokenizer.ggml.pre: which split pattern the merges were learned on
   std::vector<std::string> tokens;
   std::vector<int64_t> token_types;  // 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
   std::vector<std::string> merges;   // "a b"; a SentencePiece vocabulary may have none
