@@ -291,7 +291,7 @@ void CausalLM::take_embedding(std::variant<at::Tensor, GgufBlocks> e) {
 void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
   CausalLM& m = *this;
   const ModelConfig& c = m.config_;
-  m.base_sharded_ = opts.shards != nullptr;
+  m.passes_joined_ = opts.shards && opts.shards->world > 1;
   const Loader<NamedWeight> L{files, dtype_, device_, opts, m.named_};
   const int64_t H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
   const int64_t q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;
@@ -392,7 +392,7 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
         fmt::format("{}: lm_head.weight is missing and config.json does not tie it to the "
                     "embeddings (tie_word_embeddings: false)",
                     dir_));
-  if (m.base_sharded_)  // each block's slices, gathered together while the block runs
+  if (opts.shards)  // each block's slices, gathered together while the block runs
     for (Block& b : m.blocks_) {
       std::vector<ShardedTensor*> slices;
       for (Linear* l : block_linears(b)) {
@@ -558,7 +558,7 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
     std::tie(cos[0], sin[0]) = rope_tables(positions, long_rope ? inv_freq_long_ : inv_freq_);
     if (inv_freq_local_.defined()) std::tie(cos[1], sin[1]) = rope_tables(positions, inv_freq_local_);
   } else if (c.family == Family::Opt) {
-    if (project_in_.defined()) h = project_in_.forward(h, training, routes.get());
+    if (project_in_.defined()) h = project_in_.forward(h, training, routes_.get());
     // OPT counts positions over real tokens only, offset by 2 (HF's OPTLearnedPositionalEmbedding).
     const at::Tensor pos = (packed ? positions : (at::cumsum(valid, 1) * valid - 1).narrow(1, past, T)) + 2;
     h = h + at::embedding(embed_positions_, pos);
@@ -572,9 +572,9 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
     const at::Tensor& mask = masks[windowed];
     const bool local = windowed && cos[1].defined();
     // Captures by value: with recompute it runs again during backward.
-    auto block = [this, i, mask, cos = cos[local], sin = sin[local], cache, routes = routes](const at::Tensor& x) {
+    auto block = [this, i, mask, cos = cos[local], sin = sin[local], cache, routes = routes_](const at::Tensor& x) {
       const Block& b = blocks_[i];
-      const Routes* r = routes.get();
+      const Routes* r = routes_.get();
       if (config_.family == Family::Opt && !config_.do_layer_norm_before) {  // post-LN OPT (350m)
         const at::Tensor y = norm(b.norm1, x + attention(b, x, mask, cos, sin, cache, i, r));
         return norm(b.norm2, y + mlp(b, y, r));
@@ -591,14 +591,15 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
       continue;
     }
     if (!h.requires_grad()) h = h.detach().requires_grad_(true);  // frozen embeddings: a leaf
-    h = recomputed(replaying_streams(routes, block), h);
+    h = recomputed(replaying_streams(routes_, block), h);
   }
   if (final_norm_.weight.defined()) h = norm(final_norm_, h);
-  if (project_out_.defined()) h = project_out_.forward(h, training, routes.get());
+  if (project_out_.defined()) h = project_out_.forward(h, training, routes_.get());
   return h;
 }
 
-void CausalLM::idle_pass(bool backward, bool packed) const {
+void CausalLM::skip_pass(bool backward, bool packed) const {
+  if (!passes_joined_) return;
   const auto opts = at::TensorOptions().dtype(at::kLong).device(device_);
   const at::Tensor h = hidden_states(at::zeros({1, 1}, opts), at::ones({1, 1}, opts), nullptr, packed);
   if (backward && h.requires_grad()) (h.sum() * 0).backward();

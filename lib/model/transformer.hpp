@@ -185,19 +185,30 @@ class CausalLM {
   // They share storage with the model, so a merge shows up here; NF4 weights come dequantised.
   std::vector<std::pair<std::string, at::Tensor>> state_dict() const;
 
-  // dist.shard_base: whether the linears are held as this rank's slices; then every forward (and
-  // backward) gathers them with the other ranks, which must all run the same passes.
-  bool base_sharded() const { return base_sharded_; }
-  // A pass on one token whose result is discarded (with `backward`, a backward with zero
-  // gradients too): what a sharded rank with nothing to compute runs while the others gather.
-  void idle_pass(bool backward, bool packed) const;
+  // dist.shard_base on several ranks: every forward (and backward) gathers the linears' slices with
+  // the other ranks, which must all run the same passes.
+  bool passes_joined() const { return passes_joined_; }
+  // A pass this rank has no rows for while the other ranks run theirs: when passes are joined, a
+  // pass on one token whose result is discarded (with `backward`, a backward with zero gradients
+  // too), so that this rank joins their gathers; otherwise nothing.
+  void skip_pass(bool backward, bool packed) const;
 
   bool training = false;
   // Recompute each decoder block's activations in backward instead of keeping them (training).
   bool recompute_activations = false;
-  // adapters: (a job of many) which rows of the next passes go through which adapter; with
-  // recompute, a block's backward keeps the routes and dropout streams its forward had.
-  std::shared_ptr<const Routes> routes;
+  // adapters: (a job of many) the rows of the passes run in its life go through the adapters as
+  // `routes` says; with recompute, a block's backward keeps the routes and dropout streams its
+  // forward had. Without one, every row goes through every adapter attached.
+  class Routing {
+   public:
+    Routing(CausalLM& m, std::shared_ptr<const Routes> routes) : m_(m) { m_.routes_ = std::move(routes); }
+    ~Routing() { m_.routes_.reset(); }
+    Routing(const Routing&) = delete;
+    Routing& operator=(const Routing&) = delete;
+
+   private:
+    CausalLM& m_;
+  };
 
  private:
   // Builds the layers of config_'s family from `files`, in dtype_ on device_.
@@ -212,7 +223,8 @@ class CausalLM {
 
   ModelConfig config_;
   std::string dir_;
-  bool base_sharded_ = false;
+  bool passes_joined_ = false;
+  std::shared_ptr<const Routes> routes_;  // (a Routing's)
   at::ScalarType dtype_ = at::kFloat;
   at::Device device_{at::kCPU};
   std::string embedding_name_;

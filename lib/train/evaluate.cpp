@@ -59,7 +59,7 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
   m.training = false;
   // Sharded base on several ranks: every rank runs as many passes as rank 0, which has the most
   // batches, so that every rank joins every gather; and so that every rank asks `stop` alike.
-  const bool join = m.base_sharded() && world > 1;
+  const bool join = m.passes_joined();
   const int64_t stride = per_batch * world;
   const int64_t passes = join || stop ? (n + stride - 1) / stride : 0;
   for (int64_t first = rank, pass = 0; first < n || pass < passes; first += stride, ++pass) {
@@ -68,7 +68,7 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
       break;
     }
     if (first >= n) {
-      if (join) m.idle_pass(false, r.data.packing);
+      m.skip_pass(false, r.data.packing);
       continue;
     }
     std::vector<int64_t> positions;
@@ -89,8 +89,7 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
     if (pref) {
       const PairBatch pb = collate_pairs(batch, device, pref->whole_chosen());
       if (pb.pairs == 0) {
-        if (join && pref->has_reference()) m.idle_pass(false, false);  // (the reference's pass, then the policy's)
-        if (join) m.idle_pass(false, false);
+        pref->skip(false);
         continue;
       }
       const at::Tensor s = pref->forward(pb, 1, 1).stats.cpu();
@@ -100,7 +99,7 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
     }
     const data::Batch b = data::collate(batch, r.data.packing, static_cast<size_t>(r.data.max_length), device);
     if (b.tokens == 0) {
-      if (join) m.idle_pass(false, r.data.packing);
+      m.skip_pass(false, r.data.packing);
       continue;
     }
     const at::Tensor hidden = m.hidden_states(b.ids, b.mask, nullptr, r.data.packing);

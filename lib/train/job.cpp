@@ -24,6 +24,7 @@
 #include "model/lora.hpp"
 #include "model/loss.hpp"
 #include "track/sinks.hpp"
+#include "train/adapter_run.hpp"
 #include "train/agreement.hpp"
 #include "train/checkpointer.hpp"
 #include "train/evaluate.hpp"
@@ -65,32 +66,16 @@ void refuse_case_twins(const std::vector<recipe::AdapterSpec>& specs, const std:
                       what, printable(it->second), printable(s.name)));
 }
 
-// One adapter of the job: its own run's recipe, documents, adapter, optimizer, schedule,
-// checkpointer and where it stands.
+// One adapter of the job: its run (AdapterRun: its own run's recipe, documents, adapter, optimizer,
+// schedule, checkpointer and where it stands), its slot in the model, and this step's sums.
 struct Tenant {
-  std::string name;
   int slot = 0;
-  recipe::Recipe r;  // its own run's (adapter_recipe): what lora-train would train it with
-  std::unique_ptr<data::Documents> docs;
-  std::unique_ptr<data::EvalSplit> eval;
-  std::vector<at::Tensor> params;
-  std::unique_ptr<torch::optim::AdamW> opt;
-  std::unique_ptr<Checkpointer> ckpt;
-  Schedule schedule = Schedule::Constant;
-  int64_t steps_per_epoch = 0, total_steps = 0;
-  int epochs = 0;  // the epochs it ends with (fewer when early stopping ends it)
-  Progress p;      // where it stands
-  bool done = false, stopping_early = false;
-  std::optional<data::MicroBatches> batches;  // its current epoch's, from p.step_in_epoch on
-  std::optional<double> last_eval_loss;
-  double epoch_tokens = 0;
+  std::unique_ptr<AdapterRun> run;
+  bool done = false;
   // this step: summed token losses on the device, trained tokens, document tokens, row slots
   at::Tensor loss;
   int64_t tokens = 0, real = 0, slots = 0;
-  Skips skips;                  // documents skipped: this rank's in the step, all ranks' in the epoch and the run
-  int64_t epoch_documents = 0;  // what its epoch's steps read, all ranks together
   at::Tensor rng_at_step_start;
-  bool whole_epoch_here = false;  // this process runs its current epoch from step 0
 };
 
 // How a job step ended.
@@ -107,19 +92,16 @@ class Job {
   void failed(const std::string& error);
 
  private:
+  void open_data(AdapterRun& a);
   void begin(bool resumed, const std::string& run_id);
   bool settle(Tenant& t);
   void open_batches(Tenant& t);
   StepEnd step(const std::vector<Tenant*>& active);
   void pass(const std::vector<data::Batch>& parts, const std::vector<Tenant*>& owners);
-  std::vector<data::Example> examples(Tenant& t);
   bool after_step(Tenant& t, bool stopping, bool stop);
   bool end_epoch(Tenant& t, bool stopping);
   void close_epoch(Tenant& t);
-  void open_data(Tenant& t);
   bool evaluate(Tenant& t, bool steers = true);
-  void steer(Tenant& t, const nlohmann::json& row);
-  void check_replicas();
   int stopped();
   int data_lost();
   int finish();
@@ -170,89 +152,85 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
   std::vector<at::Tensor> all;
   for (size_t i = 0; i < specs.size(); ++i) {
     auto t = std::make_unique<Tenant>();
-    t->name = specs[i].name;
     t->slot = static_cast<int>(i);
-    t->r = recipe::adapter_recipe(r, specs[i]);
-    try {  // (an Error or a ConfigError names the adapter; a lost server stays as it is)
-      open_data(*t);
-    } catch (const Error& e) {
-      rethrow_within(e, fmt::format("adapter '{}': ", t->name));
-    }
-    model::LoraConfig cfg = model::lora_config_of(t->r.lora, r.model.path);
+    recipe::Recipe own = recipe::adapter_recipe(r, specs[i]);
+    model::LoraConfig cfg = model::lora_config_of(own.lora, r.model.path);
     cfg.tenant = t->slot;
     as_input_error([&] {
       model::attach_tenant(m_, cfg, static_cast<uint64_t>(r.train.seed), t->slot, static_cast<int>(specs.size()));
     });
-    t->params = model::tenant_parameters(m_, t->slot);
-    t->opt =
-        make_adamw(model::tenant_state(m_, t->slot), t->r.train.lr, t->r.train.weight_decay, t->r.lora.plus_lr_ratio);
+    auto opt =
+        make_adamw(model::tenant_state(m_, t->slot), own.train.lr, own.train.weight_decay, own.lora.plus_lr_ratio);
+    t->run = std::make_unique<AdapterRun>(specs[i].name, std::move(own), model::tenant_parameters(m_, t->slot),
+                                          std::move(opt));
+    AdapterRun& a = *t->run;
+    try {  // (an Error or a ConfigError names the adapter; a lost server stays as it is)
+      open_data(a);
+    } catch (const Error& e) {
+      rethrow_within(e, a.who());
+    }
+    a.plan(data::examples_per_rank(a.docs->size(), env.world_size), env.world_size);
     model::DropoutStreams* streams = &streams_;
     const int slot = t->slot;
     const RngStream rng{[streams, slot] { return streams->state(slot); },
                         [streams, slot](const at::Tensor& b) { streams->set_state(slot, b); }};
-    t->ckpt =
-        std::make_unique<Checkpointer>(t->r, agree_, m_, cfg, t->params, *t->opt, t->docs->identity(), cuda_, rng);
-    t->ckpt->store_as_adapter(t->name);
-    t->schedule = schedule_of(t->r.train.lr_scheduler);
-    const int64_t per_rank = data::examples_per_rank(t->docs->size(), env.world_size);
-    t->steps_per_epoch = steps_per_epoch(t->r, per_rank);
-    t->epoch_documents = epoch_documents(t->r, per_rank, env.world_size);
-    t->epochs = t->r.train.epochs;
-    t->total_steps = t->steps_per_epoch * t->epochs;
-    all.insert(all.end(), t->params.begin(), t->params.end());
+    a.ckpt = std::make_unique<Checkpointer>(a.r, agree_, m_, cfg, a.params, *a.opt, a.docs->identity(), cuda_, rng);
+    a.ckpt->store_as_adapter(a.name);
+    all.insert(all.end(), a.params.begin(), a.params.end());
     tenants_.push_back(std::move(t));
   }
   sync_ = std::make_unique<dist::GradBuckets>(pg_, all, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4));
 }
 
-// Adapter t's documents and evaluation split. When eval.fraction holds out none of its documents,
+// Adapter a's documents and evaluation split. When eval.fraction holds out none of its documents,
 // or all of them (a tenant of a few), it trains on them all, unevaluated, as its own run with
 // eval.fraction 0 does: one small tenant does not stop the job.
-void Job::open_data(Tenant& t) {
+void Job::open_data(AdapterRun& a) {
   try {
-    t.docs = std::make_unique<data::Documents>(t.r.data, data::Holdout::training(t.r.eval.fraction));
-    if (t.r.eval.enabled(t.r.data.source)) {
-      t.eval = std::make_unique<data::EvalSplit>(t.r, t.docs.get());
-      require_scored_token(t.eval->docs(), *rt_.builder, t.eval->describe());
+    a.docs = std::make_unique<data::Documents>(a.r.data, data::Holdout::training(a.r.eval.fraction));
+    if (a.r.eval.enabled(a.r.data.source)) {
+      a.eval = std::make_unique<data::EvalSplit>(a.r, a.docs.get());
+      require_scored_token(a.eval->docs(), *rt_.builder, a.eval->describe());
     }
     return;
   } catch (const data::EmptySplit&) {
   }
-  const bool none = t.docs != nullptr;  // training kept every document: none held out
-  const double fraction = t.r.eval.fraction;
-  t.r.eval.fraction = 0;
-  t.r.checkpoint.keep_best = false;
-  t.r.train.early_stopping_patience.reset();
-  t.eval.reset();
-  t.docs = std::make_unique<data::Documents>(t.r.data);
+  const bool none = a.docs != nullptr;  // training kept every document: none held out
+  const double fraction = a.r.eval.fraction;
+  a.r.eval.fraction = 0;
+  a.r.checkpoint.keep_best = false;
+  a.r.train.early_stopping_patience.reset();
+  a.eval.reset();
+  a.docs = std::make_unique<data::Documents>(a.r.data);
   if (lead_)
     warn(
         fmt::format("adapter '{}': eval.fraction {:g} holds out {} of its {} documents: it trains on them all and "
                     "is not evaluated (no eval_loss, best/ or early stop of its own)",
-                    t.name, fraction, none ? "none" : "every one", t.docs->size()));
+                    a.name, fraction, none ? "none" : "every one", a.docs->size()));
 }
 
 // Each adapter resumes from its own state (or starts, or has finished), then job steps until every
 // adapter has run its own steps.
 int Job::run() {
   std::vector<std::string> states;  // checkpoint.store: mongodb: none here, the job's stored ones come back
-  for (const auto& t : tenants_) states.push_back(t->ckpt->state_dir());
+  for (const auto& t : tenants_) states.push_back(t->run->ckpt->state_dir());
   restore_from_store(r_, agree_, states);
   bool resumed = false;
   for (auto& t : tenants_) {
-    const fs::path out = t->r.checkpoint.output_dir;
-    const std::optional<Progress> p = t->ckpt->load({t->epochs, t->steps_per_epoch, t->docs->identity()});
+    AdapterRun& a = *t->run;
+    const fs::path out = a.r.checkpoint.output_dir;
+    const std::optional<Progress> p = a.ckpt->load({a.epochs, a.steps_per_epoch, a.docs->identity()});
     if (p) {
-      t->p = *p;
+      a.p = *p;
       resumed = true;
       if (!p->run_id.empty()) run_id_ = p->run_id;
     } else if (r_.checkpoint.resume == recipe::Resume::Auto && fs::exists(finished_marker(out.string()))) {
       t->done = true;  // finished earlier in this job
-      t->p.step = t->total_steps;
+      a.p.step = a.total_steps;
     }
   }
   std::vector<double> where;
-  for (auto& t : tenants_) where.push_back(static_cast<double>(t->p.step) + (t->done ? 0.5 : 0.0));
+  for (auto& t : tenants_) where.push_back(static_cast<double>(t->run->p.step) + (t->done ? 0.5 : 0.0));
   at::Tensor mine = at::tensor(where, at::kDouble);
   if (!agree_.same(at::sum(mine * at::arange(1, mine.numel() + 1, at::kDouble)).item<double>()))
     throw Error(fmt::format(
@@ -261,14 +239,14 @@ int Job::run() {
         env_.rank, r_.checkpoint.output_dir));
   step_ = INT64_MAX;
   for (auto& t : tenants_) {
-    total_steps_ = std::max(total_steps_, t->total_steps);
-    if (!t->done) step_ = std::min(step_, t->p.step);
+    total_steps_ = std::max(total_steps_, t->run->total_steps);
+    if (!t->done) step_ = std::min(step_, t->run->p.step);
   }
   if (step_ == INT64_MAX) step_ = total_steps_;
   if (lead_) begin(resumed, run_id_);
   m_.training = true;
   for (auto& t : tenants_)  // eval.on_start: each adapter before its first step, as its own run
-    if (!resumed && r_.eval.on_start && t->eval && !evaluate(*t, false)) return stopped();
+    if (!resumed && r_.eval.on_start && t->run->eval && !evaluate(*t, false)) return stopped();
   while (true) {
     std::vector<Tenant*> active;
     for (auto& t : tenants_) {
@@ -292,14 +270,15 @@ void Job::begin(bool resumed, const std::string& run_id) {
   nlohmann::json adapters = nlohmann::json::array();
   int64_t documents = 0;
   for (const auto& t : tenants_) {
-    adapters.push_back({{"name", t->name},
-                        {"documents", t->docs->size()},
-                        {"steps_per_epoch", t->steps_per_epoch},
-                        {"epochs", t->r.train.epochs},
-                        {"r", t->r.lora.r},
-                        {"lr", t->r.train.lr},
-                        {"output_dir", t->r.checkpoint.output_dir}});
-    documents += t->docs->size();
+    const AdapterRun& a = *t->run;
+    adapters.push_back({{"name", a.name},
+                        {"documents", a.docs->size()},
+                        {"steps_per_epoch", a.steps_per_epoch},
+                        {"epochs", a.r.train.epochs},
+                        {"r", a.r.lora.r},
+                        {"lr", a.r.train.lr},
+                        {"output_dir", a.r.checkpoint.output_dir}});
+    documents += a.docs->size();
   }
   const track::RunInfo about = {
       {"torch_version", TORCH_VERSION}, {"world_size", env_.world_size}, {"device", cuda_ ? "cuda" : "cpu"},
@@ -307,19 +286,21 @@ void Job::begin(bool resumed, const std::string& run_id) {
       {"restart", env_.restart}};
   run_id_ = sinks_->open(about, resumed ? std::optional(step_) : std::nullopt, run_id, env_.world_size);
   for (auto& t : tenants_) {
-    t->p.run_id = run_id_;  // (saved with each state: a resumed job continues this record)
-    t->ckpt->attach(*sinks_);
+    t->run->p.run_id = run_id_;  // (saved with each state: a resumed job continues this record)
+    t->run->ckpt->attach(*sinks_);
   }
   if (sinks_->record())
     info(fmt::format("run recorded as {} (lora-train --from-run {} repeats it)", sinks_->ref(), sinks_->ref()));
   io::write_file_atomic((fs::path(r_.checkpoint.output_dir) / "recipe.yaml").string(), recipe::to_yaml(r_));
   info(fmt::format("{} adapters on one base ({} rank(s)), {} job steps at most: {}", tenants_.size(), env_.world_size,
                    total_steps_, model::trainable_summary(m_)));
-  for (const auto& t : tenants_)
-    info(fmt::format("adapter '{}': {}; {} documents from {}, {} steps per epoch x {} epochs{}{}", t->name,
-                     model::describe_adapter(t->r.lora), t->docs->size(), t->docs->describe(), t->steps_per_epoch,
-                     t->r.train.epochs, t->eval ? fmt::format("; evaluating on {}", t->eval->describe()) : "",
+  for (const auto& t : tenants_) {
+    const AdapterRun& a = *t->run;
+    info(fmt::format("adapter '{}': {}; {} documents from {}, {} steps per epoch x {} epochs{}{}", a.name,
+                     model::describe_adapter(a.r.lora), a.docs->size(), a.docs->describe(), a.steps_per_epoch,
+                     a.r.train.epochs, a.eval ? fmt::format("; evaluating on {}", a.eval->describe()) : "",
                      t->done ? " (finished)" : ""));
+  }
   if (r_.model.keep_quantized) info(model::gguf_blocks_summary(m_));
   if (r_.lora.quantize_base) info(model::nf4_summary(m_));
   if (resumed) info(fmt::format("resuming the job at step {} of at most {}", step_, total_steps_));
@@ -328,30 +309,32 @@ void Job::begin(bool resumed, const std::string& run_id) {
 // Before a step, what an adapter still owes: the evaluation a stop cut short, the end of an epoch
 // whose steps are done; then its epoch's batches. False: a stop came during an evaluation.
 bool Job::settle(Tenant& t) {
-  if (t.p.pending_eval) {
+  AdapterRun& a = *t.run;
+  if (a.p.pending_eval) {
     if (!evaluate(t)) return false;
-    t.p.pending_eval = false;
-    if (t.stopping_early || t.p.step_in_epoch == t.steps_per_epoch) close_epoch(t);
-  } else if (t.p.step_in_epoch == t.steps_per_epoch) {
+    a.p.pending_eval = false;
+    if (a.stopping_early || a.p.step_in_epoch == a.steps_per_epoch) close_epoch(t);
+  } else if (a.p.step_in_epoch == a.steps_per_epoch) {
     if (!end_epoch(t, false)) return false;
   }
-  if (!t.done && !t.batches) open_batches(t);
+  if (!t.done && !a.batches) open_batches(t);
   return true;
 }
 
 // The adapter's batches of its epoch from its step on, read as its own run reads them.
 void Job::open_batches(Tenant& t) {
-  const auto seed = static_cast<uint64_t>(t.r.train.seed);
-  const data::ShardSpec spec{env_.world_size, env_.rank, seed, t.p.epoch, t.r.data.shuffle, stop_flag()};
-  const data::BatchPlan plan{t.r.data.batch_size, t.r.train.gradient_accumulation_steps,
-                             t.r.data.group_by_length ? t.r.data.group_window : 1, seed, t.p.epoch};
-  t.whole_epoch_here = t.p.step_in_epoch == 0;
-  if (t.whole_epoch_here) t.epoch_tokens = 0;
-  t.skips.new_epoch();
+  AdapterRun& a = *t.run;
+  const auto seed = static_cast<uint64_t>(a.r.train.seed);
+  const data::ShardSpec spec{env_.world_size, env_.rank, seed, a.p.epoch, a.r.data.shuffle, stop_flag()};
+  const data::BatchPlan plan{a.r.data.batch_size, a.r.train.gradient_accumulation_steps,
+                             a.r.data.group_by_length ? a.r.data.group_window : 1, seed, a.p.epoch};
+  a.whole_epoch_here = a.p.step_in_epoch == 0;
+  if (a.whole_epoch_here) a.epoch_tokens = 0;
+  a.skips.new_epoch();
   try {
-    t.batches.emplace(*t.docs, *rt_.builder, spec, plan, t.p.step_in_epoch);
+    a.batches.emplace(*a.docs, *rt_.builder, spec, plan, a.p.step_in_epoch);
   } catch (const data::DataUnavailable& e) {
-    data_error_ = fmt::format("adapter '{}': {}", t.name, e.what());
+    data_error_ = fmt::format("adapter '{}': {}", a.name, e.what());
     log_error(fmt::format("rank {}: {}", env_.rank, data_error_));
   }
 }
@@ -364,7 +347,7 @@ void Job::pass(const std::vector<data::Batch>& parts, const std::vector<Tenant*>
   routes->streams = &streams_;
   for (size_t k = 0; k < parts.size(); ++k)
     routes->routes.push_back({owners[k]->slot, s.parts[k].row0, s.parts[k].rows, s.parts[k].length});
-  m_.routes = routes;
+  const model::CausalLM::Routing routing(m_, routes);
   const at::Tensor hidden = m_.hidden_states(s.ids, s.mask, nullptr, r_.data.packing);
   at::Tensor total;
   for (size_t k = 0; k < parts.size(); ++k) {
@@ -375,7 +358,6 @@ void Job::pass(const std::vector<data::Batch>& parts, const std::vector<Tenant*>
     owners[k]->tokens += parts[k].tokens;
   }
   total.backward();
-  m_.routes.reset();
 }
 
 // One job step: micro-batch k of every active adapter's step through the model, in passes of
@@ -388,7 +370,7 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
   const auto waited = [&] {
     double s = 0;
     for (Tenant* t : active)
-      if (t->batches) s += t->batches->reader().wait_seconds();
+      if (t->run->batches) s += t->run->batches->reader().wait_seconds();
     return s;
   };
   const double wait0 = waited();
@@ -409,16 +391,16 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
       std::vector<Tenant*> owners;
       for (size_t i = first; i < std::min(active.size(), first + per_pass); ++i) {
         Tenant* t = active[i];
-        data::Batch b =
-            data::collate(examples(*t), r_.data.packing, static_cast<size_t>(r_.data.max_length), rt_.device);
+        data::Batch b = data::collate(t->run->examples(env_.rank, warned_, data_error_), r_.data.packing,
+                                      static_cast<size_t>(r_.data.max_length), rt_.device);
         t->real += b.real;
         t->slots += b.slots;
         if (b.tokens == 0) continue;  // as its own run: no pass, no dropout drawn
         parts.push_back(std::move(b));
         owners.push_back(t);
       }
-      if (parts.empty()) {  // the other ranks' gathers, joined with zero gradients
-        if (m_.base_sharded() && env_.world_size > 1) m_.idle_pass(true, r_.data.packing);
+      if (parts.empty()) {  // (the other ranks' gathers joined, with zero gradients)
+        m_.skip_pass(true, r_.data.packing);
         continue;
       }
       pass(parts, owners);
@@ -438,7 +420,7 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
     f[kTokens] = static_cast<double>(active[i]->tokens);
     f[kReal] = static_cast<double>(active[i]->real);
     f[kSlots] = static_cast<double>(active[i]->slots);
-    const Skips::Counts skipped = active[i]->skips.take();
+    const Skips::Counts skipped = active[i]->run->skips.take();
     std::copy(skipped.begin(), skipped.end(), f + kSkipped);
   }
   at::Tensor stats = at::tensor(mine, at::kDouble).to(rt_.device);
@@ -447,8 +429,8 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
   std::vector<std::vector<at::Tensor>> grads(active.size());
   std::vector<at::Tensor> norms;
   for (size_t i = 0; i < active.size(); ++i) {
-    for (at::Tensor& p : active[i]->params)
-      if (p.grad().defined()) grads[i].push_back(p.mutable_grad());
+    for (const at::Tensor& p : active[i]->run->params)
+      if (p.grad().defined()) grads[i].push_back(p.grad());
     if (!grads[i].empty()) at::_foreach_div_(grads[i], stats[kJobSums + kPerTenant * i + kTokens].clamp_min(1.0));
     norms.push_back(grads[i].empty() ? at::zeros({}, stats.options())
                                      : at::linalg_vector_norm(at::stack(at::_foreach_norm(grads[i], 2)), 2));
@@ -463,7 +445,7 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
                             *sinks_->lost_lease()));
   }
   if (d[kDataFailed] > 0) {
-    for (Tenant* t : active) t->opt->zero_grad(false);
+    for (Tenant* t : active) t->run->opt->zero_grad(false);
     for (Tenant* t : active) streams_.set_state(t->slot, t->rng_at_step_start);
     return StepEnd::DataLost;
   }
@@ -471,34 +453,23 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
   double loss_all = 0, tokens_all = 0, real_all = 0, slots_all = 0;
   nlohmann::json per = nlohmann::json::object();
   for (size_t i = 0; i < active.size(); ++i) {
-    Tenant& t = *active[i];
+    AdapterRun& a = *active[i]->run;
     const double* f = d + kJobSums + kPerTenant * i;
     const double grad_norm = d[done.numel() - static_cast<int64_t>(active.size()) + static_cast<int64_t>(i)];
     const double loss = f[kLoss] / std::max(f[kTokens], 1.0);
-    if (!std::isfinite(loss) || !std::isfinite(grad_norm))
-      throw Error(fmt::format(
-          "adapter '{}' diverged at its step {}: the loss is {} and the gradient norm {}; nothing of this step was "
-          "applied or saved. Lower its lr (now {:g}), set train.max_grad_norm, or check its data, then start over "
-          "(checkpoint.resume=never)",
-          t.name, t.p.step + 1, loss, grad_norm, t.r.train.lr));
-    const double lr = t.r.train.lr * lr_factor(t.schedule, t.p.step, t.r.train.warmup_steps, t.total_steps);
-    {
-      RECORD_USER_SCOPE("optimizer");
-      if (t.r.train.max_grad_norm && !grads[i].empty())  // torch's clip_grad_norm_
-        at::_foreach_mul_(grads[i], (*t.r.train.max_grad_norm / (norms[i] + 1e-6)).clamp_max(1.0));
-      set_lr(*t.opt, lr, t.r.lora.plus_lr_ratio);
-      // One rank and no rows of it this step: its own run has no gradients, and AdamW skips them.
-      if (env_.world_size > 1 || t.tokens > 0) t.opt->step();
-    }
-    t.epoch_tokens += f[kTokens];
-    t.skips.add(f + kSkipped);
+    a.check_finite(loss, grad_norm);
+    const double lr = a.lr();
+    // One rank and no rows of it this step: its own run has no gradients, and AdamW skips them.
+    if (env_.world_size > 1 || active[i]->tokens > 0) a.apply(grads[i], norms[i], lr);
+    a.epoch_tokens += f[kTokens];
+    a.skips.add(f + kSkipped);
     loss_all += f[kLoss], tokens_all += f[kTokens], real_all += f[kReal], slots_all += f[kSlots];
-    per[t.name] = {{"loss", loss}, {"tokens", f[kTokens]}, {"lr", lr}, {"grad_norm", grad_norm}, {"epoch", t.p.epoch}};
-    per[t.name].update(Skips::figures(f + kSkipped));
+    per[a.name] = {{"loss", loss}, {"tokens", f[kTokens]}, {"lr", lr}, {"grad_norm", grad_norm}, {"epoch", a.p.epoch}};
+    per[a.name].update(Skips::figures(f + kSkipped));
   }
   // Zeroed, not freed (the finished ones' zeros from the all-reduce too): allocated once, not anew in
   // each step's passes among their activations, which raised 8 adapters' peak RSS by 12%.
-  for (auto& t : tenants_) t->opt->zero_grad(false);
+  for (auto& t : tenants_) t->run->opt->zero_grad(false);
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   ++step_;
   ++steps_this_process_;
@@ -533,9 +504,15 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
       sinks_->step(row);
     }
   }
-  for (Tenant* t : active)
-    t->skips.check(t->p.epoch, t->epoch_documents, t->r.data.max_skipped_share, fmt::format("adapter '{}': ", t->name));
-  if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) check_replicas();
+  for (Tenant* t : active) {
+    const AdapterRun& a = *t->run;
+    a.skips.check(a.p.epoch, a.epoch_documents, a.r.data.max_skipped_share, a.who());
+  }
+  if (r_.dist.debug_checksum_every_n_steps && step_ % *r_.dist.debug_checksum_every_n_steps == 0) {
+    std::vector<const AdapterRun*> runs;
+    for (const auto& t : tenants_) runs.push_back(t->run.get());
+    check_replicas(agree_, runs, step_);
+  }
   bool stopping = false;  // an evaluation of this step was cut short by a stop
   for (Tenant* t : active) stopping = !after_step(*t, stopping, stop) || stopping;
   return stopping || stop ? StepEnd::Stop : StepEnd::Go;
@@ -546,37 +523,39 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
 // step was cut short), what is due is only marked for the resumed job. `stop`: the job stops after
 // this step (its state is saved then). False: its evaluation was cut short.
 bool Job::after_step(Tenant& t, bool stopping, bool stop) {
-  ++t.p.step;
-  ++t.p.step_in_epoch;
-  const bool last = t.p.step_in_epoch == t.steps_per_epoch;
-  const std::optional<int> every = t.r.eval.every_n_steps;
-  if (t.eval && !last && every && t.p.step % *every == 0) {
+  AdapterRun& a = *t.run;
+  ++a.p.step;
+  ++a.p.step_in_epoch;
+  const bool last = a.p.step_in_epoch == a.steps_per_epoch;
+  const std::optional<int> every = a.r.eval.every_n_steps;
+  if (a.eval && !last && every && a.p.step % *every == 0) {
     if (stopping || !evaluate(t)) {
-      t.p.pending_eval = true;
+      a.p.pending_eval = true;
       return false;
     }
-    if (t.stopping_early) {  // this epoch, cut short, is its last
+    if (a.stopping_early) {  // this epoch, cut short, is its last
       close_epoch(t);
       return true;
     }
   }
   if (last) return end_epoch(t, stopping);
   const std::optional<int> state_every = r_.checkpoint.state_every_n_steps;
-  if (!stop && !stopping && state_every && t.p.step % *state_every == 0) t.ckpt->save_state(t.p);
+  if (!stop && !stopping && state_every && a.p.step % *state_every == 0) a.ckpt->save_state(a.p);
   return true;
 }
 
 // Adapter t's epoch has run its steps: its evaluation (unless early stopping ended it), then
 // close_epoch. False: the evaluation was cut short (or `stopping` defers it): it is pending.
 bool Job::end_epoch(Tenant& t, bool stopping) {
-  if (t.whole_epoch_here && t.epoch_tokens == 0)
+  AdapterRun& a = *t.run;
+  if (a.whole_epoch_here && a.epoch_tokens == 0)
     throw Error(fmt::format(
         "adapter '{}': epoch {} trained on no token: every document of its selection was rejected (bad, longer than "
         "data.max_length with data.overlong=skip, or with no trained token); fix the data or the data.* keys (see "
         "the warnings above)",
-        t.name, t.p.epoch));
-  if (t.eval && !t.stopping_early && (stopping || !evaluate(t))) {
-    t.p.pending_eval = true;
+        a.name, a.p.epoch));
+  if (a.eval && !a.stopping_early && (stopping || !evaluate(t))) {
+    a.p.pending_eval = true;
     return false;
   }
   close_epoch(t);
@@ -586,110 +565,63 @@ bool Job::end_epoch(Tenant& t, bool stopping) {
 // Adapter t's epoch adapter per its policy, then the state its next epoch starts from, or, after
 // its last epoch, its end: its kept epochs, its run.json.
 void Job::close_epoch(Tenant& t) {
-  t.ckpt->save_epoch(t.p.epoch, t.epochs, t.p.step);
-  t.batches.reset();
-  t.p.pending_eval = false;
-  if (t.p.epoch + 1 < t.epochs) {
-    t.p.epoch += 1;
-    t.p.step_in_epoch = 0;
-    t.ckpt->save_state(t.p);
+  AdapterRun& a = *t.run;
+  a.ckpt->save_epoch(a.p.epoch, a.epochs, a.p.step);
+  a.batches.reset();
+  a.p.pending_eval = false;
+  if (a.p.epoch + 1 < a.epochs) {
+    a.p.epoch += 1;
+    a.p.step_in_epoch = 0;
+    a.ckpt->save_state(a.p);
     return;
   }
   const RunSummary summary{.run_id = run_id_,
-                           .steps = t.p.step,
-                           .steering = t.p.steering,
-                           .early_stopped_in = t.stopping_early ? std::optional(t.epochs - 1) : std::nullopt};
-  const std::vector<int> kept = t.ckpt->finish(t.epochs, summary);
+                           .steps = a.p.step,
+                           .steering = a.p.steering,
+                           .early_stopped_in = a.stopping_early ? std::optional(a.epochs - 1) : std::nullopt};
+  const std::vector<int> kept = a.ckpt->finish(a.epochs, summary);
   t.done = true;
   if (lead_) {
     if (tty_) std::fputs("\n", stdout);
-    info(fmt::format("adapter '{}' done: {} steps{}; epochs kept [{}] in {}", t.name, t.p.step,
-                     t.stopping_early ? fmt::format(" (stopped early in epoch {})", t.epochs - 1) : "",
-                     fmt::join(kept, ", "), t.r.checkpoint.output_dir));
+    info(fmt::format("adapter '{}' done: {} steps{}; epochs kept [{}] in {}", a.name, a.p.step,
+                     a.stopping_early ? fmt::format(" (stopped early in epoch {})", a.epochs - 1) : "",
+                     fmt::join(kept, ", "), a.r.checkpoint.output_dir));
   }
 }
 
 // Adapter t's evaluation split through the model with its adapter alone, as its own run evaluates;
 // a stop between two batches cuts it short (false: nothing logged or steered).
 bool Job::evaluate(Tenant& t, bool steers) {
+  AdapterRun& a = *t.run;
   const StopCheck stop = [this] { return agree_.any(stop_requested()); };
-  m_.routes = std::make_shared<model::Routes>(model::Routes{.routes = {}, .all = t.slot, .streams = nullptr});
   std::optional<nlohmann::json> row;
-  try {
-    row = evaluate_split(m_, *t.eval, *rt_.builder, t.r, agree_, t.p.epoch, t.p.step, stop);
-  } catch (...) {
-    m_.routes.reset();
-    throw;
+  {
+    const model::CausalLM::Routing alone(
+        m_, std::make_shared<model::Routes>(model::Routes{.routes = {}, .all = t.slot, .streams = nullptr}));
+    row = evaluate_split(m_, *a.eval, *rt_.builder, a.r, agree_, a.p.epoch, a.p.step, stop);
   }
-  m_.routes.reset();
   if (!row) {
     if (lead_)
       info(
           fmt::format("evaluation of adapter '{}' at its step {} stopped on request: it is done again when the job "
                       "resumes",
-                      t.name, t.p.step));
+                      a.name, a.p.step));
     return false;
   }
-  const double mean = (*row)["eval_loss"].get<double>();
-  t.last_eval_loss = mean;
-  if (lead_) {
-    if (tty_) std::fputs("\n", stdout);
-    info(
-        fmt::format("eval of adapter '{}' at epoch {} step {}: eval_loss {:.6f} eval_ppl {:.4f} over {} tokens of {} "
-                    "documents ({:.1f} s)",
-                    t.name, t.p.epoch, t.p.step, mean, std::exp(mean), (*row)["eval_tokens"].get<int64_t>(),
-                    (*row)["eval_documents"].get<int64_t>(), (*row)["eval_seconds"].get<double>()));
-  }
-  if (steers) steer(t, *row);
+  a.evaluated(*row, steers, lead_, tty_);
   if (!lead_) return true;
-  (*row)["adapter"] = t.name;
-  (*row)["eval_loss/" + t.name] = mean;
-  if (t.p.steering.best_loss) (*row)["best_eval_loss"] = *t.p.steering.best_loss;
+  (*row)["adapter"] = a.name;
+  (*row)["eval_loss/" + a.name] = *a.last_eval_loss;
+  if (a.p.steering.best_loss) (*row)["best_eval_loss"] = *a.p.steering.best_loss;
   sinks_->eval(*row);
   return true;
-}
-
-// After an evaluation of t (the same figures on every rank): its best/ and its early stop, as its
-// own run steers.
-void Job::steer(Tenant& t, const nlohmann::json& row) {
-  const double loss = row["eval_loss"].get<double>();
-  Steering& s = t.p.steering;
-  const std::optional<double> before = s.best_loss;
-  s.evals_since_best = !before || loss < *before - t.r.train.early_stopping_min_delta ? 0 : s.evals_since_best + 1;
-  if (!before || loss < *before) {
-    s.best_loss = loss;
-    s.best_step = t.p.step;
-    if (t.r.checkpoint.keep_best) t.ckpt->save_best(row, t.p.step);
-  }
-  const std::optional<int> patience = t.r.train.early_stopping_patience;
-  if (!patience || s.evals_since_best < *patience || t.p.step >= t.total_steps) return;
-  t.stopping_early = true;
-  t.epochs = t.p.epoch + 1;
-  if (lead_)
-    info(
-        fmt::format("adapter '{}' stops early after its step {} (epoch {}): {} evaluations without lowering its best "
-                    "eval_loss {:.6f} (step {}) by more than {:g}",
-                    t.name, t.p.step, t.p.epoch, s.evals_since_best, *s.best_loss, s.best_step,
-                    t.r.train.early_stopping_min_delta));
-}
-
-// Replicas must stay identical: every rank puts its parameters' checksum in its own slot.
-void Job::check_replicas() {
-  double mine = 0, i = 0;
-  for (const auto& t : tenants_)
-    for (const at::Tensor& p : t->params) mine += p.to(at::kDouble).sum().item<double>() * ++i;
-  if (!agree_.same(mine))
-    throw Error(
-        fmt::format("rank {}'s LoRA parameters differ from another rank's at job step {} (checksum {}): the "
-                    "replicas diverged",
-                    env_.rank, step_, mine));
 }
 
 // Stopped on request: every unfinished adapter's state, each where it stands (an evaluation cut
 // short marked pending), then exit 75 like a single run.
 int Job::stopped() {
   for (auto& t : tenants_)
-    if (!t->done) t->ckpt->save_state(t->p);
+    if (!t->done) t->run->ckpt->save_state(t->run->p);
   if (lead_) {
     if (tty_) std::fputs("\n", stdout);
     info(
@@ -706,7 +638,7 @@ int Job::stopped() {
 // (its dropout stream put back), then exit 75, so a rerun continues.
 int Job::data_lost() {
   for (auto& t : tenants_)
-    if (!t->done) t->ckpt->save_state(t->p, false);
+    if (!t->done) t->run->ckpt->save_state(t->run->p, false);
   const std::string why = data_error_.empty() ? "another rank lost its data source (its log says why)" : data_error_;
   if (lead_ || !data_error_.empty())
     warn(
@@ -723,17 +655,18 @@ int Job::finish() {
   std::vector<std::string> names;
   std::vector<std::pair<std::string, std::string>> adapters;  // each one's last kept epoch and best/, for MLflow
   for (const auto& t : tenants_) {
-    names.push_back(t->name);
-    const fs::path out = t->r.checkpoint.output_dir;
-    const std::vector<int> kept = epochs_kept(t->r.checkpoint, t->epochs);
+    const AdapterRun& a = *t->run;
+    names.push_back(a.name);
+    const fs::path out = a.r.checkpoint.output_dir;
+    const std::vector<int> kept = epochs_kept(a.r.checkpoint, a.epochs);
     if (!kept.empty())
-      adapters.emplace_back((out / fmt::format("epoch_{}", kept.back())).string(), t->name + "/adapter");
-    if (t->r.checkpoint.keep_best && fs::exists(out / "best"))
-      adapters.emplace_back((out / "best").string(), t->name + "/best");
+      adapters.emplace_back((out / fmt::format("epoch_{}", kept.back())).string(), a.name + "/adapter");
+    if (a.r.checkpoint.keep_best && fs::exists(out / "best"))
+      adapters.emplace_back((out / "best").string(), a.name + "/best");
   }
   if (lead_) {
     for (const auto& t : tenants_)
-      if (t->skips.run_total() > 0) warn(fmt::format("adapter '{}': {}", t->name, t->skips.summary()));
+      if (t->run->skips.run_total() > 0) warn(t->run->who() + t->run->skips.summary());
     const nlohmann::json done = {{"status", "completed"},
                                  {"run_id", lead_ ? sinks_->ref() : ""},
                                  {"steps", step_},
@@ -756,38 +689,6 @@ void Job::failed(const std::string& error) {
     warn(fmt::format("the job's end was not recorded: {}", e.what()));
   }
 }
-
-// The next micro-batch of adapter `t`'s examples; rejected documents counted (or fatal).
-std::vector<data::Example> Job::examples(Tenant& t) {
-  std::vector<data::Example> out;
-  if (!data_error_.empty() || !t.batches) return out;
-  std::vector<data::Built> next;
-  try {
-    next = t.batches->next();
-  } catch (const data::DataUnavailable& e) {
-    data_error_ = fmt::format("adapter '{}': {}", t.name, e.what());
-    log_error(fmt::format("rank {}: {}", env_.rank, data_error_));
-    return out;
-  }
-  for (data::Built& built : next) {
-    if (auto* e = std::get_if<data::Example>(&built)) {
-      out.push_back(std::move(*e));
-      continue;
-    }
-    const auto& why = std::get<data::Rejection>(built);
-    if (r_.data.bad_documents == recipe::BadDocuments::Fail && why.kind == data::Rejection::BadDocument)
-      throw ConfigError(fmt::format(
-          "rank {}: adapter '{}': bad document {}({}) and data.bad_documents is fail: fix the document or set "
-          "data.bad_documents=skip",
-          env_.rank, t.name, why.document.empty() ? "" : why.document + " ", why.reason));
-    t.skips.count(why);
-    if (warned_++ < 3)
-      warn(fmt::format("rank {}: adapter '{}': skipping {}: {}", env_.rank, t.name,
-                       why.document.empty() ? "a document" : "document " + why.document, why.reason));
-  }
-  return out;
-}
-
 }  // namespace
 
 std::vector<recipe::AdapterSpec> job_adapters(const recipe::Recipe& r) {

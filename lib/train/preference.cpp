@@ -128,6 +128,11 @@ at::Tensor log1mexp(const at::Tensor& x) {
 
 }  // namespace
 
+void PreferenceObjective::skip(bool backward) const {
+  if (has_reference()) m_.skip_pass(false, false);
+  m_.skip_pass(backward, false);
+}
+
 PreferenceObjective::Result PreferenceObjective::forward(const PairBatch& b, double pairs, double chosen) const {
   const int64_t P = b.pairs;
   const bool orpo = objective_ == recipe::Objective::Orpo;

@@ -71,6 +71,9 @@ class PreferenceObjective {
   bool whole_chosen() const { return objective_ == recipe::Objective::Orpo; }
   // Whether forward() runs a reference pass before the policy's (DPO; ORPO has none).
   bool has_reference() const { return objective_ == recipe::Objective::Dpo; }
+  // A micro-batch of no pair here: forward()'s passes skipped as the model skips a pass
+  // (CausalLM::skip_pass), the policy's with a backward when `backward`.
+  void skip(bool backward) const;
 
   // The loss of summed stats: mean per-pair loss, plus rpo_alpha x the chosen tokens' mean NLL.
   double loss_of(const double* stats) const;

@@ -1,0 +1,61 @@
+// What train.objective makes of an adapter's step: its micro-batches through the model and back,
+// the figures of its own the ranks sum, and the step's loss. The step asks it, whatever the
+// objective: SFT's token cross-entropy, and DPO's and ORPO's preference losses (PreferenceObjective).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "data/example.hpp"
+#include "recipe/recipe.hpp"
+
+namespace lorarun::model {
+class CausalLM;
+}
+
+namespace lorarun::train {
+
+class Agreement;
+class PreferenceObjective;
+
+class Objective {
+ public:
+  virtual ~Objective();
+
+  // What this rank's micro-batches of one step added up to, before the ranks sum them.
+  struct Sums {
+    at::Tensor loss;     // float32 scalar on the device: the summed losses (normalised(): already a mean)
+    int64_t tokens = 0;  // trained tokens
+    int64_t real = 0;    // document tokens
+    int64_t slots = 0;   // row slots (padding included)
+    at::Tensor stats;    // float64 [stats()] on the device: its own figures (undefined when it has none)
+  };
+  // The examples of the adapter's next micro-batch.
+  using Next = std::function<std::vector<data::Example>()>;
+
+  // The step's `accum` micro-batches from `next`, forward and backward: the gradients accumulate in
+  // .grad; `arm` is called before the last micro-batch's backward (which sums them over ranks).
+  virtual Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm) = 0;
+  // Whether forward_backward divided the loss and the gradients by the step's totals over every
+  // rank already (pairs); else the step divides them by the global count of trained tokens.
+  virtual bool normalised() const { return false; }
+  // How many figures of its own Sums::stats holds, and what the metrics row calls them once summed
+  // over the ranks (TRL's names).
+  virtual int64_t stats() const { return 0; }
+  virtual nlohmann::json figures(const double* /*stats*/) const { return nlohmann::json::object(); }
+  // The preference objective evaluation reports the loss of (nullptr: the token cross-entropy).
+  virtual const PreferenceObjective* preference() const { return nullptr; }
+};
+
+// The recipe's train.objective on `m`, whose trained tensors are `params` (DPO's reference reads
+// lora.init_from's values from them), its batches on `device`; `agree` sums a step's pairs over the
+// ranks.
+std::unique_ptr<Objective> make_objective(const recipe::Recipe& r, model::CausalLM& m,
+                                          const std::vector<at::Tensor>& params, const Agreement& agree,
+                                          c10::Device device);
+
+}  // namespace lorarun::train
