@@ -33,7 +33,7 @@ at::Tensor Linear::base(const at::Tensor& x) const {
 }
 
 at::Tensor Linear::forward(const at::Tensor& x, bool training, const Routes* routes) const {
-  if (!tenants.empty() && routes) return add_tenants(*this, x, training, *routes);
+  if (!tenants.empty() && routes && !adapter_off) return add_tenants(*this, x, training, *routes);
   if (!adapted() || adapter_off) return base(x);
   if (dora()) return dora_forward(*this, x, base(x), training);
   // As PEFT: the adapter path runs in the adapters' dtype (fp32 master weights under a bf16 or

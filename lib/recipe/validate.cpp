@@ -489,9 +489,6 @@ void refuse_in_jobs(const Recipe& r, const RecipeOrigin& o) {
     fail(o, r.adapters.per.empty() ? "adapters.list" : "adapters.per",
          fmt::format("trains many adapters on one base, which {}", what));
   };
-  if (r.train.objective != Objective::Sft)
-    refuse(fmt::format("train.objective: {} does not do yet: train each adapter in a run of its own",
-                       name(r.train.objective)));
   if (!r.data.sources.empty()) refuse("data.sources does not mix into: give each adapter its selection instead");
   if (r.lora.use_dora) refuse("DoRA's row norms do not fit yet: set lora.use_dora: false");
   if (r.lora.init != "default" && r.lora.init != "gaussian")

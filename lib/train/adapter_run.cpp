@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "train/agreement.hpp"
+#include "train/objective.hpp"
 #include "train/optimizer.hpp"
 #include "train/runtime.hpp"
 #include "util/error.hpp"

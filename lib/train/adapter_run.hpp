@@ -24,6 +24,7 @@ class AdamW;
 namespace lorarun::train {
 
 class Agreement;
+class Objective;
 
 class AdapterRun {
  public:
@@ -41,7 +42,8 @@ class AdapterRun {
   std::unique_ptr<data::EvalSplit> eval;
   const std::vector<at::Tensor> params;
   const std::unique_ptr<torch::optim::AdamW> opt;
-  std::unique_ptr<Checkpointer> ckpt;  // its owner's to make (which random stream it saves)
+  std::unique_ptr<Checkpointer> ckpt;    // its owner's to make (which random stream it saves)
+  std::unique_ptr<Objective> objective;  // train.objective over its parameters
   const Schedule schedule;
   int64_t steps_per_epoch = 0, total_steps = 0;  // (plan's)
   int64_t epoch_documents = 0;                   // what an epoch's steps read, all ranks together

@@ -28,6 +28,7 @@
 #include "train/agreement.hpp"
 #include "train/checkpointer.hpp"
 #include "train/evaluate.hpp"
+#include "train/objective.hpp"
 #include "train/optimizer.hpp"
 #include "train/output_dir.hpp"
 #include "train/profile.hpp"
@@ -75,13 +76,15 @@ struct Tenant {
   // this step: summed token losses on the device, trained tokens, document tokens, row slots
   at::Tensor loss;
   int64_t tokens = 0, real = 0, slots = 0;
+  at::Tensor stats;  // its objective's (Objective::Sums::stats)
   at::Tensor rng_at_step_start;
 };
 
 // How a job step ended.
 enum class StepEnd { Go, Stop, DataLost };
 
-// The figures the ranks sum per step, first the job's, then per active adapter kPerTenant.
+// The figures the ranks sum per step, first the job's, then per active adapter kPerTenant and its
+// objective's stats.
 enum JobSum { kStop, kDataWait, kDataFailed, kTakenOver, kJobSums };
 enum TenantSum { kLoss, kTokens, kReal, kSlots, kSkipped, kPerTenant = kSkipped + Skips::kCauses };
 
@@ -98,6 +101,7 @@ class Job {
   void open_batches(Tenant& t);
   StepEnd step(const std::vector<Tenant*>& active);
   void pass(const std::vector<data::Batch>& parts, const std::vector<Tenant*>& owners);
+  void own_passes(Tenant& t);
   bool after_step(Tenant& t, bool stopping, bool stop);
   bool end_epoch(Tenant& t, bool stopping);
   void close_epoch(Tenant& t);
@@ -176,6 +180,7 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
                         [streams, slot](const at::Tensor& b) { streams->set_state(slot, b); }};
     a.ckpt = std::make_unique<Checkpointer>(a.r, agree_, m_, cfg, a.params, *a.opt, a.docs->identity(), cuda_, rng);
     a.ckpt->store_as_adapter(a.name);
+    a.objective = make_objective(a.r, m_, a.params, agree_, rt_.device);
     all.insert(all.end(), a.params.begin(), a.params.end());
     tenants_.push_back(std::move(t));
   }
@@ -360,6 +365,22 @@ void Job::pass(const std::vector<data::Batch>& parts, const std::vector<Tenant*>
   total.backward();
 }
 
+// Adapter t's micro-batches of the step through its objective alone (pairs are read first, to be
+// divided by the step's pairs), every row through its adapter with its dropout stream: its own run's
+// passes.
+void Job::own_passes(Tenant& t) {
+  AdapterRun& a = *t.run;
+  const model::CausalLM::Routing alone(
+      m_, std::make_shared<model::Routes>(model::Routes{.routes = {}, .all = t.slot, .streams = &streams_}));
+  const Objective::Sums s = a.objective->forward_backward([&] { return a.examples(env_.rank, warned_, data_error_); },
+                                                          r_.train.gradient_accumulation_steps, [] {});
+  t.loss = s.loss;
+  t.tokens = s.tokens;
+  t.real = s.real;
+  t.slots = s.slots;
+  t.stats = s.stats;
+}
+
 // One job step: micro-batch k of every active adapter's step through the model, in passes of
 // adapters.per_pass adapters. Then one all-reduce of every adapter's figures, and per adapter what
 // its own run does: gradients divided by its global token count, clipped by its own norm, its AdamW
@@ -384,7 +405,11 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
   // (a sharded base gathers in each), whichever of them have rows here.
   const auto per_pass = static_cast<size_t>(adapters_per_pass(r_, static_cast<int>(active.size())));
   const int accum = r_.train.gradient_accumulation_steps;
-  for (int a = 0; a < accum; ++a) {
+  // Pairs (dpo, orpo): each adapter's step through its objective, one after another (unarmed: the
+  // gradients are all-reduced at finish, each adapter's micro-batches adding up first).
+  if (r_.train.objective != recipe::Objective::Sft)
+    for (Tenant* t : active) own_passes(*t);
+  for (int a = 0; a < accum && r_.train.objective == recipe::Objective::Sft; ++a) {
     if (a + 1 == accum) sync_->arm();
     for (size_t first = 0; first < active.size(); first += per_pass) {
       std::vector<data::Batch> parts;
@@ -410,13 +435,15 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
   sync_->finish();
 
   // One all-reduce: the job's flags, then each active adapter's figures, in slot order.
-  std::vector<double> mine(kJobSums + kPerTenant * active.size(), 0.0);
+  const Objective& objective = *active.front()->run->objective;  // (every adapter's is the recipe's)
+  const int64_t width = kPerTenant + objective.stats();
+  std::vector<double> mine(kJobSums + width * active.size(), 0.0);
   mine[kStop] = stop_requested() ? 1.0 : 0.0;
   mine[kDataWait] = busy > 0 ? (waited() - wait0) / busy : 0.0;
   mine[kDataFailed] = data_error_.empty() ? 0.0 : 1.0;
   mine[kTakenOver] = sinks_ && sinks_->lost_lease() ? 1.0 : 0.0;
   for (size_t i = 0; i < active.size(); ++i) {
-    double* f = &mine[kJobSums + kPerTenant * i];
+    double* f = &mine[kJobSums + width * i];
     f[kTokens] = static_cast<double>(active[i]->tokens);
     f[kReal] = static_cast<double>(active[i]->real);
     f[kSlots] = static_cast<double>(active[i]->slots);
@@ -424,14 +451,19 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
     std::copy(skipped.begin(), skipped.end(), f + kSkipped);
   }
   at::Tensor stats = at::tensor(mine, at::kDouble).to(rt_.device);
-  for (size_t i = 0; i < active.size(); ++i) stats[kJobSums + kPerTenant * i + kLoss].add_(active[i]->loss);
+  for (size_t i = 0; i < active.size(); ++i) {
+    stats[kJobSums + width * i + kLoss].add_(active[i]->loss);
+    if (active[i]->stats.defined())
+      stats.narrow(0, kJobSums + width * i + kPerTenant, width - kPerTenant).add_(active[i]->stats);
+  }
   agree_.sum(stats);
   std::vector<std::vector<at::Tensor>> grads(active.size());
   std::vector<at::Tensor> norms;
   for (size_t i = 0; i < active.size(); ++i) {
     for (const at::Tensor& p : active[i]->run->params)
       if (p.grad().defined()) grads[i].push_back(p.grad());
-    if (!grads[i].empty()) at::_foreach_div_(grads[i], stats[kJobSums + kPerTenant * i + kTokens].clamp_min(1.0));
+    if (!grads[i].empty() && !objective.normalised())
+      at::_foreach_div_(grads[i], stats[kJobSums + width * i + kTokens].clamp_min(1.0));
     norms.push_back(grads[i].empty() ? at::zeros({}, stats.options())
                                      : at::linalg_vector_norm(at::stack(at::_foreach_norm(grads[i], 2)), 2));
   }
@@ -454,18 +486,20 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
   nlohmann::json per = nlohmann::json::object();
   for (size_t i = 0; i < active.size(); ++i) {
     AdapterRun& a = *active[i]->run;
-    const double* f = d + kJobSums + kPerTenant * i;
+    const double* f = d + kJobSums + width * i;
     const double grad_norm = d[done.numel() - static_cast<int64_t>(active.size()) + static_cast<int64_t>(i)];
-    const double loss = f[kLoss] / std::max(f[kTokens], 1.0);
+    const double loss = objective.normalised() ? f[kLoss] : f[kLoss] / std::max(f[kTokens], 1.0);
     a.check_finite(loss, grad_norm);
     const double lr = a.lr();
     // One rank and no rows of it this step: its own run has no gradients, and AdamW skips them.
     if (env_.world_size > 1 || active[i]->tokens > 0) a.apply(grads[i], norms[i], lr);
     a.epoch_tokens += f[kTokens];
     a.skips.add(f + kSkipped);
-    loss_all += f[kLoss], tokens_all += f[kTokens], real_all += f[kReal], slots_all += f[kSlots];
+    loss_all += objective.normalised() ? loss * f[kTokens] : f[kLoss];  // (the job's: weighted by tokens)
+    tokens_all += f[kTokens], real_all += f[kReal], slots_all += f[kSlots];
     per[a.name] = {{"loss", loss}, {"tokens", f[kTokens]}, {"lr", lr}, {"grad_norm", grad_norm}, {"epoch", a.p.epoch}};
     per[a.name].update(Skips::figures(f + kSkipped));
+    per[a.name].update(objective.figures(f + kPerTenant));
   }
   // Zeroed, not freed (the finished ones' zeros from the all-reduce too): allocated once, not anew in
   // each step's passes among their activations, which raised 8 adapters' peak RSS by 12%.
@@ -598,7 +632,7 @@ bool Job::evaluate(Tenant& t, bool steers) {
   {
     const model::CausalLM::Routing alone(
         m_, std::make_shared<model::Routes>(model::Routes{.routes = {}, .all = t.slot, .streams = nullptr}));
-    row = evaluate_split(m_, *a.eval, *rt_.builder, a.r, agree_, a.p.epoch, a.p.step, stop);
+    row = evaluate_split(m_, *a.eval, *rt_.builder, a.r, agree_, a.p.epoch, a.p.step, stop, a.objective->preference());
   }
   if (!row) {
     if (lead_)

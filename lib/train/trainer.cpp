@@ -96,7 +96,6 @@ class Trainer {
   model::CausalLM& m_;  // rt_'s
   const Agreement agree_;
   AdapterRun a_;  // the run's adapter: parameters, AdamW, schedule, checkpointer, progress, batches
-  const std::unique_ptr<Objective> objective_;  // train.objective
   dist::GradBuckets sync_;
   std::unique_ptr<track::RunSinks> sinks_;  // rank 0
   // data.sources: all ranks' examples and trained tokens per source since the last metrics row
@@ -123,8 +122,8 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       agree_(pg_, env.rank, env.world_size, rt_.device),
       a_("", r, model::lora_parameters(m_),
          make_adamw(model::lora_state(m_), r.train.lr, r.train.weight_decay, r.lora.plus_lr_ratio)),
-      objective_(make_objective(r, m_, a_.params, agree_, rt_.device)),
       sync_(pg_, a_.params, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4)) {
+  a_.objective = make_objective(r, m_, a_.params, agree_, rt_.device);
   a_.plan(rt_.per_rank(env.world_size), env.world_size);
   a_.ckpt = std::make_unique<Checkpointer>(a_.r, agree_, m_, model::lora_config_of(r.lora, r.model.path), a_.params,
                                            *a_.opt, rt_.data_identity(), cuda_);
@@ -270,8 +269,8 @@ StepResult Trainer::step() {
   std::fill(a_.source_step.begin(), a_.source_step.end(), 0.0);
   rng_at_step_start_ = rng_state(cuda_);  // a step given up for lost data must not move the streams
   const Objective::Sums sums =
-      objective_->forward_backward([this] { return a_.examples(env_.rank, warned_, data_error_); },
-                                   r_.train.gradient_accumulation_steps, [this] { sync_.arm(); });
+      a_.objective->forward_backward([this] { return a_.examples(env_.rank, warned_, data_error_); },
+                                     r_.train.gradient_accumulation_steps, [this] { sync_.arm(); });
   const double busy = std::chrono::duration<double>(Clock::now() - t0).count();
   sync_.finish();
   std::vector<at::Tensor> grads;
@@ -310,7 +309,7 @@ StepResult Trainer::reduce(const Objective::Sums& local, double data_wait, const
                 .skipped = a_.skips.take()};
   at::Tensor stats = at::from_blob(&mine, {kStepSums}, at::kDouble).to(rt_.device, /*non_blocking=*/false);
   stats[0].add_(local.loss);
-  const bool normalised = objective_->normalised();
+  const bool normalised = a_.objective->normalised();
   if (local.stats.defined()) stats = at::cat({stats, local.stats});
   if (!a_.source_step.empty()) stats = at::cat({stats, at::tensor(a_.source_step, at::kDouble).to(rt_.device)});
   agree_.sum(stats);
@@ -321,8 +320,8 @@ StepResult Trainer::reduce(const Objective::Sums& local, double data_wait, const
   StepSums all{};
   std::memcpy(&all, done.data_ptr<double>(), sizeof all);
   StepResult res;
-  res.figures = objective_->figures(done.data_ptr<double>() + kStepSums);
-  const double* sources = done.data_ptr<double>() + kStepSums + objective_->stats();
+  res.figures = a_.objective->figures(done.data_ptr<double>() + kStepSums);
+  const double* sources = done.data_ptr<double>() + kStepSums + a_.objective->stats();
   res.sources.assign(sources, sources + a_.source_step.size());
   res.tokens = all.tokens;
   res.rank_tokens = double(local.tokens);
@@ -399,7 +398,7 @@ void Trainer::log_step(const StepResult& s) {
 // `steers` (eval.on_start's, before any step) it is reported but leaves best/ and early stopping be.
 bool Trainer::evaluate(bool steers) {
   const StopCheck stop = [this] { return agree_.any(stop_requested()); };
-  const PreferenceObjective* pref = objective_->preference();
+  const PreferenceObjective* pref = a_.objective->preference();
   const Progress& p = a_.p;
   std::optional<nlohmann::json> row;
   if (rt_.eval) {

@@ -2,8 +2,8 @@
 // fixture: every adapter of a 3- and an 8-adapter job against its own run (adapter_recipe's recipe,
 // trained by lora-train alone) at every kept epoch and best/, per: from FerretDB and list: from
 // JSONL files, 2 ranks, dropout, cosine with warmup, per-adapter r, alpha, lr and epochs, QLoRA and
-// LoRA+ with activation checkpointing, packing; an exact resume after kill -9 and after SIGTERM during an
-// evaluation; the metrics rows and the run record; the dry run; the refusals.
+// LoRA+ with activation checkpointing, packing; DPO and ORPO jobs; an exact resume after kill -9 and
+// after SIGTERM during an evaluation; the metrics rows and the run record; the dry run; the refusals.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <filesystem>
@@ -501,4 +501,64 @@ TEST_CASE(
                      env, bin("lora-eval"), LORARUN_MODEL_FIXTURES, db, id, dir));
   INFO(eval.output);
   CHECK(eval.status == 0);
+}
+
+TEST_CASE(
+    "adapters: DPO and ORPO jobs on 2 ranks (dropout, their own lr, an eval split, best/) give each adapter its own "
+    "run's, with its figures per adapter",
+    "[e2e]") {
+  const std::string dir = temp_dir("adapters-pairs");
+  // Pairs "Q: add i and 3i+1" with the right sum chosen over a near miss; tenant b's numbers start at 40.
+  for (const auto& [name, from, n] : {std::tuple{"a", 0, 14}, std::tuple{"b", 40, 10}}) {
+    std::vector<json> docs;
+    for (int i = from; i < from + n; ++i)
+      docs.push_back({{"prompt", fmt::format("Q: add {} and {}\nA: ", i, 3 * i + 1)},
+                      {"chosen", std::to_string(4 * i + 1)},
+                      {"rejected", std::to_string(4 * i + (i % 2 ? 3 : 11))}});
+    write_jsonl(fmt::format("{}/{}.jsonl", dir, name), docs);
+  }
+  const std::vector<Tenant> tenants = {{"a", 14, "", ""}, {"b", 10, "lr: 1.0e-2", "train.lr=1.0e-2"}};
+  for (const std::string objective : {"dpo", "orpo"}) {
+    const std::string recipe = fmt::format("{}/{}.yaml", dir, objective);
+    std::ofstream(recipe) << fmt::format(
+        R"(model: {{path: {0}/llama, dtype: fp32, device: cpu}}
+lora: {{r: 4, alpha: 8, dropout: 0.1, target_modules: all-linear}}
+data: {{source: jsonl, format: preference, shuffle: global, max_length: 64, batch_size: 2}}
+train: {{objective: {2}, epochs: 2, lr: 5.0e-3, lr_scheduler: cosine, warmup_steps: 1}}
+eval: {{fraction: 0.25, every_n_steps: 2}}
+checkpoint: {{output_dir: {1}/{2}-job, keep_best: true}}
+track: {{mongodb: false}}
+adapters: {{list: [{{name: a, path: {1}/a.jsonl}}, {{name: b, path: {1}/b.jsonl, lr: 1.0e-2}}]}}
+)",
+        LORARUN_MODEL_FIXTURES, dir, objective);
+    const Result job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
+    INFO(job.output);
+    REQUIRE(job.status == 0);
+    for (const Tenant& t : tenants)
+      run_own(recipe, fmt::format("{}/{}-own", dir, objective), t, fmt::format("data.path={}/{}.jsonl", dir, t.name));
+    check_against_own_runs(fmt::format("{}/{}-job", dir, objective), fmt::format("{}/{}-own", dir, objective), tenants,
+                           objective + " job on 2 ranks");
+    // Each adapter's figures in the job's rows are its own run's.
+    const std::vector<json> rows = metrics(fmt::format("{}/{}-job", dir, objective));
+    for (const Tenant& t : tenants) {
+      std::vector<json> own;
+      for (const json& row : metrics(fmt::format("{}/{}-own/{}", dir, objective, t.name)))
+        if (row.contains("rewards/margins")) own.push_back(row);
+      std::vector<json> mine;
+      for (const json& row : rows)
+        if (row.contains("rewards/margins/" + t.name)) mine.push_back(row);
+      REQUIRE(mine.size() == own.size());
+      REQUIRE(!own.empty());
+      for (size_t k = 0; k < own.size(); ++k)
+        for (const std::string key : {"loss", "rewards/margins", "rewards/accuracies", "logps/chosen"}) {
+          INFO(t.name << " step " << k << " " << key);
+          CHECK(mine[k].at(key + "/" + t.name).get<double>() ==
+                Approx(own[k].at(key).get<double>()).epsilon(1e-6).margin(1e-9));
+        }
+      int evals = 0;
+      for (const json& row : rows)
+        if (row.value("adapter", "") == t.name && row.contains("eval_rewards/margins")) ++evals;
+      CHECK(evals >= 2);
+    }
+  }
 }
