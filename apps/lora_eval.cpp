@@ -159,7 +159,7 @@ int eval_recipe(const RecipeEval& a) {
   std::optional<train::PreferenceObjective> pref;
   if (r.train.objective != recipe::Objective::Sft) {
     if (!a.per_doc.empty()) throw Error("--per-doc scores documents, not preference pairs: drop it");
-    pref.emplace(r, rt.model, model::lora_parameters(rt.model), reference_values(rt.model, r));
+    pref.emplace(r, rt.model, model::lora_state(rt.model), reference_values(rt.model, r));
   }
   const train::EvalSums mine =
       train::eval_shard(rt.model, docs, *rt.builder, r, env.rank, env.world_size, rt.device,

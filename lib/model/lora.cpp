@@ -5,6 +5,7 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -318,7 +319,16 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
   save_tensors((fs::path(dir) / "adapter_model.safetensors").string(), state);
 }
 
-LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType dtype) {
+namespace {
+
+// An adapter directory's adapter_config.json, checked, and where its weights are.
+struct AdapterFiles {
+  LoraConfig cfg;
+  std::string config;   // adapter_config.json's path, for messages
+  std::string weights;  // adapter_model.safetensors's
+};
+
+AdapterFiles read_adapter_config(const CausalLM& model, const std::string& dir) {
   const fs::path cfg_path = fs::path(dir) / "adapter_config.json";
   const fs::path weights_path = fs::path(dir) / "adapter_model.safetensors";
   if (!fs::exists(cfg_path))
@@ -371,7 +381,37 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
         fmt::format("{}: init_lora_weights is '{}': such an adapter is right only on its residual base (PEFT saves "
                     "one for the original base with save_pretrained(path_initial_model_for_weight_conversion=…))",
                     where, printable(init->get<std::string>())));
+  return {cfg, where, weights_path.string()};
+}
 
+// `file`'s tensor `key` as `want` shaped, in `dtype` on `device`, owned and trainable; lorarun::Error
+// for another shape or a value that is not finite.
+at::Tensor adapter_tensor(const WeightFiles& files, const std::string& file, const std::string& key,
+                          const std::vector<int64_t>& want, int64_t r, at::ScalarType dtype, at::Device device) {
+  at::Tensor t;
+  try {
+    t = files.load(key, dtype, device, want).clone();
+  } catch (const Error&) {
+    throw Error(
+        fmt::format("{}: '{}' has shape [{}] but this base model and r={} need [{}]: the adapter "
+                    "was made for another base model",
+                    file, key, fmt::join(files.info(key).shape, ", "), r, fmt::join(want, ", ")));
+  }
+  if (!at::isfinite(t).all().item<bool>())  // merged, evaluated or trained on, it would only spread
+    throw Error(
+        fmt::format("{}: '{}' holds non-finite values (NaN or infinity, in {}): the adapter is damaged or its training "
+                    "diverged; use an earlier checkpoint",
+                    file, key, c10::toString(dtype)));
+  return t.set_requires_grad(true);
+}
+
+}  // namespace
+
+LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType dtype) {
+  const AdapterFiles a = read_adapter_config(model, dir);
+  const LoraConfig& cfg = a.cfg;
+  const std::string& where = a.config;
+  const fs::path weights_path = a.weights;
   const WeightFiles files = WeightFiles::open_file(weights_path.string());
   std::map<std::string, Linear*> by_name;
   for (Linear* l : model.linears()) by_name[l->name] = l;
@@ -379,21 +419,7 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
   std::map<Linear*, int> seen;
   // A tensor of the file, checked: its shape, its values; owned and trainable.
   const auto load = [&](const std::string& key, const std::vector<int64_t>& want) {
-    at::Tensor t;
-    try {
-      t = files.load(key, dtype, model.device(), want).clone();
-    } catch (const Error&) {
-      throw Error(fmt::format(
-          "{}: '{}' has shape [{}] but this base model and r={} need [{}]: the adapter "
-          "was made for another base model",
-          weights_path.string(), key, fmt::join(files.info(key).shape, ", "), cfg.r, fmt::join(want, ", ")));
-    }
-    if (!at::isfinite(t).all().item<bool>())  // merged, evaluated or trained on, it would only spread
-      throw Error(fmt::format(
-          "{}: '{}' holds non-finite values (NaN or infinity, in {}): the adapter is damaged or its training "
-          "diverged; use an earlier checkpoint",
-          weights_path.string(), key, c10::toString(dtype)));
-    return t.set_requires_grad(true);
+    return adapter_tensor(files, weights_path.string(), key, want, cfg.r, dtype, model.device());
   };
   attach_tables(model, cfg, dtype);  // modules_to_save / trainable tokens: filled from the file below
   std::map<std::string, at::Tensor*> tables;
@@ -444,6 +470,30 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
     throw Error(fmt::format("{}: '{}' is missing, though {} lists modules_to_save or trainable_token_indices",
                             weights_path.string(), tables.begin()->first, where));
   return cfg;
+}
+
+void start_tenant_from(CausalLM& model, int slot, const LoraConfig& cfg, const std::string& dir) {
+  const AdapterFiles a = read_adapter_config(model, dir);
+  const auto differ = [&](const std::string& what) {
+    throw ConfigError(fmt::format("lora.init_from {} {}: make them equal", a.config, what));
+  };
+  if (a.cfg.r != cfg.r) differ(fmt::format("has r={} but the adapter trains with r={}", a.cfg.r, cfg.r));
+  if (a.cfg.alpha != cfg.alpha)
+    differ(fmt::format("has lora_alpha={} but the adapter trains with alpha={}", a.cfg.alpha, cfg.alpha));
+  if (a.cfg.use_rslora != cfg.use_rslora) differ(fmt::format("has use_rslora={}", a.cfg.use_rslora));
+  if (a.cfg.use_dora || !a.cfg.modules_to_save.empty() || !a.cfg.trainable_token_indices.empty())
+    differ("holds DoRA's magnitudes or trained tables, which a job's adapters do not have");
+  const WeightFiles files = WeightFiles::open_file(a.weights);
+  const std::vector<std::pair<std::string, at::Tensor>> mine = tenant_state(model, slot);
+  std::vector<std::string> names = files.names();
+  if (names.size() != mine.size())
+    differ(fmt::format("holds {} tensors but the adapter trains {} (its target_modules)", names.size(), mine.size()));
+  c10::NoGradGuard no_grad;
+  for (const auto& [key, t] : mine) {
+    if (std::find(names.begin(), names.end(), key) == names.end())
+      differ(fmt::format("lacks '{}', which the adapter trains (its target_modules)", key));
+    t.copy_(adapter_tensor(files, a.weights, key, t.sizes().vec(), cfg.r, t.scalar_type(), t.device()));
+  }
 }
 
 void merge_lora(CausalLM& model) {

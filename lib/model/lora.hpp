@@ -54,6 +54,10 @@ void attach_tenant(CausalLM& model, const LoraConfig& cfg, uint64_t seed, int sl
 // Adapter `slot`'s A and B of each layer it adapts, in model order: under PEFT's names, and alone.
 std::vector<std::pair<std::string, at::Tensor>> tenant_state(const CausalLM& model, int slot);
 std::vector<at::Tensor> tenant_parameters(const CausalLM& model, int slot);
+// lora.init_from for adapter `slot` of a job: its A and B set to the PEFT adapter's in `dir`, which
+// must hold exactly those tensors, with `cfg`'s r, alpha and use_rslora; ConfigError naming what
+// differs, lorarun::Error for a damaged file.
+void start_tenant_from(CausalLM& model, int slot, const LoraConfig& cfg, const std::string& dir);
 
 // The trainable tensors, A, B (and DoRA's magnitude) for each adapted layer in model order, then
 // the trained tables (modules_to_save's embedding and head copies, trainable tokens' rows).

@@ -497,7 +497,6 @@ void refuse_in_jobs(const Recipe& r, const RecipeOrigin& o) {
     refuse(
         "trained embeddings or heads cannot share (one table per adapter in one pass): drop "
         "lora.modules_to_save and lora.trainable_token_indices");
-  if (!r.lora.init_from.empty()) refuse("starts fresh: drop lora.init_from");
 }
 
 // adapters: a field to split data's selection by, or listed adapters with names that can name

@@ -160,9 +160,14 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
     recipe::Recipe own = recipe::adapter_recipe(r, specs[i]);
     model::LoraConfig cfg = model::lora_config_of(own.lora, r.model.path);
     cfg.tenant = t->slot;
-    as_input_error([&] {
-      model::attach_tenant(m_, cfg, static_cast<uint64_t>(r.train.seed), t->slot, static_cast<int>(specs.size()));
-    });
+    try {
+      as_input_error([&] {
+        model::attach_tenant(m_, cfg, static_cast<uint64_t>(r.train.seed), t->slot, static_cast<int>(specs.size()));
+        if (!own.lora.init_from.empty()) model::start_tenant_from(m_, t->slot, cfg, own.lora.init_from);
+      });
+    } catch (const Error& e) {
+      rethrow_within(e, fmt::format("adapter '{}': ", specs[i].name));
+    }
     auto opt =
         make_adamw(model::tenant_state(m_, t->slot), own.train.lr, own.train.weight_decay, own.lora.plus_lr_ratio);
     t->run = std::make_unique<AdapterRun>(specs[i].name, std::move(own), model::tenant_parameters(m_, t->slot),
@@ -180,7 +185,7 @@ Job::Job(const recipe::Recipe& r, const dist::DistEnv& env)
                         [streams, slot](const at::Tensor& b) { streams->set_state(slot, b); }};
     a.ckpt = std::make_unique<Checkpointer>(a.r, agree_, m_, cfg, a.params, *a.opt, a.docs->identity(), cuda_, rng);
     a.ckpt->store_as_adapter(a.name);
-    a.objective = make_objective(a.r, m_, a.params, agree_, rt_.device);
+    a.objective = make_objective(a.r, m_, model::tenant_state(m_, t->slot), agree_, rt_.device);
     all.insert(all.end(), a.params.begin(), a.params.end());
     tenants_.push_back(std::move(t));
   }

@@ -49,9 +49,9 @@ class Sft final : public Objective {
 // the global batch's pairs, whatever the ranks and accumulation.
 class Pairs final : public Objective {
  public:
-  Pairs(const recipe::Recipe& r, model::CausalLM& m, const std::vector<at::Tensor>& params, const Agreement& agree,
-        c10::Device device)
-      : pref_(r, m, params), agree_(agree), device_(device) {}
+  Pairs(const recipe::Recipe& r, model::CausalLM& m, const std::vector<std::pair<std::string, at::Tensor>>& named,
+        const Agreement& agree, c10::Device device)
+      : pref_(r, m, named), agree_(agree), device_(device) {}
 
   Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm) override {
     Sums sums;
@@ -101,10 +101,10 @@ class Pairs final : public Objective {
 Objective::~Objective() = default;
 
 std::unique_ptr<Objective> make_objective(const recipe::Recipe& r, model::CausalLM& m,
-                                          const std::vector<at::Tensor>& params, const Agreement& agree,
-                                          c10::Device device) {
+                                          const std::vector<std::pair<std::string, at::Tensor>>& named,
+                                          const Agreement& agree, c10::Device device) {
   if (r.train.objective == recipe::Objective::Sft) return std::make_unique<Sft>(r, m, device);
-  return std::make_unique<Pairs>(r, m, params, agree, device);
+  return std::make_unique<Pairs>(r, m, named, agree, device);
 }
 
 }  // namespace lorarun::train

@@ -51,11 +51,11 @@ class Objective {
   virtual const PreferenceObjective* preference() const { return nullptr; }
 };
 
-// The recipe's train.objective on `m`, whose trained tensors are `params` (DPO's reference reads
-// lora.init_from's values from them), its batches on `device`; `agree` sums a step's pairs over the
-// ranks.
+// The recipe's train.objective on `m`, training the tensors `named` (PEFT's names: DPO's reference
+// reads lora.init_from's values from them), its batches on `device`; `agree` sums a step's pairs
+// over the ranks.
 std::unique_ptr<Objective> make_objective(const recipe::Recipe& r, model::CausalLM& m,
-                                          const std::vector<at::Tensor>& params, const Agreement& agree,
-                                          c10::Device device);
+                                          const std::vector<std::pair<std::string, at::Tensor>>& named,
+                                          const Agreement& agree, c10::Device device);
 
 }  // namespace lorarun::train

@@ -44,13 +44,12 @@ PairBatch collate_pairs(const std::vector<data::Example>& pairs, c10::Device dev
 
 namespace {
 
-// Whether `values` (of lora_parameters(m)) add nothing to the base: plain LoRA pairs whose B are all
-// zero. Then switching the adapters off is the same. (A DoRA magnitude or a trained table may differ
-// from the base's values: those are kept as the reference.)
-bool identity(const std::vector<at::Tensor>& values, const model::CausalLM& m) {
-  const auto names = model::lora_state(m);
+// Whether `values` (of the tensors `named`) add nothing to the base: plain LoRA pairs whose B are
+// all zero. Then switching the adapters off is the same. (A DoRA magnitude or a trained table may
+// differ from the base's values: those are kept as the reference.)
+bool identity(const std::vector<at::Tensor>& values, const std::vector<std::pair<std::string, at::Tensor>>& named) {
   for (size_t i = 0; i < values.size(); ++i) {
-    const std::string& name = names[i].first;
+    const std::string& name = named.at(i).first;
     if (name.ends_with(".lora_B.weight") && values[i].count_nonzero().item<int64_t>() != 0) return false;
     if (!name.ends_with(".lora_A.weight") && !name.ends_with(".lora_B.weight")) return false;
   }
@@ -60,13 +59,14 @@ bool identity(const std::vector<at::Tensor>& values, const model::CausalLM& m) {
 }  // namespace
 
 PreferenceObjective::PreferenceObjective(const recipe::Recipe& r, model::CausalLM& m,
-                                         const std::vector<at::Tensor>& params,
+                                         const std::vector<std::pair<std::string, at::Tensor>>& named,
                                          const std::optional<std::vector<at::Tensor>>& reference)
-    : p_(r.preference), objective_(r.train.objective), m_(m), params_(params) {
+    : p_(r.preference), objective_(r.train.objective), m_(m) {
+  for (const auto& [name, t] : named) params_.push_back(t);
   const std::vector<at::Tensor>& values = reference                  ? *reference
                                           : r.lora.init_from.empty() ? std::vector<at::Tensor>{}
-                                                                     : params;
-  if (objective_ == recipe::Objective::Orpo || values.empty() || identity(values, m)) return;
+                                                                     : params_;
+  if (objective_ == recipe::Objective::Orpo || values.empty() || identity(values, named)) return;
   c10::NoGradGuard no_grad;
   for (const at::Tensor& t : values) reference_.push_back(t.detach().clone());
 }

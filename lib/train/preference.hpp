@@ -53,10 +53,12 @@ enum PrefStat : int64_t {
 
 class PreferenceObjective {
  public:
-  // `params` are the model's LoRA parameters; when lora.init_from gave them values other than the
-  // identity (some B not zero), those values, read now, before any resume, are the reference.
-  // `reference`, when given, are the reference's values instead (none: the adapters off).
-  PreferenceObjective(const recipe::Recipe& r, model::CausalLM& m, const std::vector<at::Tensor>& params,
+  // `named` are the adapter's trained tensors under PEFT's names (model::lora_state, or a job's
+  // adapter's tenant_state); when lora.init_from gave them values other than the identity (some B
+  // not zero), those values, read now, before any resume, are the reference. `reference`, when
+  // given, are the reference's values instead (none: the adapters off).
+  PreferenceObjective(const recipe::Recipe& r, model::CausalLM& m,
+                      const std::vector<std::pair<std::string, at::Tensor>>& named,
                       const std::optional<std::vector<at::Tensor>>& reference = std::nullopt);
 
   struct Result {

@@ -123,7 +123,7 @@ Trainer::Trainer(const recipe::Recipe& r, const dist::DistEnv& env)
       a_("", r, model::lora_parameters(m_),
          make_adamw(model::lora_state(m_), r.train.lr, r.train.weight_decay, r.lora.plus_lr_ratio)),
       sync_(pg_, a_.params, static_cast<int64_t>(r.dist.bucket_mb * (1 << 20) / 4)) {
-  a_.objective = make_objective(r, m_, a_.params, agree_, rt_.device);
+  a_.objective = make_objective(r, m_, model::lora_state(m_), agree_, rt_.device);
   a_.plan(rt_.per_rank(env.world_size), env.world_size);
   a_.ckpt = std::make_unique<Checkpointer>(a_.r, agree_, m_, model::lora_config_of(r.lora, r.model.path), a_.params,
                                            *a_.opt, rt_.data_identity(), cuda_);

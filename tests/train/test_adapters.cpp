@@ -102,6 +102,38 @@ void check_against_own_runs(const std::string& job_dir, const std::string& solo_
              shown);
 }
 
+// Pairs "Q: add i and 3i+1" with the right sum chosen over a near miss: `dir`/a.jsonl (14) and
+// `dir`/b.jsonl (10, its numbers from 40).
+void write_pairs(const std::string& dir) {
+  for (const auto& [name, from, n] : {std::tuple{"a", 0, 14}, std::tuple{"b", 40, 10}}) {
+    std::vector<json> docs;
+    for (int i = from; i < from + n; ++i)
+      docs.push_back({{"prompt", fmt::format("Q: add {} and {}\nA: ", i, 3 * i + 1)},
+                      {"chosen", std::to_string(4 * i + 1)},
+                      {"rejected", std::to_string(4 * i + (i % 2 ? 3 : 11))}});
+    write_jsonl(fmt::format("{}/{}.jsonl", dir, name), docs);
+  }
+}
+
+// A job recipe `dir`/`name`.yaml of preference pairs on the llama fixture, like job_recipe's: adapters
+// a and b (b at lr 1e-2) reading `pairs_dir`/a.jsonl and b.jsonl (write_pairs), and `keys`.
+std::string pairs_job_recipe(const std::string& dir, const std::string& name, const std::string& pairs_dir,
+                             const JobKeys& keys) {
+  const std::string path = fmt::format("{}/{}.yaml", dir, name);
+  std::ofstream(path) << fmt::format(
+      R"(model: {{path: {0}/llama, dtype: fp32, device: cpu}}
+lora: {{r: 4, alpha: 8, dropout: 0.1, target_modules: all-linear{3}}}
+data: {{source: jsonl, format: preference, max_length: 64, batch_size: 2{4}}}
+train: {{epochs: 2, lr: 5.0e-3{5}}}
+checkpoint: {{output_dir: {1}/{2}{6}}}
+track: {{mongodb: false}}
+adapters: {{list: [{{name: a, path: {7}/a.jsonl}}, {{name: b, path: {7}/b.jsonl, lr: 1.0e-2}}]}}
+{8}
+)",
+      LORARUN_MODEL_FIXTURES, dir, name, keys.lora, keys.data, keys.train, keys.checkpoint, pairs_dir, keys.extra);
+  return path;
+}
+
 // Each tenant's own run: the job's recipe without adapters:, its selection and keys as overrides.
 void run_own(const std::string& recipe, const std::string& solo_dir, const Tenant& t, const std::string& selection,
              const std::string& more = "") {
@@ -508,29 +540,15 @@ TEST_CASE(
     "run's, with its figures per adapter",
     "[e2e]") {
   const std::string dir = temp_dir("adapters-pairs");
-  // Pairs "Q: add i and 3i+1" with the right sum chosen over a near miss; tenant b's numbers start at 40.
-  for (const auto& [name, from, n] : {std::tuple{"a", 0, 14}, std::tuple{"b", 40, 10}}) {
-    std::vector<json> docs;
-    for (int i = from; i < from + n; ++i)
-      docs.push_back({{"prompt", fmt::format("Q: add {} and {}\nA: ", i, 3 * i + 1)},
-                      {"chosen", std::to_string(4 * i + 1)},
-                      {"rejected", std::to_string(4 * i + (i % 2 ? 3 : 11))}});
-    write_jsonl(fmt::format("{}/{}.jsonl", dir, name), docs);
-  }
+  write_pairs(dir);
   const std::vector<Tenant> tenants = {{"a", 14, "", ""}, {"b", 10, "lr: 1.0e-2", "train.lr=1.0e-2"}};
   for (const std::string objective : {"dpo", "orpo"}) {
-    const std::string recipe = fmt::format("{}/{}.yaml", dir, objective);
-    std::ofstream(recipe) << fmt::format(
-        R"(model: {{path: {0}/llama, dtype: fp32, device: cpu}}
-lora: {{r: 4, alpha: 8, dropout: 0.1, target_modules: all-linear}}
-data: {{source: jsonl, format: preference, shuffle: global, max_length: 64, batch_size: 2}}
-train: {{objective: {2}, epochs: 2, lr: 5.0e-3, lr_scheduler: cosine, warmup_steps: 1}}
-eval: {{fraction: 0.25, every_n_steps: 2}}
-checkpoint: {{output_dir: {1}/{2}-job, keep_best: true}}
-track: {{mongodb: false}}
-adapters: {{list: [{{name: a, path: {1}/a.jsonl}}, {{name: b, path: {1}/b.jsonl, lr: 1.0e-2}}]}}
-)",
-        LORARUN_MODEL_FIXTURES, dir, objective);
+    const std::string recipe =
+        pairs_job_recipe(dir, objective + "-job", dir,
+                         {.data = ", shuffle: global",
+                          .train = fmt::format(", objective: {}, lr_scheduler: cosine, warmup_steps: 1", objective),
+                          .checkpoint = ", keep_best: true",
+                          .extra = "eval: {fraction: 0.25, every_n_steps: 2}"});
     const Result job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
     INFO(job.output);
     REQUIRE(job.status == 0);
@@ -561,4 +579,56 @@ adapters: {{list: [{{name: a, path: {1}/a.jsonl}}, {{name: b, path: {1}/b.jsonl,
       CHECK(evals >= 2);
     }
   }
+}
+
+TEST_CASE(
+    "adapters: lora.init_from starts every adapter of an SFT and a DPO job (the reference too) as it starts its own "
+    "run, and an adapter it does not fit is one line",
+    "[e2e]") {
+  const std::string dir = temp_dir("adapters-init-from");
+  const std::vector<Tenant> tenants = {{"a", 9, "", ""}, {"b", 7, "lr: 1.0e-2", "train.lr=1.0e-2"}};
+  for (const Tenant& t : tenants)
+    write_jsonl(fmt::format("{}/{}.jsonl", dir, t.name), tenant_docs(t.name, t.documents, 0));
+  const std::string list = fmt::format(
+      "adapters: {{list: [{{name: a, path: {0}/a.jsonl}}, {{name: b, path: {0}/b.jsonl, lr: 1.0e-2}}]}}", dir);
+  const std::string sft =
+      job_recipe(dir, "sft", {.data = ", source: jsonl", .extra = "track: {mongodb: false}\n" + list});
+  // The start: an adapter trained alone on a's documents (not zero: B moved).
+  const Result start = sh(fmt::format("{} {} 'adapters.list=[]' data.path={}/a.jsonl checkpoint.output_dir={}/start",
+                                      bin("lora-train"), sft, dir, dir));
+  INFO(start.output);
+  REQUIRE(start.status == 0);
+  const std::string from = fmt::format("lora.init_from={}/start/epoch_0", dir);
+  const Result job =
+      sh(fmt::format("{} --nproc-per-node 2 {} {} checkpoint.output_dir={}/sft-job", bin("lorarun"), sft, from, dir));
+  INFO(job.output);
+  REQUIRE(job.status == 0);
+  for (const Tenant& t : tenants)
+    run_own(sft, dir + "/sft-own", t, fmt::format("data.path={}/{}.jsonl", dir, t.name), from);
+  check_against_own_runs(dir + "/sft-job", dir + "/sft-own", tenants, "SFT job from lora.init_from");
+
+  // DPO from it: the start is the reference as well.
+  const std::string pairs_dir = dir + "/pairs";
+  fs::create_directories(pairs_dir);
+  write_pairs(pairs_dir);
+  const std::string dpo =
+      pairs_job_recipe(dir, "dpo-job", pairs_dir,
+                       {.lora = fmt::format(", init_from: {}/start/epoch_0", dir), .train = ", objective: dpo"});
+  const Result dpo_job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), dpo));
+  INFO(dpo_job.output);
+  REQUIRE(dpo_job.status == 0);
+  for (const Tenant& t : tenants)
+    run_own(dpo, dir + "/dpo-own", t, fmt::format("data.path={}/{}.jsonl", pairs_dir, t.name));
+  check_against_own_runs(dir + "/dpo-job", dir + "/dpo-own", tenants, "DPO job from lora.init_from");
+
+  // An adapter whose r is not the start's: refused in one line naming it, before anything is trained.
+  const Result bad =
+      sh(fmt::format("{} {} {} 'adapters.list=[{{name: a, path: {}/a.jsonl}}, {{name: b, path: {}/b.jsonl, r: 8}}]' "
+                     "checkpoint.output_dir={}/bad",
+                     bin("lora-train"), sft, from, dir, dir, dir));
+  INFO(bad.output);
+  CHECK(bad.status == 78);
+  CHECK_THAT(bad.output, Catch::Contains("adapter 'b': lora.init_from") &&
+                             Catch::Contains("has r=4 but the adapter trains with r=8"));
+  CHECK(!fs::exists(dir + "/bad/b/epoch_0"));
 }
