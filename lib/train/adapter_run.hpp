@@ -78,10 +78,10 @@ class AdapterRun {
   // lr x plus_lr_ratio).
   void apply(std::vector<at::Tensor>& grads, const at::Tensor& norm, double lr);
   // After an evaluation (the same figures on every rank): the log line (rank 0, `lead`; after the
-  // progress line on a `tty`), best/ when
-  // its loss is the lowest so far (checkpoint.keep_best), and the end of the run when
-  // train.early_stopping_patience evaluations in a row did not lower the best loss by more than
-  // train.early_stopping_min_delta. Without `steers` (eval.on_start's) only the line.
+  // progress line on a `tty`), best/ when its loss is the lowest so far (checkpoint.keep_best), and
+  // the end of the run when train.early_stopping_patience evaluations in a row did not lower the
+  // best loss by more than train.early_stopping_min_delta. Without `steers` (eval.on_start's) only
+  // the line.
   void evaluated(const nlohmann::json& row, bool steers, bool lead, bool tty);
 };
 

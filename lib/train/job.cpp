@@ -80,6 +80,7 @@ class Job {
   void open_batches(Tenant& t);
   StepEnd step(const std::vector<Tenant*>& active);
   void pass(const std::vector<data::Batch>& parts, const std::vector<Tenant*>& owners);
+  void shared_passes(const std::vector<Tenant*>& active);
   void own_passes(Tenant& t);
   bool after_step(Tenant& t, bool stopping, bool stop);
   bool end_epoch(Tenant& t, bool stopping);
@@ -349,51 +350,13 @@ void Job::pass(const std::vector<data::Batch>& parts, const std::vector<Tenant*>
   total.backward();
 }
 
-// Adapter t's micro-batches of the step through its objective alone (pairs are read first, to be
-// divided by the step's pairs), every row through its adapter with its dropout stream: its own run's
-// passes.
-void Job::own_passes(Tenant& t) {
-  AdapterRun& a = *t.run;
-  const model::CausalLM::Routing alone(
-      m_, std::make_shared<model::Routes>(model::Routes{.routes = {}, .all = t.slot, .streams = &streams_}));
-  const Objective::Sums s = a.objective->forward_backward([&] { return a.examples(env_.rank, warned_, data_error_); },
-                                                          r_.train.gradient_accumulation_steps, [] {});
-  t.loss = s.loss;
-  t.tokens = s.tokens;
-  t.real = s.real;
-  t.slots = s.slots;
-  t.stats = s.stats;
-}
-
-// One job step: micro-batch k of every active adapter's step through the model, in passes of
-// adapters.per_pass adapters. Then one all-reduce of every adapter's figures, and per adapter what
-// its own run does: gradients divided by its global token count, clipped by its own norm, its AdamW
-// step at its own learning rate; then its evaluation, epoch end and state as its own run has them
-// after that step.
-StepEnd Job::step(const std::vector<Tenant*>& active) {
-  const auto t0 = Clock::now();
-  const auto waited = [&] {
-    double s = 0;
-    for (Tenant* t : active)
-      if (t->run->batches) s += t->run->batches->reader().wait_seconds();
-    return s;
-  };
-  const double wait0 = waited();
-  const auto device_zero = at::TensorOptions().dtype(at::kFloat).device(rt_.device);
-  for (Tenant* t : active) {
-    t->loss = at::zeros({}, device_zero);
-    t->tokens = t->real = t->slots = 0;
-    t->rng_at_step_start = streams_.state(t->slot);
-  }
-  // The adapters in passes of at most adapters.per_pass, in slot order: the same passes on every rank
-  // (a sharded base gathers in each), whichever of them have rows here.
+// SFT: micro-batch k of every active adapter's step through the model in passes of at most
+// adapters.per_pass adapters, in slot order: the same passes on every rank (a sharded base gathers
+// in each), whichever of them have rows here.
+void Job::shared_passes(const std::vector<Tenant*>& active) {
   const auto per_pass = static_cast<size_t>(adapters_per_pass(r_, static_cast<int>(active.size())));
   const int accum = r_.train.gradient_accumulation_steps;
-  // Pairs (dpo, orpo): each adapter's step through its objective, one after another (unarmed: the
-  // gradients are all-reduced at finish, each adapter's micro-batches adding up first).
-  if (r_.train.objective != recipe::Objective::Sft)
-    for (Tenant* t : active) own_passes(*t);
-  for (int a = 0; a < accum && r_.train.objective == recipe::Objective::Sft; ++a) {
+  for (int a = 0; a < accum; ++a) {
     if (a + 1 == accum) sync_->arm();
     for (size_t first = 0; first < active.size(); first += per_pass) {
       std::vector<data::Batch> parts;
@@ -414,6 +377,49 @@ StepEnd Job::step(const std::vector<Tenant*>& active) {
       }
       pass(parts, owners);
     }
+  }
+}
+
+// Adapter t's micro-batches of the step through its objective alone (pairs are read first, to be
+// divided by the step's pairs), every row through its adapter with its dropout stream: its own run's
+// passes.
+void Job::own_passes(Tenant& t) {
+  AdapterRun& a = *t.run;
+  const model::CausalLM::Routing alone(
+      m_, std::make_shared<model::Routes>(model::Routes{.routes = {}, .all = t.slot, .streams = &streams_}));
+  const Objective::Sums s = a.objective->forward_backward([&] { return a.examples(env_.rank, warned_, data_error_); },
+                                                          r_.train.gradient_accumulation_steps, [] {});
+  t.loss = s.loss;
+  t.tokens = s.tokens;
+  t.real = s.real;
+  t.slots = s.slots;
+  t.stats = s.stats;
+}
+
+// One job step: every active adapter's micro-batches through the model (SFT's stacked in shared
+// passes, pairs each adapter's in its own). Then one all-reduce of every adapter's figures, and per
+// adapter what its own run does: gradients divided by its global token count (unless its objective
+// did), clipped by its own norm, its AdamW step at its own learning rate; then its evaluation,
+// epoch end and state as its own run has them after that step.
+StepEnd Job::step(const std::vector<Tenant*>& active) {
+  const auto t0 = Clock::now();
+  const auto waited = [&] {
+    double s = 0;
+    for (Tenant* t : active)
+      if (t->run->batches) s += t->run->batches->reader().wait_seconds();
+    return s;
+  };
+  const double wait0 = waited();
+  const auto device_zero = at::TensorOptions().dtype(at::kFloat).device(rt_.device);
+  for (Tenant* t : active) {
+    t->loss = at::zeros({}, device_zero);
+    t->tokens = t->real = t->slots = 0;
+    t->rng_at_step_start = streams_.state(t->slot);
+  }
+  if (r_.train.objective == recipe::Objective::Sft) {
+    shared_passes(active);
+  } else {  // pairs (dpo, orpo): unarmed, the gradients all-reduced at finish, each adapter's step summed first
+    for (Tenant* t : active) own_passes(*t);
   }
   const double busy = std::chrono::duration<double>(Clock::now() - t0).count();
   sync_->finish();
