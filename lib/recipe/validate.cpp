@@ -490,6 +490,11 @@ void refuse_in_jobs(const Recipe& r, const RecipeOrigin& o) {
          fmt::format("trains many adapters on one base, which {}", what));
   };
   if (!r.data.sources.empty()) refuse("data.sources does not mix into: give each adapter its selection instead");
+  if (r.adapters.per_pass && r.train.objective != Objective::Sft)
+    fail(o, "adapters.per_pass",
+         fmt::format("stacks SFT adapters into shared passes, but with train.objective {} each adapter's pairs go "
+                     "through passes of their own: drop it",
+                     name(r.train.objective)));
   if (r.lora.use_dora) refuse("DoRA's row norms do not fit yet: set lora.use_dora: false");
   if (r.lora.init != "default" && r.lora.init != "gaussian")
     refuse(fmt::format("lora.init {} cannot share: it rewrites the base weights per adapter", r.lora.init));

@@ -578,6 +578,12 @@ TEST_CASE(
         if (row.value("adapter", "") == t.name && row.contains("eval_rewards/margins")) ++evals;
       CHECK(evals >= 2);
     }
+    // adapters.per_pass stacks SFT adapters only: with pairs it is refused, not ignored.
+    const Result stacked = sh(fmt::format("{} {} adapters.per_pass=2", bin("lora-train"), recipe));
+    CHECK(stacked.status == 78);
+    CHECK_THAT(stacked.output, Catch::Contains("adapters.per_pass stacks SFT adapters into shared passes, but with "
+                                               "train.objective " +
+                                               objective));
   }
 }
 
