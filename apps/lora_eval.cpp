@@ -150,7 +150,7 @@ int eval_recipe(const RecipeEval& a) {
                     "eval.collection (or eval.path), or evaluate a source alone (data.sources=[] data.collection=…)",
                     a.recipe));
   train::Runtime rt(r, env, {.train = false, .adapter = a.adapter, .eval_split = eval_split});
-  const data::Documents& docs = rt.eval ? rt.eval->docs() : *rt.docs;
+  const data::Documents& docs = rt.data.eval ? rt.data.eval->docs() : *rt.data.docs;
 
   std::string lines;
   const auto per_doc = [&](const std::string& id, int64_t tokens, double loss) {
@@ -176,10 +176,10 @@ int eval_recipe(const RecipeEval& a) {
   sums = sums.cpu();
   const double* t = sums.data_ptr<double>();
   if (t[1] == 0)
-    throw Error(
-        fmt::format("{} holds no token to score ({} of {} documents rejected: see data.max_length, "
-                    "data.overlong and the documents' fields)",
-                    rt.eval ? rt.eval->describe() : rt.docs->describe(), static_cast<int64_t>(t[3]), docs.size()));
+    throw Error(fmt::format(
+        "{} holds no token to score ({} of {} documents rejected: see data.max_length, "
+        "data.overlong and the documents' fields)",
+        rt.data.eval ? rt.data.eval->describe() : rt.data.docs->describe(), static_cast<int64_t>(t[3]), docs.size()));
   if (!a.per_doc.empty()) io::write_file_atomic(a.per_doc, lines);
   if (env.rank != 0) return 0;
   if (pref) {  // the preference loss and TRL's figures

@@ -27,10 +27,12 @@ AdapterRun::AdapterRun(std::string name_, recipe::Recipe r_, std::vector<at::Ten
 
 AdapterRun::~AdapterRun() = default;
 
-void AdapterRun::plan(int64_t per_rank, int world) {
+void AdapterRun::plan(int world) {
+  const int64_t per_rank = data.per_rank(world);
   steps_per_epoch = train::steps_per_epoch(r, per_rank);
   total_steps = steps_per_epoch * r.train.epochs;
   epoch_documents = train::epoch_documents(r, per_rank, world);
+  source_step.assign(2 * (data.mix ? data.mix->sources().size() : 0), 0.0);
 }
 
 std::string AdapterRun::who() const { return name.empty() ? "" : fmt::format("adapter '{}': ", name); }

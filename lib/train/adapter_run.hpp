@@ -16,6 +16,7 @@
 #include "train/schedule.hpp"
 #include "train/skips.hpp"
 #include "train/state.hpp"
+#include "train/training_data.hpp"
 
 namespace torch::optim {
 class AdamW;
@@ -37,9 +38,7 @@ class AdapterRun {
 
   const std::string name;
   recipe::Recipe r;
-  // In a job, its documents and evaluation split (read by r.data, r.eval); a run's are its Runtime's.
-  std::unique_ptr<data::Documents> docs;
-  std::unique_ptr<data::EvalSplit> eval;
+  TrainingData data;  // what it trains and is evaluated on (a job's adapter: read by r.data, r.eval)
   const std::vector<at::Tensor> params;
   const std::unique_ptr<torch::optim::AdamW> opt;
   std::unique_ptr<Checkpointer> ckpt;    // its owner's to make (which random stream it saves)
@@ -59,9 +58,9 @@ class AdapterRun {
   // ([documents of each source…, tokens of each source…]; empty without sources).
   std::vector<double> source_step;
 
-  // Its epochs' steps, when each of `world` ranks reads `per_rank` documents an epoch (every rank the
-  // same): once its documents are known.
-  void plan(int64_t per_rank, int world);
+  // Its epochs' steps on `world` ranks, once its data is known (every rank reads the same count of
+  // documents an epoch).
+  void plan(int world);
   // What starts its messages: "adapter 'a': " in a job, "" alone.
   std::string who() const;
   // The learning rate of its next optimizer step (train.lr by its schedule and warmup).

@@ -76,10 +76,6 @@ void Checkpointer::attach(track::RunSinks& sinks) {
   store_->prepare();  // the bucket's indexes, before any upload is due: no later failure can cut them short
 }
 
-void Checkpointer::restore_from_store() {
-  if (prefix_.empty()) train::restore_from_store(r_, agree_, {state_dir()});
-}
-
 void Checkpointer::store_as_adapter(const std::string& name) { prefix_ = name + "/"; }
 
 namespace {

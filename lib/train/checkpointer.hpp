@@ -53,17 +53,11 @@ class Checkpointer {
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
 
-  // checkpoint.store: mongodb with checkpoint.resume: auto, and output_dir without a resumable
-  // state (a new node, a wiped disk): rank 0 restores the newest unfinished run of this very
-  // recipe that stored one — its kept epochs, best/ and, last, the state — as its record lists
-  // them. A live run's (its lease) is refused (LiveRunError).
-  void restore_from_store();
   // The state in output_dir into the parameters, AdamW and this rank's RNG (nullopt: none);
   // see train::load_state.
   std::optional<Progress> load(const RunShape& shape);
 
-  // A job of many adapters: this adapter's artifacts go to GridFS as <name>/<artifact>, and the job
-  // restores them (restore_from_store does nothing).
+  // A job of many adapters: this adapter's artifacts go to GridFS as <name>/<artifact>.
   void store_as_adapter(const std::string& name);
 
   // Rank 0, once the run's sinks are open: each epoch saved is reported to them, and with

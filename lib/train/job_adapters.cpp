@@ -36,12 +36,26 @@ void refuse_case_twins(const std::vector<recipe::AdapterSpec>& specs, const std:
                       what, printable(it->second), printable(s.name)));
 }
 
+// The values of `field` in data's selection: in every source's, with data.sources.
+data::FieldValues values_in_selection(const recipe::Recipe& r, const std::string& field) {
+  if (r.data.sources.empty()) return data::field_values(r.data, field);
+  data::FieldValues all;
+  for (const recipe::DataSource& s : r.data.sources) {
+    data::FieldValues one = data::field_values(r.data.of_source(s), field);
+    for (nlohmann::json& v : one.values)
+      if (std::find(all.values.begin(), all.values.end(), v) == all.values.end()) all.values.push_back(std::move(v));
+    all.missing += one.missing;
+    all.arrays += one.arrays;
+  }
+  return all;
+}
+
 }  // namespace
 
 std::vector<recipe::AdapterSpec> job_adapters(const recipe::Recipe& r) {
   const recipe::AdaptersSection& a = r.adapters;
   if (a.per.empty()) return a.list;
-  const data::FieldValues found = data::field_values(r.data, a.per);
+  const data::FieldValues found = values_in_selection(r, a.per);
   if (found.arrays > 0)  // (a filter on one of its items would train the document in each item's adapter)
     throw ConfigError(fmt::format(
         "adapters.per: {} holds a list in {} document(s) of data's selection, which would train each of them in "
@@ -99,6 +113,7 @@ std::vector<recipe::AdapterSpec> job_adapters(const recipe::Recipe& r) {
                      found.missing, a.per));
   if (r.eval.fraction <= 0 && !r.eval.filter.empty()) {  // each adapter evaluates on eval.filter's of its value
     recipe::DataSection held = r.data;
+    held.sources.clear();
     held.filter = r.eval.filter;
     if (!r.eval.collection.empty()) held.collection = r.eval.collection;
     std::vector<std::string> unevaluated;

@@ -120,6 +120,32 @@ int64_t epoch_documents(const recipe::Recipe& r, int64_t per_rank, int world) {
   return std::min(per_rank, read) * world;
 }
 
+data::PairTokens pair_tokens(const recipe::Recipe& r) {
+  return r.train.objective == recipe::Objective::Orpo ? data::PairTokens::Orpo : data::PairTokens::Dpo;
+}
+
+void read_training_data(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, const data::ExampleBuilder* builder,
+                        bool evaluating, TrainingData& d) {
+  const data::Holdout training = data::Holdout::training(r.eval.fraction);
+  if (r.data.sources.empty())
+    d.docs = std::make_unique<data::Documents>(r.data, training);
+  else
+    d.mix = std::make_unique<data::Mixture>(r, tokenizer, pair_tokens(r), training, stop_flag());
+  if (!evaluating) return;
+  // Read and built as training data is (the same builder); never a document training reads.
+  if (d.mix && r.eval.fraction > 0) {
+    for (const data::MixSource& s : d.mix->sources()) {
+      d.source_evals.push_back(std::make_unique<data::EvalSplit>(r, nullptr, s.config.get()));
+      require_scored_token(d.source_evals.back()->docs(), *s.builder, d.source_evals.back()->describe());
+    }
+    return;
+  }
+  d.eval = std::make_unique<data::EvalSplit>(r, d.docs.get());
+  if (d.mix)
+    for (const data::MixSource& s : d.mix->sources()) d.eval->refuse_overlap(*s.docs);
+  require_scored_token(d.eval->docs(), *builder, d.eval->describe());
+}
+
 Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const RuntimeOptions& o)
     : device(rank_device(r, env)),
       shards(o.train && r.dist.shard_base ? base_shards(r, env.rank, env.world_size, o.pg) : nullptr),
@@ -129,32 +155,11 @@ Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const Runtim
     model.check_tokenizer(tokenizer);
     model.check_length(r.data.max_length, fmt::format("data.max_length {}", r.data.max_length));
   });
-  const auto pairs = r.train.objective == recipe::Objective::Orpo ? data::PairTokens::Orpo : data::PairTokens::Dpo;
-  if (o.tenants) {
-    builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt, pairs, stop_flag());
-    return;
-  }
-  const bool evaluating = o.eval_split && r.eval.enabled(r.data.source);
-  const data::Holdout training = data::Holdout::training(r.eval.fraction);
-  if (r.data.sources.empty())
-    docs = std::make_unique<data::Documents>(r.data, training);
-  else
-    mix = std::make_unique<data::Mixture>(r, tokenizer, pairs, training, stop_flag());
-  if (!mix || (evaluating && r.eval.fraction <= 0))
-    builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt, pairs, stop_flag());
-  if (!evaluating) return;
-  // Read and built as training data is (the same builder); never a document training reads.
-  if (mix && r.eval.fraction > 0) {
-    for (const data::MixSource& s : mix->sources()) {
-      source_evals.push_back(std::make_unique<data::EvalSplit>(r, nullptr, s.config.get()));
-      require_scored_token(source_evals.back()->docs(), *s.builder, source_evals.back()->describe());
-    }
-    return;
-  }
-  eval = std::make_unique<data::EvalSplit>(r, docs.get());
-  if (mix)
-    for (const data::MixSource& s : mix->sources()) eval->refuse_overlap(*s.docs);
-  require_scored_token(eval->docs(), *builder, eval->describe());
+  const bool evaluating = !o.tenants && o.eval_split && r.eval.enabled(r.data.source);
+  // (data.sources build their own; the eval: split of a mixture without eval.fraction reads by data's keys)
+  if (o.tenants || r.data.sources.empty() || (evaluating && r.eval.fraction <= 0))
+    builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt, pair_tokens(r), stop_flag());
+  if (!o.tenants) read_training_data(r, tokenizer, builder.get(), evaluating, data);
 }
 
 // The base model (NF4 with lora.quantize_base, this rank's slices with dist.shard_base) with its
@@ -189,12 +194,12 @@ model::CausalLM Runtime::load_model(const recipe::Recipe& r, const dist::DistEnv
   return m;
 }
 
-std::vector<std::string> Runtime::summary(const recipe::Recipe& r, int world, int64_t steps_per_epoch,
-                                          size_t buckets) const {
+std::vector<std::string> Runtime::summary(const recipe::Recipe& r, const TrainingData& d, int world,
+                                          int64_t steps_per_epoch, size_t buckets) const {
   const auto mib = [](int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); };
   std::vector<std::string> out = {
       fmt::format("{}; {} documents from {}, {} rank(s), {} steps per epoch, gradients all-reduced in {} bucket(s)",
-                  model::trainable_summary(model), documents(), describe_data(), world, steps_per_epoch,
+                  model::trainable_summary(model), d.documents(), d.describe(), world, steps_per_epoch,
                   std::max<size_t>(1, buckets))};
   if (r.lora.quantize_base) out.push_back(model::nf4_summary(model));
   if (r.model.keep_quantized) out.push_back(model::gguf_blocks_summary(model));
@@ -205,8 +210,8 @@ std::vector<std::string> Runtime::summary(const recipe::Recipe& r, int world, in
         "{:.0f} MiB",
         mib(model.base_bytes()), mib(model.base_bytes(true)), world, mib(shards->block_buffer_bytes()),
         shards->prefetch ? "2 at a time: the next is gathered while one computes" : "1 at a time", resident_mib()));
-  if (mix)
-    for (const data::MixSource& s : mix->sources())
+  if (d.mix)
+    for (const data::MixSource& s : d.mix->sources())
       out.push_back(fmt::format(
           "data.sources '{}': {} documents per epoch of the {} selected ({}){}", s.spec.name, s.per_epoch,
           s.docs->size(),
@@ -216,12 +221,12 @@ std::vector<std::string> Runtime::summary(const recipe::Recipe& r, int world, in
           s.sampled
               ? fmt::format(", {:.1f} trained tokens per document over {} sampled", s.tokens_per_document, s.sampled)
               : ""));
-  for (const auto& e : source_evals)
+  for (const auto& e : d.source_evals)
     out.push_back(fmt::format("evaluating on {} documents of {} at each epoch end{}", e->docs().size(), e->describe(),
                               r.eval.every_n_steps ? fmt::format(" and every {} steps", *r.eval.every_n_steps) : ""));
-  if (eval)
-    out.push_back(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", eval->docs().size(),
-                              eval->docs().describe(),
+  if (d.eval)
+    out.push_back(fmt::format("evaluating on {} documents from {}{} at each epoch end{}", d.eval->docs().size(),
+                              d.eval->docs().describe(),
                               r.eval.fraction > 0 ? fmt::format(" (eval.fraction {})", r.eval.fraction) : "",
                               r.eval.every_n_steps ? fmt::format(" and every {} steps", *r.eval.every_n_steps) : ""));
   return out;

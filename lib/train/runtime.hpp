@@ -15,6 +15,7 @@
 #include "model/transformer.hpp"
 #include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
+#include "train/training_data.hpp"
 
 namespace lorarun::dist {
 class ProcessGroup;
@@ -51,6 +52,17 @@ int64_t epoch_documents(const recipe::Recipe& r, int64_t per_rank, int world);
 // The seed of rank `rank`'s dropout stream in a run of train.seed `seed`.
 uint64_t dropout_seed(int64_t seed, int rank);
 
+// Which pair tokens train.objective's preference pairs need (ORPO's or DPO's).
+data::PairTokens pair_tokens(const recipe::Recipe& r);
+
+// What `r` trains on into `d` (filled as it is read: what a throw leaves was read): data's selection
+// (the training side of eval.fraction) or data.sources' mixture, and with `evaluating` its eval
+// split or each source's held-out documents, each checked to hold a token to score (`builder`:
+// data's keys, for an eval: split read by them). Throws data::EmptySplit when eval.fraction holds
+// out none or all of the documents.
+void read_training_data(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, const data::ExampleBuilder* builder,
+                        bool evaluating, TrainingData& d);
+
 struct RuntimeOptions {
   dist::ProcessGroup* pg = nullptr;  // the ranks' group: dist.shard_base gathers over it (training)
   // a job of many adapters (adapters:): the base, tokenizer and example builder only; the job adds
@@ -70,25 +82,13 @@ class Runtime {
   std::shared_ptr<model::BaseShards> shards;  // with dist.shard_base
   model::CausalLM model;
   tok::Tokenizer tokenizer;
-  std::unique_ptr<data::ExampleBuilder> builder;  // data's keys (null with data.sources unless eval: reads by them)
-  std::unique_ptr<data::Documents> docs;          // data's selection (the training side of eval.fraction)
-  std::unique_ptr<data::Mixture> mix;             // data.sources instead: the sources and their mixture
-  std::unique_ptr<data::EvalSplit> eval;          // the eval: section's documents, when asked and set
-  // data.sources with eval.fraction: each source's held-out documents (then `eval` is null).
-  std::vector<std::unique_ptr<data::EvalSplit>> source_evals;
+  // data's keys (null with data.sources unless eval: reads by them)
+  std::unique_ptr<data::ExampleBuilder> builder;
+  TrainingData data;  // what it trains and evaluates on (none for a job's: each adapter reads its own)
 
-  // What training reads per epoch: data's selection or the mixture.
-  int64_t documents() const { return mix ? mix->size() : docs->size(); }
-  int64_t per_rank(int world) const {  // ... and what each of `world` ranks reads of it
-    return mix ? mix->per_rank(world) : data::examples_per_rank(docs->size(), world);
-  }
-  nlohmann::json data_identity() const { return mix ? mix->identity() : docs->identity(); }
-  std::string describe_data() const { return mix ? mix->describe() : docs->describe(); }
-  bool evaluates() const { return eval || !source_evals.empty(); }
-
-  // What is about to train, for the log: the adapters and the documents, NF4, dist.shard_base,
-  // the evaluation.
-  std::vector<std::string> summary(const recipe::Recipe& r, int world, int64_t steps_per_epoch, size_t buckets) const;
+  // What is about to train, for the log: the adapters and `d`, NF4, dist.shard_base, the evaluation.
+  std::vector<std::string> summary(const recipe::Recipe& r, const TrainingData& d, int world, int64_t steps_per_epoch,
+                                   size_t buckets) const;
 
  private:
   model::CausalLM load_model(const recipe::Recipe& r, const dist::DistEnv& env, const RuntimeOptions& o);

@@ -1,6 +1,7 @@
-// The training loop of one rank: data shard -> forward -> loss -> backward -> all-reduce ->
-// clip -> AdamW -> schedule, with epoch checkpoints per the recipe's policy and a resumable
-// state (at each epoch end, every checkpoint.state_every_n_steps, and on SIGTERM/SIGINT).
+// The training loop of one rank, over the adapters it trains (the recipe's one, or a job's many
+// on one base, each as its own run): data shard -> forward -> the objective's loss -> backward ->
+// all-reduce -> clip -> AdamW -> schedule, with epoch checkpoints per the recipe's policy and a
+// resumable state (at each epoch end, every checkpoint.state_every_n_steps, and on SIGTERM/SIGINT).
 #pragma once
 #include "dist/env.hpp"
 #include "recipe/recipe.hpp"
