@@ -111,6 +111,29 @@ recipe::Recipe read_recipe(const Args& a) {
   }
 }
 
+// A job's adapter's documents per epoch, as --dry-run counts them: its selection, or its data.sources'
+// (data.epoch_documents when set); 0 for what cannot be counted (a warning says why).
+int64_t documents_of(const recipe::Recipe& own, const std::string& name) {
+  if (!own.data.sources.empty() && own.data.epoch_documents) return *own.data.epoch_documents;
+  const auto count = [&](const recipe::DataSection& d) -> int64_t {
+    if (d.source == recipe::Source::MongoDB) {
+      const data::Selection s = data::check_selection(d);
+      if (!s.warning.empty()) warn(fmt::format("adapter '{}': {}", name, s.warning));
+      return s.count;
+    }
+    try {
+      return data::Documents(d).size();
+    } catch (const Error& e) {
+      warn(fmt::format("adapter '{}': {}", name, e.what()));
+      return 0;
+    }
+  };
+  if (own.data.sources.empty()) return count(own.data);
+  int64_t n = 0;
+  for (const recipe::DataSource& s : own.data.sources) n += count(own.data.of_source(s));
+  return n;
+}
+
 // --dry-run of a job of many adapters (adapters:): each adapter found, its documents and steps,
 // as its own run would have them; none when the recipe has one adapter, or when they cannot be
 // found (a warning says why).
@@ -127,18 +150,7 @@ std::vector<recipe::AdapterSpec> print_adapters(const recipe::Recipe& r, int wor
              r.checkpoint.output_dir);
   for (const recipe::AdapterSpec& a : adapters) {
     const recipe::Recipe own = recipe::adapter_recipe(r, a);
-    int64_t documents = 0;
-    if (own.data.source == recipe::Source::MongoDB) {
-      const data::Selection s = data::check_selection(own.data);
-      if (!s.warning.empty()) warn(fmt::format("adapter '{}': {}", a.name, s.warning));
-      documents = s.count;
-    } else {
-      try {
-        documents = data::Documents(own.data).size();
-      } catch (const Error& e) {
-        warn(fmt::format("adapter '{}': {}", a.name, e.what()));
-      }
-    }
+    const int64_t documents = documents_of(own, a.name);
     const int64_t steps = train::steps_per_epoch(own, data::examples_per_rank(documents, world));
     fmt::print("#   {}: {} documents, {} steps per epoch x {} epochs on {} rank(s); {}, lr {:g}\n", a.name, documents,
                steps, own.train.epochs, world, model::describe_adapter(own.lora), own.train.lr);

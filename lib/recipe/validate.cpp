@@ -489,7 +489,6 @@ void refuse_in_jobs(const Recipe& r, const RecipeOrigin& o) {
     fail(o, r.adapters.per.empty() ? "adapters.list" : "adapters.per",
          fmt::format("trains many adapters on one base, which {}", what));
   };
-  if (!r.data.sources.empty()) refuse("data.sources does not mix into: give each adapter its selection instead");
   if (r.adapters.per_pass && r.train.objective != Objective::Sft)
     fail(o, "adapters.per_pass",
          fmt::format("stacks SFT adapters into shared passes, but with train.objective {} each adapter's pairs go "
@@ -553,6 +552,11 @@ void check_adapters(const Recipe& r, const RecipeOrigin& o, Warnings&) {
     if (!per && r.data.source == Source::Jsonl && (s.path.empty() || !s.filter.empty() || !s.collection.empty()))
       fail(o, "adapters.list",
            fmt::format("'{}' needs its own path (data.source is jsonl, whose files are not queried)", s.name));
+    if (!r.data.sources.empty() && (!s.collection.empty() || !s.path.empty()))
+      fail(o, "adapters.list",
+           fmt::format("'{}' sets {}, which each of data.sources names for itself: give the adapter a filter, which "
+                       "narrows every source",
+                       s.name, s.collection.empty() ? "path" : "collection"));
     if (!per && r.data.source == Source::MongoDB && !s.selects())
       fail(o, "adapters.list",
            fmt::format("'{}' selects no documents of its own: give it a filter (with data.filter's conditions) "

@@ -417,6 +417,10 @@ TEST_CASE("adapters: bad jobs are one line each, before anything is trained or w
                       std::string("adapters.per: tenant holds 'Acme' and 'acme', which differ only in case")},
            std::tuple{jsonl, fmt::format("{{list: [{}, {{name: A, path: {}/a.jsonl}}]}}", a, dir),
                       std::string("names 'a' and 'A' differ only in case")},
+           std::tuple{fmt::format(", uri: \"{}\", database: {}, sources: [{{name: s, collection: docs}}]", uri, db),
+                      std::string("{list: [{name: x, collection: docs}]}"),
+                      std::string("'x' sets collection, which each of data.sources names for itself: give the "
+                                  "adapter a filter")},
        }) {
     if (n == 4) {  // a second tenant, and (n == 5) one whose name would leave the output directory
       client.insert_many(db, "docs", tenant_docs("other", 3, 50));
@@ -637,4 +641,70 @@ TEST_CASE(
   CHECK_THAT(bad.output, Catch::Contains("adapter 'b': lora.init_from") &&
                              Catch::Contains("has r=4 but the adapter trains with r=8"));
   CHECK(!fs::exists(dir + "/bad/b/epoch_0"));
+}
+
+TEST_CASE(
+    "adapters.per with data.sources from FerretDB: each adapter of a 3-adapter job on 2 ranks mixes its own documents "
+    "of two collections (weights 2:1, one with its own template, eval.fraction of each) and is its own run, its "
+    "source counts too",
+    "[e2e][db]") {
+  const std::string dir = temp_dir("adapters-sources");
+  const std::string uri = test_uri(), db = "lorarun_test_adapters_sources";
+  lorarun::data::Client client(uri, std::chrono::seconds(10), {"the test"});
+  client.drop(db, "qa");
+  client.drop(db, "notes");
+  struct Counts {
+    std::string name;
+    int qa, notes;
+  };
+  const std::vector<Counts> counts = {{"acme", 14, 8}, {"globex", 20, 9}, {"initech", 10, 16}};
+  std::vector<Tenant> tenants;
+  int from = 0;
+  for (const Counts& c : counts) {  // (fixed _ids: eval.fraction holds out by a hash of each)
+    std::vector<json> qa = tenant_docs(c.name, c.qa, from), notes = tenant_docs(c.name, c.notes, from + 50);
+    for (size_t i = 0; i < qa.size(); ++i) qa[i]["_id"] = from + static_cast<int>(i);
+    for (size_t i = 0; i < notes.size(); ++i) notes[i]["_id"] = 1000 + from + static_cast<int>(i);
+    client.insert_many(db, "qa", qa);
+    client.insert_many(db, "notes", notes);
+    tenants.push_back({c.name, c.qa + c.notes, "", ""});
+    from += 100;
+  }
+  const std::string data = ", uri: \"" + uri + "\", database: " + db +
+                           ", sources: [{name: qa, collection: qa, weight: 2}, {name: notes, collection: notes, "
+                           "prompt_template: \"N: {instruction}\\nA: \"}]";
+  const std::string recipe =
+      job_recipe(dir, "job",
+                 {.data = data,
+                  .checkpoint = ", keep_best: true",
+                  .extra = "eval: {fraction: 0.25}\ntrack: {mongodb: false}\nadapters: {per: tenant}"});
+  const Result dry = sh(fmt::format("{} --dry-run {}", bin("lora-train"), recipe));
+  INFO(dry.output);
+  REQUIRE(dry.status == 0);
+  CHECK_THAT(dry.output, Catch::Contains("# 3 adapters, each trained as its own run would be"));
+  CHECK_THAT(dry.output, Catch::Contains("initech: 26 documents"));
+
+  const Result job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
+  INFO(job.output);
+  REQUIRE(job.status == 0);
+  CHECK_THAT(job.output, Catch::Contains("adapter 'globex': LoRA r 4"));
+  for (const Tenant& t : tenants) run_own(recipe, dir + "/own", t, fmt::format("'data.filter={{tenant: {}}}'", t.name));
+  check_against_own_runs(dir + "/job", dir + "/own", tenants, "per: tenant over data.sources, 2 ranks, eval.fraction");
+  // Each adapter's documents per source over its steps, as its own run counts them: a mixture of its own.
+  for (const Tenant& t : tenants) {
+    json job_sum = {{"qa", 0}, {"notes", 0}}, own_sum = job_sum;
+    for (const json& row : metrics(dir + "/job"))
+      if (row.contains("source_documents/" + t.name))
+        for (const char* s : {"qa", "notes"})
+          job_sum[s] = job_sum[s].get<int>() + row["source_documents/" + t.name][s].get<int>();
+    for (const json& row : metrics(dir + "/own/" + t.name))
+      if (row.contains("source_documents"))
+        for (const char* s : {"qa", "notes"})
+          own_sum[s] = own_sum[s].get<int>() + row["source_documents"][s].get<int>();
+    INFO(t.name << ": job " << job_sum.dump() << ", own " << own_sum.dump());
+    CHECK(job_sum == own_sum);
+    CHECK(job_sum["qa"].get<int>() > 0);
+    CHECK(job_sum["notes"].get<int>() > 0);
+    CHECK(json::parse(read_file(fmt::format("{}/job/{}/best/best.json", dir, t.name)))["eval_loss"] ==
+          json::parse(read_file(fmt::format("{}/own/{}/best/best.json", dir, t.name)))["eval_loss"]);
+  }
 }
