@@ -32,54 +32,62 @@ at::Tensor by_rows(const at::Tensor& w, F f) {
 
 }  // namespace
 
-void prepare_dora(Linear& l) {
+void prepare_dora(Linear& l) { prepare_dora(l, l.lora_a); }
+
+void prepare_dora(Linear& l, const at::Tensor& like) {
   c10::NoGradGuard no_grad;
   if (shapes_only(l)) {
-    l.base_sq = at::empty({l.out_features()}, l.lora_a.options().dtype(at::kFloat));
+    l.base_sq = at::empty({l.out_features()}, like.options().dtype(at::kFloat));
     return;
   }
   l.base_sq = by_rows(base_weight(l), [](int64_t, const at::Tensor& w) { return w.square().sum(1); });
 }
 
-void attach_dora(Linear& l) {
-  prepare_dora(l);
+at::Tensor initial_magnitude(const Linear& l, const at::Tensor& a_, const at::Tensor& b_, double scaling) {
   c10::NoGradGuard no_grad;
+  if (shapes_only(l)) return at::empty({l.out_features()}, a_.options()).set_requires_grad(true);
   // PEFT: ||W + s·BA||_row from the weight whole, as it starts (B = 0 unless init says otherwise).
-  const at::Tensor a = l.lora_a.to(at::kFloat), b = l.lora_b.to(at::kFloat);
-  if (shapes_only(l)) {
-    l.magnitude = at::empty({l.out_features()}, l.lora_a.options()).set_requires_grad(true);
-    return;
-  }
+  const at::Tensor a = a_.to(at::kFloat), b = b_.to(at::kFloat);
   const at::Tensor m = by_rows(base_weight(l), [&](int64_t i, const at::Tensor& w) {
-    return at::linalg_vector_norm(w + l.scaling * b.narrow(0, i, w.size(0)).mm(a), 2, 1);
+    return at::linalg_vector_norm(w + scaling * b.narrow(0, i, w.size(0)).mm(a), 2, 1);
   });
-  l.magnitude = m.to(l.lora_a.scalar_type()).set_requires_grad(true);
+  return m.to(a_.scalar_type()).set_requires_grad(true);
 }
 
-at::Tensor dora_norms(const Linear& l) {
+void attach_dora(Linear& l) {
+  prepare_dora(l);
+  l.magnitude = initial_magnitude(l, l.lora_a, l.lora_b, l.scaling);
+}
+
+at::Tensor dora_norms(const Linear& l, const DoraAdapter& d) {
   c10::NoGradGuard no_grad;
-  const at::Tensor a = l.lora_a.to(at::kFloat), b = l.lora_b.to(at::kFloat);
-  const double s = l.scaling;
+  const at::Tensor a = d.a.to(at::kFloat), b = d.b.to(at::kFloat);
+  const double s = d.scaling;
   const at::Tensor wa = by_rows(base_weight(l), [&](int64_t, const at::Tensor& w) { return w.mm(a.t()); });  // [out, r]
   const at::Tensor n2 = l.base_sq + (2 * s) * (b * wa).sum(1) + (s * s) * (b.mm(a.mm(a.t())) * b).sum(1);
-  return n2.clamp_min(0).sqrt().to(l.lora_a.scalar_type());
+  return n2.clamp_min(0).sqrt().to(d.a.scalar_type());
 }
 
 at::Tensor dora_forward(const Linear& l, const at::Tensor& x, const at::Tensor& y, bool training) {
-  // As PEFT: x in the adapters' dtype; without dropout the base output is reused (less its
-  // bias), with it the base runs again on the dropped-out input.
+  // As PEFT: without dropout the base output is reused (less its bias), with it the base runs again
+  // on the dropped-out input.
   const bool drop = training && l.dropout > 0;
-  at::Tensor xd = drop ? at::dropout(x, l.dropout, true) : x;
-  if (xd.scalar_type() != l.lora_a.scalar_type()) xd = xd.to(l.lora_a.scalar_type());
-  const at::Tensor scale = l.magnitude / dora_norms(l);  // [out]; the gradient reaches m only
-  const at::Tensor lora = at::linear(at::linear(xd, l.lora_a), l.lora_b);
+  return dora_forward(l, {l.lora_a, l.lora_b, l.magnitude, l.scaling}, drop ? at::dropout(x, l.dropout, true) : x, drop,
+                      y);
+}
+
+at::Tensor dora_forward(const Linear& l, const DoraAdapter& d, const at::Tensor& x, bool dropped, const at::Tensor& y) {
+  // As PEFT: x in the adapters' dtype.
+  const at::Tensor xd = x.scalar_type() != d.a.scalar_type() ? x.to(d.a.scalar_type()) : x;
+  const at::Tensor scale = d.magnitude / dora_norms(l, d);  // [out]; the gradient reaches m only
+  const at::Tensor lora = at::linear(at::linear(xd, d.a), d.b);
   // (a sharded W is gathered again for backward, not kept: its block's buffers move on)
   const auto dtype = xd.scalar_type();
   const at::Tensor base =
-      !drop       ? (l.bias.defined() ? y - l.bias : y)
+      !dropped    ? (l.bias.defined() ? y - l.bias : y)
       : l.sharded ? remade_weight_linear(xd, {}, l.out_features(), [&l, dtype] { return base_weight(l).to(dtype); })
                   : at::linear(xd, base_weight(l).to(dtype));
-  return (y + ((scale - 1) * base + scale * lora * l.scaling)).to(y.scalar_type());
+  return (y + ((scale - 1) * base + scale * lora * d.scaling)).to(y.scalar_type());
 }
 
 at::Tensor dora_merged_weight(const Linear& l) {

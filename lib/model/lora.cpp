@@ -224,6 +224,10 @@ void attach_tenant(CausalLM& model, const LoraConfig& cfg, uint64_t seed, int sl
     t.b = std::exchange(l->lora_b, {}).to(model.device()).set_requires_grad(true);
     t.scaling = cfg.scaling();
     l->dropout = cfg.dropout;
+    if (cfg.use_dora) {  // (the base rows' norms once, for every adapter: in slot order on every rank)
+      if (!l->base_sq.defined()) prepare_dora(*l, t.a);
+      t.magnitude = initial_magnitude(*l, t.a, t.b, t.scaling);
+    }
     ++matched;
   }
   if (matched == 0) matched_nothing(model, cfg);
@@ -236,6 +240,7 @@ std::vector<std::pair<std::string, at::Tensor>> tenant_state(const CausalLM& mod
     const TenantLora& t = l->tenants[static_cast<size_t>(slot)];
     out.emplace_back(kPrefix + l->name + ".lora_A.weight", t.a);
     out.emplace_back(kPrefix + l->name + ".lora_B.weight", t.b);
+    if (t.magnitude.defined()) out.emplace_back(kPrefix + l->name + ".lora_magnitude_vector", t.magnitude);
   }
   return out;
 }
@@ -264,7 +269,7 @@ std::string trainable_summary(const CausalLM& model) {
   for (const at::Tensor& t : lora_parameters(model)) trainable += t.numel();
   for (const Linear* l : model.linears())  // a job's adapters, all of them
     for (const TenantLora& t : l->tenants)
-      if (t.a.defined()) trainable += t.a.numel() + t.b.numel();
+      if (t.a.defined()) trainable += t.a.numel() + t.b.numel() + (t.magnitude.defined() ? t.magnitude.numel() : 0);
   const int64_t all = trainable + model.base_parameter_count();
   return fmt::format("trainable params: {} || all params: {} || trainable%: {:.4f}", with_commas(trainable),
                      with_commas(all), 100.0 * double(trainable) / double(all));
@@ -481,8 +486,10 @@ void start_tenant_from(CausalLM& model, int slot, const LoraConfig& cfg, const s
   if (a.cfg.alpha != cfg.alpha)
     differ(fmt::format("has lora_alpha={} but the adapter trains with alpha={}", a.cfg.alpha, cfg.alpha));
   if (a.cfg.use_rslora != cfg.use_rslora) differ(fmt::format("has use_rslora={}", a.cfg.use_rslora));
-  if (a.cfg.use_dora || !a.cfg.modules_to_save.empty() || !a.cfg.trainable_token_indices.empty())
-    differ("holds DoRA's magnitudes or trained tables, which a job's adapters do not have");
+  if (a.cfg.use_dora != cfg.use_dora)
+    differ(fmt::format("has use_dora={} but the adapter trains with use_dora={}", a.cfg.use_dora, cfg.use_dora));
+  if (!a.cfg.modules_to_save.empty() || !a.cfg.trainable_token_indices.empty())
+    differ("holds trained tables, which a job's adapters do not have");
   const WeightFiles files = WeightFiles::open_file(a.weights);
   const std::vector<std::pair<std::string, at::Tensor>> mine = tenant_state(model, slot);
   std::vector<std::string> names = files.names();

@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <mutex>
 
+#include "model/dora.hpp"
 #include "model/transformer.hpp"
 
 namespace lorarun::model {
@@ -81,8 +82,14 @@ at::Tensor add_lora(at::Tensor y, const at::Tensor& xd, const at::Tensor& a, con
 // adapters read x as rows [N, in] (one view of it), so that x's gradient is summed in the order of
 // the adapter's own run.
 at::Tensor add_tenants(const Linear& l, const at::Tensor& x, bool training, const Routes& routes) {
+  const bool dropped = training && l.dropout > 0 && routes.streams;
   const auto drop = [&](int slot, const at::Tensor& in) {
-    return training && l.dropout > 0 && routes.streams ? routes.streams->dropout(slot, in, l.dropout) : in;
+    return dropped ? routes.streams->dropout(slot, in, l.dropout) : in;
+  };
+  // Adapter `slot`'s path added to base outputs y of its inputs `in` [.., in].
+  const auto adapt = [&](int slot, const TenantLora& t, const at::Tensor& y, const at::Tensor& in) {
+    if (t.magnitude.defined()) return dora_forward(l, {t.a, t.b, t.magnitude, t.scaling}, drop(slot, in), dropped, y);
+    return add_lora(y, drop(slot, in), t.a, t.b, t.scaling);
   };
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = l.out_features();
@@ -94,7 +101,8 @@ at::Tensor add_tenants(const Linear& l, const at::Tensor& x, bool training, cons
   if (const int only = routes.all >= 0 ? routes.all : whole ? routes.routes[0].slot : -1; only >= 0) {
     const TenantLora& t = l.tenants.at(static_cast<size_t>(only));
     if (!t.a.defined()) return l.base(rows).view(shape);
-    return add_lora(l.base(rows), drop(only, rows), t.a, t.b, t.scaling).view(shape);
+    if (t.magnitude.defined()) return adapt(only, t, l.base(x), x);  // (as its own run's DoRA layer: x as given)
+    return adapt(only, t, l.base(rows), rows).view(shape);
   }
   // The routes' rows one after another, split (not narrowed: a split's backward is one cat, where
   // each narrow's would be a zeroed tensor of the whole batch) and the outputs put back with one cat.
@@ -110,11 +118,11 @@ at::Tensor add_tenants(const Linear& l, const at::Tensor& x, bool training, cons
     if (!t.a.defined()) {
       out.push_back(ys[k]);
     } else if (r.length == T) {
-      out.push_back(add_lora(ys[k], drop(r.slot, xs[k]), t.a, t.b, t.scaling));
+      out.push_back(adapt(r.slot, t, ys[k], xs[k]));
     } else {  // its own positions, then the padding past them as the base left it
       const std::vector<at::Tensor> y2 = ys[k].split_with_sizes({r.length, T - r.length}, 1);
       const at::Tensor x2 = xs[k].narrow(1, 0, r.length);
-      out.push_back(at::cat({add_lora(y2[0].contiguous(), drop(r.slot, x2), t.a, t.b, t.scaling), y2[1]}, 1));
+      out.push_back(at::cat({adapt(r.slot, t, y2[0].contiguous(), x2), y2[1]}, 1));
     }
   }
   return at::cat(out);

@@ -12,9 +12,10 @@ namespace lorarun::model {
 
 struct Linear;
 
-// One adapter's pair on one linear: a [r, in], b [out, r] (undefined: it does not adapt this layer).
+// One adapter's pair on one linear: a [r, in], b [out, r] (undefined: it does not adapt this layer);
+// with DoRA its magnitude [out] (see dora.hpp).
 struct TenantLora {
-  at::Tensor a, b;
+  at::Tensor a, b, magnitude;
   double scaling = 0;
 };
 

@@ -494,7 +494,6 @@ void refuse_in_jobs(const Recipe& r, const RecipeOrigin& o) {
          fmt::format("stacks SFT adapters into shared passes, but with train.objective {} each adapter's pairs go "
                      "through passes of their own: drop it",
                      name(r.train.objective)));
-  if (r.lora.use_dora) refuse("DoRA's row norms do not fit yet: set lora.use_dora: false");
   if (r.lora.init != "default" && r.lora.init != "gaussian")
     refuse(fmt::format("lora.init {} cannot share: it rewrites the base weights per adapter", r.lora.init));
   if (!r.lora.modules_to_save.empty() || !r.lora.trainable_token_indices.empty())

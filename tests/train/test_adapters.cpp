@@ -6,6 +6,7 @@
 // after SIGTERM during an evaluation; the metrics rows and the run record; the dry run; the refusals.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -706,5 +707,42 @@ TEST_CASE(
     CHECK(job_sum["notes"].get<int>() > 0);
     CHECK(json::parse(read_file(fmt::format("{}/job/{}/best/best.json", dir, t.name)))["eval_loss"] ==
           json::parse(read_file(fmt::format("{}/own/{}/best/best.json", dir, t.name)))["eval_loss"]);
+  }
+}
+
+TEST_CASE(
+    "adapters with DoRA: each adapter of a 3-adapter job on 2 ranks (dropout, LoRA+, one at r 8, passes of 2) keeps "
+    "its own magnitudes and is its own run",
+    "[e2e]") {
+  const std::string dir = temp_dir("adapters-dora");
+  const std::vector<Tenant> tenants = {
+      {"d0", 6, "", ""}, {"d1", 11, "r: 8", "lora.r=8"}, {"d2", 9, "lr: 2.0e-3", "train.lr=2.0e-3"}};
+  std::string list;
+  int from = 0;
+  for (const Tenant& t : tenants) {
+    write_jsonl(fmt::format("{}/{}.jsonl", dir, t.name), tenant_docs(t.name, t.documents, from));
+    from += 100;
+    list += fmt::format("{}{{name: {}, path: {}/{}.jsonl{}}}", list.empty() ? "" : ", ", t.name, dir, t.name,
+                        t.own.empty() ? "" : ", " + t.own);
+  }
+  const std::string recipe =
+      job_recipe(dir, "job",
+                 {.lora = ", use_dora: true, plus_lr_ratio: 4",
+                  .data = ", source: jsonl",
+                  .extra = fmt::format("track: {{mongodb: false}}\nadapters: {{per_pass: 2, list: [{}]}}", list)});
+  const Result job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
+  INFO(job.output);
+  REQUIRE(job.status == 0);
+  CHECK_THAT(job.output, Catch::Contains("DoRA: a learnt magnitude per output row"));
+  for (const Tenant& t : tenants) run_own(recipe, dir + "/own", t, fmt::format("data.path={}/{}.jsonl", dir, t.name));
+  check_against_own_runs(dir + "/job", dir + "/own", tenants, "DoRA, LoRA+, 2 ranks, passes of 2");
+  for (const Tenant& t : tenants) {  // PEFT's DoRA adapter: its magnitudes saved, and trained away from their start
+    const std::string epoch = fmt::format("{}/job/{}/epoch_1", dir, t.name);
+    CHECK(json::parse(read_file(epoch + "/adapter_config.json"))["use_dora"] == true);
+    const std::string file = read_file(epoch + "/adapter_model.safetensors");  // (its header: 8 bytes of length, JSON)
+    uint64_t length = 0;
+    std::memcpy(&length, file.data(), sizeof length);
+    const std::string keys = json::parse(file.substr(8, length)).dump();
+    CHECK_THAT(keys, Catch::Contains("q_proj.lora_magnitude_vector"));
   }
 }
