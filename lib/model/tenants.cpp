@@ -101,7 +101,6 @@ at::Tensor add_tenants(const Linear& l, const at::Tensor& x, bool training, cons
   if (const int only = routes.all >= 0 ? routes.all : whole ? routes.routes[0].slot : -1; only >= 0) {
     const TenantLora& t = l.tenants.at(static_cast<size_t>(only));
     if (!t.a.defined()) return l.base(rows).view(shape);
-    if (t.magnitude.defined()) return adapt(only, t, l.base(x), x);  // (as its own run's DoRA layer: x as given)
     return adapt(only, t, l.base(rows), rows).view(shape);
   }
   // The routes' rows one after another, split (not narrowed: a split's backward is one cat, where

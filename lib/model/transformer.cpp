@@ -35,13 +35,14 @@ at::Tensor Linear::base(const at::Tensor& x) const {
 at::Tensor Linear::forward(const at::Tensor& x, bool training, const Routes* routes) const {
   if (!tenants.empty() && routes && !adapter_off) return add_tenants(*this, x, training, *routes);
   if (!adapted() || adapter_off) return base(x);
-  if (dora()) return dora_forward(*this, x, base(x), training);
   // As PEFT: the adapter path runs in the adapters' dtype (fp32 master weights under a bf16 or
   // fp16 base); the sum is cast back to the base output's dtype. Rows [N, in] so that the base
-  // output is a tensor of its own, which the adapter's GEMM can add into (see add_lora).
+  // output is a tensor of its own, which the adapter's GEMM can add into (see add_lora), and so
+  // that x's gradient is summed in the order a job's adapters (add_tenants) sum it.
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = out_features();
   const at::Tensor rows = x.reshape({-1, x.size(-1)});
+  if (dora()) return dora_forward(*this, rows, base(rows), training).view(shape);
   return add_lora(base(rows), training && dropout > 0 ? at::dropout(rows, dropout, true) : rows, lora_a, lora_b,
                   scaling)
       .view(shape);
