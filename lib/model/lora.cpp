@@ -53,9 +53,9 @@ bool names_module(const std::string& module, const std::string& name) {
 }
 
 // modules_to_save's copies and trainable_token_indices' rows, taken from the frozen tables.
-void attach_tables(CausalLM& model, const LoraConfig& cfg, at::ScalarType dtype) {
+TrainedTables make_tables(const CausalLM& model, const LoraConfig& cfg, at::ScalarType dtype) {
   c10::NoGradGuard no_grad;
-  TrainedTables& t = model.tables;
+  TrainedTables t;
   const auto copy = [&](const at::Tensor& w) { return w.to(dtype).clone().set_requires_grad(true); };
   for (const std::string& name : cfg.modules_to_save) {
     if (names_module(model.embedding_name(), name))
@@ -68,7 +68,7 @@ void attach_tables(CausalLM& model, const LoraConfig& cfg, at::ScalarType dtype)
                       "head (lm_head), the modules it trains whole",
                       printable(name), model.config().model_type, short_name(model.embedding_name())));
   }
-  if (cfg.trainable_token_indices.empty()) return;
+  if (cfg.trainable_token_indices.empty()) return t;
   if (t.embed.defined())
     throw Error(
         fmt::format("lora.trainable_token_indices trains rows of {}, which lora.modules_to_save trains whole: "
@@ -95,12 +95,14 @@ void attach_tables(CausalLM& model, const LoraConfig& cfg, at::ScalarType dtype)
     t.token_slot = at::full({vocab}, -1, longs).index_put_({t.token_ids}, at::arange(n, longs));
   }
   t.head_tokens = model.head_tied();  // PEFT ties the head's rows to the embedding's
+  return t;
 }
 
-// The attached tables under the names PEFT saves them by (M: CausalLM or const CausalLM).
-template <class M>
-auto table_slots(M& model) {
-  auto& t = model.tables;
+bool has_tables(const LoraConfig& cfg) { return !cfg.modules_to_save.empty() || !cfg.trainable_token_indices.empty(); }
+
+// Tables `t` of `model` under the names PEFT saves them by (T: TrainedTables or const TrainedTables).
+template <class T>
+auto table_slots(const CausalLM& model, T& t) {
   std::vector<std::pair<std::string, decltype(&t.embed)>> out;
   if (t.embed.defined()) out.emplace_back(kPrefix + model.embedding_name() + ".weight", &t.embed);
   if (t.head.defined()) out.emplace_back(std::string(kPrefix) + "lm_head.weight", &t.head);
@@ -109,9 +111,9 @@ auto table_slots(M& model) {
   return out;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> table_state(const CausalLM& model) {
+std::vector<std::pair<std::string, at::Tensor>> table_state(const CausalLM& model, const TrainedTables& tables) {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& [name, t] : table_slots(model)) out.emplace_back(name, *t);
+  for (const auto& [name, t] : table_slots(model, tables)) out.emplace_back(name, *t);
   return out;
 }
 
@@ -150,7 +152,7 @@ std::vector<std::pair<std::string, at::Tensor>> state_of(const CausalLM& model, 
                      start ? at::cat({l->lora_b, -l->lora_b0.to(l->lora_b.scalar_type())}, 1) : l->lora_b);
     if (l->dora()) out.emplace_back(kPrefix + l->name + ".lora_magnitude_vector", l->magnitude);
   }
-  for (auto& entry : table_state(model)) out.push_back(std::move(entry));
+  for (auto& entry : table_state(model, model.tables)) out.push_back(std::move(entry));
   return out;
 }
 
@@ -204,7 +206,7 @@ void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::Scal
     ++matched;
   }
   if (matched == 0) matched_nothing(model, cfg);
-  attach_tables(model, cfg, dtype);
+  model.tables = make_tables(model, cfg, dtype);
 }
 
 void attach_tenant(CausalLM& model, const LoraConfig& cfg, uint64_t seed, int slot, int slots) {
@@ -231,6 +233,10 @@ void attach_tenant(CausalLM& model, const LoraConfig& cfg, uint64_t seed, int sl
     ++matched;
   }
   if (matched == 0) matched_nothing(model, cfg);
+  if (has_tables(cfg)) {  // its own copies, as its own run's
+    model.tenant_tables.resize(static_cast<size_t>(slots));
+    model.tenant_tables[static_cast<size_t>(slot)] = make_tables(model, cfg, at::kFloat);
+  }
 }
 
 std::vector<std::pair<std::string, at::Tensor>> tenant_state(const CausalLM& model, int slot) {
@@ -242,6 +248,9 @@ std::vector<std::pair<std::string, at::Tensor>> tenant_state(const CausalLM& mod
     out.emplace_back(kPrefix + l->name + ".lora_B.weight", t.b);
     if (t.magnitude.defined()) out.emplace_back(kPrefix + l->name + ".lora_magnitude_vector", t.magnitude);
   }
+  if (static_cast<size_t>(slot) < model.tenant_tables.size())
+    for (auto& entry : table_state(model, model.tenant_tables[static_cast<size_t>(slot)]))
+      out.push_back(std::move(entry));
   return out;
 }
 
@@ -258,7 +267,7 @@ std::vector<at::Tensor> lora_parameters(const CausalLM& model) {
       out.insert(out.end(), {l->lora_a, l->lora_b});
       if (l->dora()) out.push_back(l->magnitude);
     }
-  for (const auto& [name, t] : table_state(model)) out.push_back(t);
+  for (const auto& [name, t] : table_state(model, model.tables)) out.push_back(t);
   return out;
 }
 
@@ -270,6 +279,8 @@ std::string trainable_summary(const CausalLM& model) {
   for (const Linear* l : model.linears())  // a job's adapters, all of them
     for (const TenantLora& t : l->tenants)
       if (t.a.defined()) trainable += t.a.numel() + t.b.numel() + (t.magnitude.defined() ? t.magnitude.numel() : 0);
+  for (const TrainedTables& tables : model.tenant_tables)
+    for (const auto& [name, t] : table_state(model, tables)) trainable += t.numel();
   const int64_t all = trainable + model.base_parameter_count();
   return fmt::format("trainable params: {} || all params: {} || trainable%: {:.4f}", with_commas(trainable),
                      with_commas(all), 100.0 * double(trainable) / double(all));
@@ -426,9 +437,9 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
   const auto load = [&](const std::string& key, const std::vector<int64_t>& want) {
     return adapter_tensor(files, weights_path.string(), key, want, cfg.r, dtype, model.device());
   };
-  attach_tables(model, cfg, dtype);  // modules_to_save / trainable tokens: filled from the file below
+  model.tables = make_tables(model, cfg, dtype);  // modules_to_save / trainable tokens: filled from the file below
   std::map<std::string, at::Tensor*> tables;
-  for (const auto& [name, slot] : table_slots(model)) tables[name] = slot;
+  for (const auto& [name, slot] : table_slots(model, model.tables)) tables[name] = slot;
   for (const std::string& key : files.names()) {
     if (const auto table = tables.find(key); table != tables.end()) {
       *table->second = load(key, table->second->sizes().vec());
@@ -488,8 +499,14 @@ void start_tenant_from(CausalLM& model, int slot, const LoraConfig& cfg, const s
   if (a.cfg.use_rslora != cfg.use_rslora) differ(fmt::format("has use_rslora={}", a.cfg.use_rslora));
   if (a.cfg.use_dora != cfg.use_dora)
     differ(fmt::format("has use_dora={} but the adapter trains with use_dora={}", a.cfg.use_dora, cfg.use_dora));
-  if (!a.cfg.modules_to_save.empty() || !a.cfg.trainable_token_indices.empty())
-    differ("holds trained tables, which a job's adapters do not have");
+  if (std::set<std::string>(a.cfg.modules_to_save.begin(), a.cfg.modules_to_save.end()) !=
+      std::set<std::string>(cfg.modules_to_save.begin(), cfg.modules_to_save.end()))
+    differ(fmt::format("has modules_to_save [{}] but the adapter trains [{}]",
+                       printable(fmt::format("{}", fmt::join(a.cfg.modules_to_save, ", "))),
+                       fmt::join(cfg.modules_to_save, ", ")));
+  if (a.cfg.trainable_token_indices != cfg.trainable_token_indices)
+    differ(fmt::format("has trainable_token_indices [{}] but the adapter trains [{}]",
+                       fmt::join(a.cfg.trainable_token_indices, ", "), fmt::join(cfg.trainable_token_indices, ", ")));
   const WeightFiles files = WeightFiles::open_file(a.weights);
   const std::vector<std::pair<std::string, at::Tensor>> mine = tenant_state(model, slot);
   std::vector<std::string> names = files.names();

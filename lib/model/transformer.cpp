@@ -548,8 +548,7 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
     positions = at::arange(past, past + T, long_opts).unsqueeze(0).expand({B, T});
   }
 
-  at::Tensor h =
-      embed(tables, [this](const at::Tensor& ids) { return embedding_rows(ids); }, input_ids.to(device_), dtype_);
+  at::Tensor h = embedded(input_ids.to(device_));
   at::Tensor cos[2], sin[2];  // [0] every layer's, [1] gemma3's windowed layers' when they differ
   if (c.family == Family::Llama) {
     if (c.gemma)  // sqrt(hidden) rounded to the model's dtype first, as HF
@@ -622,12 +621,46 @@ at::Tensor CausalLM::embedding_rows(const at::Tensor& ids) const {
   return embed_blocks_ ? embed_blocks_->rows(ids) : at::embedding(embed_tokens_, ids);
 }
 
-at::Tensor CausalLM::lm_head() const {
+// Each route's rows through its adapter's tables at its own positions (its own run's lookup of its
+// own micro-batch [rows, length]); the padding past them, which no loss reads, from the frozen table.
+at::Tensor CausalLM::embedded(const at::Tensor& ids) const {
+  const auto frozen = [this](const at::Tensor& i) { return embedding_rows(i); };
+  const Routes* routes = routes_.get();
+  if (!routes || tenant_tables.empty()) return embed(tables, frozen, ids, dtype_);
+  if (routes->all >= 0) return embed(tenant_tables.at(static_cast<size_t>(routes->all)), frozen, ids, dtype_);
+  const int64_t T = ids.size(1);
+  std::vector<at::Tensor> out;
+  for (const Route& r : routes->routes) {
+    const TrainedTables& t = tenant_tables.at(static_cast<size_t>(r.slot));
+    const at::Tensor mine = ids.narrow(0, r.row0, r.rows);
+    at::Tensor h = embed(t, frozen, mine.narrow(1, 0, r.length), dtype_);
+    out.push_back(r.length == T ? h : at::cat({h, frozen(mine.narrow(1, r.length, T - r.length))}, 1));
+  }
+  return out.size() == 1 ? out[0] : at::cat(out);
+}
+
+at::Tensor CausalLM::head_of(const TrainedTables& t) const {
   const at::Tensor head = frozen_lm_head();  // (a kept embedding tied to it: dequantised for this pass)
-  if (tables.off) return head;
-  if (tables.head.defined()) return tables.head.to(dtype_);
-  if (tables.head_tokens) return head.index_copy(0, tables.token_ids, tables.token_rows.to(dtype_));
+  if (t.off) return head;
+  if (t.head.defined()) return t.head.to(dtype_);
+  if (t.head_tokens) return head.index_copy(0, t.token_ids, t.token_rows.to(dtype_));
   return head;
+}
+
+at::Tensor CausalLM::lm_head() const {
+  const Routes* routes = routes_.get();
+  return routes && routes->all >= 0 ? lm_head(routes->all) : head_of(tables);
+}
+
+at::Tensor CausalLM::lm_head(int slot) const {
+  return static_cast<size_t>(slot) < tenant_tables.size() ? head_of(tenant_tables[static_cast<size_t>(slot)])
+                                                          : head_of(tables);
+}
+
+void CausalLM::set_adapters_off(bool off) {
+  for (Linear* l : linears()) l->adapter_off = off;
+  tables.off = off;
+  for (TrainedTables& t : tenant_tables) t.off = off;
 }
 
 void CausalLM::fold_tables() {

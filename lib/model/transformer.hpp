@@ -151,8 +151,11 @@ class CausalLM {
                            bool packed = false) const;
   // hidden [.., H'] -> logits [.., vocab]
   at::Tensor logits(const at::Tensor& hidden) const;
-  // The output projection [vocab, H'] as forward uses it: the frozen one, or what `tables` make of it.
+  // The output projection [vocab, H'] as forward uses it: the frozen one, or what the tables of the
+  // adapter in use make of it (`tables`; a job's adapter the Routing sends every row to).
   at::Tensor lm_head() const;
+  // A job's adapter `slot`'s output projection (what its tenant_tables make of the frozen one).
+  at::Tensor lm_head(int slot) const;
   // [vocab, E] (dequantised whole when model.keep_quantized holds it as the file's blocks)
   at::Tensor frozen_embedding() const { return embed_blocks_ ? embed_blocks_->dequantize() : embed_tokens_; }
   at::Tensor frozen_lm_head() const { return tied_ ? frozen_embedding() : lm_head_; }
@@ -163,6 +166,11 @@ class CausalLM {
   // when they would untie a tied head.
   void fold_tables();
   TrainedTables tables;
+  // adapters: (a job of many with trained tables) adapter slot's tables; its routes' rows are
+  // embedded by them. Empty when the job's adapters train none.
+  std::vector<TrainedTables> tenant_tables;
+  // Every adapter skipped, or back: the base alone (a preference loss's reference).
+  void set_adapters_off(bool off);
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask) const {
     return logits(hidden_states(input_ids, attention_mask));
   }
@@ -241,6 +249,9 @@ class CausalLM {
   at::Tensor lm_head_;  // [vocab, E]; may alias embed_tokens_ (undefined when tied to embed_blocks_)
   // ids [..] -> the frozen embedding's rows [.., E]
   at::Tensor embedding_rows(const at::Tensor& ids) const;
+  // ids [B, T] -> [B, T, E] in dtype_: through `tables`, or a job's rows through their adapters' tables.
+  at::Tensor embedded(const at::Tensor& ids) const;
+  at::Tensor head_of(const TrainedTables& t) const;
   struct NamedWeight {
     std::string name;
     at::Tensor tensor;  // undefined for an NF4 or GGUF-blocks weight: its Linear holds it

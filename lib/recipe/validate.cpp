@@ -496,10 +496,6 @@ void refuse_in_jobs(const Recipe& r, const RecipeOrigin& o) {
                      name(r.train.objective)));
   if (r.lora.init != "default" && r.lora.init != "gaussian")
     refuse(fmt::format("lora.init {} cannot share: it rewrites the base weights per adapter", r.lora.init));
-  if (!r.lora.modules_to_save.empty() || !r.lora.trainable_token_indices.empty())
-    refuse(
-        "trained embeddings or heads cannot share (one table per adapter in one pass): drop "
-        "lora.modules_to_save and lora.trainable_token_indices");
 }
 
 // adapters: a field to split data's selection by, or listed adapters with names that can name
@@ -518,6 +514,11 @@ void check_adapters(const Recipe& r, const RecipeOrigin& o, Warnings&) {
               a.per.back() == '.' || a.per.find("..") != std::string::npos))
     fail(o, "adapters.per",
          fmt::format("'{}' is not a document field name (e.g. tenant, meta.customer)", detail::show(a.per)));
+  if (!per && r.data.source == Source::Jsonl && !r.data.sources.empty())
+    fail(o, "adapters.list",
+         "with data.sources from JSONL files has no way to give each adapter its documents (each source names its "
+         "own file, and a file is not queried): use data.source: mongodb, or give each adapter its file under "
+         "adapters.list without data.sources");
   std::set<std::string> names;
   std::map<std::string, std::string> folded;  // case_folded(name) -> name
   for (size_t i = 0; i < a.list.size(); ++i) {

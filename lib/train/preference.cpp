@@ -85,18 +85,14 @@ class AsReference {
   AsReference(model::CausalLM& m, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& values)
       : m_(m), params_(params), was_training_(m.training) {
     m.training = false;
-    if (values.empty()) {
-      for (model::Linear* l : m.linears()) l->adapter_off = true;
-      m.tables.off = true;
-    }
+    if (values.empty()) m.set_adapters_off(true);
     for (size_t i = 0; i < values.size(); ++i) {
       saved_.push_back(params[i].detach().clone());
       params[i].detach().copy_(values[i]);
     }
   }
   ~AsReference() {
-    for (model::Linear* l : m_.linears()) l->adapter_off = false;
-    m_.tables.off = false;
+    m_.set_adapters_off(false);
     for (size_t i = 0; i < saved_.size(); ++i) params_[i].detach().copy_(saved_[i]);
     m_.training = was_training_;
   }

@@ -15,6 +15,7 @@
 #include "util/error.hpp"
 #include "util/log.hpp"
 #include "util/process.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::train {
 namespace {
@@ -40,7 +41,8 @@ void start_from_adapter(model::CausalLM& m, const model::LoraConfig& cfg, const 
     return v;
   };
   if (sorted(from.modules_to_save) != sorted(cfg.modules_to_save))
-    differ("lora.modules_to_save", fmt::format("modules_to_save [{}]", fmt::join(from.modules_to_save, ", ")),
+    differ("lora.modules_to_save",
+           fmt::format("modules_to_save [{}]", printable(fmt::format("{}", fmt::join(from.modules_to_save, ", ")))),
            fmt::format("[{}]", fmt::join(cfg.modules_to_save, ", ")));
   if (from.trainable_token_indices != cfg.trainable_token_indices)
     differ("lora.trainable_token_indices",

@@ -165,8 +165,8 @@ void Trainer::pass(const std::vector<data::Batch>& parts, const std::vector<Tena
   const at::Tensor hidden = m_.hidden_states(s.ids, s.mask, nullptr, r_.data.packing);
   at::Tensor total;
   for (size_t k = 0; k < parts.size(); ++k) {
-    const model::LossSum l =
-        model::lm_head_loss(hidden, m_.lm_head(), s.parts[k].flat_rows, s.parts[k].targets, m_.config().logit_softcap);
+    const model::LossSum l = model::lm_head_loss(hidden, m_.lm_head(*owners[k]->slot), s.parts[k].flat_rows,
+                                                 s.parts[k].targets, m_.config().logit_softcap);
     total = total.defined() ? total + l.sum : l.sum;
     owners[k]->loss += l.sum.detach();
     owners[k]->tokens += parts[k].tokens;

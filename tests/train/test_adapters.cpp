@@ -49,6 +49,20 @@ void write_jsonl(const std::string& path, const std::vector<json>& docs) {
   for (const json& d : docs) out << d.dump() << "\n";
 }
 
+// Each tenant's documents in `dir`/<name>.jsonl (their numbers 100 apart); returns adapters.list's
+// entries for them, with their own keys.
+std::string write_tenants(const std::string& dir, const std::vector<Tenant>& tenants) {
+  std::string list;
+  int from = 0;
+  for (const Tenant& t : tenants) {
+    write_jsonl(fmt::format("{}/{}.jsonl", dir, t.name), tenant_docs(t.name, t.documents, from));
+    from += 100;
+    list += fmt::format("{}{{name: {}, path: {}/{}.jsonl{}}}", list.empty() ? "" : ", ", t.name, dir, t.name,
+                        t.own.empty() ? "" : ", " + t.own);
+  }
+  return list;
+}
+
 // The keys a job recipe appends to its sections (", packing: true"), and its last lines.
 struct JobKeys {
   std::string lora = {}, data = {}, train = {}, checkpoint = {}, extra = {};
@@ -68,6 +82,14 @@ checkpoint: {{output_dir: {}/{}{}}}
                                      LORARUN_MODEL_FIXTURES, keys.lora, keys.data, keys.train, dir, name,
                                      keys.checkpoint, keys.extra);
   return path;
+}
+
+// The header of safetensors file `path` (its tensors' names, shapes and offsets) as JSON text.
+std::string adapter_keys(const std::string& path) {
+  const std::string file = read_file(path);  // (8 bytes of length, then the JSON header)
+  uint64_t length = 0;
+  std::memcpy(&length, file.data(), sizeof length);
+  return json::parse(file.substr(8, length)).dump();
 }
 
 std::vector<json> metrics(const std::string& output_dir) {
@@ -249,14 +271,7 @@ TEST_CASE(
       {"t6", 14, "epochs: 3, r: 2", "train.epochs=3 lora.r=2"},
       {"t7", 18, "", ""},
   };
-  std::string list;
-  int from = 0;
-  for (const Tenant& t : tenants) {
-    write_jsonl(fmt::format("{}/{}.jsonl", dir, t.name), tenant_docs(t.name, t.documents, from));
-    from += 100;
-    list += fmt::format("{}{{name: {}, path: {}/{}.jsonl{}}}", list.empty() ? "" : ", ", t.name, dir, t.name,
-                        t.own.empty() ? "" : ", " + t.own);
-  }
+  const std::string list = write_tenants(dir, tenants);
   const std::string recipe =
       job_recipe(dir, "job",
                  {.lora = ", quantize_base: true, plus_lr_ratio: 16",
@@ -422,6 +437,10 @@ TEST_CASE("adapters: bad jobs are one line each, before anything is trained or w
                       std::string("{list: [{name: x, collection: docs}]}"),
                       std::string("'x' sets collection, which each of data.sources names for itself: give the "
                                   "adapter a filter")},
+           std::tuple{fmt::format("{}, sources: [{{name: s, path: {}/a.jsonl}}]", jsonl, dir),
+                      fmt::format("{{list: [{}]}}", a),
+                      std::string("adapters.list with data.sources from JSONL files has no way to give each adapter "
+                                  "its documents")},
        }) {
     if (n == 4) {  // a second tenant, and (n == 5) one whose name would leave the output directory
       client.insert_many(db, "docs", tenant_docs("other", 3, 50));
@@ -717,14 +736,7 @@ TEST_CASE(
   const std::string dir = temp_dir("adapters-dora");
   const std::vector<Tenant> tenants = {
       {"d0", 6, "", ""}, {"d1", 11, "r: 8", "lora.r=8"}, {"d2", 9, "lr: 2.0e-3", "train.lr=2.0e-3"}};
-  std::string list;
-  int from = 0;
-  for (const Tenant& t : tenants) {
-    write_jsonl(fmt::format("{}/{}.jsonl", dir, t.name), tenant_docs(t.name, t.documents, from));
-    from += 100;
-    list += fmt::format("{}{{name: {}, path: {}/{}.jsonl{}}}", list.empty() ? "" : ", ", t.name, dir, t.name,
-                        t.own.empty() ? "" : ", " + t.own);
-  }
+  const std::string list = write_tenants(dir, tenants);
   const std::string recipe =
       job_recipe(dir, "job",
                  {.lora = ", use_dora: true, plus_lr_ratio: 4",
@@ -739,10 +751,45 @@ TEST_CASE(
   for (const Tenant& t : tenants) {  // PEFT's DoRA adapter: its magnitudes saved, and trained away from their start
     const std::string epoch = fmt::format("{}/job/{}/epoch_1", dir, t.name);
     CHECK(json::parse(read_file(epoch + "/adapter_config.json"))["use_dora"] == true);
-    const std::string file = read_file(epoch + "/adapter_model.safetensors");  // (its header: 8 bytes of length, JSON)
-    uint64_t length = 0;
-    std::memcpy(&length, file.data(), sizeof length);
-    const std::string keys = json::parse(file.substr(8, length)).dump();
-    CHECK_THAT(keys, Catch::Contains("q_proj.lora_magnitude_vector"));
+    CHECK_THAT(adapter_keys(epoch + "/adapter_model.safetensors"), Catch::Contains("q_proj.lora_magnitude_vector"));
   }
+}
+
+TEST_CASE(
+    "adapters with trained tables: modules_to_save (embedding and head) and trainable tokens, each adapter its own "
+    "copies, in an SFT job on 2 ranks in passes of 2 and a DPO job (the reference without them), are its own run",
+    "[e2e]") {
+  const std::string dir = temp_dir("adapters-tables");
+  // (the fixture llama ties its head to the embedding; 16..25 are its digits, 33 "A", 298 "dd")
+  const std::string tokens = ", trainable_token_indices: [16, 17, 18, 20, 23, 33, 298]";
+  const std::vector<Tenant> tenants = {{"s0", 7, "", ""}, {"s1", 11, "r: 8", "lora.r=8"}, {"s2", 9, "", ""}};
+  const std::string list = write_tenants(dir, tenants);
+  for (const auto& [variant, lora] :
+       {std::pair{"save", ", modules_to_save: [embed_tokens, lm_head]"}, std::pair{"tokens", tokens.c_str()}}) {
+    const std::string recipe =
+        job_recipe(dir, fmt::format("{}-job", variant),
+                   {.lora = lora,
+                    .data = ", source: jsonl",
+                    .extra = fmt::format("track: {{mongodb: false}}\nadapters: {{per_pass: 2, list: [{}]}}", list)});
+    const Result job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
+    INFO(job.output);
+    REQUIRE(job.status == 0);
+    for (const Tenant& t : tenants)
+      run_own(recipe, fmt::format("{}/{}-own", dir, variant), t, fmt::format("data.path={}/{}.jsonl", dir, t.name));
+    check_against_own_runs(fmt::format("{}/{}-job", dir, variant), fmt::format("{}/{}-own", dir, variant), tenants,
+                           fmt::format("{}, 2 ranks, passes of 2", variant));
+    const std::string epoch = fmt::format("{}/{}-job/s1/epoch_1", dir, variant);
+    const std::string keys = adapter_keys(epoch + "/adapter_model.safetensors");
+    CHECK_THAT(keys,
+               Catch::Contains(variant == std::string("save") ? "base_model.model.lm_head.weight"
+                                                              : "embed_tokens.token_adapter.trainable_tokens_delta"));
+  }
+  write_pairs(dir);
+  const std::vector<Tenant> pairs = {{"a", 14, "", ""}, {"b", 10, "lr: 1.0e-2", "train.lr=1.0e-2"}};
+  const std::string recipe = pairs_job_recipe(dir, "dpo-job", dir, {.lora = tokens, .train = ", objective: dpo"});
+  const Result job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
+  INFO(job.output);
+  REQUIRE(job.status == 0);
+  for (const Tenant& t : pairs) run_own(recipe, dir + "/dpo-own", t, fmt::format("data.path={}/{}.jsonl", dir, t.name));
+  check_against_own_runs(dir + "/dpo-job", dir + "/dpo-own", pairs, "DPO, trainable tokens, 2 ranks");
 }
