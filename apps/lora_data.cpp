@@ -311,8 +311,7 @@ struct Mixed {
   explicit Mixed(recipe::Recipe r)
       : recipe(std::move(r)),
         tokenizer(lorarun::model::load_tokenizer(recipe.model.path)),
-        mix(recipe, tokenizer,
-            recipe.train.objective == recipe::Objective::Orpo ? data::PairTokens::Orpo : data::PairTokens::Dpo,
+        mix(recipe, tokenizer, data::pair_tokens(recipe.train.objective),
             data::Holdout::training(recipe.eval.fraction)) {}
   const recipe::Recipe recipe;
   const tok::Tokenizer tokenizer;

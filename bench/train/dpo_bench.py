@@ -1,6 +1,7 @@
-"""Preference training on CPU: lora-train's DPO step against an SFT step of the same model and batch
-(time and peak memory: the reference is the same model with its adapters off, never a second copy),
-and against TRL's DPOTrainer on the same pairs, same torch, 2 threads each, in one run, REPEATS times.
+"""Preference training on CPU: lora-train's DPO and SimPO steps against an SFT step of the same model
+and batch (time and peak memory: DPO's reference is the same model with its adapters off, never a
+second copy; SimPO has none), and DPO against TRL's DPOTrainer on the same pairs, same torch, 2
+threads each, in one run, REPEATS times.
 
 usage: .venv/bin/python bench/train/dpo_bench.py BUILD_DIR WORK_DIR [STEPS [REPEATS]]
 
@@ -40,7 +41,7 @@ def make_pairs(work, n):
 def ours(build, work, model_dir, pairs, objective, steps):
     out = os.path.join(work, f"ours-{objective}")
     recipe = os.path.join(work, f"{objective}.yaml")
-    data = ("format: preference" if objective == "dpo" else
+    data = ("format: preference" if objective != "sft" else
             'format: instruction, prompt_template: "{prompt}", response_field: chosen')
     with open(recipe, "w") as f:
         f.write(f"""model: {{path: {model_dir}, dtype: fp32, device: cpu}}
@@ -109,17 +110,21 @@ def main():
     os.makedirs(work, exist_ok=True)
     model_dir, _ = make_assets(work)
     pairs = make_pairs(work, steps * BATCH)
-    ratios = {"DPO/SFT step time": [], "DPO/SFT peak RSS": [], "TRL/lora-train DPO step time": [],
-              "TRL/lora-train DPO peak RSS": []}
+    ratios = {"DPO/SFT step time": [], "DPO/SFT peak RSS": [], "SimPO/SFT step time": [], "SimPO/SFT peak RSS": [],
+              "TRL/lora-train DPO step time": [], "TRL/lora-train DPO peak RSS": []}
     for k in range(repeats):
         sft_s, sft_rss = ours(build, work, model_dir, pairs, "sft", steps)
         dpo_s, dpo_rss = ours(build, work, model_dir, pairs, "dpo", steps)
+        simpo_s, simpo_rss = ours(build, work, model_dir, pairs, "simpo", steps)
         trl_s, trl_rss = trl(model_dir, pairs, steps)
         print(f"repeat {k + 1}: lora-train SFT {sft_s * 1e3:.1f} ms/step {sft_rss:.0f} MB; "
-              f"DPO {dpo_s * 1e3:.1f} ms/step {dpo_rss:.0f} MB; TRL DPO {trl_s * 1e3:.1f} ms/step {trl_rss:.0f} MB",
+              f"DPO {dpo_s * 1e3:.1f} ms/step {dpo_rss:.0f} MB; SimPO {simpo_s * 1e3:.1f} ms/step {simpo_rss:.0f} MB; "
+              f"TRL DPO {trl_s * 1e3:.1f} ms/step {trl_rss:.0f} MB",
               flush=True)
         ratios["DPO/SFT step time"].append(dpo_s / sft_s)
         ratios["DPO/SFT peak RSS"].append(dpo_rss / sft_rss)
+        ratios["SimPO/SFT step time"].append(simpo_s / sft_s)
+        ratios["SimPO/SFT peak RSS"].append(simpo_rss / sft_rss)
         ratios["TRL/lora-train DPO step time"].append(trl_s / dpo_s)
         ratios["TRL/lora-train DPO peak RSS"].append(trl_rss / dpo_rss)
     for name, values in ratios.items():

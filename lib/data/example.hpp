@@ -52,8 +52,13 @@ struct Rejection {
 // from the collection since it was listed), "template" (the chat template failed), "overlong".
 std::string_view cause_name(Rejection::Cause c);
 
-// How a preference pair is tokenised: as TRL's DPOTrainer does, or as its ORPOTrainer does.
+// How a preference pair is tokenised: as TRL's DPOTrainer does, or as its ORPOTrainer (and
+// CPOTrainer, whose tokenize_row is the same) does.
 enum class PairTokens { Dpo, Orpo };
+// The tokenisation of train.objective's trainer in TRL.
+inline PairTokens pair_tokens(recipe::Objective o) {
+  return o == recipe::Objective::Dpo ? PairTokens::Dpo : PairTokens::Orpo;
+}
 
 class ExampleBuilder {
  public:

@@ -33,8 +33,8 @@ enum class Scheduler { Cosine, Linear, Constant };
 enum class Resume { Auto, Never };
 enum class DistBackend { Auto, Nccl, Gloo };
 enum class Store { None, MongoDB };
-enum class Objective { Sft, Dpo, Orpo };
-enum class PreferenceLoss { Sigmoid, Ipo, Hinge };
+enum class Objective { Sft, Dpo, Orpo, Cpo, Simpo };
+enum class PreferenceLoss { Sigmoid, Ipo, Hinge, Simpo };
 enum class MixBy { Examples, Tokens };
 
 // The YAML spelling of each enum value; the first entry is the key's default.
@@ -107,13 +107,19 @@ struct EnumNames<Store> {
 
 template <>
 struct EnumNames<Objective> {
-  static constexpr std::array<std::pair<std::string_view, Objective>, 3> values{
-      {{"sft", Objective::Sft}, {"dpo", Objective::Dpo}, {"orpo", Objective::Orpo}}};
+  static constexpr std::array<std::pair<std::string_view, Objective>, 5> values{{{"sft", Objective::Sft},
+                                                                                 {"dpo", Objective::Dpo},
+                                                                                 {"orpo", Objective::Orpo},
+                                                                                 {"cpo", Objective::Cpo},
+                                                                                 {"simpo", Objective::Simpo}}};
 };
 template <>
 struct EnumNames<PreferenceLoss> {
-  static constexpr std::array<std::pair<std::string_view, PreferenceLoss>, 3> values{
-      {{"sigmoid", PreferenceLoss::Sigmoid}, {"ipo", PreferenceLoss::Ipo}, {"hinge", PreferenceLoss::Hinge}}};
+  static constexpr std::array<std::pair<std::string_view, PreferenceLoss>, 4> values{
+      {{"sigmoid", PreferenceLoss::Sigmoid},
+       {"ipo", PreferenceLoss::Ipo},
+       {"hinge", PreferenceLoss::Hinge},
+       {"simpo", PreferenceLoss::Simpo}}};
 };
 
 template <>
@@ -255,6 +261,8 @@ struct PreferenceSection {
   PreferenceLoss loss_type = PreferenceLoss::Sigmoid;
   double label_smoothing = 0.0;     // sigmoid: conservative DPO
   std::optional<double> rpo_alpha;  // the chosen answers' NLL, this much of it, added (RPO); null: off
+  std::optional<double> cpo_alpha;  // cpo, simpo: the chosen answers' NLL weight; null: 1 (cpo), 0 (simpo)
+  double simpo_gamma = 0.5;         // loss simpo: the target reward margin
   bool operator==(const PreferenceSection&) const = default;
 };
 

@@ -322,21 +322,23 @@ void for_each_key(R& r, V&& v) {
         .meaning = "an evaluation improves when it lowers the best eval loss so far by more than this"},
     r.train.early_stopping_min_delta);
   v(Key{.name = "train.objective",
-        .meaning = "sft: the trained tokens' loss; dpo, orpo: preference losses over chosen/rejected pairs "
+        .meaning = "sft: the trained tokens' loss; dpo, orpo, cpo, simpo: losses over chosen/rejected pairs "
                    "(data.format: preference)"},
     r.train.objective);
 
   v(Key{.name = "preference.beta",
         .bound = within(0.0001, 1000, false),
-        .meaning = "DPO's beta (rewards are beta × log-ratio to the reference); orpo: lambda, the weight of the "
-                   "odds-ratio term"},
+        .meaning = "rewards are beta × log-ratio to the reference (dpo) or × log-probability (cpo, simpo); orpo: "
+                   "its lambda"},
     r.preference.beta);
   v(Key{.name = "preference.loss_type",
-        .meaning = "TRL's DPO losses: sigmoid (DPO), ipo (IPO, per-token log-ratios), hinge (SLiC)"},
+        .meaning = "TRL's losses: sigmoid (DPO), ipo (IPO, per-token log-ratios), hinge (SLiC); simpo (SimPO's "
+                   "margin; cpo only)"},
     r.preference.loss_type);
   v(Key{.name = "preference.label_smoothing",
         .bound = within(0, 0.5, true),
-        .meaning = "loss_type: sigmoid: the assumed share of flipped labels (conservative DPO); 0: plain DPO"},
+        .meaning = "loss_type sigmoid (and simpo): the assumed share of flipped labels (conservative DPO); 0: plain "
+                   "DPO"},
     r.preference.label_smoothing);
   v(Key{.name = "preference.rpo_alpha",
         .bound = above(0),
@@ -344,6 +346,16 @@ void for_each_key(R& r, V&& v) {
         .null_means = "off",
         .meaning = "RPO: add this weight times the NLL of the chosen completions (mean over their tokens)"},
     r.preference.rpo_alpha);
+  v(Key{.name = "preference.cpo_alpha",
+        .bound = at_least(0),
+        .example = "1.0",
+        .null_means = "1 with train.objective cpo, 0 with simpo (TRL's and the SimPO paper's)",
+        .meaning = "cpo, simpo: add this weight times the NLL of the chosen completions (mean over their tokens)"},
+    r.preference.cpo_alpha);
+  v(Key{.name = "preference.simpo_gamma",
+        .bound = at_least(0),
+        .meaning = "SimPO's target reward margin (train.objective simpo, or cpo with loss_type simpo)"},
+    r.preference.simpo_gamma);
 
   v(Key{.name = "checkpoint.output_dir",
         .example = "runs/my-run",

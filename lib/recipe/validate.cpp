@@ -283,14 +283,16 @@ constexpr Rule kRules[] = {
               "data.format of single documents");
        if (r.train.objective == Objective::Sft && r.preference != PreferenceSection{})
          fail(o, "train.objective",
-              "is sft, but preference: keys are set; they apply to train.objective: dpo or orpo only: remove them "
-              "or set train.objective: dpo");
+              "is sft, but preference: keys are set; they apply to train.objective: dpo, orpo, cpo or simpo only: "
+              "remove them or set train.objective: dpo");
        if (r.train.objective == Objective::Sft) return;
-       if (r.train.objective == Objective::Orpo && (r.preference.loss_type != PreferenceLoss::Sigmoid ||
-                                                    r.preference.label_smoothing > 0 || r.preference.rpo_alpha))
+       if (r.train.objective == Objective::Orpo &&
+           (r.preference.loss_type != PreferenceLoss::Sigmoid || r.preference.label_smoothing > 0 ||
+            r.preference.rpo_alpha || r.preference.cpo_alpha ||
+            r.preference.simpo_gamma != PreferenceSection{}.simpo_gamma))
          fail(o, "train.objective",
               "is orpo, which has no reference and its own loss: of the preference: keys only beta (ORPO's lambda) "
-              "applies; remove loss_type, label_smoothing and rpo_alpha");
+              "applies; remove loss_type, label_smoothing, rpo_alpha, cpo_alpha and simpo_gamma");
        if (!pairs)
          fail(o, "train.objective",
               fmt::format("{} trains on pairs of a chosen and a rejected completion, but data.format is {}: set "
@@ -305,10 +307,40 @@ constexpr Rule kRules[] = {
      }},
     {"preference.label_smoothing",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
-       if (r.preference.label_smoothing > 0 && r.preference.loss_type != PreferenceLoss::Sigmoid)
+       const PreferenceLoss loss = r.preference.loss_type;
+       if (r.preference.label_smoothing > 0 && loss != PreferenceLoss::Sigmoid && loss != PreferenceLoss::Simpo)
          fail(o, "preference.label_smoothing",
-              fmt::format("applies to preference.loss_type: sigmoid only (conservative DPO), not {}: set it to 0",
-                          name(r.preference.loss_type)));
+              fmt::format("applies to preference.loss_type sigmoid and simpo only (conservative DPO), not {}: set it "
+                          "to 0",
+                          name(loss)));
+     }},
+    // CPO and SimPO (TRL's CPOTrainer): no reference; their own NLL weight and SimPO's margin.
+    {"preference.cpo_alpha",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       const PreferenceSection& p = r.preference;
+       const Objective objective = r.train.objective;
+       const bool cpo = objective == Objective::Cpo || objective == Objective::Simpo;
+       if (objective == Objective::Sft || objective == Objective::Orpo) return;  // (train.objective's rule)
+       if (cpo && p.rpo_alpha)
+         fail(o, "preference.rpo_alpha",
+              fmt::format("is DPO's NLL weight; train.objective {} weighs the chosen completions' NLL by "
+                          "preference.cpo_alpha: set that instead",
+                          name(objective)));
+       if (!cpo && p.cpo_alpha)
+         fail(o, "preference.cpo_alpha", "applies to train.objective cpo and simpo: with dpo set preference.rpo_alpha");
+       if (!cpo && p.loss_type == PreferenceLoss::Simpo)
+         fail(o, "preference.loss_type",
+              "simpo is a loss without a reference (TRL's CPOTrainer): set train.objective: simpo");
+       if (objective == Objective::Simpo && p.loss_type != PreferenceLoss::Sigmoid &&
+           p.loss_type != PreferenceLoss::Simpo)
+         fail(o, "preference.loss_type",
+              fmt::format("is {}, but train.objective simpo is the simpo loss: set train.objective: cpo for CPO's {} "
+                          "loss",
+                          name(p.loss_type), name(p.loss_type)));
+       const bool simpo = objective == Objective::Simpo || p.loss_type == PreferenceLoss::Simpo;
+       if (!simpo && p.simpo_gamma != PreferenceSection{}.simpo_gamma)
+         fail(o, "preference.simpo_gamma",
+              "is SimPO's margin: it applies to train.objective simpo (or cpo with loss_type simpo) only: remove it");
      }},
     // The checkpoint policy: listed epochs exist (0-based, below train.epochs), once each.
     {"checkpoint.epochs_to_save",

@@ -66,7 +66,7 @@ PreferenceObjective::PreferenceObjective(const recipe::Recipe& r, model::CausalL
   const std::vector<at::Tensor>& values = reference                  ? *reference
                                           : r.lora.init_from.empty() ? std::vector<at::Tensor>{}
                                                                      : params_;
-  if (objective_ == recipe::Objective::Orpo || values.empty() || identity(values, named)) return;
+  if (!has_reference() || values.empty() || identity(values, named)) return;
   c10::NoGradGuard no_grad;
   for (const at::Tensor& t : values) reference_.push_back(t.detach().clone());
 }
@@ -133,59 +133,86 @@ PreferenceObjective::Result PreferenceObjective::forward(const PairBatch& b, dou
   const int64_t P = b.pairs;
   const bool orpo = objective_ == recipe::Objective::Orpo;
   // (the reference first: it sets the parameters' values in place, which the policy's graph must not see)
-  const at::Tensor ref = orpo ? at::Tensor() : reference_logps(b);
+  const at::Tensor ref = has_reference() ? reference_logps(b) : at::Tensor();
   const at::Tensor tok = token_losses(b);
   at::Tensor logps = at::zeros({2 * P}, tok.options()).index_add(0, b.seq, tok.neg() * b.completion);
-  if (orpo) logps = logps / b.lengths.clamp_min(1);  // (ORPO's log-probs are means over the completion)
+  if (mean_logps()) logps = logps / b.lengths.clamp_min(1);  // (means over each completion's tokens)
   const at::Tensor nll = tok.masked_fill(b.seq >= P, 0).sum();
   const double beta = p_.beta;
+  const at::Tensor c = logps.narrow(0, 0, P), r = logps.narrow(0, P, P);
   at::Tensor per_pair, rc, rr, extra;
   if (orpo) {
-    const at::Tensor c = logps.narrow(0, 0, P), r = logps.narrow(0, P, P);
     const at::Tensor log_odds = (c - r) - (log1mexp(c) - log1mexp(r));
     const at::Tensor ratio = at::log_sigmoid(log_odds);
     per_pair = -beta * ratio;
     rc = beta * c.detach();
     rr = beta * r.detach();
     extra = at::stack({ratio.detach().sum(), log_odds.detach().sum()});
-  } else {
-    const at::Tensor chosen_lr = logps.narrow(0, 0, P) - ref.narrow(0, 0, P);
-    const at::Tensor rejected_lr = logps.narrow(0, P, P) - ref.narrow(0, P, P);
-    per_pair = dpo_loss(chosen_lr, rejected_lr, b);
+  } else {  // DPO: the log-ratios to the reference; CPO and SimPO: the log-probabilities themselves
+    const at::Tensor chosen_lr = ref.defined() ? c - ref.narrow(0, 0, P) : c;
+    const at::Tensor rejected_lr = ref.defined() ? r - ref.narrow(0, P, P) : r;
+    per_pair = pair_loss(chosen_lr, rejected_lr, b);
     rc = beta * chosen_lr.detach();
     rr = beta * rejected_lr.detach();
     extra = at::zeros({2}, rc.options());
   }
   at::Tensor loss = per_pair.sum() / pairs;
-  const std::optional<double> nll_weight = orpo ? std::optional(1.0) : p_.rpo_alpha;
-  if (nll_weight) loss = loss + *nll_weight * nll / std::max(chosen, 1.0);
+  if (const std::optional<double> w = nll_weight()) loss = loss + *w * nll / std::max(chosen, 1.0);
   const auto count = [&](double v) { return at::scalar_tensor(v, rc.options()); };
   const at::Tensor stats =
       at::cat({at::stack({count(static_cast<double>(P)), per_pair.detach().sum(), nll.detach(),
                           count(static_cast<double>(b.chosen_tokens)), rc.sum(), rr.sum(),
-                          (rc > rr).sum().to(rc.scalar_type()), logps.detach().narrow(0, 0, P).sum(),
-                          logps.detach().narrow(0, P, P).sum()}),
+                          (rc > rr).sum().to(rc.scalar_type()), c.detach().sum(), r.detach().sum()}),
                extra})
           .to(at::kDouble);
   return {loss, stats};
 }
 
-// TRL's DPO losses of each pair, from the log-ratios to the reference.
-at::Tensor PreferenceObjective::dpo_loss(const at::Tensor& chosen_lr, const at::Tensor& rejected_lr,
-                                         const PairBatch& b) const {
+recipe::PreferenceLoss PreferenceObjective::loss_type() const {
+  return objective_ == recipe::Objective::Simpo ? recipe::PreferenceLoss::Simpo : p_.loss_type;
+}
+
+bool PreferenceObjective::mean_logps() const {
+  if (objective_ == recipe::Objective::Orpo) return true;
+  return !has_reference() &&
+         (loss_type() == recipe::PreferenceLoss::Ipo || loss_type() == recipe::PreferenceLoss::Simpo);
+}
+
+std::optional<double> PreferenceObjective::nll_weight() const {
+  switch (objective_) {
+    case recipe::Objective::Orpo:
+      return 1.0;
+    case recipe::Objective::Cpo:
+    case recipe::Objective::Simpo: {
+      const double w = p_.cpo_alpha.value_or(objective_ == recipe::Objective::Cpo ? 1.0 : 0.0);
+      return w > 0 ? std::optional(w) : std::nullopt;
+    }
+    default:
+      return p_.rpo_alpha;
+  }
+}
+
+// TRL's losses of each pair from its chosen and rejected log-ratios (DPO: to the reference; CPO:
+// the log-probabilities, means with ipo and simpo).
+at::Tensor PreferenceObjective::pair_loss(const at::Tensor& chosen_lr, const at::Tensor& rejected_lr,
+                                          const PairBatch& b) const {
   const double beta = p_.beta;
   const int64_t P = b.pairs;
-  switch (p_.loss_type) {
-    case recipe::PreferenceLoss::Sigmoid: {
-      const at::Tensor z = beta * (chosen_lr - rejected_lr);
-      const double eps = p_.label_smoothing;
-      return -at::log_sigmoid(z) * (1 - eps) - at::log_sigmoid(-z) * eps;
-    }
+  const auto sigmoid = [&](const at::Tensor& z) {
+    const double eps = p_.label_smoothing;
+    return -at::log_sigmoid(z) * (1 - eps) - at::log_sigmoid(-z) * eps;
+  };
+  switch (loss_type()) {
+    case recipe::PreferenceLoss::Sigmoid:
+      return sigmoid(beta * (chosen_lr - rejected_lr));
+    case recipe::PreferenceLoss::Simpo:  // (the margin gamma in units of beta, as TRL subtracts it)
+      return sigmoid(beta * ((chosen_lr - rejected_lr) - p_.simpo_gamma / beta));
     case recipe::PreferenceLoss::Hinge:
       return at::relu(1 - beta * (chosen_lr - rejected_lr));
-    case recipe::PreferenceLoss::Ipo: {  // per-token log-ratios (TRL's normalisation)
-      const at::Tensor delta =
-          chosen_lr / b.lengths.narrow(0, 0, P).clamp_min(1) - rejected_lr / b.lengths.narrow(0, P, P).clamp_min(1);
+    case recipe::PreferenceLoss::Ipo: {  // per-token log-ratios (TRL's normalisation; CPO's are means already)
+      const at::Tensor delta = mean_logps() ? chosen_lr - rejected_lr
+                                            : chosen_lr / b.lengths.narrow(0, 0, P).clamp_min(1) -
+                                                  rejected_lr / b.lengths.narrow(0, P, P).clamp_min(1);
       return (delta - 1 / (2 * beta)).square();
     }
   }
@@ -194,8 +221,8 @@ at::Tensor PreferenceObjective::dpo_loss(const at::Tensor& chosen_lr, const at::
 
 double PreferenceObjective::loss_of(const double* s) const {
   const double pairs = std::max(s[kPairs], 1.0);
-  const std::optional<double> nll_weight = objective_ == recipe::Objective::Orpo ? std::optional(1.0) : p_.rpo_alpha;
-  return s[kLossSum] / pairs + (nll_weight ? *nll_weight * s[kNllSum] / std::max(s[kChosenTokens], 1.0) : 0.0);
+  const std::optional<double> w = nll_weight();
+  return s[kLossSum] / pairs + (w ? *w * s[kNllSum] / std::max(s[kChosenTokens], 1.0) : 0.0);
 }
 
 nlohmann::json PreferenceObjective::figures(const double* s, const std::string& prefix) const {
@@ -206,9 +233,8 @@ nlohmann::json PreferenceObjective::figures(const double* s, const std::string& 
                         {prefix + "rewards/margins", (s[kRewardChosen] - s[kRewardRejected]) / pairs},
                         {prefix + "logps/chosen", s[kLogpChosen] / pairs},
                         {prefix + "logps/rejected", s[kLogpRejected] / pairs}};
-  const bool orpo = objective_ == recipe::Objective::Orpo;
-  if (orpo || p_.rpo_alpha) out[prefix + "nll_loss"] = s[kNllSum] / std::max(s[kChosenTokens], 1.0);
-  if (orpo) {
+  if (nll_weight()) out[prefix + "nll_loss"] = s[kNllSum] / std::max(s[kChosenTokens], 1.0);
+  if (objective_ == recipe::Objective::Orpo) {
     out[prefix + "log_odds_ratio"] = s[kLogOddsRatio] / pairs;
     out[prefix + "log_odds_chosen"] = s[kLogOdds] / pairs;
   }

@@ -2,7 +2,9 @@
 // pairs of a chosen and a rejected completion. The reference is the same model with its adapters
 // off, or set to lora.init_from's values: no second model in memory. train.objective: orpo:
 // TRL's ORPOTrainer (no reference): the chosen sequences' NLL minus beta x log sigmoid of the
-// log odds ratio of the mean completion log-probs.
+// log odds ratio of the mean completion log-probs. cpo, simpo: TRL's CPOTrainer (no reference):
+// DPO's losses on the policy's log-probs alone (means with ipo and simpo; simpo less its margin
+// gamma), plus cpo_alpha x the chosen completions' NLL.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -62,7 +64,7 @@ class PreferenceObjective {
                       const std::optional<std::vector<at::Tensor>>& reference = std::nullopt);
 
   struct Result {
-    at::Tensor loss;   // float32 scalar with gradient: the per-pair losses / `pairs` (+ rpo_alpha x NLL / `chosen`)
+    at::Tensor loss;  // float32 scalar with gradient: the per-pair losses / `pairs` (+ the NLL weight x NLL / `chosen`)
     at::Tensor stats;  // float64 [kPrefStats], detached
   };
   // One micro-batch through the policy (with gradient when the model's parameters want it) and the
@@ -71,25 +73,29 @@ class PreferenceObjective {
 
   // Whether its batches score the chosen rows whole (collate_pairs' whole_chosen): ORPO's NLL.
   bool whole_chosen() const { return objective_ == recipe::Objective::Orpo; }
-  // Whether forward() runs a reference pass before the policy's (DPO; ORPO has none).
+  // Whether forward() runs a reference pass before the policy's (DPO; ORPO, CPO and SimPO have none).
   bool has_reference() const { return objective_ == recipe::Objective::Dpo; }
   // A micro-batch of no pair here: forward()'s passes skipped as the model skips a pass
   // (CausalLM::skip_pass), the policy's with a backward when `backward`.
   void skip(bool backward) const;
 
-  // The loss of summed stats: mean per-pair loss, plus rpo_alpha x the chosen tokens' mean NLL.
+  // The loss of summed stats: mean per-pair loss, plus the NLL weight (rpo_alpha, cpo_alpha; orpo: 1) x the chosen
+  // tokens' mean NLL.
   double loss_of(const double* stats) const;
   // TRL's figures of summed stats: rewards/chosen, rewards/rejected, rewards/accuracies,
-  // rewards/margins, logps/chosen, logps/rejected (and nll_loss with RPO), each name after `prefix`.
+  // rewards/margins, logps/chosen, logps/rejected (and nll_loss when it is in the loss), each name after `prefix`.
   nlohmann::json figures(const double* stats, const std::string& prefix = "") const;
 
  private:
   at::Tensor reference_logps(const PairBatch& b) const;
-  at::Tensor dpo_loss(const at::Tensor& chosen_lr, const at::Tensor& rejected_lr, const PairBatch& b) const;
+  at::Tensor pair_loss(const at::Tensor& chosen_lr, const at::Tensor& rejected_lr, const PairBatch& b) const;
+  recipe::PreferenceLoss loss_type() const;  // simpo's is the simpo loss
+  bool mean_logps() const;  // a completion's log-prob is the mean over its tokens (orpo; cpo's ipo, simpo)
+  std::optional<double> nll_weight() const;  // of the chosen completions' NLL in the loss (none: not added)
   at::Tensor token_losses(const PairBatch& b) const;
 
   const recipe::PreferenceSection& p_;
-  const recipe::Objective objective_;  // dpo or orpo (no reference)
+  const recipe::Objective objective_;  // dpo, or orpo, cpo, simpo (no reference)
   model::CausalLM& m_;
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> reference_;  // the reference's adapter values; empty: the adapters off

@@ -122,17 +122,13 @@ int64_t epoch_documents(const recipe::Recipe& r, int64_t per_rank, int world) {
   return std::min(per_rank, read) * world;
 }
 
-data::PairTokens pair_tokens(const recipe::Recipe& r) {
-  return r.train.objective == recipe::Objective::Orpo ? data::PairTokens::Orpo : data::PairTokens::Dpo;
-}
-
 void read_training_data(const recipe::Recipe& r, const tok::Tokenizer& tokenizer, const data::ExampleBuilder* builder,
                         bool evaluating, TrainingData& d) {
   const data::Holdout training = data::Holdout::training(r.eval.fraction);
   if (r.data.sources.empty())
     d.docs = std::make_unique<data::Documents>(r.data, training);
   else
-    d.mix = std::make_unique<data::Mixture>(r, tokenizer, pair_tokens(r), training, stop_flag());
+    d.mix = std::make_unique<data::Mixture>(r, tokenizer, data::pair_tokens(r.train.objective), training, stop_flag());
   if (!evaluating) return;
   // Read and built as training data is (the same builder); never a document training reads.
   if (d.mix && r.eval.fraction > 0) {
@@ -160,7 +156,8 @@ Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const Runtim
   const bool evaluating = !o.tenants && o.eval_split && r.eval.enabled(r.data.source);
   // (data.sources build their own; the eval: split of a mixture without eval.fraction reads by data's keys)
   if (o.tenants || r.data.sources.empty() || (evaluating && r.eval.fraction <= 0))
-    builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt, pair_tokens(r), stop_flag());
+    builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt,
+                                                     data::pair_tokens(r.train.objective), stop_flag());
   if (!o.tenants) read_training_data(r, tokenizer, builder.get(), evaluating, data);
 }
 

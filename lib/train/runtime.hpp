@@ -52,9 +52,6 @@ int64_t epoch_documents(const recipe::Recipe& r, int64_t per_rank, int world);
 // The seed of rank `rank`'s dropout stream in a run of train.seed `seed`.
 uint64_t dropout_seed(int64_t seed, int rank);
 
-// Which pair tokens train.objective's preference pairs need (ORPO's or DPO's).
-data::PairTokens pair_tokens(const recipe::Recipe& r);
-
 // What `r` trains on into `d` (filled as it is read: what a throw leaves was read): data's selection
 // (the training side of eval.fraction) or data.sources' mixture, and with `evaluating` its eval
 // split or each source's held-out documents, each checked to hold a token to score (`builder`:

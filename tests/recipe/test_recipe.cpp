@@ -205,6 +205,8 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "preference.loss_type",
                                 "preference.label_smoothing",
                                 "preference.rpo_alpha",
+                                "preference.cpo_alpha",
+                                "preference.simpo_gamma",
                                 "checkpoint.output_dir",
                                 "checkpoint.epochs_to_save",
                                 "checkpoint.save_last_epoch_only",
@@ -895,7 +897,7 @@ TEST_CASE("checkpoint.store: mongodb needs track.mongodb and a MongoDB URI") {
   CHECK_THAT(override_error({"checkpoint.store=gridfs"}), Catch::Contains("none") && Catch::Contains("mongodb"));
 }
 
-TEST_CASE("train.objective: dpo needs pairs, and the preference: keys belong to it") {
+TEST_CASE("train.objective: dpo, orpo, cpo and simpo need pairs, and the preference: keys belong to them") {
   const std::string pairs = "model: {path: /m}\ndata: {database: d, collection: c, format: preference}\n";
   const Recipe r = load(pairs, {"train.objective=dpo", "preference.loss_type=hinge", "preference.rpo_alpha=0.5"});
   CHECK(r.train.objective == Objective::Dpo);
@@ -911,7 +913,7 @@ TEST_CASE("train.objective: dpo needs pairs, and the preference: keys belong to 
   CHECK_THAT(override_error({"preference.beta=0.2"}),
              Catch::Contains("train.objective is sft, but preference: keys are set"));
   CHECK_THAT(error_of(pairs, {"train.objective=dpo", "preference.loss_type=ipo", "preference.label_smoothing=0.1"}),
-             Catch::Contains("preference.label_smoothing applies to preference.loss_type: sigmoid only"));
+             Catch::Contains("preference.label_smoothing applies to preference.loss_type sigmoid and simpo only"));
   CHECK_THAT(error_of(pairs, {"train.objective=dpo", "data.packing=true"}), Catch::Contains("does not pack pairs"));
   CHECK_THAT(error_of(pairs, {"train.objective=dpo", "data.rejected_field=chosen"}),
              Catch::Contains("data.chosen_field and data.rejected_field are both 'chosen'"));
@@ -921,7 +923,29 @@ TEST_CASE("train.objective: dpo needs pairs, and the preference: keys belong to 
   CHECK(load(pairs, {"train.objective=orpo", "preference.beta=0.2"}).train.objective == Objective::Orpo);
   CHECK_THAT(error_of(pairs, {"train.objective=orpo", "preference.loss_type=ipo"}),
              Catch::Contains("train.objective is orpo, which has no reference and its own loss"));
-  CHECK_THAT(error_of(pairs, {"train.objective=ppo"}), Catch::Contains("sft|dpo|orpo"));
+  CHECK_THAT(error_of(pairs, {"train.objective=ppo"}), Catch::Contains("sft|dpo|orpo|cpo|simpo"));
+  // CPO and SimPO: TRL's CPOTrainer's keys, and what belongs to DPO alone
+  const Recipe cpo = load(pairs, {"train.objective=cpo", "preference.loss_type=simpo", "preference.cpo_alpha=0.5",
+                                  "preference.simpo_gamma=1.0", "preference.label_smoothing=0.1"});
+  CHECK(cpo.train.objective == Objective::Cpo);
+  CHECK(cpo.preference.loss_type == PreferenceLoss::Simpo);
+  CHECK(cpo.preference.cpo_alpha == 0.5);
+  CHECK(cpo.preference.simpo_gamma == 1.0);
+  CHECK(load(pairs, {"train.objective=simpo", "preference.beta=2.0"}).preference.cpo_alpha == std::nullopt);
+  CHECK_THAT(error_of(pairs, {"train.objective=dpo", "preference.loss_type=simpo"}),
+             Catch::Contains("preference.loss_type simpo is a loss without a reference (TRL's CPOTrainer): set "
+                             "train.objective: simpo"));
+  CHECK_THAT(error_of(pairs, {"train.objective=dpo", "preference.cpo_alpha=1"}),
+             Catch::Contains("preference.cpo_alpha applies to train.objective cpo and simpo"));
+  CHECK_THAT(error_of(pairs, {"train.objective=cpo", "preference.rpo_alpha=1"}),
+             Catch::Contains("preference.rpo_alpha is DPO's NLL weight"));
+  CHECK_THAT(error_of(pairs, {"train.objective=simpo", "preference.loss_type=hinge"}),
+             Catch::Contains("train.objective simpo is the simpo loss: set train.objective: cpo for CPO's hinge"));
+  CHECK_THAT(error_of(pairs, {"train.objective=cpo", "preference.simpo_gamma=1"}),
+             Catch::Contains("preference.simpo_gamma is SimPO's margin"));
+  CHECK_THAT(error_of(pairs, {"train.objective=orpo", "preference.cpo_alpha=1"}),
+             Catch::Contains("train.objective is orpo"));
+  CHECK_THAT(error_of(kBase, {"train.objective=simpo"}), Catch::Contains("train.objective simpo trains on pairs"));
 }
 
 TEST_CASE("lora.use_dora and lora.plus_lr_ratio: their defaults, and what they refuse in one line") {

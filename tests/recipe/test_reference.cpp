@@ -148,8 +148,9 @@ TEST_CASE("every key is declared in full") {
     std::vector<std::string> overrides{std::string(k.name) + "=" + example};
     if (k.name == "train.early_stopping_patience") overrides.push_back("eval.fraction=0.05");  // steers by one
     if (k.name == "data.sources") overrides.push_back("data.collection=");  // each source names its own
-    if (detail::section_of(k.name) == "preference") {                       // (keys of train.objective: dpo only)
-      overrides.push_back("train.objective=dpo");
+    if (detail::section_of(k.name) == "preference") {  // (keys of the preference objectives: dpo's, simpo's)
+      const bool simpo = k.name == "preference.cpo_alpha" || k.name == "preference.simpo_gamma";
+      overrides.push_back(simpo ? "train.objective=simpo" : "train.objective=dpo");
       overrides.push_back("data.format=preference");
     }
     CHECK_NOTHROW(recipe_from_yaml(YAML::Load(base), overrides));

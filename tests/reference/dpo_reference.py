@@ -1,5 +1,5 @@
-"""The preference reference: TRL 1.16's DPOTrainer (and its experimental ORPOTrainer) doing what
-lora-train does with train.objective: dpo (orpo).
+"""The preference reference: TRL 1.16's DPOTrainer (and its experimental ORPOTrainer and CPOTrainer)
+doing what lora-train does with train.objective: dpo (orpo, cpo, simpo).
 
 usage: dpo_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED [M1+M2]  (MODEL_DIR may be a .gguf file)
     a fresh PEFT adapter (all-linear; A Kaiming-uniform, B zero: the adapter adds nothing yet), with
@@ -10,7 +10,9 @@ usage: dpo_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED [M1+M2]  (MODEL_DIR 
     messages rendered with the model's chat template, or FILE.jinja's); RPO_ALPHA is a number or "none". Given a
     PeftModel, TRL freezes a copy of its starting adapter as the reference ("ref"): the base itself
     for a fresh adapter (B zero), INIT_DIR's adapter when it was trained.
-    LOSS_TYPE "orpo" trains ORPOTrainer instead (BETA its lambda; RPO_ALPHA "none").
+    LOSS_TYPE "orpo" trains ORPOTrainer instead (BETA its lambda; RPO_ALPHA "none"); "cpo-T" (T:
+    sigmoid, hinge, ipo, simpo) trains CPOTrainer with loss_type T and RPO_ALPHA as its cpo_alpha
+    ("none": 0), simpo_gamma 0.5.
     Trains STEPS steps of BATCH pairs in file order from INIT_DIR's adapter (constant LR, AdamW,
     max_grad_norm 1, no dropout) and compares, step by step, OURS_DIR/metrics.jsonl's loss and
     TRL's metrics (rewards/*, logps/*; RPO is TRL's loss_type [LOSS_TYPE, "sft"] with loss_weights
@@ -35,6 +37,7 @@ from safetensors.torch import load_file  # noqa: E402
 from torch.utils.data import SequentialSampler  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
+from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # noqa: E402
 
 FIGURES = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -61,6 +64,10 @@ class InOrder(InOrderMixin, DPOTrainer):
 
 
 class InOrderOrpo(InOrderMixin, ORPOTrainer):
+    pass
+
+
+class InOrderCpo(InOrderMixin, CPOTrainer):
     pass
 
 
@@ -107,6 +114,10 @@ def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, l
     with tempfile.TemporaryDirectory() as out:
         if loss_type == "orpo":
             args, cls = ORPOConfig(output_dir=out, **common), InOrderOrpo
+        elif loss_type.startswith("cpo-"):
+            args = CPOConfig(output_dir=out, loss_type=loss_type[4:], cpo_alpha=0.0 if rpo == "none" else float(rpo),
+                             simpo_gamma=0.5, **common)
+            cls = InOrderCpo
         else:
             types, weights = [loss_type], [1.0]
             if rpo != "none":
@@ -123,7 +134,9 @@ def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, l
     # ORPO's log odds to the log-probabilities: a margin that crosses zero has no relative error of
     # its own.
     series = {"loss": (list(zip([r["loss"] for r in got], InOrderMixin.losses)))}
-    for k in FIGURES + (["nll_loss", "log_odds_ratio", "log_odds_chosen"] if loss_type == "orpo" else []):
+    extra = (["nll_loss", "log_odds_ratio", "log_odds_chosen"] if loss_type == "orpo"
+             else ["nll_loss"] if loss_type.startswith("cpo-") and rpo != "none" else [])
+    for k in FIGURES + extra:
         series[k] = [(mine[k], theirs[k]) for mine, theirs in zip(got, logged.rows)]
     worst, where = 0.0, ""
     for k, values in series.items():

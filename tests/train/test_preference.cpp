@@ -1,6 +1,7 @@
-// train.objective: dpo: lora-train step by step against TRL's DPOTrainer (sigmoid, ipo, hinge,
-// RPO, lora.init_from as the reference); the same adapter on 1 and 2 ranks and with accumulation,
-// pairs read from FerretDB; kill -9 and resume; bad pairs counted, bad recipes refused.
+// train.objective: dpo, orpo, cpo, simpo: lora-train step by step against TRL's DPOTrainer (sigmoid,
+// ipo, hinge, RPO, lora.init_from as the reference), ORPOTrainer and CPOTrainer (sigmoid, hinge, ipo,
+// simpo); the same adapter on 1 and 2 ranks and with accumulation, pairs read from FerretDB; kill -9
+// and resume; bad pairs counted, bad recipes refused.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -77,8 +78,9 @@ void check_against_trl(const std::string& cmd, const std::string& name) {
 }  // namespace
 
 TEST_CASE(
-    "dpo and orpo: lora-train equals TRL's DPOTrainer and ORPOTrainer step by step: sigmoid, ipo, hinge, RPO, "
-    "lora.init_from as the reference, and conversations",
+    "dpo, orpo, cpo and simpo: lora-train equals TRL's DPOTrainer, ORPOTrainer and CPOTrainer step by step: sigmoid, "
+    "ipo, hinge, RPO, lora.init_from as the reference, conversations; CPO's sigmoid, hinge, ipo and simpo losses "
+    "with and without its NLL",
     "[e2e][reference][preference]") {
   const std::string dir = temp_dir("dpo-trl");
   write_pairs(dir + "/pairs.jsonl", 20);  // 10 steps of 2 pairs
@@ -127,35 +129,47 @@ TEST_CASE(
                              fmt::format("--chat-template={}/chatml.jinja", dir)},
                         Case{"orpo", "0.1", "none", "trained"},
                         Case{"orpo", "0.2", "none", "trained", "conversations", "data.chat_format=chatml",
-                             fmt::format("--chat-template={}/chatml.jinja", dir)}}) {
+                             fmt::format("--chat-template={}/chatml.jinja", dir)},
+                        Case{"cpo-sigmoid", "0.1", "1.0", "trained"}, Case{"cpo-hinge", "0.2", "0.5", "fresh"},
+                        Case{"cpo-ipo", "0.5", "none", "trained"}, Case{"cpo-simpo", "0.1", "1.0", "trained"},
+                        Case{"simpo", "2.0", "none", "trained"}}) {
     const std::string format = c.ours.empty() || c.ours.starts_with("lora.") ? ""
                                : c.ours.find("chatml") != std::string::npos  ? "-chatml"
                                                                              : "-template";
     const std::string name = fmt::format("{}-{}-{}-{}{}", c.loss, c.rpo, c.init, c.data, format);
     INFO(name);
-    const bool orpo = c.loss == "orpo";  // (TRL's ORPOTrainer: beta is its lambda, no loss type)
-    const std::string preference = orpo ? fmt::format("beta: {}", c.beta)
-                                        : fmt::format("beta: {}, loss_type: {}{}", c.beta, c.loss,
-                                                      c.rpo == "none" ? "" : fmt::format(", rpo_alpha: {}", c.rpo));
+    // orpo: TRL's ORPOTrainer (beta its lambda, no loss type); cpo-T: its CPOTrainer with loss T and
+    // rpo as cpo_alpha; simpo: the CPOTrainer's simpo loss with cpo_alpha 0
+    const bool orpo = c.loss == "orpo", simpo = c.loss == "simpo", cpo = c.loss.starts_with("cpo-");
+    const std::string nll = cpo               ? fmt::format(", cpo_alpha: {}", c.rpo == "none" ? "0" : c.rpo)
+                            : c.rpo == "none" ? ""
+                                              : fmt::format(", rpo_alpha: {}", c.rpo);
+    const std::string preference =
+        orpo || simpo ? fmt::format("beta: {}", c.beta)
+                      : fmt::format("beta: {}, loss_type: {}{}", c.beta, cpo ? c.loss.substr(4) : c.loss, nll);
+    const std::string objective = orpo    ? "train.objective=orpo"
+                                  : cpo   ? "train.objective=cpo"
+                                  : simpo ? "train.objective=simpo"
+                                          : "";
     const std::string recipe = write_dpo_recipe(dir, name, "epochs: 1, lr: 5.0e-3", preference, ", batch_size: 2");
     const Result t = sh(fmt::format("{} {} lora.init_from={}/{} data.path={}/{}.jsonl {} {}", bin("lora-train"), recipe,
-                                    dir, c.init, dir, c.data, c.ours, orpo ? "train.objective=orpo" : ""));
+                                    dir, c.init, dir, c.data, c.ours, objective));
     INFO(t.output);
     REQUIRE(t.status == 0);
     // Figures within 1e-5, the adapter within 1e-3 of its largest weight: AdamW at lr 5e-3 turns
     // rounding-level gradient differences into weight differences that depend on the CPU (measured
     // 4e-6 to 4e-5, and 3.5e-4 for the role-tags template on one Xeon whose run is right to 1.6e-6
     // in every figure); a wrong gradient is off by ~1.
-    check_against_trl(
-        fmt::format("{} check {}/llama {}/{} {}/{}.jsonl {}/{} {} {} {} 10 2 5e-3 64 1e-5 1e-3 {}", script,
-                    LORARUN_MODEL_FIXTURES, dir, c.init, dir, c.data, dir, name, c.loss, c.beta, c.rpo, c.trl),
-        name);
+    check_against_trl(fmt::format("{} check {}/llama {}/{} {}/{}.jsonl {}/{} {} {} {} 10 2 5e-3 64 1e-5 1e-3 {}",
+                                  script, LORARUN_MODEL_FIXTURES, dir, c.init, dir, c.data, dir, name,
+                                  simpo ? "cpo-simpo" : c.loss, c.beta, c.rpo, c.trl),
+                      name);
   }
 }
 
 TEST_CASE(
-    "dpo: 1 rank x 4 pairs = 2 ranks x 2 = 1 rank x 2 x accumulation 2, pairs read from FerretDB, and kill -9 then "
-    "resume gives the same adapter",
+    "dpo and cpo (simpo loss): 1 rank x 4 pairs = 2 ranks x 2 = 1 rank x 2 x accumulation 2, pairs read from "
+    "FerretDB, and kill -9 then resume gives the same adapter",
     "[e2e][db][preference]") {
   const std::string dir = temp_dir("dpo-ranks");
   write_pairs(dir + "/pairs.jsonl", 24);
@@ -166,38 +180,44 @@ TEST_CASE(
   REQUIRE(imp.status == 0);
   const std::string env = fmt::format("LORARUN_MONGODB_URI='{}'", test_uri());
   const std::string source = fmt::format(", source: mongodb, database: {}, collection: pairs", db);
-  std::vector<nlohmann::json> first;
-  for (const auto& [world, batch, accum] : {std::tuple{1, 4, 1}, std::tuple{2, 2, 1}, std::tuple{1, 2, 2}}) {
-    const std::string name = fmt::format("w{}b{}a{}", world, batch, accum);
-    INFO(name);
-    const std::string recipe =
-        write_dpo_recipe(dir, name, fmt::format("epochs: 2, lr: 5.0e-3, gradient_accumulation_steps: {}", accum),
-                         "beta: 0.2, rpo_alpha: 0.5", fmt::format("{}, batch_size: {}", source, batch));
-    const Result t = sh(fmt::format("{} {} --nproc-per-node {} {}", env, bin("lorarun"), world, recipe));
-    INFO(t.output);
-    REQUIRE(t.status == 0);
-    const std::vector<nlohmann::json> rows = train_rows(dir + "/" + name);
-    REQUIRE(rows.size() == 12);  // 24 pairs, 4 a step, 2 epochs
-    if (first.empty()) {
-      first = rows;
-      continue;
+  // DPO with RPO's NLL, and CPO's simpo loss with its NLL (no reference, mean log-probabilities)
+  for (const auto& [objective, preference] : {std::pair{"dpo", "beta: 0.2, rpo_alpha: 0.5"},
+                                              std::pair{"cpo", "beta: 0.2, loss_type: simpo, cpo_alpha: 0.5"}}) {
+    std::vector<nlohmann::json> first;
+    const std::string prefix = objective == std::string("dpo") ? "" : "cpo-";
+    for (const auto& [world, batch, accum] : {std::tuple{1, 4, 1}, std::tuple{2, 2, 1}, std::tuple{1, 2, 2}}) {
+      const std::string name = fmt::format("{}w{}b{}a{}", prefix, world, batch, accum);
+      INFO(name);
+      const std::string recipe =
+          write_dpo_recipe(dir, name, fmt::format("epochs: 2, lr: 5.0e-3, gradient_accumulation_steps: {}", accum),
+                           preference, fmt::format("{}, batch_size: {}", source, batch));
+      const Result t = sh(fmt::format("{} {} --nproc-per-node {} {} train.objective={}", env, bin("lorarun"), world,
+                                      recipe, objective));
+      INFO(t.output);
+      REQUIRE(t.status == 0);
+      const std::vector<nlohmann::json> rows = train_rows(dir + "/" + name);
+      REQUIRE(rows.size() == 12);  // 24 pairs, 4 a step, 2 epochs
+      if (first.empty()) {
+        first = rows;
+        continue;
+      }
+      // Each figure within 1e-6 of its largest magnitude over the run; a reward, beta times the
+      // difference of two float32 log-probabilities (summed over other batch shapes), within 1e-6 of
+      // beta times theirs.
+      for (const std::string key : {"loss", "rewards/chosen", "rewards/margins", "logps/rejected", "nll_loss"}) {
+        INFO(key);
+        const bool reward = key.starts_with("rewards/");
+        double scale = 0, worst = 0;
+        for (const auto& row : first)
+          scale = std::max(scale, reward ? 0.2 * std::abs(row.at("logps/chosen").get<double>())
+                                         : std::abs(row.at(key).get<double>()));
+        for (size_t i = 0; i < rows.size(); ++i)
+          worst = std::max(worst, std::abs(rows[i].at(key).get<double>() - first[i].at(key).get<double>()));
+        CHECK(worst <= 1e-6 * scale);
+      }
+      CHECK(adapter_diff(fmt::format("{}/{}w1b4a1/epoch_1/adapter_model.safetensors", dir, prefix),
+                         dir + "/" + name + "/epoch_1/adapter_model.safetensors") < 1e-6);
     }
-    // Each figure within 1e-6 of its largest magnitude over the run; a reward, beta times the
-    // difference of two float32 log-probabilities (summed over other batch shapes), within 1e-6 of
-    // beta times theirs.
-    for (const std::string key : {"loss", "rewards/chosen", "rewards/margins", "logps/rejected", "nll_loss"}) {
-      INFO(key);
-      const bool reward = key.starts_with("rewards/");
-      double scale = 0, worst = 0;
-      for (const auto& row : first)
-        scale = std::max(
-            scale, reward ? 0.2 * std::abs(row.at("logps/chosen").get<double>()) : std::abs(row.at(key).get<double>()));
-      for (size_t i = 0; i < rows.size(); ++i)
-        worst = std::max(worst, std::abs(rows[i].at(key).get<double>() - first[i].at(key).get<double>()));
-      CHECK(worst <= 1e-6 * scale);
-    }
-    CHECK(adapter_diff(dir + "/w1b4a1/epoch_1/adapter_model.safetensors",
-                       dir + "/" + name + "/epoch_1/adapter_model.safetensors") < 1e-6);
   }
   // Killed (-9) mid-epoch after a state, then the same command: the uninterrupted run's adapter.
   const std::string recipe = write_dpo_recipe(dir, "k", "epochs: 2, lr: 5.0e-3", "beta: 0.2, rpo_alpha: 0.5",
