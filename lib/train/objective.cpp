@@ -44,9 +44,9 @@ class Sft final : public Objective {
   const c10::Device device_;
 };
 
-// train.objective: dpo, orpo. A step's micro-batches are read first, so that each one's loss can be
-// divided by the pairs (and chosen tokens) of the whole step, every rank's: the loss is a mean over
-// the global batch's pairs, whatever the ranks and accumulation.
+// train.objective: dpo, orpo, cpo, simpo. A step's micro-batches are read first, so that each one's
+// loss can be divided by the pairs (and chosen tokens) of the whole step, every rank's: the loss is a
+// mean over the global batch's pairs, whatever the ranks and accumulation.
 class Pairs final : public Objective {
  public:
   Pairs(const recipe::Recipe& r, model::CausalLM& m, const std::vector<std::pair<std::string, at::Tensor>>& named,

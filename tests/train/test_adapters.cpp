@@ -2,8 +2,9 @@
 // fixture: every adapter of a 3- and an 8-adapter job against its own run (adapter_recipe's recipe,
 // trained by lora-train alone) at every kept epoch and best/, per: from FerretDB and list: from
 // JSONL files, 2 ranks, dropout, cosine with warmup, per-adapter r, alpha, lr and epochs, QLoRA and
-// LoRA+ with activation checkpointing, packing; DPO and ORPO jobs; an exact resume after kill -9 and
-// after SIGTERM during an evaluation; the metrics rows and the run record; the dry run; the refusals.
+// LoRA+ with activation checkpointing, packing; DoRA, data.sources and trained tables per adapter;
+// DPO, ORPO and SimPO jobs; lora.init_from; an exact resume after kill -9 and after SIGTERM during an
+// evaluation; the metrics rows and the run record; the dry run; the refusals.
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <cstring>
@@ -560,13 +561,13 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "adapters: DPO and ORPO jobs on 2 ranks (dropout, their own lr, an eval split, best/) give each adapter its own "
-    "run's, with its figures per adapter",
+    "adapters: DPO, ORPO and SimPO jobs on 2 ranks (dropout, their own lr, an eval split, best/) give each adapter its "
+    "own run's, with its figures per adapter",
     "[e2e]") {
   const std::string dir = temp_dir("adapters-pairs");
   write_pairs(dir);
   const std::vector<Tenant> tenants = {{"a", 14, "", ""}, {"b", 10, "lr: 1.0e-2", "train.lr=1.0e-2"}};
-  for (const std::string objective : {"dpo", "orpo"}) {
+  for (const std::string objective : {"dpo", "orpo", "simpo"}) {
     const std::string recipe =
         pairs_job_recipe(dir, objective + "-job", dir,
                          {.data = ", shuffle: global",
