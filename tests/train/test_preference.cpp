@@ -79,7 +79,7 @@ void check_against_trl(const std::string& cmd, const std::string& name) {
 
 TEST_CASE(
     "dpo, orpo, cpo and simpo: lora-train equals TRL's DPOTrainer, ORPOTrainer and CPOTrainer step by step: sigmoid, "
-    "ipo, hinge, RPO, lora.init_from as the reference, conversations; CPO's sigmoid, hinge, ipo and simpo losses "
+    "ipo, hinge, RPO, lora.init_from as the reference, conversations, and CPO's sigmoid, hinge, ipo and simpo losses "
     "with and without its NLL",
     "[e2e][reference][preference]") {
   const std::string dir = temp_dir("dpo-trl");
