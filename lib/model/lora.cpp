@@ -506,7 +506,8 @@ void start_tenant_from(CausalLM& model, int slot, const LoraConfig& cfg, const s
                        fmt::join(cfg.modules_to_save, ", ")));
   if (a.cfg.trainable_token_indices != cfg.trainable_token_indices)
     differ(fmt::format("has trainable_token_indices [{}] but the adapter trains [{}]",
-                       fmt::join(a.cfg.trainable_token_indices, ", "), fmt::join(cfg.trainable_token_indices, ", ")));
+                       printable(fmt::format("{}", fmt::join(a.cfg.trainable_token_indices, ", "))),
+                       fmt::join(cfg.trainable_token_indices, ", ")));  // (the file's list cut to a line)
   const WeightFiles files = WeightFiles::open_file(a.weights);
   const std::vector<std::pair<std::string, at::Tensor>> mine = tenant_state(model, slot);
   std::vector<std::string> names = files.names();

@@ -46,7 +46,8 @@ void start_from_adapter(model::CausalLM& m, const model::LoraConfig& cfg, const 
            fmt::format("[{}]", fmt::join(cfg.modules_to_save, ", ")));
   if (from.trainable_token_indices != cfg.trainable_token_indices)
     differ("lora.trainable_token_indices",
-           fmt::format("trainable_token_indices [{}]", fmt::join(from.trainable_token_indices, ", ")),
+           fmt::format("trainable_token_indices [{}]",
+                       printable(fmt::format("{}", fmt::join(from.trainable_token_indices, ", ")))),
            fmt::format("[{}]", fmt::join(cfg.trainable_token_indices, ", ")));
   std::vector<std::string> adapted;
   std::vector<std::string> wanted;
