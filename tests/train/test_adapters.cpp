@@ -169,6 +169,18 @@ void run_own(const std::string& recipe, const std::string& solo_dir, const Tenan
   REQUIRE(r.status == 0);
 }
 
+// Job `recipe` (writing `job_dir`) on 2 ranks, then each tenant's own run from `dir`/<name>.jsonl into
+// `own_dir`/<name>, compared with check_against_own_runs.
+void jsonl_job_against_own_runs(const std::string& recipe, const std::string& dir, const std::string& job_dir,
+                                const std::string& own_dir, const std::vector<Tenant>& tenants,
+                                const std::string& what) {
+  const Result job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
+  INFO(job.output);
+  REQUIRE(job.status == 0);
+  for (const Tenant& t : tenants) run_own(recipe, own_dir, t, fmt::format("data.path={}/{}.jsonl", dir, t.name));
+  check_against_own_runs(job_dir, own_dir, tenants, what);
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -574,13 +586,8 @@ TEST_CASE(
                           .train = fmt::format(", objective: {}, lr_scheduler: cosine, warmup_steps: 1", objective),
                           .checkpoint = ", keep_best: true",
                           .extra = "eval: {fraction: 0.25, every_n_steps: 2}"});
-    const Result job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
-    INFO(job.output);
-    REQUIRE(job.status == 0);
-    for (const Tenant& t : tenants)
-      run_own(recipe, fmt::format("{}/{}-own", dir, objective), t, fmt::format("data.path={}/{}.jsonl", dir, t.name));
-    check_against_own_runs(fmt::format("{}/{}-job", dir, objective), fmt::format("{}/{}-own", dir, objective), tenants,
-                           objective + " job on 2 ranks");
+    jsonl_job_against_own_runs(recipe, dir, fmt::format("{}/{}-job", dir, objective),
+                               fmt::format("{}/{}-own", dir, objective), tenants, objective + " job on 2 ranks");
     // Each adapter's figures in the job's rows are its own run's.
     const std::vector<json> rows = metrics(fmt::format("{}/{}-job", dir, objective));
     for (const Tenant& t : tenants) {
@@ -772,13 +779,9 @@ TEST_CASE(
                    {.lora = lora,
                     .data = ", source: jsonl",
                     .extra = fmt::format("track: {{mongodb: false}}\nadapters: {{per_pass: 2, list: [{}]}}", list)});
-    const Result job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
-    INFO(job.output);
-    REQUIRE(job.status == 0);
-    for (const Tenant& t : tenants)
-      run_own(recipe, fmt::format("{}/{}-own", dir, variant), t, fmt::format("data.path={}/{}.jsonl", dir, t.name));
-    check_against_own_runs(fmt::format("{}/{}-job", dir, variant), fmt::format("{}/{}-own", dir, variant), tenants,
-                           fmt::format("{}, 2 ranks, passes of 2", variant));
+    jsonl_job_against_own_runs(recipe, dir, fmt::format("{}/{}-job", dir, variant),
+                               fmt::format("{}/{}-own", dir, variant), tenants,
+                               fmt::format("{}, 2 ranks, passes of 2", variant));
     const std::string epoch = fmt::format("{}/{}-job/s1/epoch_1", dir, variant);
     const std::string keys = adapter_keys(epoch + "/adapter_model.safetensors");
     CHECK_THAT(keys,
@@ -788,9 +791,5 @@ TEST_CASE(
   write_pairs(dir);
   const std::vector<Tenant> pairs = {{"a", 14, "", ""}, {"b", 10, "lr: 1.0e-2", "train.lr=1.0e-2"}};
   const std::string recipe = pairs_job_recipe(dir, "dpo-job", dir, {.lora = tokens, .train = ", objective: dpo"});
-  const Result job = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
-  INFO(job.output);
-  REQUIRE(job.status == 0);
-  for (const Tenant& t : pairs) run_own(recipe, dir + "/dpo-own", t, fmt::format("data.path={}/{}.jsonl", dir, t.name));
-  check_against_own_runs(dir + "/dpo-job", dir + "/dpo-own", pairs, "DPO, trainable tokens, 2 ranks");
+  jsonl_job_against_own_runs(recipe, dir, dir + "/dpo-job", dir + "/dpo-own", pairs, "DPO, trainable tokens, 2 ranks");
 }

@@ -344,29 +344,27 @@ TEST_CASE(
               .status == 0);
   const std::string recipe =
       write_dpo_recipe(dir, "s", "epochs: 1, lr: 1.0e-4", "beta: 0.1, rpo_alpha: 0.5", ", batch_size: 2");
-  const Result t =
-      sh(fmt::format("{} {} model.path={} lora.init_from={}/trained", bin("lora-train"), recipe, smollm2, dir));
-  INFO(t.output);
-  REQUIRE(t.status == 0);
+  // lora-train from the trained adapter into `dir`/`out` with `overrides`, then TRL on the same pairs
+  // (dpo_reference.py's loss, beta, NLL weight; 5 steps of 2 at `lr`)
+  const auto against_trl = [&](const std::string& out, const std::string& overrides, const std::string& trl,
+                               const std::string& lr, const std::string& name) {
+    const Result t = sh(fmt::format("{} {} model.path={} lora.init_from={}/trained checkpoint.output_dir={}/{} {}",
+                                    bin("lora-train"), recipe, smollm2, dir, dir, out, overrides));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    check_against_trl(fmt::format("'{}' '{}/tests/reference/dpo_reference.py' check {} {}/trained {}/pairs.jsonl "
+                                  "{}/{} {} 5 2 {} 64 1e-5 2e-3",
+                                  LORARUN_PYTHON, LORARUN_SOURCE_DIR, smollm2, dir, dir, dir, out, trl, lr),
+                      name);
+  };
   // Every figure within 1e-5; the adapter within 2e-3 of its largest weight: AdamW moves a weight
   // whose gradient is rounding noise by about lr either way (measured here: figures 2.8e-6, adapter
   // 7.8e-4 at lr 1e-4 and 7.7e-3 at lr 1e-3, in proportion to lr), where a wrong gradient would show
   // in the figures of the steps after it.
-  check_against_trl(fmt::format("'{}' '{}/tests/reference/dpo_reference.py' check {} {}/trained {}/pairs.jsonl "
-                                "{}/s sigmoid 0.1 0.5 5 2 1e-4 64 1e-5 2e-3",
-                                LORARUN_PYTHON, LORARUN_SOURCE_DIR, smollm2, dir, dir, dir),
-                    "SmolLM2 DPO + RPO");
+  against_trl("s", "", "sigmoid 0.1 0.5", "1e-4", "SmolLM2 DPO + RPO");
   // SimPO (CPO's simpo loss, no NLL) from the same adapter, at SimPO's beta and lr 3e-5: its figures
   // (beta 2 x mean log-probs) drift from TRL's as the adapters part by rounding noise (measured: step 1
   // within 1.1e-6 at any lr; by step 5, 1.9e-5 at lr 1e-4, 4.9e-6 at 3e-5)
-  const Result simpo =
-      sh(fmt::format("{} {} model.path={} lora.init_from={}/trained checkpoint.output_dir={}/simpo "
-                     "train.objective=simpo preference.beta=2.0 preference.rpo_alpha=null train.lr=3.0e-5",
-                     bin("lora-train"), recipe, smollm2, dir, dir));
-  INFO(simpo.output);
-  REQUIRE(simpo.status == 0);
-  check_against_trl(fmt::format("'{}' '{}/tests/reference/dpo_reference.py' check {} {}/trained {}/pairs.jsonl "
-                                "{}/simpo cpo-simpo 2.0 none 5 2 3e-5 64 1e-5 2e-3",
-                                LORARUN_PYTHON, LORARUN_SOURCE_DIR, smollm2, dir, dir, dir),
-                    "SmolLM2 SimPO");
+  against_trl("simpo", "train.objective=simpo preference.beta=2.0 preference.rpo_alpha=null train.lr=3.0e-5",
+              "cpo-simpo 2.0 none", "3e-5", "SmolLM2 SimPO");
 }
