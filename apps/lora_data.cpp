@@ -433,9 +433,9 @@ void print_preview(const tok::Tokenizer& tokenizer, int max_length, int64_t posi
     return;
   }
   const auto& e = std::get<data::Example>(built);
-  fmt::print("── {}  {} tokens, {} trained{}\n{}\n\n", where(position, doc), e.ids.size(), labelled_tokens(e),
+  fmt::print("── {}  {} tokens, {} trained{}{}\n{}\n\n", where(position, doc), e.ids.size(), labelled_tokens(e),
              e.truncated ? fmt::format(" (truncated to data.max_length {})", max_length) : "",
-             render(tokenizer, e, colour));
+             e.desirable ? (*e.desirable ? ", desirable" : ", undesirable") : "", render(tokenizer, e, colour));
   if (!e.pair()) return;
   data::Example rejected;
   rejected.ids = e.rejected_ids;
@@ -444,7 +444,8 @@ void print_preview(const tok::Tokenizer& tokenizer, int max_length, int64_t posi
              labelled_tokens(rejected), render(tokenizer, rejected, colour));
 }
 
-// {"position", "ids", "labels"} or {"position", "rejected"}, keys in that order.
+// {"position", "ids", "labels"} (and a pair's rejected_*, an unpaired example's desirable) or
+// {"position", "rejected"}, keys in that order.
 nlohmann::ordered_json preview_json(int64_t position, const data::Built& built) {
   if (const auto* r = std::get_if<data::Rejection>(&built)) return {{"position", position}, {"rejected", r->reason}};
   const auto& e = std::get<data::Example>(built);
@@ -453,6 +454,7 @@ nlohmann::ordered_json preview_json(int64_t position, const data::Built& built) 
     out["rejected_ids"] = e.rejected_ids;
     out["rejected_labels"] = e.rejected_labels;
   }
+  if (e.desirable) out["desirable"] = *e.desirable;  // (format: unpaired)
   return out;
 }
 

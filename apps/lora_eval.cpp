@@ -186,15 +186,16 @@ int eval_recipe(const RecipeEval& a) {
     const nlohmann::json figures = pref->figures(t + 4);
     nlohmann::json row = figures;
     row["loss"] = pref->loss_of(t + 4);
-    row["pairs"] = static_cast<int64_t>(t[4 + train::kPairs]);
+    const std::string what = pref->kto() ? "examples" : "pairs";
+    row[what] = static_cast<int64_t>(t[4 + train::kPairs]);
     row["skipped"] = static_cast<int64_t>(t[3]);
     if (a.as_json) {
       fmt::print("{}\n", row.dump());
     } else {
-      std::string line = fmt::format("pairs {}, {} loss {:.6f}", row["pairs"].get<int64_t>(),
+      std::string line = fmt::format("{} {}, {} loss {:.6f}", what, row[what].get<int64_t>(),
                                      recipe::name(r.train.objective), row["loss"].get<double>());
       for (const auto& [key, value] : figures.items()) line += fmt::format(", {} {:.6f}", key, value.get<double>());
-      fmt::print("{}{}\n", line, t[3] > 0 ? fmt::format(" ({} pairs skipped)", static_cast<int64_t>(t[3])) : "");
+      fmt::print("{}{}\n", line, t[3] > 0 ? fmt::format(" ({} {} skipped)", static_cast<int64_t>(t[3]), what) : "");
     }
     return 0;
   }

@@ -47,6 +47,18 @@ std::variant<std::string, Rejection> string_field(const Document& doc, const std
   return s;
 }
 
+// Whether `field` marks the document's completion desirable: true/false or 1/0 (integers, or 1.0
+// and 0.0), or why it does not.
+std::variant<bool, Rejection> label_field(const Document& doc, const std::string& field) {
+  if (!doc.contains(field)) return bad(fmt::format("field '{}' is missing", field));
+  const Document& v = doc[field];
+  if (v.is_boolean()) return v.get<bool>();
+  if (v.is_number() && (v.get<double>() == 0 || v.get<double>() == 1)) return v.get<double>() == 1;
+  return bad(
+      fmt::format("field '{}' is {}, neither true/false nor 1/0", field,
+                  v.is_number() ? fmt::format("the number {}", v.get<double>()) : std::string("a ") + v.type_name()));
+}
+
 // How each chat format frames a turn: text before the content, text after it (after is
 // trained together with an assistant's content, as the model must learn to end its turn).
 struct Turn {
@@ -107,7 +119,7 @@ std::string invalid_utf8_reason(std::string_view field) { return fmt::format("fi
 ExampleBuilder::ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer,
                                std::optional<int32_t> eos, PairTokens tokens, const std::atomic<bool>* stop)
     : cfg_(cfg), tok_(tokenizer), eos_(eos ? eos : tokenizer.eos_id()), pairs_(tokens), stop_(stop) {
-  const bool pairs = cfg.format == recipe::Format::Preference;
+  const bool pairs = cfg.format == recipe::Format::Preference || cfg.format == recipe::Format::Unpaired;
   if (cfg.format == recipe::Format::Instruction || (pairs && !cfg.prompt_template.empty()))
     template_ = recipe::parse_template(cfg.prompt_template);
   if ((cfg.format == recipe::Format::Chat || pairs) && cfg.chat_format == recipe::ChatFormat::Template)
@@ -149,6 +161,8 @@ std::variant<Example, Rejection> ExampleBuilder::build(const Document& doc) cons
       return cfg_.chat_format == recipe::ChatFormat::Template ? chat_template(doc) : chat(doc);
     case recipe::Format::Preference:
       return preference(doc);
+    case recipe::Format::Unpaired:
+      return unpaired(doc);
   }
   return bad("unknown format");
 }
@@ -168,6 +182,12 @@ std::vector<std::string> ExampleBuilder::fields_of(const recipe::DataSection& cf
     case recipe::Format::Preference: {
       std::vector<std::string> f = cfg.prompt_template.empty() ? std::vector{cfg.prompt_field} : cfg.template_fields();
       for (const std::string* c : {&cfg.chosen_field, &cfg.rejected_field})
+        if (std::find(f.begin(), f.end(), *c) == f.end()) f.push_back(*c);
+      return f;
+    }
+    case recipe::Format::Unpaired: {
+      std::vector<std::string> f = cfg.prompt_template.empty() ? std::vector{cfg.prompt_field} : cfg.template_fields();
+      for (const std::string* c : {&cfg.completion_field, &cfg.label_field})
         if (std::find(f.begin(), f.end(), *c) == f.end()) f.push_back(*c);
       return f;
     }
@@ -303,7 +323,9 @@ void ExampleBuilder::setup_chat_template() {
   for (const auto& [key, value] : cfg_.chat_template_kwargs.items()) chat_context_[key] = value;
   generation_tags_ = chat::has_generation_tags(chat_template_);
   // (pairs score their completions, found by the prompt's rendering, not by an end-of-turn token)
-  if (generation_tags_ || cfg_.train_on_input || cfg_.format == recipe::Format::Preference) return;
+  if (generation_tags_ || cfg_.train_on_input || cfg_.format == recipe::Format::Preference ||
+      cfg_.format == recipe::Format::Unpaired)
+    return;
   // The end-of-turn token: the first added token the template writes after an assistant
   // message's content, in a probe conversation (with a system message if it needs one).
   const std::string reply = "lorarun probe reply";
@@ -508,11 +530,12 @@ size_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& 
 
 }  // namespace
 
-std::variant<std::array<std::string, 3>, Rejection> ExampleBuilder::preference_texts(const Document& doc,
-                                                                                     bool& special) const {
+std::variant<std::vector<std::string>, Rejection> ExampleBuilder::completion_texts(
+    const Document& doc, const std::vector<std::string>& completions, bool& special) const {
   if (!doc.is_object()) return unreadable("the document is not an object");
-  for (const std::string* f : {&cfg_.chosen_field, &cfg_.rejected_field})
-    if (!doc.contains(*f)) return bad(fmt::format("field '{}' is missing", *f));
+  for (const std::string& f : completions)
+    if (!doc.contains(f)) return bad(fmt::format("field '{}' is missing", f));
+  const size_t n = completions.size() + 1;
   const bool conversation =
       cfg_.prompt_template.empty() && doc.contains(cfg_.prompt_field) && doc[cfg_.prompt_field].is_array();
   if (!conversation) {  // strings: prompt + completion + EOS, tokenised with the special tokens
@@ -520,23 +543,24 @@ std::variant<std::array<std::string, 3>, Rejection> ExampleBuilder::preference_t
     auto prompt = template_.empty() ? string_field(doc, cfg_.prompt_field) : fill_template(doc);
     if (auto* r = std::get_if<Rejection>(&prompt)) return *r;
     const std::string eos = eos_ ? tok_.id_to_token(*eos_).value_or("") : "";
-    std::array<std::string, 3> out{std::get<std::string>(prompt), "", ""};
-    for (int k = 1; k < 3; ++k) {
-      auto c = string_field(doc, k == 1 ? cfg_.chosen_field : cfg_.rejected_field);
+    std::vector<std::string> out(n);
+    out[0] = std::get<std::string>(prompt);
+    for (size_t k = 1; k < n; ++k) {
+      auto c = string_field(doc, completions[k - 1]);
       if (auto* r = std::get_if<Rejection>(&c)) return *r;
       std::string& text = std::get<std::string>(c);
       if (!text.ends_with(eos)) text += eos;
-      out[static_cast<size_t>(k)] = out[0] + text;
+      out[k] = out[0] + text;
     }
     return out;
   }
-  nlohmann::ordered_json parts[3];
-  for (int k = 0; k < 3; ++k) {
-    auto m = messages_of(doc, k == 0 ? cfg_.prompt_field : k == 1 ? cfg_.chosen_field : cfg_.rejected_field);
+  std::vector<nlohmann::ordered_json> parts(n);
+  for (size_t k = 0; k < n; ++k) {
+    auto m = messages_of(doc, k == 0 ? cfg_.prompt_field : completions[k - 1]);
     if (auto* r = std::get_if<Rejection>(&m)) return *r;
     parts[k] = std::move(std::get<nlohmann::ordered_json>(m));
   }
-  std::array<std::string, 3> out;
+  std::vector<std::string> out(n);
   if (cfg_.chat_format != recipe::ChatFormat::Template) {  // the built-in formats' turns, BOS first
     special = true;
     const auto render = [&](const nlohmann::ordered_json& messages) {
@@ -548,30 +572,29 @@ std::variant<std::array<std::string, 3>, Rejection> ExampleBuilder::preference_t
       return text;
     };
     out[0] = render(parts[0]) + chat_turn(cfg_.chat_format, "assistant").before;
-    out[1] = render(parts[0]) + render(parts[1]);
-    out[2] = render(parts[0]) + render(parts[2]);
+    for (size_t k = 1; k < n; ++k) out[k] = render(parts[0]) + render(parts[k]);
     return out;
   }
   special = false;  // (apply_chat_template tokenises without adding special tokens)
   nlohmann::ordered_json context = chat_context_;
   if (auto it = doc.find("tools"); it != doc.end() && !it->is_null()) context["tools"] = *it;
   Renderer render{*compiled_template_, context, stop_};
-  for (int k = 0; k < 3; ++k) {
+  for (size_t k = 0; k < n; ++k) {
     nlohmann::ordered_json messages = parts[0];
     if (k > 0) messages.insert(messages.end(), parts[k].begin(), parts[k].end());
     const auto r = render(messages, k == 0);
     if (const auto* e = std::get_if<std::string>(&r))
       return template_failed(fmt::format("the chat template ({}) failed: {}", chat_template_source_, *e));
-    out[static_cast<size_t>(k)] = std::get<chat::Rendered>(r).text;
+    out[k] = std::get<chat::Rendered>(r).text;
   }
   return out;
 }
 
 std::variant<Example, Rejection> ExampleBuilder::preference(const Document& doc) const {
   bool special = true;
-  auto texts = preference_texts(doc, special);
+  auto texts = completion_texts(doc, {cfg_.chosen_field, cfg_.rejected_field}, special);
   if (auto* r = std::get_if<Rejection>(&texts)) return *r;
-  const auto& t = std::get<std::array<std::string, 3>>(texts);
+  const auto& t = std::get<std::vector<std::string>>(texts);
   if (t[1] == t[2]) return untrainable("the chosen and the rejected completion are the same");
   for (const std::string& text : t)
     if (!valid_utf8(text)) return unreadable("a rendered text is not valid UTF-8");
@@ -603,7 +626,44 @@ std::variant<Example, Rejection> ExampleBuilder::preference(const Document& doc)
   return e;
 }
 
-std::variant<Example, Rejection> ExampleBuilder::orpo_pair(const std::array<std::string, 3>& t) const {
+std::variant<Example, Rejection> ExampleBuilder::unpaired(const Document& doc) const {
+  if (!doc.is_object()) return unreadable("the document is not an object");
+  const auto label = label_field(doc, cfg_.label_field);
+  if (auto* r = std::get_if<Rejection>(&label)) return *r;
+  bool special = true;
+  auto texts = completion_texts(doc, {cfg_.completion_field}, special);
+  if (auto* r = std::get_if<Rejection>(&texts)) return *r;
+  const auto& t = std::get<std::vector<std::string>>(texts);
+  for (const std::string& text : t)
+    if (!valid_utf8(text)) return unreadable("a rendered text is not valid UTF-8");
+  std::vector<int32_t> ids[2];
+  try {
+    for (size_t k = 0; k < 2; ++k) ids[k] = tok_.encode(t[k], special);
+  } catch (const Error& err) {
+    return unreadable(err.what());
+  }
+  const size_t prompt = common_prefix(ids[0], ids[1]);
+  const auto max = static_cast<size_t>(cfg_.max_length);
+  std::vector<int32_t>& seq = ids[1];
+  if (prompt >= max || (seq.size() > max && cfg_.overlong == recipe::Overlong::Skip))
+    return Rejection{Rejection::Overlong,
+                     prompt >= max ? fmt::format("its prompt alone is {} tokens, data.max_length is {}", prompt, max)
+                                   : fmt::format("{} tokens, data.max_length is {}", seq.size(), max)};
+  if (seq.size() == prompt) return untrainable("the completion has no token");
+  Example e;
+  e.desirable = std::get<bool>(label);
+  // (up to max_length of it: another example's prompt, put before it for KTO's KL estimate, may be shorter)
+  e.completion.assign(seq.begin() + static_cast<std::ptrdiff_t>(prompt),
+                      seq.begin() + static_cast<std::ptrdiff_t>(std::min(seq.size(), prompt + max)));
+  e.truncated = seq.size() > max;
+  if (e.truncated) seq.resize(max);
+  e.labels = seq;
+  std::fill(e.labels.begin(), e.labels.begin() + static_cast<std::ptrdiff_t>(prompt), kIgnoreIndex);
+  e.ids = std::move(seq);
+  return e;
+}
+
+std::variant<Example, Rejection> ExampleBuilder::orpo_pair(const std::vector<std::string>& t) const {
   std::vector<int32_t> prompt, seq[2];
   size_t start[2];
   try {

@@ -28,6 +28,11 @@ struct Example {
   // data.format: preference: ids/labels are prompt + chosen completion (the completion labelled),
   // these prompt + rejected; empty otherwise.
   std::vector<int32_t> rejected_ids, rejected_labels;
+  // data.format: unpaired: ids/labels are prompt + completion (the completion labelled); whether it
+  // is desirable, and the completion's ids (up to data.max_length of them: KTO puts them after
+  // another example's prompt).
+  std::optional<bool> desirable;
+  std::vector<int32_t> completion;
   int32_t source = 0;  // data.sources: the index of the source it came from
   bool pair() const { return !rejected_ids.empty(); }
 };
@@ -52,12 +57,12 @@ struct Rejection {
 // from the collection since it was listed), "template" (the chat template failed), "overlong".
 std::string_view cause_name(Rejection::Cause c);
 
-// How a preference pair is tokenised: as TRL's DPOTrainer does, or as its ORPOTrainer (and
-// CPOTrainer, whose tokenize_row is the same) does.
+// How a preference pair is tokenised: as TRL's DPOTrainer does (its KTOTrainer tokenises a single
+// completion alike), or as its ORPOTrainer (and CPOTrainer, whose tokenize_row is the same) does.
 enum class PairTokens { Dpo, Orpo };
 // The tokenisation of train.objective's trainer in TRL.
 inline PairTokens pair_tokens(recipe::Objective o) {
-  return o == recipe::Objective::Dpo ? PairTokens::Dpo : PairTokens::Orpo;
+  return o == recipe::Objective::Dpo || o == recipe::Objective::Kto ? PairTokens::Dpo : PairTokens::Orpo;
 }
 
 class ExampleBuilder {
@@ -90,9 +95,15 @@ class ExampleBuilder {
   // the prompt's ids (one token earlier when the last prompt token merges), BOS before each prompt
   // and EOS after each completion unless there, the completions cut to fit data.max_length.
   std::variant<Example, Rejection> preference(const Document& doc) const;
-  std::variant<Example, Rejection> orpo_pair(const std::array<std::string, 3>& texts) const;
-  // The texts of prompt, prompt + chosen, prompt + rejected, and whether to add special tokens.
-  std::variant<std::array<std::string, 3>, Rejection> preference_texts(const Document& doc, bool& special) const;
+  std::variant<Example, Rejection> orpo_pair(const std::vector<std::string>& texts) const;
+  // format: unpaired, as TRL 1.16's KTOTrainer tokenises an example: prompt and prompt + completion
+  // as preference(), the completion starting where their ids part; data.label_field true/false or 1/0.
+  std::variant<Example, Rejection> unpaired(const Document& doc) const;
+  // The texts of the prompt and of the prompt followed by each of the fields `completions`, and
+  // whether to add special tokens.
+  std::variant<std::vector<std::string>, Rejection> completion_texts(const Document& doc,
+                                                                     const std::vector<std::string>& completions,
+                                                                     bool& special) const;
   // data.prompt_template with the document's fields, or why it cannot be filled.
   std::variant<std::string, Rejection> fill_template(const Document& doc) const;
   // chat_format: template: the model's Jinja chat template, as apply_chat_template renders and

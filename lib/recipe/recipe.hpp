@@ -24,7 +24,7 @@ namespace lorarun::recipe {
 enum class Dtype { BF16, FP16, FP32, Auto };
 enum class Device { Auto, Cuda, Cpu };
 enum class Source { MongoDB, Jsonl };
-enum class Format { Instruction, Text, Chat, Preference };
+enum class Format { Instruction, Text, Chat, Preference, Unpaired };
 enum class ChatFormat { ChatML, Llama3, Mistral, Template };
 enum class Overlong { Truncate, Skip };
 enum class BadDocuments { Skip, Fail };
@@ -33,8 +33,8 @@ enum class Scheduler { Cosine, Linear, Constant };
 enum class Resume { Auto, Never };
 enum class DistBackend { Auto, Nccl, Gloo };
 enum class Store { None, MongoDB };
-enum class Objective { Sft, Dpo, Orpo, Cpo, Simpo };
-enum class PreferenceLoss { Sigmoid, Ipo, Hinge, Simpo };
+enum class Objective { Sft, Dpo, Orpo, Cpo, Simpo, Kto };
+enum class PreferenceLoss { Sigmoid, Ipo, Hinge, Simpo, Kto, ApoZeroUnpaired };
 enum class MixBy { Examples, Tokens };
 
 // The YAML spelling of each enum value; the first entry is the key's default.
@@ -57,10 +57,11 @@ struct EnumNames<Source> {
 };
 template <>
 struct EnumNames<Format> {
-  static constexpr std::array<std::pair<std::string_view, Format>, 4> values{{{"instruction", Format::Instruction},
+  static constexpr std::array<std::pair<std::string_view, Format>, 5> values{{{"instruction", Format::Instruction},
                                                                               {"text", Format::Text},
                                                                               {"chat", Format::Chat},
-                                                                              {"preference", Format::Preference}}};
+                                                                              {"preference", Format::Preference},
+                                                                              {"unpaired", Format::Unpaired}}};
 };
 template <>
 struct EnumNames<ChatFormat> {
@@ -107,19 +108,22 @@ struct EnumNames<Store> {
 
 template <>
 struct EnumNames<Objective> {
-  static constexpr std::array<std::pair<std::string_view, Objective>, 5> values{{{"sft", Objective::Sft},
+  static constexpr std::array<std::pair<std::string_view, Objective>, 6> values{{{"sft", Objective::Sft},
                                                                                  {"dpo", Objective::Dpo},
                                                                                  {"orpo", Objective::Orpo},
                                                                                  {"cpo", Objective::Cpo},
-                                                                                 {"simpo", Objective::Simpo}}};
+                                                                                 {"simpo", Objective::Simpo},
+                                                                                 {"kto", Objective::Kto}}};
 };
 template <>
 struct EnumNames<PreferenceLoss> {
-  static constexpr std::array<std::pair<std::string_view, PreferenceLoss>, 4> values{
+  static constexpr std::array<std::pair<std::string_view, PreferenceLoss>, 6> values{
       {{"sigmoid", PreferenceLoss::Sigmoid},
        {"ipo", PreferenceLoss::Ipo},
        {"hinge", PreferenceLoss::Hinge},
-       {"simpo", PreferenceLoss::Simpo}}};
+       {"simpo", PreferenceLoss::Simpo},
+       {"kto", PreferenceLoss::Kto},
+       {"apo_zero_unpaired", PreferenceLoss::ApoZeroUnpaired}}};
 };
 
 template <>
@@ -201,6 +205,8 @@ struct DataSection {
   std::string prompt_field = "prompt";  // format: preference
   std::string chosen_field = "chosen";
   std::string rejected_field = "rejected";
+  std::string completion_field = "completion";  // format: unpaired
+  std::string label_field = "label";
   ChatFormat chat_format = ChatFormat::ChatML;
   std::string chat_template;  // a .jinja file; empty: the model's own template
   nlohmann::json chat_template_kwargs = nlohmann::json::object();
@@ -255,7 +261,7 @@ struct EpochsToSave {
   bool operator==(const EpochsToSave&) const = default;
 };
 
-// train.objective: dpo and orpo: the preference losses, TRL's DPOTrainer's and ORPOTrainer's formulas.
+// train.objective: dpo, orpo, cpo, simpo, kto: the preference losses, TRL's trainers' formulas.
 struct PreferenceSection {
   double beta = 0.1;
   PreferenceLoss loss_type = PreferenceLoss::Sigmoid;
@@ -263,6 +269,8 @@ struct PreferenceSection {
   std::optional<double> rpo_alpha;  // the chosen answers' NLL, this much of it, added (RPO); null: off
   std::optional<double> cpo_alpha;  // cpo, simpo: the chosen answers' NLL weight; null: 1 (cpo), 0 (simpo)
   double simpo_gamma = 0.5;         // loss simpo: the target reward margin
+  double desirable_weight = 1.0;    // kto: of the desirable completions' losses
+  double undesirable_weight = 1.0;  // ... and of the undesirable ones'
   bool operator==(const PreferenceSection&) const = default;
 };
 

@@ -164,8 +164,8 @@ void for_each_key(R& r, V&& v) {
         .meaning = "with data.sources: documents per epoch, shared out by the weights (smaller sources repeat)"},
     r.data.epoch_documents);
   v(Key{.name = "data.format",
-        .meaning = "how a document becomes an example: a prompt template and a response field, one text field, or "
-                   "chat messages"},
+        .meaning = "how a document becomes an example: a prompt template and a response field, one text field, chat "
+                   "messages, pairs, labelled answers"},
     r.data.format);
   v(Key{.name = "data.prompt_template",
         .example = R"("### Instruction:\n{instruction}\n\n### Response:\n")",
@@ -184,8 +184,8 @@ void for_each_key(R& r, V&& v) {
     r.data.messages_field);
   v(Key{.name = "data.prompt_field",
         .example = "prompt",
-        .meaning = "format: preference: the field holding the prompt, a string or a list of `{role, content}` "
-                   "messages"},
+        .meaning = "format: preference and unpaired: the field holding the prompt, a string or a list of "
+                   "`{role, content}` messages"},
     r.data.prompt_field);
   v(Key{.name = "data.chosen_field",
         .example = "chosen",
@@ -195,6 +195,14 @@ void for_each_key(R& r, V&& v) {
         .example = "rejected",
         .meaning = "format: preference: the rejected completion, a string or a list of messages (as the prompt)"},
     r.data.rejected_field);
+  v(Key{.name = "data.completion_field",
+        .example = "completion",
+        .meaning = "format: unpaired: the one completion, a string or a list of messages (as the prompt)"},
+    r.data.completion_field);
+  v(Key{.name = "data.label_field",
+        .example = "label",
+        .meaning = "format: unpaired: whether the completion is desirable: true/false or 1/0"},
+    r.data.label_field);
   v(Key{.name = "data.chat_format",
         .meaning =
             "format: chat: the template the messages are rendered in; `template`: the model's own chat template"},
@@ -322,8 +330,8 @@ void for_each_key(R& r, V&& v) {
         .meaning = "an evaluation improves when it lowers the best eval loss so far by more than this"},
     r.train.early_stopping_min_delta);
   v(Key{.name = "train.objective",
-        .meaning = "sft: the trained tokens' loss; dpo, orpo, cpo, simpo: losses over chosen/rejected pairs "
-                   "(data.format: preference)"},
+        .meaning = "sft: the trained tokens' loss; dpo, orpo, cpo, simpo: over pairs (data.format: preference); kto: "
+                   "labelled answers (unpaired)"},
     r.train.objective);
 
   v(Key{.name = "preference.beta",
@@ -332,8 +340,8 @@ void for_each_key(R& r, V&& v) {
                    "its lambda"},
     r.preference.beta);
   v(Key{.name = "preference.loss_type",
-        .meaning = "TRL's losses: sigmoid (DPO), ipo (IPO, per-token log-ratios), hinge (SLiC); simpo (SimPO's "
-                   "margin; cpo only)"},
+        .meaning = "TRL's losses: sigmoid (DPO), ipo (IPO), hinge (SLiC); simpo (cpo only); kto: kto (sigmoid's "
+                   "place), apo_zero_unpaired"},
     r.preference.loss_type);
   v(Key{.name = "preference.label_smoothing",
         .bound = within(0, 0.5, true),
@@ -356,6 +364,14 @@ void for_each_key(R& r, V&& v) {
         .bound = at_least(0),
         .meaning = "SimPO's target reward margin (train.objective simpo, or cpo with loss_type simpo)"},
     r.preference.simpo_gamma);
+  v(Key{.name = "preference.desirable_weight",
+        .bound = above(0),
+        .meaning = "kto: the weight of the desirable completions' losses (raise it when they are fewer)"},
+    r.preference.desirable_weight);
+  v(Key{.name = "preference.undesirable_weight",
+        .bound = above(0),
+        .meaning = "kto: the weight of the undesirable completions' losses (raise it when they are fewer)"},
+    r.preference.undesirable_weight);
 
   v(Key{.name = "checkpoint.output_dir",
         .example = "runs/my-run",

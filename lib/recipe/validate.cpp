@@ -122,6 +122,31 @@ bool adapters_locate_themselves(const Recipe& r) {
   });
 }
 
+// train.objective: kto (TRL's KTOTrainer): labelled single completions, its own losses and weights;
+// its KL estimate pairs each prompt with another example's completion of the same step.
+void kto_rules(const Recipe& r, const RecipeOrigin& o) {
+  const PreferenceSection& p = r.preference;
+  if (r.data.format != Format::Unpaired)
+    fail(o, "train.objective",
+         fmt::format("is kto, which trains on single completions marked desirable or not, but data.format is {}: "
+                     "set data.format: unpaired (with data.prompt_field, completion_field, label_field)",
+                     name(r.data.format)));
+  if (p.loss_type != PreferenceLoss::Sigmoid && p.loss_type != PreferenceLoss::Kto &&
+      p.loss_type != PreferenceLoss::ApoZeroUnpaired)
+    fail(o, "preference.loss_type",
+         fmt::format("is {}, a loss of pairs: train.objective kto takes kto (the default) or apo_zero_unpaired",
+                     name(p.loss_type)));
+  if (p.label_smoothing > 0 || p.rpo_alpha || p.cpo_alpha || p.simpo_gamma != PreferenceSection{}.simpo_gamma)
+    fail(o, "train.objective",
+         "is kto: of the preference: keys beta, loss_type, desirable_weight and undesirable_weight apply; remove "
+         "label_smoothing, rpo_alpha, cpo_alpha and simpo_gamma");
+  if (p.loss_type != PreferenceLoss::ApoZeroUnpaired &&
+      int64_t{r.data.batch_size} * r.train.gradient_accumulation_steps < 2)
+    fail(o, "data.batch_size",
+         "is 1 with train.gradient_accumulation_steps 1: KTO estimates its KL term from each prompt paired with "
+         "another example's completion of the step, which needs 2 examples a step at least: raise either");
+}
+
 constexpr Rule kRules[] = {
     // The GGUF's own blocks are the frozen base: nothing else may quantise or rewrite it.
     {"model.keep_quantized",
@@ -186,6 +211,16 @@ constexpr Rule kRules[] = {
      }},
     {"data.chosen_field",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       if (r.data.format == Format::Unpaired) {
+         for (const auto& [key, value] : {std::pair{"data.prompt_field", &r.data.prompt_field},
+                                          {"data.completion_field", &r.data.completion_field},
+                                          {"data.label_field", &r.data.label_field}})
+           require(o, key, *value, "for data.format: unpaired");
+         if (r.data.label_field == r.data.completion_field || r.data.label_field == r.data.prompt_field)
+           fail(o, "data.label_field",
+                fmt::format("is '{}', a field that holds text here: name the field holding true/false or 1/0",
+                            r.data.label_field));
+       }
        if (r.data.format != Format::Preference) return;
        for (const auto& [key, value] : {std::pair{"data.prompt_field", &r.data.prompt_field},
                                         {"data.chosen_field", &r.data.chosen_field},
@@ -267,25 +302,35 @@ constexpr Rule kRules[] = {
               what +
                   " in float, and lora.quantize_base holds them in NF4 (PEFT refuses this too): drop "
                   "quantize_base, or use lora.init: olora");
-       if (r.train.objective == Objective::Dpo)
+       if (r.train.objective == Objective::Dpo || r.train.objective == Objective::Kto)
          fail(o, "lora.init",
-              what +
-                  " and DPO's reference is the base with the adapter off, which would be that residual: use "
-                  "lora.init: default with train.objective: dpo");
+              fmt::format("{} and {}'s reference is the base with the adapter off, which would be that residual: use "
+                          "lora.init: default with train.objective: {}",
+                          what, name(r.train.objective), name(r.train.objective)));
      }},
     // A preference objective trains on pairs; the supervised one on single documents.
     {"train.objective",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
-       const bool pairs = r.data.format == Format::Preference;
-       if (r.train.objective == Objective::Sft && pairs)
+       const bool pairs = r.data.format == Format::Preference, unpaired = r.data.format == Format::Unpaired;
+       if (r.train.objective == Objective::Sft && (pairs || unpaired))
          fail(o, "train.objective",
-              "is sft, but data.format: preference gives pairs of completions: set train.objective: dpo, or a "
-              "data.format of single documents");
+              fmt::format("is sft, but data.format: {} gives {}: set train.objective: {}, or a data.format of single "
+                          "documents",
+                          name(r.data.format), pairs ? "pairs of completions" : "labelled completions",
+                          pairs ? "dpo" : "kto"));
        if (r.train.objective == Objective::Sft && r.preference != PreferenceSection{})
          fail(o, "train.objective",
-              "is sft, but preference: keys are set; they apply to train.objective: dpo, orpo, cpo or simpo only: "
-              "remove them or set train.objective: dpo");
+              "is sft, but preference: keys are set; they apply to train.objective: dpo, orpo, cpo, simpo or kto "
+              "only: remove them or set train.objective: dpo");
        if (r.train.objective == Objective::Sft) return;
+       if (r.train.objective == Objective::Kto) {
+         kto_rules(r, o);
+       } else if (unpaired) {
+         fail(o, "train.objective",
+              fmt::format("is {}, which trains on pairs, but data.format: unpaired gives single completions marked "
+                          "desirable or not: set train.objective: kto",
+                          name(r.train.objective)));
+       }
        if (r.train.objective == Objective::Orpo &&
            (r.preference.loss_type != PreferenceLoss::Sigmoid || r.preference.label_smoothing > 0 ||
             r.preference.rpo_alpha || r.preference.cpo_alpha ||
@@ -293,7 +338,7 @@ constexpr Rule kRules[] = {
          fail(o, "train.objective",
               "is orpo, which has no reference and its own loss: of the preference: keys only beta (ORPO's lambda) "
               "applies; remove loss_type, label_smoothing, rpo_alpha, cpo_alpha and simpo_gamma");
-       if (!pairs)
+       if (!pairs && !unpaired)
          fail(o, "train.objective",
               fmt::format("{} trains on pairs of a chosen and a rejected completion, but data.format is {}: set "
                           "data.format: preference (with data.prompt_field, chosen_field, rejected_field)",
@@ -320,7 +365,16 @@ constexpr Rule kRules[] = {
        const PreferenceSection& p = r.preference;
        const Objective objective = r.train.objective;
        const bool cpo = objective == Objective::Cpo || objective == Objective::Simpo;
-       if (objective == Objective::Sft || objective == Objective::Orpo) return;  // (train.objective's rule)
+       if (objective == Objective::Sft || objective == Objective::Orpo || objective == Objective::Kto)
+         return;  // (train.objective's rule)
+       if (p.loss_type == PreferenceLoss::Kto || p.loss_type == PreferenceLoss::ApoZeroUnpaired)
+         fail(o, "preference.loss_type",
+              fmt::format("{} is a loss of labelled single completions: set train.objective: kto (with data.format: "
+                          "unpaired)",
+                          name(p.loss_type)));
+       if (p.desirable_weight != 1 || p.undesirable_weight != 1)
+         fail(o, p.desirable_weight != 1 ? "preference.desirable_weight" : "preference.undesirable_weight",
+              fmt::format("applies to train.objective kto only, not {}: remove it", name(objective)));
        if (cpo && p.rpo_alpha)
          fail(o, "preference.rpo_alpha",
               fmt::format("is DPO's NLL weight; train.objective {} weighs the chosen completions' NLL by "

@@ -67,8 +67,11 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
       sums.stopped = true;
       break;
     }
-    if (first >= n) {
-      m.skip_pass(false, r.data.packing);
+    if (first >= n) {  // (a preference objective's passes, skipped: each it would have run)
+      if (pref)
+        pref->evaluate({}, device);
+      else
+        m.skip_pass(false, r.data.packing);
       continue;
     }
     std::vector<int64_t> positions;
@@ -87,14 +90,10 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
     }
     sums.documents += static_cast<int64_t>(batch.size());
     if (pref) {
-      const PairBatch pb = collate_pairs(batch, device, pref->whole_chosen());
-      if (pb.pairs == 0) {
-        pref->skip(false);
-        continue;
-      }
-      const at::Tensor s = pref->forward(pb, 1, 1).stats.cpu();
+      const auto [s, tokens] = pref->evaluate(batch, device);
+      if (!s.defined()) continue;
       for (int64_t k = 0; k < kPrefStats; ++k) sums.pref[static_cast<size_t>(k)] += s[k].item<double>();
-      sums.tokens += pb.rows.tokens;
+      sums.tokens += tokens;
       continue;
     }
     const data::Batch b = data::collate(batch, r.data.packing, static_cast<size_t>(r.data.max_length), device);

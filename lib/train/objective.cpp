@@ -44,9 +44,64 @@ class Sft final : public Objective {
   const c10::Device device_;
 };
 
-// train.objective: dpo, orpo, cpo, simpo. A step's micro-batches are read first, so that each one's
-// loss can be divided by the pairs (and chosen tokens) of the whole step, every rank's: the loss is a
-// mean over the global batch's pairs, whatever the ranks and accumulation.
+// KTO's mismatched completions for this rank's micro-batches `micro` of a step: every rank's examples
+// of the step in one order — the first of each rank in rank order, then the second, … (the order of
+// the positions DistributedSampler's interleaving read them from, so the same on 1 rank with
+// accumulation as on N) — each paired with the completion of the example before it, the first with
+// the last's: TRL's rotation by one, over the whole step rather than one rank's micro-batch.
+std::vector<std::vector<std::vector<int32_t>>> mismatched(const std::vector<std::vector<data::Example>>& micro,
+                                                          const Agreement& agree) {
+  std::vector<double> flat = {0};  // this rank's: [examples, each completion's length, their ids]
+  for (const auto& examples : micro)
+    for (const data::Example& e : examples) {
+      ++flat[0];
+      flat.push_back(static_cast<double>(e.completion.size()));
+    }
+  for (const auto& examples : micro)
+    for (const data::Example& e : examples) flat.insert(flat.end(), e.completion.begin(), e.completion.end());
+  const int world = agree.world();
+  at::Tensor all = at::tensor(flat, at::kDouble).unsqueeze(0);
+  if (world > 1) {  // (ids as float64 in a sum over the ranks: exact below 2^53)
+    const auto sizes = agree.rows(at::scalar_tensor(static_cast<double>(flat.size()))).cpu();
+    all =
+        at::zeros({world, sizes.max().item<int64_t>()}, at::TensorOptions().dtype(at::kDouble).device(agree.device()));
+    all[agree.rank()].narrow(0, 0, static_cast<int64_t>(flat.size())).copy_(at::tensor(flat, at::kDouble));
+    agree.sum(all);
+    all = all.cpu().contiguous();
+  }
+  std::vector<std::vector<std::vector<int32_t>>> completions(static_cast<size_t>(world));  // by rank
+  for (int r = 0; r < world; ++r) {
+    const double* row = all[r].data_ptr<double>();
+    const auto n = static_cast<size_t>(row[0]);
+    for (size_t i = 0, at = 1 + n; i < n; ++i) {
+      const auto len = static_cast<size_t>(row[1 + i]);
+      completions[static_cast<size_t>(r)].emplace_back(row + at, row + at + len);
+      at += len;
+    }
+  }
+  std::vector<std::pair<int, size_t>> order;  // (rank, its example)
+  for (size_t k = 0;; ++k) {
+    const size_t before = order.size();
+    for (int r = 0; r < world; ++r)
+      if (k < completions[static_cast<size_t>(r)].size()) order.emplace_back(r, k);
+    if (order.size() == before) break;
+  }
+  std::vector<std::vector<std::vector<int32_t>>> out(micro.size());
+  for (size_t g = 0, a = 0; g < order.size(); ++g) {
+    if (order[g].first != agree.rank()) continue;
+    while (out[a].size() == micro[a].size()) ++a;
+    const auto& [r, i] = order[(g + order.size() - 1) % order.size()];
+    out[a].push_back(completions[static_cast<size_t>(r)][i]);
+  }
+  return out;
+}
+
+// train.objective: dpo, orpo, cpo, simpo, kto. A step's micro-batches are read first, so that each
+// one's loss can be divided by the pairs (kto: examples; and chosen tokens) of the whole step, every
+// rank's: the loss is a mean over the global batch's pairs, whatever the ranks and accumulation. KTO's
+// KL estimate is the step's too: the mean over every rank's KL pairs (mismatched), clamped at 0, taken
+// before any loss (it carries no gradient). (TRL's is each micro-batch's, averaged over the ranks: the
+// same without accumulation.)
 class Pairs final : public Objective {
  public:
   Pairs(const recipe::Recipe& r, model::CausalLM& m, const std::vector<std::pair<std::string, at::Tensor>>& named,
@@ -57,17 +112,28 @@ class Pairs final : public Objective {
     Sums sums;
     sums.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
     sums.stats = at::zeros({kPrefStats}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    std::vector<std::vector<data::Example>> examples;
+    for (int a = 0; a < accum; ++a) examples.push_back(next());
+    const bool kl_pairs = pref_.kl_pairs();
+    std::vector<std::vector<std::vector<int32_t>>> others;  // each example's KL pair's completion
+    if (kl_pairs) others = mismatched(examples, agree_);
     std::vector<PairBatch> micro;
-    double mine[2] = {0, 0};
-    for (int a = 0; a < accum; ++a) {
-      micro.push_back(collate_pairs(next(), device_, pref_.whole_chosen()));
+    double mine[4] = {0, 0, 0, 0};  // pairs, chosen tokens; kto: its KL pairs' sum and count
+    for (size_t a = 0; a < examples.size(); ++a) {
+      micro.push_back(pref_.collate(examples[a], device_, kl_pairs ? &others[a] : nullptr));
       mine[0] += static_cast<double>(micro.back().pairs);
       mine[1] += static_cast<double>(micro.back().chosen_tokens);
+      if (!kl_pairs) continue;
+      const at::Tensor kl = pref_.kl_sums(micro.back());
+      mine[2] += kl[0].item<double>();
+      mine[3] += kl[1].item<double>();
     }
-    at::Tensor total = at::tensor({mine[0], mine[1]}, at::kDouble).to(device_);
+    at::Tensor total = at::tensor({mine[0], mine[1], mine[2], mine[3]}, at::kDouble).to(device_);
     agree_.sum(total);
     total = total.cpu();
     const double pairs = std::max(total[0].item<double>(), 1.0), chosen = total[1].item<double>();
+    const double kl = std::max(total[2].item<double>() / std::max(total[3].item<double>(), 1.0), 0.0);
+    for (PairBatch& b : micro) b.kl = kl;
     for (size_t a = 0; a < micro.size(); ++a) {
       if (a + 1 == micro.size()) arm();
       const PairBatch& b = micro[a];

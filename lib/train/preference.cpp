@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
+
 #include "model/lora.hpp"
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
@@ -42,6 +44,33 @@ PairBatch collate_pairs(const std::vector<data::Example>& pairs, c10::Device dev
   return b;
 }
 
+PairBatch collate_unpaired(const std::vector<data::Example>& examples,
+                           const std::vector<std::vector<int32_t>>* mismatched, int64_t max_length,
+                           c10::Device device) {
+  PairBatch b;
+  b.pairs = static_cast<int64_t>(examples.size());
+  if (examples.empty()) return b;
+  std::vector<data::Example> kl(examples.size());
+  std::vector<float> desirable;
+  for (size_t i = 0; i < examples.size(); ++i) {
+    const data::Example& e = examples[i];
+    desirable.push_back(e.desirable.value_or(false) ? 1.0f : 0.0f);
+    if (!mismatched) continue;
+    const auto prompt =
+        std::find_if(e.labels.begin(), e.labels.end(), [](int32_t l) { return l != data::kIgnoreIndex; }) -
+        e.labels.begin();
+    kl[i].ids.assign(e.ids.begin(), e.ids.begin() + prompt);
+    kl[i].ids.insert(kl[i].ids.end(), mismatched->at(i).begin(), mismatched->at(i).end());
+    kl[i].ids.resize(std::min<size_t>(kl[i].ids.size(), static_cast<size_t>(max_length)));
+    kl[i].labels = kl[i].ids;
+    std::fill_n(kl[i].labels.begin(), prompt, data::kIgnoreIndex);
+  }
+  b.rows = data::collate(examples, false, 0, device);
+  if (mismatched) b.kl_rows = data::collate(kl, false, 0, device);
+  b.desirable = at::tensor(desirable, at::kFloat).to(device);
+  return b;
+}
+
 namespace {
 
 // Whether `values` (of the tensors `named`) add nothing to the base: plain LoRA pairs whose B are
@@ -61,7 +90,7 @@ bool identity(const std::vector<at::Tensor>& values, const std::vector<std::pair
 PreferenceObjective::PreferenceObjective(const recipe::Recipe& r, model::CausalLM& m,
                                          const std::vector<std::pair<std::string, at::Tensor>>& named,
                                          const std::optional<std::vector<at::Tensor>>& reference)
-    : p_(r.preference), objective_(r.train.objective), m_(m) {
+    : p_(r.preference), max_length_(r.data.max_length), objective_(r.train.objective), m_(m) {
   for (const auto& [name, t] : named) params_.push_back(t);
   const std::vector<at::Tensor>& values = reference                  ? *reference
                                           : r.lora.init_from.empty() ? std::vector<at::Tensor>{}
@@ -72,10 +101,28 @@ PreferenceObjective::PreferenceObjective(const recipe::Recipe& r, model::CausalL
 }
 
 // [N] -log p of each scored token, with gradient when the model's parameters want it.
-at::Tensor PreferenceObjective::token_losses(const PairBatch& b) const {
-  const at::Tensor hidden = m_.hidden_states(b.rows.ids, b.rows.mask);
-  return model::lm_head_token_losses(hidden, m_.lm_head(), b.rows.rows, b.rows.targets, m_.config().logit_softcap);
+at::Tensor PreferenceObjective::token_losses(const data::Batch& rows) const {
+  const at::Tensor hidden = m_.hidden_states(rows.ids, rows.mask);
+  return model::lm_head_token_losses(hidden, m_.lm_head(), rows.rows, rows.targets, m_.config().logit_softcap);
 }
+
+at::Tensor PreferenceObjective::summed_logps(const data::Batch& rows) const {
+  const at::Tensor tok = token_losses(rows);
+  return at::zeros({rows.ids.size(0)}, tok.options())
+      .index_add_(0, at::floor_divide(rows.rows, rows.ids.size(1)), tok.neg());
+}
+
+PairBatch PreferenceObjective::collate(const std::vector<data::Example>& examples, c10::Device device,
+                                       const std::vector<std::vector<int32_t>>* mismatched) const {
+  if (!kto()) return collate_pairs(examples, device, objective_ == recipe::Objective::Orpo);
+  if (mismatched || !kl_pairs()) return collate_unpaired(examples, mismatched, max_length_, device);
+  std::vector<std::vector<int32_t>> rotated;  // (TRL's: the completions rotated by one)
+  for (size_t i = 0; i < examples.size(); ++i)
+    rotated.push_back(examples[(i + examples.size() - 1) % examples.size()].completion);
+  return collate_unpaired(examples, &rotated, max_length_, device);
+}
+
+bool PreferenceObjective::kl_pairs() const { return kto() && loss_type() == recipe::PreferenceLoss::Kto; }
 
 namespace {
 
@@ -108,11 +155,23 @@ class AsReference {
 
 }  // namespace
 
-// [2P] the reference's summed completion log-probs, without gradient.
-at::Tensor PreferenceObjective::reference_logps(const PairBatch& b) const {
+// [R] the reference's summed log-probs of each row's targets, without gradient.
+at::Tensor PreferenceObjective::reference_logps(const data::Batch& rows) const {
   c10::NoGradGuard no_grad;
   const AsReference as_reference(m_, params_, reference_);
-  return at::zeros({2 * b.pairs}, b.lengths.options()).index_add_(0, b.seq, token_losses(b).neg());
+  return summed_logps(rows);
+}
+
+at::Tensor PreferenceObjective::kl_sums(const PairBatch& b) const {
+  if (b.pairs == 0) {
+    m_.skip_pass(false, false);
+    m_.skip_pass(false, false);
+    return at::zeros({2}, at::kDouble);
+  }
+  c10::NoGradGuard no_grad;
+  const at::Tensor policy = summed_logps(b.kl_rows);
+  return at::stack({(policy - reference_logps(b.kl_rows)).sum().to(at::kDouble).cpu(),
+                    at::scalar_tensor(static_cast<double>(b.pairs), at::kDouble)});
 }
 
 namespace {
@@ -130,11 +189,12 @@ void PreferenceObjective::skip(bool backward) const {
 }
 
 PreferenceObjective::Result PreferenceObjective::forward(const PairBatch& b, double pairs, double chosen) const {
+  if (kto()) return kto_forward(b, pairs);
   const int64_t P = b.pairs;
   const bool orpo = objective_ == recipe::Objective::Orpo;
   // (the reference first: it sets the parameters' values in place, which the policy's graph must not see)
-  const at::Tensor ref = has_reference() ? reference_logps(b) : at::Tensor();
-  const at::Tensor tok = token_losses(b);
+  const at::Tensor ref = has_reference() ? reference_logps(b.rows) : at::Tensor();
+  const at::Tensor tok = token_losses(b.rows);
   at::Tensor logps = at::zeros({2 * P}, tok.options()).index_add(0, b.seq, tok.neg() * b.completion);
   if (mean_logps()) logps = logps / b.lengths.clamp_min(1);  // (means over each completion's tokens)
   const at::Tensor nll = tok.masked_fill(b.seq >= P, 0).sum();
@@ -163,13 +223,54 @@ PreferenceObjective::Result PreferenceObjective::forward(const PairBatch& b, dou
       at::cat({at::stack({count(static_cast<double>(P)), per_pair.detach().sum(), nll.detach(),
                           count(static_cast<double>(b.chosen_tokens)), rc.sum(), rr.sum(),
                           (rc > rr).sum().to(rc.scalar_type()), c.detach().sum(), r.detach().sum()}),
-               extra})
+               extra, at::zeros({kPrefStats - kDesirable}, rc.options())})
           .to(at::kDouble);
   return {loss, stats};
 }
 
+// TRL's KTO losses (Eq. 7 of the KTO paper; apo_zero_unpaired: APO's, without the KL term), each
+// label's weighted, their sum over `examples` (the step's, every rank's).
+PreferenceObjective::Result PreferenceObjective::kto_forward(const PairBatch& b, double examples) const {
+  const at::Tensor ref = reference_logps(b.rows);
+  const at::Tensor logps = summed_logps(b.rows);
+  const at::Tensor lr = logps - ref, d = b.desirable;
+  const double beta = p_.beta;
+  const bool apo = loss_type() == recipe::PreferenceLoss::ApoZeroUnpaired;
+  const at::Tensor chosen = 1 - at::sigmoid(beta * (apo ? lr : lr - b.kl));
+  const at::Tensor rejected = apo ? at::sigmoid(beta * lr) : 1 - at::sigmoid(beta * (b.kl - lr));
+  const at::Tensor per = at::where(d > 0, p_.desirable_weight * chosen, p_.undesirable_weight * rejected);
+  const at::Tensor rewards = beta * lr.detach(), lp = logps.detach();
+  std::vector<at::Tensor> s(kPrefStats, at::zeros({}, lp.options()));
+  s[kPairs] = at::scalar_tensor(static_cast<double>(b.pairs), lp.options());
+  s[kLossSum] = per.detach().sum();
+  s[kRewardChosen] = (rewards * d).sum();
+  s[kRewardRejected] = (rewards * (1 - d)).sum();
+  s[kLogpChosen] = (lp * d).sum();
+  s[kLogpRejected] = (lp * (1 - d)).sum();
+  s[kDesirable] = d.sum();
+  s[kUndesirable] = (1 - d).sum();
+  s[kKl] = s[kPairs] * b.kl;
+  return {per.sum() / examples, at::stack(s).to(at::kDouble)};
+}
+
+std::pair<at::Tensor, int64_t> PreferenceObjective::evaluate(const std::vector<data::Example>& batch,
+                                                             c10::Device device) const {
+  PairBatch b = collate(batch, device);
+  if (kl_pairs()) {
+    const at::Tensor kl = kl_sums(b);
+    b.kl = std::max(kl[0].item<double>() / std::max(kl[1].item<double>(), 1.0), 0.0);
+  }
+  if (b.pairs == 0) {
+    skip(false);
+    return {at::Tensor(), 0};
+  }
+  return {forward(b, 1, 1).stats.cpu(), b.rows.tokens};
+}
+
 recipe::PreferenceLoss PreferenceObjective::loss_type() const {
-  return objective_ == recipe::Objective::Simpo ? recipe::PreferenceLoss::Simpo : p_.loss_type;
+  if (objective_ == recipe::Objective::Simpo) return recipe::PreferenceLoss::Simpo;
+  if (kto() && p_.loss_type == recipe::PreferenceLoss::Sigmoid) return recipe::PreferenceLoss::Kto;
+  return p_.loss_type;
 }
 
 bool PreferenceObjective::mean_logps() const {
@@ -209,6 +310,9 @@ at::Tensor PreferenceObjective::pair_loss(const at::Tensor& chosen_lr, const at:
       return sigmoid(beta * ((chosen_lr - rejected_lr) - p_.simpo_gamma / beta));
     case recipe::PreferenceLoss::Hinge:
       return at::relu(1 - beta * (chosen_lr - rejected_lr));
+    case recipe::PreferenceLoss::Kto:  // (kto_forward's)
+    case recipe::PreferenceLoss::ApoZeroUnpaired:
+      break;
     case recipe::PreferenceLoss::Ipo: {  // per-token log-ratios (TRL's normalisation; CPO's are means already)
       const at::Tensor delta = mean_logps() ? chosen_lr - rejected_lr
                                             : chosen_lr / b.lengths.narrow(0, 0, P).clamp_min(1) -
@@ -226,6 +330,7 @@ double PreferenceObjective::loss_of(const double* s) const {
 }
 
 nlohmann::json PreferenceObjective::figures(const double* s, const std::string& prefix) const {
+  if (kto()) return kto_figures(s, prefix);
   const double pairs = std::max(s[kPairs], 1.0);
   nlohmann::json out = {{prefix + "rewards/chosen", s[kRewardChosen] / pairs},
                         {prefix + "rewards/rejected", s[kRewardRejected] / pairs},
@@ -238,6 +343,23 @@ nlohmann::json PreferenceObjective::figures(const double* s, const std::string& 
     out[prefix + "log_odds_ratio"] = s[kLogOddsRatio] / pairs;
     out[prefix + "log_odds_chosen"] = s[kLogOdds] / pairs;
   }
+  return out;
+}
+
+// As TRL's KTOTrainer logs them: each label's figures when the step has examples of it, the margin
+// when it has both.
+nlohmann::json PreferenceObjective::kto_figures(const double* s, const std::string& prefix) const {
+  nlohmann::json out = {{prefix + "kl", s[kKl] / std::max(s[kPairs], 1.0)}};
+  if (s[kDesirable] > 0) {
+    out[prefix + "rewards/chosen"] = s[kRewardChosen] / s[kDesirable];
+    out[prefix + "logps/chosen"] = s[kLogpChosen] / s[kDesirable];
+  }
+  if (s[kUndesirable] > 0) {
+    out[prefix + "rewards/rejected"] = s[kRewardRejected] / s[kUndesirable];
+    out[prefix + "logps/rejected"] = s[kLogpRejected] / s[kUndesirable];
+  }
+  if (s[kDesirable] > 0 && s[kUndesirable] > 0)
+    out[prefix + "rewards/margins"] = s[kRewardChosen] / s[kDesirable] - s[kRewardRejected] / s[kUndesirable];
   return out;
 }
 

@@ -168,6 +168,8 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "data.prompt_field",
                                 "data.chosen_field",
                                 "data.rejected_field",
+                                "data.completion_field",
+                                "data.label_field",
                                 "data.chat_format",
                                 "data.chat_template",
                                 "data.chat_template_kwargs",
@@ -207,6 +209,8 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "preference.rpo_alpha",
                                 "preference.cpo_alpha",
                                 "preference.simpo_gamma",
+                                "preference.desirable_weight",
+                                "preference.undesirable_weight",
                                 "checkpoint.output_dir",
                                 "checkpoint.epochs_to_save",
                                 "checkpoint.save_last_epoch_only",
@@ -492,7 +496,7 @@ TEST_CASE("enum keys list their values") {
       {"model.dtype=float32", "model.dtype must be one of bf16|fp16|fp32|auto, got 'float32'"},
       {"model.device=gpu", "model.device must be one of auto|cuda|cpu, got 'gpu'"},
       {"data.source=postgres", "data.source must be one of mongodb|jsonl, got 'postgres'"},
-      {"data.format=alpaca", "data.format must be one of instruction|text|chat|preference, got 'alpaca'"},
+      {"data.format=alpaca", "data.format must be one of instruction|text|chat|preference|unpaired, got 'alpaca'"},
       {"data.chat_format=vicuna", "data.chat_format must be one of chatml|llama3|mistral|template, got 'vicuna'"},
       {"data.overlong=wrap", "data.overlong must be one of truncate|skip, got 'wrap'"},
       {"data.bad_documents=ignore", "data.bad_documents must be one of skip|fail, got 'ignore'"},
@@ -923,7 +927,7 @@ TEST_CASE("train.objective: dpo, orpo, cpo and simpo need pairs, and the prefere
   CHECK(load(pairs, {"train.objective=orpo", "preference.beta=0.2"}).train.objective == Objective::Orpo);
   CHECK_THAT(error_of(pairs, {"train.objective=orpo", "preference.loss_type=ipo"}),
              Catch::Contains("train.objective is orpo, which has no reference and its own loss"));
-  CHECK_THAT(error_of(pairs, {"train.objective=ppo"}), Catch::Contains("sft|dpo|orpo|cpo|simpo"));
+  CHECK_THAT(error_of(pairs, {"train.objective=ppo"}), Catch::Contains("sft|dpo|orpo|cpo|simpo|kto"));
   // CPO and SimPO: TRL's CPOTrainer's keys, and what belongs to DPO alone
   const Recipe cpo = load(pairs, {"train.objective=cpo", "preference.loss_type=simpo", "preference.cpo_alpha=0.5",
                                   "preference.simpo_gamma=1.0", "preference.label_smoothing=0.1"});
@@ -946,6 +950,43 @@ TEST_CASE("train.objective: dpo, orpo, cpo and simpo need pairs, and the prefere
   CHECK_THAT(error_of(pairs, {"train.objective=orpo", "preference.cpo_alpha=1"}),
              Catch::Contains("train.objective is orpo"));
   CHECK_THAT(error_of(kBase, {"train.objective=simpo"}), Catch::Contains("train.objective simpo trains on pairs"));
+}
+
+TEST_CASE("train.objective: kto needs labelled completions, and its keys belong to it") {
+  const std::string unpaired = "model: {path: /m}\ndata: {database: d, collection: c, format: unpaired}\n";
+  const Recipe r = load(
+      unpaired, {"train.objective=kto", "preference.desirable_weight=1.33", "preference.loss_type=apo_zero_unpaired"});
+  CHECK(r.train.objective == Objective::Kto);
+  CHECK(r.data.completion_field == "completion");
+  CHECK(r.data.label_field == "label");
+  CHECK(r.preference.desirable_weight == 1.33);
+  CHECK(r.preference.undesirable_weight == 1.0);
+  CHECK(r.preference.loss_type == PreferenceLoss::ApoZeroUnpaired);
+  CHECK_THAT(error_of(unpaired), Catch::Contains("train.objective is sft, but data.format: unpaired gives labelled "
+                                                 "completions: set train.objective: kto"));
+  CHECK_THAT(error_of(unpaired, {"train.objective=dpo"}),
+             Catch::Contains("train.objective is dpo, which trains on pairs, but data.format: unpaired"));
+  CHECK_THAT(override_error({"train.objective=kto"}),
+             Catch::Contains("train.objective is kto, which trains on single completions marked desirable or not, "
+                             "but data.format is instruction: set data.format: unpaired"));
+  CHECK_THAT(error_of(unpaired, {"train.objective=kto", "preference.loss_type=hinge"}),
+             Catch::Contains("preference.loss_type is hinge, a loss of pairs"));
+  CHECK_THAT(error_of(unpaired, {"train.objective=kto", "preference.rpo_alpha=1"}),
+             Catch::Contains("remove label_smoothing, rpo_alpha, cpo_alpha and simpo_gamma"));
+  CHECK_THAT(error_of(unpaired, {"train.objective=kto", "data.batch_size=1"}),
+             Catch::Contains("needs 2 examples a step at least"));
+  CHECK(load(unpaired, {"train.objective=kto", "data.batch_size=1", "train.gradient_accumulation_steps=2"})
+            .data.batch_size == 1);
+  CHECK_THAT(error_of(unpaired, {"train.objective=kto", "data.label_field=completion"}),
+             Catch::Contains("data.label_field is 'completion', a field that holds text here"));
+  CHECK_THAT(error_of(unpaired, {"train.objective=kto", "preference.desirable_weight=0"}),
+             Catch::Contains("preference.desirable_weight must be"));
+  const std::string pairs = "model: {path: /m}\ndata: {database: d, collection: c, format: preference}\n";
+  CHECK_THAT(error_of(pairs, {"train.objective=dpo", "preference.undesirable_weight=2"}),
+             Catch::Contains("preference.undesirable_weight applies to train.objective kto only, not dpo"));
+  CHECK_THAT(error_of(pairs, {"train.objective=dpo", "preference.loss_type=kto"}),
+             Catch::Contains("preference.loss_type kto is a loss of labelled single completions"));
+  CHECK_THAT(error_of(pairs, {"train.objective=kto"}), Catch::Contains("but data.format is preference"));
 }
 
 TEST_CASE("lora.use_dora and lora.plus_lr_ratio: their defaults, and what they refuse in one line") {

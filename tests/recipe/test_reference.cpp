@@ -148,10 +148,11 @@ TEST_CASE("every key is declared in full") {
     std::vector<std::string> overrides{std::string(k.name) + "=" + example};
     if (k.name == "train.early_stopping_patience") overrides.push_back("eval.fraction=0.05");  // steers by one
     if (k.name == "data.sources") overrides.push_back("data.collection=");  // each source names its own
-    if (detail::section_of(k.name) == "preference") {  // (keys of the preference objectives: dpo's, simpo's)
+    if (detail::section_of(k.name) == "preference") {  // (keys of the preference objectives: dpo's, simpo's, kto's)
       const bool simpo = k.name == "preference.cpo_alpha" || k.name == "preference.simpo_gamma";
-      overrides.push_back(simpo ? "train.objective=simpo" : "train.objective=dpo");
-      overrides.push_back("data.format=preference");
+      const bool kto = k.name == "preference.desirable_weight" || k.name == "preference.undesirable_weight";
+      overrides.push_back(simpo ? "train.objective=simpo" : kto ? "train.objective=kto" : "train.objective=dpo");
+      overrides.push_back(kto ? "data.format=unpaired" : "data.format=preference");
     }
     CHECK_NOTHROW(recipe_from_yaml(YAML::Load(base), overrides));
     // The default is within the bound (keys that must be set have none to check).

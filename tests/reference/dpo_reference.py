@@ -98,15 +98,45 @@ def dataset(path):
     return Dataset(InMemoryTable(pa.table(columns)), fingerprint="lorarun-dpo-reference")
 
 
-def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, lr, max_length, loss_tol=1e-5,
-          weight_tol=1e-4, chat_template=None):
+def policy(model_dir, init_dir, chat_template):
+    """(MODEL_DIR with INIT_DIR's adapter to train, its tokenizer with CHAT_TEMPLATE's text when given)."""
     torch.manual_seed(0)
     base, tok = load(model_dir)
     if chat_template:
         tok.chat_template = open(chat_template).read()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
+    return PeftModel.from_pretrained(base, init_dir, is_trainable=True), tok
+
+
+def worst_figure(series, floor):
+    """The largest difference of ours from TRL's among the figures `series` ({name: [(ours, TRL's), …]
+    by step}), each relative to its largest magnitude over the run or `floor(name)` when larger (a
+    reward, a margin: differences of log-probability sums, relative to those), and where it is."""
+    worst, where = 0.0, ""
+    for k, values in series.items():
+        scale = max([1e-6, floor(k)] + [abs(b) for _, b in values])
+        for i, (a, b) in enumerate(values):
+            if abs(a - b) / scale > worst:
+                worst, where = abs(a - b) / scale, f"{k} at step {i + 1}: ours {a!r}, TRL {b!r}"
+    return worst, where
+
+
+def adapter_against(model, ours, init_dir):
+    """Whether OURS/epoch_0's adapter has TRL's keys, its largest difference from TRL's trained one
+    relative to TRL's largest weight, and how far TRL's moved from INIT_DIR's (that it trained)."""
+    want = {k: v.detach() for k, v in get_peft_model_state_dict(model, adapter_name="default").items()}
+    mine = load_file(f"{ours}/epoch_0/adapter_model.safetensors")
+    largest = max(v.abs().max().item() for v in want.values())
+    worst_w = max((mine[k] - v).abs().max().item() for k, v in want.items() if k in mine) / largest
+    start = load_file(init_dir + "/adapter_model.safetensors")
+    moved = max((v - start[k]).abs().max().item() for k, v in want.items())
+    return set(mine) == set(want), worst_w, moved
+
+
+def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, lr, max_length, loss_tol=1e-5,
+          weight_tol=1e-4, chat_template=None):
+    model, tok = policy(model_dir, init_dir, chat_template)
     common = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=1, learning_rate=lr,
                   lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, weight_decay=0.0, max_grad_norm=1.0,
                   logging_steps=1, report_to="none", save_strategy="no", beta=beta, max_length=max_length,
@@ -138,22 +168,11 @@ def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, l
              else ["nll_loss"] if loss_type.startswith("cpo-") and rpo != "none" else [])
     for k in FIGURES + extra:
         series[k] = [(mine[k], theirs[k]) for mine, theirs in zip(got, logged.rows)]
-    worst, where = 0.0, ""
-    for k, values in series.items():
-        scale = max([1e-6] + [abs(b) for _, b in values])
-        if k.startswith("rewards/") or k == "log_odds_chosen":  # (ORPO's log odds: log-probs' differences too)
-            weight = 1.0 if k == "log_odds_chosen" else beta
-            scale = max([scale] + [weight * abs(r["logps/chosen"]) for r in logged.rows])
-        for i, (a, b) in enumerate(values):
-            if abs(a - b) / scale > worst:
-                worst, where = abs(a - b) / scale, f"{k} at step {i + 1}: ours {a!r}, TRL {b!r}"
-    want = {k: v.detach() for k, v in get_peft_model_state_dict(model, adapter_name="default").items()}
-    mine = load_file(f"{ours}/epoch_0/adapter_model.safetensors")
-    largest = max(v.abs().max().item() for v in want.values())
-    worst_w = max((mine[k] - v).abs().max().item() for k, v in want.items() if k in mine) / largest
-    moved = max((v - load_file(init_dir + "/adapter_model.safetensors")[k]).abs().max().item()
-                for k, v in want.items())
-    ok = (len(got) == steps and len(logged.rows) == steps and len(InOrderMixin.losses) == steps and set(mine) == set(want)
+    logps = max(abs(r["logps/chosen"]) for r in logged.rows)
+    worst, where = worst_figure(series, lambda k: (1.0 if k == "log_odds_chosen" else beta) * logps
+                            if k.startswith("rewards/") or k == "log_odds_chosen" else 0.0)
+    same_keys, worst_w, moved = adapter_against(model, ours, init_dir)
+    ok = (len(got) == steps and len(logged.rows) == steps and len(InOrderMixin.losses) == steps and same_keys
           and worst < loss_tol and worst_w < weight_tol and moved > 1e-4)
     print(f"{loss_type} beta {beta} rpo {rpo} from {os.path.basename(init_dir)}: steps {len(InOrderMixin.losses)} (ours {len(got)}); "
           f"loss first {InOrderMixin.losses[0]:.6f} last {InOrderMixin.losses[-1]:.6f}; worst relative figure diff {worst:.2e}"

@@ -139,6 +139,19 @@ void write_pairs(const std::string& dir) {
   }
 }
 
+// The same questions' answers for KTO in `dir`/kto: the right sum (desirable) or, every third, a near miss.
+void write_answers(const std::string& dir) {
+  std::filesystem::create_directories(dir + "/kto");
+  for (const auto& [name, from, n] : {std::tuple{"a", 0, 14}, std::tuple{"b", 40, 10}}) {
+    std::vector<json> docs;
+    for (int i = from; i < from + n; ++i)
+      docs.push_back({{"prompt", fmt::format("Q: add {} and {}\nA: ", i, 3 * i + 1)},
+                      {"completion", std::to_string(4 * i + (i % 3 == 2 ? 11 : 1))},
+                      {"label", i % 3 != 2}});
+    write_jsonl(fmt::format("{}/kto/{}.jsonl", dir, name), docs);
+  }
+}
+
 // A job recipe `dir`/`name`.yaml of preference pairs on the llama fixture, like job_recipe's: adapters
 // a and b (b at lr 1e-2) reading `pairs_dir`/a.jsonl and b.jsonl (write_pairs), and `keys`.
 std::string pairs_job_recipe(const std::string& dir, const std::string& name, const std::string& pairs_dir,
@@ -573,41 +586,50 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "adapters: DPO, ORPO and SimPO jobs on 2 ranks (dropout, their own lr, an eval split, best/) give each adapter its "
-    "own run's, with its figures per adapter",
+    "adapters: DPO, ORPO, SimPO and KTO jobs on 2 ranks (dropout, their own lr, an eval split, best/) give each "
+    "adapter its own run's, with its figures per adapter",
     "[e2e]") {
   const std::string dir = temp_dir("adapters-pairs");
   write_pairs(dir);
+  write_answers(dir);
   const std::vector<Tenant> tenants = {{"a", 14, "", ""}, {"b", 10, "lr: 1.0e-2", "train.lr=1.0e-2"}};
-  for (const std::string objective : {"dpo", "orpo", "simpo"}) {
-    const std::string recipe =
-        pairs_job_recipe(dir, objective + "-job", dir,
+  for (const std::string objective : {"dpo", "orpo", "simpo", "kto"}) {
+    const bool kto = objective == "kto";  // (labelled answers: kl every step, not every label every step)
+    const std::string data = kto ? dir + "/kto" : dir;
+    std::string recipe =
+        pairs_job_recipe(dir, objective + "-job", data,
                          {.data = ", shuffle: global",
                           .train = fmt::format(", objective: {}, lr_scheduler: cosine, warmup_steps: 1", objective),
                           .checkpoint = ", keep_best: true",
                           .extra = "eval: {fraction: 0.25, every_n_steps: 2}"});
-    jsonl_job_against_own_runs(recipe, dir, fmt::format("{}/{}-job", dir, objective),
+    if (kto) REQUIRE(sh(fmt::format("sed -i 's/format: preference/format: unpaired/' {}", recipe)).status == 0);
+    jsonl_job_against_own_runs(recipe, data, fmt::format("{}/{}-job", dir, objective),
                                fmt::format("{}/{}-own", dir, objective), tenants, objective + " job on 2 ranks");
     // Each adapter's figures in the job's rows are its own run's.
     const std::vector<json> rows = metrics(fmt::format("{}/{}-job", dir, objective));
+    const std::string every = kto ? "kl" : "rewards/margins";  // (a figure of every step)
     for (const Tenant& t : tenants) {
       std::vector<json> own;
       for (const json& row : metrics(fmt::format("{}/{}-own/{}", dir, objective, t.name)))
-        if (row.contains("rewards/margins")) own.push_back(row);
+        if (row.contains(every)) own.push_back(row);
       std::vector<json> mine;
       for (const json& row : rows)
-        if (row.contains("rewards/margins/" + t.name)) mine.push_back(row);
+        if (row.contains(every + "/" + t.name)) mine.push_back(row);
       REQUIRE(mine.size() == own.size());
       REQUIRE(!own.empty());
+      const std::vector<std::string> keys =
+          kto ? std::vector<std::string>{"loss", "kl", "logps/chosen"}
+              : std::vector<std::string>{"loss", "rewards/margins", "rewards/accuracies", "logps/chosen"};
       for (size_t k = 0; k < own.size(); ++k)
-        for (const std::string key : {"loss", "rewards/margins", "rewards/accuracies", "logps/chosen"}) {
+        for (const std::string& key : keys) {
+          if (!own[k].contains(key)) continue;
           INFO(t.name << " step " << k << " " << key);
           CHECK(mine[k].at(key + "/" + t.name).get<double>() ==
                 Approx(own[k].at(key).get<double>()).epsilon(1e-6).margin(1e-9));
         }
       int evals = 0;
       for (const json& row : rows)
-        if (row.value("adapter", "") == t.name && row.contains("eval_rewards/margins")) ++evals;
+        if (row.value("adapter", "") == t.name && row.contains("eval_" + every)) ++evals;
       CHECK(evals >= 2);
     }
     // adapters.per_pass stacks SFT adapters only: with pairs it is refused, not ignored.

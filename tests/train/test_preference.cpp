@@ -1,6 +1,6 @@
-// train.objective: dpo, orpo, cpo, simpo: lora-train step by step against TRL's DPOTrainer (sigmoid,
-// ipo, hinge, RPO, lora.init_from as the reference), ORPOTrainer and CPOTrainer (sigmoid, hinge, ipo,
-// simpo); the same adapter on 1 and 2 ranks and with accumulation, pairs read from FerretDB; kill -9
+// train.objective: dpo, orpo, cpo, simpo, kto: lora-train step by step against TRL's DPOTrainer (sigmoid,
+// ipo, hinge, RPO, lora.init_from as the reference), ORPOTrainer, CPOTrainer (sigmoid, hinge, ipo,
+// simpo) and KTOTrainer; the same adapter on 1 and 2 ranks and with accumulation, pairs read from FerretDB; kill -9
 // and resume; bad pairs counted, bad recipes refused.
 #include <fmt/format.h>
 #include <unistd.h>
@@ -31,6 +31,40 @@ void write_pairs(const std::string& path, int n, int from = 0) {
                           {"rejected", std::to_string(4 * i + (i % 2 ? 3 : 11))}}
                .dump()
         << "\n";
+}
+
+// `n` labelled answers to write_pairs' questions from the `from`-th for KTO ({prompt, completion,
+// label}): the right sum (desirable) where `good(i)`, a near miss otherwise; labels true/false, or 1/0
+// with `numbers`.
+template <class Good>
+void write_unpaired(const std::string& path, int n, Good good, bool numbers = false, int from = 0) {
+  std::ofstream out(path);
+  for (int i = from; i < from + n; ++i) {
+    const bool g = good(i);
+    out << nlohmann::json{{"prompt", fmt::format("Q: add {} and {}\nA: ", i, 3 * i + 1)},
+                          {"completion", std::to_string(4 * i + (g       ? 1
+                                                                 : i % 2 ? 3
+                                                                         : 11))},
+                          {"label", numbers ? nlohmann::json(g ? 1 : 0) : nlohmann::json(g)}}
+               .dump()
+        << "\n";
+  }
+}
+
+// The documents of `from` with their prompt and `completions` fields (strings) as one message each
+// (the user's, the assistant's), in `to`: TRL's conversational format.
+void as_conversations(const std::string& from, const std::string& to, const std::vector<std::string>& completions) {
+  std::ofstream out(to);
+  std::ifstream in(from);
+  const auto said = [](const std::string& role, const std::string& content) {
+    return nlohmann::json::array({{{"role", role}, {"content", content}}});
+  };
+  for (std::string line; std::getline(in, line);) {
+    auto d = nlohmann::json::parse(line);
+    d["prompt"] = said("user", d["prompt"]);
+    for (const std::string& c : completions) d[c] = said("assistant", d[c]);
+    out << d.dump() << "\n";
+  }
 }
 
 // A DPO recipe on the llama fixture: `dir`/pairs.jsonl (unless `data` names a MongoDB source) in
@@ -75,6 +109,23 @@ void check_against_trl(const std::string& cmd, const std::string& name) {
       ref.fields.value("worst_relative_figure_diff", 1.0), ref.fields.value("worst_relative_weight_diff", 1.0)));
 }
 
+// `train` (a lora-train command writing `dir`/k, 2 epochs of 6 steps) killed (-9) mid-epoch after a
+// state, then run again: it resumes, to the adapter of the uninterrupted run in `dir`/w1b4a1.
+void killed_then_resumed(const std::string& train, const std::string& dir) {
+  const std::string cmd = train + " checkpoint.state_every_n_steps=2";
+  const Result killed = interrupt(cmd, dir + "/k.log", "epoch 0/2 step 4/6", "kill -9 $pid");
+  INFO(read_file(dir + "/k.log"));
+  REQUIRE_THAT(killed.output, Catch::Contains("exit=137"));
+  REQUIRE_THAT(read_file(dir + "/k.log"), !Catch::Contains("done:"));
+  const Result again = sh(cmd);
+  INFO(again.output);
+  REQUIRE(again.status == 0);
+  CHECK_THAT(again.output, Catch::Contains("resuming at epoch "));
+  CHECK(sh(fmt::format("cmp {}/w1b4a1/epoch_1/adapter_model.safetensors {}/k/epoch_1/adapter_model.safetensors", dir,
+                       dir))
+            .status == 0);
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -84,21 +135,8 @@ TEST_CASE(
     "[e2e][reference][preference]") {
   const std::string dir = temp_dir("dpo-trl");
   write_pairs(dir + "/pairs.jsonl", 20);  // 10 steps of 2 pairs
-  {                                       // the same pairs as conversations (TRL's conversational preference format)
-    std::ofstream out(dir + "/conversations.jsonl");
-    std::ifstream in(dir + "/pairs.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      const auto d = nlohmann::json::parse(line);
-      const auto said = [](const std::string& role, const std::string& content) {
-        return nlohmann::json::array({{{"role", role}, {"content", content}}});
-      };
-      out << nlohmann::json{{"prompt", said("user", d["prompt"])},
-                            {"chosen", said("assistant", d["chosen"])},
-                            {"rejected", said("assistant", d["rejected"])}}
-                 .dump()
-          << "\n";
-    }
-  }
+  // the same pairs as conversations (TRL's conversational preference format)
+  as_conversations(dir + "/pairs.jsonl", dir + "/conversations.jsonl", {"chosen", "rejected"});
   // lorarun's built-in chatml, as a Jinja template for TRL
   std::ofstream(dir + "/chatml.jinja")
       << "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -222,18 +260,7 @@ TEST_CASE(
   // Killed (-9) mid-epoch after a state, then the same command: the uninterrupted run's adapter.
   const std::string recipe = write_dpo_recipe(dir, "k", "epochs: 2, lr: 5.0e-3", "beta: 0.2, rpo_alpha: 0.5",
                                               fmt::format("{}, batch_size: 4", source));
-  const std::string cmd = fmt::format("{} {} {} checkpoint.state_every_n_steps=2", env, bin("lora-train"), recipe);
-  const Result killed = interrupt(cmd, dir + "/k.log", "epoch 0/2 step 4/6", "kill -9 $pid");
-  INFO(read_file(dir + "/k.log"));
-  REQUIRE_THAT(killed.output, Catch::Contains("exit=137"));
-  REQUIRE_THAT(read_file(dir + "/k.log"), !Catch::Contains("done:"));
-  const Result again = sh(cmd);
-  INFO(again.output);
-  REQUIRE(again.status == 0);
-  CHECK_THAT(again.output, Catch::Contains("resuming at epoch "));
-  CHECK(sh(fmt::format("cmp {}/w1b4a1/epoch_1/adapter_model.safetensors {}/k/epoch_1/adapter_model.safetensors", dir,
-                       dir))
-            .status == 0);
+  killed_then_resumed(fmt::format("{} {} {}", env, bin("lora-train"), recipe), dir);
 }
 
 TEST_CASE(
@@ -331,40 +358,190 @@ TEST_CASE("dpo composes: activation checkpointing and dist.shard_base on 2 ranks
 }
 
 TEST_CASE(
-    "dpo and simpo on SmolLM2 from its GGUF equal TRL's DPOTrainer (from a trained adapter as the reference) and "
-    "CPOTrainer step by step",
+    "dpo, simpo and kto on SmolLM2 from its GGUF equal TRL's DPOTrainer (from a trained adapter as the reference), "
+    "CPOTrainer and KTOTrainer step by step",
     "[e2e][reference][preference][gguf]") {
   const std::string smollm2 =
       std::string(LORARUN_SOURCE_DIR) + "/.fixtures/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
   if (!std::filesystem::exists(smollm2)) FAIL(smollm2 << " is missing: run scripts/setup (or scripts/fetch-models)");
   const std::string dir = temp_dir("dpo-smollm2");
-  write_pairs(dir + "/pairs.jsonl", 10);  // 5 steps of 2 pairs
+  write_pairs(dir + "/pairs.jsonl", 10);                                               // 5 steps of 2 pairs
+  write_unpaired(dir + "/answers.jsonl", 10, [](int i) { return i % 3 != 1; }, true);  // 5 steps of 2 answers
   REQUIRE(sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {} {}/trained 4 8 7", LORARUN_PYTHON,
                          LORARUN_SOURCE_DIR, smollm2, dir))
               .status == 0);
   const std::string recipe =
       write_dpo_recipe(dir, "s", "epochs: 1, lr: 1.0e-4", "beta: 0.1, rpo_alpha: 0.5", ", batch_size: 2");
-  // lora-train from the trained adapter into `dir`/`out` with `overrides`, then TRL on the same pairs
-  // (dpo_reference.py's loss, beta, NLL weight; 5 steps of 2 at `lr`)
-  const auto against_trl = [&](const std::string& out, const std::string& overrides, const std::string& trl,
-                               const std::string& lr, const std::string& name) {
-    const Result t = sh(fmt::format("{} {} model.path={} lora.init_from={}/trained checkpoint.output_dir={}/{} {}",
-                                    bin("lora-train"), recipe, smollm2, dir, dir, out, overrides));
+  // lora-train from the trained adapter into `dir`/`out` with `overrides`, then TRL (`script`: its
+  // arguments after the data file `data` and ours, `trl`) on the same documents
+  const auto against_trl = [&](const std::string& out, const std::string& overrides, const std::string& script,
+                               const std::string& data, const std::string& trl, const std::string& name) {
+    const Result t =
+        sh(fmt::format("{} {} model.path={} lora.init_from={}/trained checkpoint.output_dir={}/{} data.path={}/{} {}",
+                       bin("lora-train"), recipe, smollm2, dir, dir, out, dir, data, overrides));
     INFO(t.output);
     REQUIRE(t.status == 0);
-    check_against_trl(fmt::format("'{}' '{}/tests/reference/dpo_reference.py' check {} {}/trained {}/pairs.jsonl "
-                                  "{}/{} {} 5 2 {} 64 1e-5 2e-3",
-                                  LORARUN_PYTHON, LORARUN_SOURCE_DIR, smollm2, dir, dir, dir, out, trl, lr),
+    check_against_trl(fmt::format("'{}' '{}/tests/reference/{}' check {} {}/trained {}/{} {}/{} {}", LORARUN_PYTHON,
+                                  LORARUN_SOURCE_DIR, script, smollm2, dir, dir, data, dir, out, trl),
                       name);
   };
   // Every figure within 1e-5; the adapter within 2e-3 of its largest weight: AdamW moves a weight
   // whose gradient is rounding noise by about lr either way (measured here: figures 2.8e-6, adapter
   // 7.8e-4 at lr 1e-4 and 7.7e-3 at lr 1e-3, in proportion to lr), where a wrong gradient would show
-  // in the figures of the steps after it.
-  against_trl("s", "", "sigmoid 0.1 0.5", "1e-4", "SmolLM2 DPO + RPO");
+  // in the figures of the steps after it. (dpo_reference.py's loss, beta, NLL weight; 5 steps of 2.)
+  against_trl("s", "", "dpo_reference.py", "pairs.jsonl", "sigmoid 0.1 0.5 5 2 1e-4 64 1e-5 2e-3", "SmolLM2 DPO + RPO");
   // SimPO (CPO's simpo loss, no NLL) from the same adapter, at SimPO's beta and lr 3e-5: its figures
   // (beta 2 x mean log-probs) drift from TRL's as the adapters part by rounding noise (measured: step 1
   // within 1.1e-6 at any lr; by step 5, 1.9e-5 at lr 1e-4, 4.9e-6 at 3e-5)
   against_trl("simpo", "train.objective=simpo preference.beta=2.0 preference.rpo_alpha=null train.lr=3.0e-5",
-              "cpo-simpo 2.0 none", "3e-5", "SmolLM2 SimPO");
+              "dpo_reference.py", "pairs.jsonl", "cpo-simpo 2.0 none 5 2 3e-5 64 1e-5 2e-3", "SmolLM2 SimPO");
+  // KTO from the same adapter on labelled answers (2:1), the undesirable ones weighted 2, at lr 3e-5
+  // (measured: 4.2e-6; 9.4e-6 at lr 1e-4, the adapters parting by rounding noise as above)
+  against_trl("kto",
+              "train.objective=kto data.format=unpaired preference.rpo_alpha=null preference.undesirable_weight=2.0 "
+              "train.lr=3.0e-5",
+              "kto_reference.py", "answers.jsonl", "kto 0.1 1.0 2.0 5 2 3e-5 64 1e-5 2e-3", "SmolLM2 KTO");
+}
+
+TEST_CASE(
+    "kto: lora-train equals TRL's KTOTrainer step by step: balanced and unbalanced labels, desirable and undesirable "
+    "weights, batches of one label, apo_zero_unpaired, a trained adapter or the base as the reference, conversations",
+    "[e2e][reference][preference]") {
+  const std::string dir = temp_dir("kto-trl");
+  write_unpaired(dir + "/balanced.jsonl", 20, [](int i) { return i % 2 == 0; });
+  write_unpaired(dir + "/unbalanced.jsonl", 20, [](int i) { return i % 4 != 3; }, true);
+  write_unpaired(dir + "/runs.jsonl", 20, [](int i) { return i / 4 % 2 == 0; });  // each batch of 4 one label
+  as_conversations(dir + "/balanced.jsonl", dir + "/conversations.jsonl", {"completion"});
+  std::ofstream(dir + "/chatml.jinja")
+      << "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+  REQUIRE(sh(fmt::format("'{}' '{}/tests/reference/dpo_reference.py' init {}/llama {}/fresh 4 8 7", LORARUN_PYTHON,
+                         LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir))
+              .status == 0);
+  REQUIRE(sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {}/llama {}/trained 4 8 7", LORARUN_PYTHON,
+                         LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir))
+              .status == 0);
+  struct Case {
+    std::string data, loss, beta, desirable, undesirable, init, ours = "", trl = "";
+  };
+  for (const Case& c :
+       {Case{"balanced", "kto", "0.1", "1.0", "1.0", "trained"},
+        Case{"unbalanced", "kto", "0.2", "1.0", "2.0", "fresh"}, Case{"runs", "kto", "0.1", "1.33", "1.0", "trained"},
+        Case{"balanced", "apo_zero_unpaired", "0.1", "1.0", "1.5", "trained"},
+        Case{"conversations", "kto", "0.1", "1.0", "1.0", "trained", "data.chat_format=chatml",
+             fmt::format("--chat-template={}/chatml.jinja", dir)}}) {
+    const std::string name = fmt::format("{}-{}-{}-{}-{}", c.data, c.loss, c.desirable, c.undesirable, c.init);
+    INFO(name);
+    const std::string recipe =
+        write_dpo_recipe(dir, name, "epochs: 1, lr: 5.0e-3",
+                         fmt::format("beta: {}, loss_type: {}, desirable_weight: {}, undesirable_weight: {}", c.beta,
+                                     c.loss, c.desirable, c.undesirable),
+                         ", batch_size: 4");
+    const Result t =
+        sh(fmt::format("{} {} train.objective=kto data.format=unpaired lora.init_from={}/{} data.path={}/{}.jsonl {}",
+                       bin("lora-train"), recipe, dir, c.init, dir, c.data, c.ours));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    // Figures within 1e-5 (measured 1.4e-7 to 2.5e-7), the adapter within 1e-3 of its largest weight
+    // (measured 1.5e-5 to 1.4e-4: AdamW at lr 5e-3 moves weights whose gradient is rounding noise)
+    check_against_trl(fmt::format("'{}' '{}/tests/reference/kto_reference.py' check {}/llama {}/{} {}/{}.jsonl {}/{} "
+                                  "{} {} {} {} 5 4 5e-3 64 1e-5 1e-3 {}",
+                                  LORARUN_PYTHON, LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir, c.init, dir, c.data,
+                                  dir, name, c.loss, c.beta, c.desirable, c.undesirable, c.trl),
+                      name);
+  }
+}
+
+TEST_CASE(
+    "kto: 1 rank x 4 = 2 ranks x 2 = 1 rank x 2 x accumulation 2 from FerretDB, kill -9 then resume gives the same "
+    "adapter, bad labels are counted and skipped, an eval split reports KTO's figures",
+    "[e2e][db][preference]") {
+  const std::string dir = temp_dir("kto-ranks");
+  write_unpaired(dir + "/examples.jsonl", 24, [](int i) { return i % 3 != 2; });
+  const std::string db = fmt::format("kto_{}", getpid());
+  const Result imp = sh(fmt::format("{} import {}/examples.jsonl --uri '{}' --db {} --collection examples",
+                                    bin("lora-data"), dir, test_uri(), db));
+  INFO(imp.output);
+  REQUIRE(imp.status == 0);
+  const std::string env = fmt::format("LORARUN_MONGODB_URI='{}'", test_uri());
+  const std::string source = fmt::format(", source: mongodb, database: {}, collection: examples", db);
+  const std::string kto = "train.objective=kto data.format=unpaired";
+  std::vector<nlohmann::json> first;
+  for (const auto& [world, batch, accum] : {std::tuple{1, 4, 1}, std::tuple{2, 2, 1}, std::tuple{1, 2, 2}}) {
+    const std::string name = fmt::format("w{}b{}a{}", world, batch, accum);
+    INFO(name);
+    const std::string recipe =
+        write_dpo_recipe(dir, name, fmt::format("epochs: 2, lr: 5.0e-3, gradient_accumulation_steps: {}", accum),
+                         "beta: 0.2, undesirable_weight: 2.0", fmt::format("{}, batch_size: {}", source, batch));
+    const Result t = sh(fmt::format("{} {} --nproc-per-node {} {} {}", env, bin("lorarun"), world, recipe, kto));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    const std::vector<nlohmann::json> rows = train_rows(dir + "/" + name);
+    REQUIRE(rows.size() == 12);  // 24 examples, 4 a step, 2 epochs
+    if (first.empty()) {
+      first = rows;
+      continue;
+    }
+    // The loss within 1e-6 of its largest; the log-probability figures (sums over a completion's
+    // tokens, the KL estimate and rewards their differences) within 1e-6 of the largest log-probability
+    // (measured: 1e-7 of it, float32 sums in another order)
+    double logps = 0, loss = 0;
+    for (const auto& row : first) {
+      logps = std::max(
+          {logps, std::abs(row.at("logps/chosen").get<double>()), std::abs(row.at("logps/rejected").get<double>())});
+      loss = std::max(loss, std::abs(row.at("loss").get<double>()));
+    }
+    for (const std::string key :
+         {"loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"}) {
+      INFO(key);
+      double worst = 0;
+      for (size_t i = 0; i < rows.size(); ++i)
+        worst = std::max(worst, std::abs(rows[i].at(key).get<double>() - first[i].at(key).get<double>()));
+      CHECK(worst <= 1e-6 * (key == "loss" ? loss : logps));
+    }
+    // (AdamW at lr 5e-3 over 12 steps turns those rounding differences into 1e-5 of the largest weight)
+    CHECK(adapter_relative_diff(dir + "/w1b4a1/epoch_1/adapter_model.safetensors",
+                                dir + "/" + name + "/epoch_1/adapter_model.safetensors") < 1e-4);
+  }
+  // Killed (-9) mid-epoch after a state, then the same command: the uninterrupted run's adapter.
+  const std::string recipe = write_dpo_recipe(dir, "k", "epochs: 2, lr: 5.0e-3", "beta: 0.2, undesirable_weight: 2.0",
+                                              fmt::format("{}, batch_size: 4", source));
+  killed_then_resumed(fmt::format("{} {} {} {}", env, bin("lora-train"), recipe, kto), dir);
+  // Bad labels are bad documents (one line each, counted); an eval split gets KTO's figures.
+  {
+    std::ofstream out(dir + "/bad.jsonl");
+    std::ifstream in(dir + "/examples.jsonl");
+    out << in.rdbuf();
+    out << R"({"prompt": "Q: label 2\nA: ", "completion": "1", "label": 2})" << "\n";
+    out << R"({"prompt": "Q: label text\nA: ", "completion": "1", "label": "yes"})" << "\n";
+    out << R"({"prompt": "Q: no label\nA: ", "completion": "1"})" << "\n";
+  }
+  write_unpaired(dir + "/eval.jsonl", 6, [](int i) { return i % 2 == 0; }, false, 50);
+  const std::string bad = write_dpo_recipe(dir, "bad", "epochs: 1, lr: 5.0e-3", "beta: 0.1", ", batch_size: 4");
+  const Result t = sh(fmt::format("{} {} {} data.path={}/bad.jsonl eval.path={}/eval.jsonl data.max_skipped_share=0.2",
+                                  bin("lora-train"), bad, kto, dir, dir));
+  INFO(t.output);
+  REQUIRE(t.status == 0);
+  CHECK_THAT(t.output, Catch::Contains("field 'label' is the number 2, neither true/false nor 1/0"));
+  CHECK_THAT(t.output, Catch::Contains("field 'label' is a string, neither true/false nor 1/0"));
+  CHECK_THAT(t.output, Catch::Contains("field 'label' is missing"));
+  CHECK_THAT(t.output, Catch::Contains("3 documents were skipped on all ranks together: 3 malformed"));
+  std::vector<nlohmann::json> evals;
+  std::ifstream in(dir + "/bad/metrics.jsonl");
+  for (std::string line; std::getline(in, line);)
+    if (auto row = nlohmann::json::parse(line); row.contains("eval_loss")) evals.push_back(row);
+  REQUIRE(evals.size() == 1);
+  CHECK(evals[0].at("eval_documents") == 6);
+  for (const char* key : {"eval_kl", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins"})
+    CHECK(std::isfinite(evals[0].at(key).get<double>()));
+  // lora-eval --recipe scores the epoch's adapter on the same split alike
+  const Result scored =
+      sh(fmt::format("{} --recipe {} {} --adapter {}/bad/epoch_0 --json data.path={}/bad.jsonl eval.path={}/eval.jsonl",
+                     bin("lora-eval"), bad, kto, dir, dir, dir));
+  INFO(scored.output);
+  REQUIRE(scored.status == 0);
+  const auto got = nlohmann::json::parse(lines_with(scored.output, "\"examples\"").at(0));
+  CHECK(got.at("examples") == 6);
+  CHECK(got.at("loss").get<double>() == Approx(evals[0].at("eval_loss").get<double>()).epsilon(1e-6));
+  CHECK(got.at("kl").get<double>() == Approx(evals[0].at("eval_kl").get<double>()).epsilon(1e-6).margin(1e-9));
 }
