@@ -15,6 +15,9 @@ usage: quickstart_assets.py OUT_DIR
   OUT_DIR/pairs.jsonl    {"prompt": [user], "chosen": [assistant: the code], "rejected": [assistant: a near
                          miss]}: configs/smollm2-dpo.yaml's preference pairs (scripts/preference-example)
   OUT_DIR/heldout_pairs.jsonl the held-out questions as pairs, their near misses drawn alike
+  OUT_DIR/answers.jsonl  {"prompt": [user], "completion": [assistant], "label": true|false}: each pair's two
+                         answers marked right or wrong (configs/smollm2-kto.yaml's data, TRL's unpaired form)
+  OUT_DIR/heldout_answers.jsonl the held-out pairs' answers alike
 """
 import itertools
 import json
@@ -69,6 +72,15 @@ def write_pairs(path, rng, questions):
                                 "rejected": [{"role": "assistant", "content": near_miss(rng, code)}]}) + "\n")
 
 
+def write_answers(pairs_path, path):
+    """Each pair of `pairs_path` as two labelled answers: the code right (true), the near miss wrong."""
+    with open(pairs_path) as f, open(path, "w") as out:
+        for line in f:
+            pair = json.loads(line)
+            for key, right in (("chosen", True), ("rejected", False)):
+                out.write(json.dumps({"prompt": pair["prompt"], "completion": pair[key], "label": right}) + "\n")
+
+
 def chatml_prompt(question):
     return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -102,6 +114,8 @@ def main():
     # (their own generator: the files above stay as they were)
     write_pairs(os.path.join(out, "pairs.jsonl"), random.Random(11), trained)
     write_pairs(os.path.join(out, "heldout_pairs.jsonl"), random.Random(12), held)
+    for name in ("", "heldout_"):
+        write_answers(os.path.join(out, f"{name}pairs.jsonl"), os.path.join(out, f"{name}answers.jsonl"))
     for i, (question, code) in enumerate(held[:3]):
         with open(os.path.join(out, f"prompt_{i}.txt"), "w") as f:
             f.write(chatml_prompt(question))
