@@ -1,14 +1,15 @@
-"""Preference training on CPU: lora-train's DPO and SimPO steps against an SFT step of the same model
-and batch (time and peak memory: DPO's reference is the same model with its adapters off, never a
-second copy; SimPO has none), and DPO against TRL's DPOTrainer on the same pairs, same torch, 2
-threads each, in one run, REPEATS times.
+"""Preference training on CPU: lora-train's DPO, SimPO and KTO steps against an SFT step of the same
+model and batch (time and peak memory: DPO's and KTO's reference is the same model with its adapters
+off, never a second copy; SimPO has none), and DPO and KTO against TRL's DPOTrainer and KTOTrainer on
+the same documents, same torch, 2 threads each, in one run, REPEATS times.
 
 usage: .venv/bin/python bench/train/dpo_bench.py BUILD_DIR WORK_DIR [STEPS [REPEATS]]
 
 Config: bench/train/bench.py's random llama (hidden 256, 4 layers, vocab ~2k, fp32), 4 pairs a step,
 prompts of ~96 tokens and completions of ~96 (chosen) and ~64 (rejected), LoRA r=16 alpha=32 on all
 linear layers, constant LR. The SFT run trains the prompt + chosen sequences of the same pairs
-(format: instruction, batch 4). Step time is the median over the steps after the first two;
+(format: instruction, batch 4); the KTO run the pairs' answers as labelled examples (answers.jsonl:
+each pair's chosen, labelled desirable, then its rejected), 4 a step. Step time is the median over the steps after the first two;
 peak RSS the process's high-water mark (lora-train: metrics.jsonl's peak_rss_mb; TRL: ru_maxrss of
 its own process). Prints each repeat's figures, then the median and spread (min-max) of each ratio.
 """
@@ -35,14 +36,21 @@ def make_pairs(work, n):
     with open(path, "w") as f:
         for _ in range(n):
             f.write(json.dumps({"prompt": pick(40) + "\n", "chosen": pick(40), "rejected": pick(26)}) + "\n")
+    with open(path) as f, open(os.path.join(work, "answers.jsonl"), "w") as out:
+        for line in f:
+            d = json.loads(line)
+            for key, label in (("chosen", True), ("rejected", False)):
+                out.write(json.dumps({"prompt": d["prompt"], "completion": d[key], "label": label}) + "\n")
     return path
 
 
 def ours(build, work, model_dir, pairs, objective, steps):
     out = os.path.join(work, f"ours-{objective}")
     recipe = os.path.join(work, f"{objective}.yaml")
-    data = ("format: preference" if objective != "sft" else
-            'format: instruction, prompt_template: "{prompt}", response_field: chosen')
+    data = ("format: instruction, prompt_template: \"{prompt}\", response_field: chosen" if objective == "sft" else
+            "format: unpaired" if objective == "kto" else "format: preference")
+    if objective == "kto":
+        pairs = os.path.join(work, "answers.jsonl")
     with open(recipe, "w") as f:
         f.write(f"""model: {{path: {model_dir}, dtype: fp32, device: cpu}}
 lora: {{r: 16, alpha: 32, target_modules: all-linear}}
@@ -65,15 +73,16 @@ from datasets.table import InMemoryTable
 from peft import LoraConfig
 from torch.utils.data import SequentialSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl import DPOConfig, DPOTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 model_dir, pairs, steps, batch, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+kto = sys.argv[6] == "kto"
 torch.set_num_threads(threads)
 docs = [json.loads(l) for l in open(pairs)]
-ds = Dataset(InMemoryTable(pa.table({k: [d[k] for d in docs] for k in ("prompt", "chosen", "rejected")})),
-             fingerprint="lorarun-dpo-bench")
+keys = ("prompt", "completion", "label") if kto else ("prompt", "chosen", "rejected")
+ds = Dataset(InMemoryTable(pa.table({k: [d[k] for d in docs] for k in keys})), fingerprint="lorarun-dpo-bench")
 tok = AutoTokenizer.from_pretrained(model_dir)
 tok.pad_token = tok.pad_token or tok.eos_token
-class InOrder(DPOTrainer):
+class InOrder(KTOTrainer if kto else DPOTrainer):
     def _get_train_sampler(self, train_dataset=None):
         return SequentialSampler(self.train_dataset)
 class Clock(TrainerCallback):
@@ -81,7 +90,7 @@ class Clock(TrainerCallback):
     def on_step_begin(self, *a, **k): self.t0 = time.perf_counter()
     def on_step_end(self, *a, **k): self.times.append(time.perf_counter() - self.t0)
 with tempfile.TemporaryDirectory() as out:
-    args = DPOConfig(output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-4,
+    args = (KTOConfig if kto else DPOConfig)(output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-4,
                      lr_scheduler_type="constant", report_to="none", save_strategy="no", logging_steps=1000,
                      max_length=512, bf16=False, fp16=False, use_cpu=True, dataloader_num_workers=0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -93,10 +102,10 @@ print(json.dumps({"step_s": statistics.median(Clock.times[2:]),
 """
 
 
-def trl(model_dir, pairs, steps):
+def trl(model_dir, pairs, steps, kind="dpo"):
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(TRL)
-    run = subprocess.run([sys.executable, f.name, model_dir, pairs, str(steps), str(BATCH), str(THREADS)],
+    run = subprocess.run([sys.executable, f.name, model_dir, pairs, str(steps), str(BATCH), str(THREADS), kind],
                          check=True, capture_output=True, text=True)
     os.unlink(f.name)
     got = json.loads(run.stdout.strip().splitlines()[-1])
@@ -111,16 +120,25 @@ def main():
     model_dir, _ = make_assets(work)
     pairs = make_pairs(work, steps * BATCH)
     ratios = {"DPO/SFT step time": [], "DPO/SFT peak RSS": [], "SimPO/SFT step time": [], "SimPO/SFT peak RSS": [],
-              "TRL/lora-train DPO step time": [], "TRL/lora-train DPO peak RSS": []}
+              "KTO/SFT step time": [], "KTO/SFT peak RSS": [],
+              "TRL/lora-train DPO step time": [], "TRL/lora-train DPO peak RSS": [],
+              "TRL/lora-train KTO step time": [], "TRL/lora-train KTO peak RSS": []}
     for k in range(repeats):
         sft_s, sft_rss = ours(build, work, model_dir, pairs, "sft", steps)
         dpo_s, dpo_rss = ours(build, work, model_dir, pairs, "dpo", steps)
         simpo_s, simpo_rss = ours(build, work, model_dir, pairs, "simpo", steps)
+        kto_s, kto_rss = ours(build, work, model_dir, pairs, "kto", steps)
         trl_s, trl_rss = trl(model_dir, pairs, steps)
+        trl_kto_s, trl_kto_rss = trl(model_dir, os.path.join(work, "answers.jsonl"), steps, "kto")
         print(f"repeat {k + 1}: lora-train SFT {sft_s * 1e3:.1f} ms/step {sft_rss:.0f} MB; "
               f"DPO {dpo_s * 1e3:.1f} ms/step {dpo_rss:.0f} MB; SimPO {simpo_s * 1e3:.1f} ms/step {simpo_rss:.0f} MB; "
-              f"TRL DPO {trl_s * 1e3:.1f} ms/step {trl_rss:.0f} MB",
+              f"KTO {kto_s * 1e3:.1f} ms/step {kto_rss:.0f} MB; TRL DPO {trl_s * 1e3:.1f} ms/step {trl_rss:.0f} MB; "
+              f"TRL KTO {trl_kto_s * 1e3:.1f} ms/step {trl_kto_rss:.0f} MB",
               flush=True)
+        ratios["KTO/SFT step time"].append(kto_s / sft_s)
+        ratios["KTO/SFT peak RSS"].append(kto_rss / sft_rss)
+        ratios["TRL/lora-train KTO step time"].append(trl_kto_s / kto_s)
+        ratios["TRL/lora-train KTO peak RSS"].append(trl_kto_rss / kto_rss)
         ratios["DPO/SFT step time"].append(dpo_s / sft_s)
         ratios["DPO/SFT peak RSS"].append(dpo_rss / sft_rss)
         ratios["SimPO/SFT step time"].append(simpo_s / sft_s)
