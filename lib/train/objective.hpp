@@ -1,6 +1,7 @@
 // What train.objective makes of an adapter's step: its micro-batches through the model and back,
 // the figures of its own the ranks sum, and the step's loss. The step asks it, whatever the
-// objective: SFT's token cross-entropy, and DPO's and ORPO's preference losses (PreferenceObjective).
+// objective: SFT's token cross-entropy, and the preference losses of DPO, ORPO, CPO, SimPO and KTO
+// (PreferenceObjective).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
