@@ -590,6 +590,29 @@ std::variant<std::vector<std::string>, Rejection> ExampleBuilder::completion_tex
   return out;
 }
 
+std::variant<ExampleBuilder::Tokenised, Rejection> ExampleBuilder::tokenise(const std::vector<std::string>& texts,
+                                                                            bool special) const {
+  Tokenised out;
+  try {
+    for (const std::string& text : texts) out.ids.push_back(tok_.encode(text, special));
+  } catch (const Error& err) {
+    return unreadable(err.what());
+  }
+  out.prompt = out.ids[0].size();
+  size_t longest = 0;
+  for (size_t k = 1; k < out.ids.size(); ++k) {
+    out.prompt = std::min(out.prompt, common_prefix(out.ids[0], out.ids[k]));
+    longest = std::max(longest, out.ids[k].size());
+  }
+  const auto max = static_cast<size_t>(cfg_.max_length);
+  if (out.prompt >= max || (longest > max && cfg_.overlong == recipe::Overlong::Skip))
+    return Rejection{Rejection::Overlong,
+                     out.prompt >= max
+                         ? fmt::format("its prompt alone is {} tokens, data.max_length is {}", out.prompt, max)
+                         : fmt::format("{} tokens, data.max_length is {}", longest, max)};
+  return out;
+}
+
 std::variant<Example, Rejection> ExampleBuilder::preference(const Document& doc) const {
   bool special = true;
   auto texts = completion_texts(doc, {cfg_.chosen_field, cfg_.rejected_field}, special);
@@ -599,19 +622,10 @@ std::variant<Example, Rejection> ExampleBuilder::preference(const Document& doc)
   for (const std::string& text : t)
     if (!valid_utf8(text)) return unreadable("a rendered text is not valid UTF-8");
   if (pairs_ == PairTokens::Orpo) return orpo_pair(t);
-  std::vector<int32_t> ids[3];
-  try {
-    for (int k = 0; k < 3; ++k) ids[k] = tok_.encode(t[static_cast<size_t>(k)], special);
-  } catch (const Error& err) {
-    return unreadable(err.what());
-  }
-  const size_t prompt = std::min(common_prefix(ids[0], ids[1]), common_prefix(ids[0], ids[2]));
+  auto tokenised = tokenise(t, special);
+  if (auto* r = std::get_if<Rejection>(&tokenised)) return *r;
+  auto& [ids, prompt] = std::get<Tokenised>(tokenised);
   const auto max = static_cast<size_t>(cfg_.max_length);
-  const size_t longest = std::max(ids[1].size(), ids[2].size());
-  if (prompt >= max || (longest > max && cfg_.overlong == recipe::Overlong::Skip))
-    return Rejection{Rejection::Overlong,
-                     prompt >= max ? fmt::format("its prompt alone is {} tokens, data.max_length is {}", prompt, max)
-                                   : fmt::format("{} tokens, data.max_length is {}", longest, max)};
   Example e;
   for (int k = 1; k < 3; ++k) {
     std::vector<int32_t>& seq = ids[k];
@@ -636,19 +650,11 @@ std::variant<Example, Rejection> ExampleBuilder::unpaired(const Document& doc) c
   const auto& t = std::get<std::vector<std::string>>(texts);
   for (const std::string& text : t)
     if (!valid_utf8(text)) return unreadable("a rendered text is not valid UTF-8");
-  std::vector<int32_t> ids[2];
-  try {
-    for (size_t k = 0; k < 2; ++k) ids[k] = tok_.encode(t[k], special);
-  } catch (const Error& err) {
-    return unreadable(err.what());
-  }
-  const size_t prompt = common_prefix(ids[0], ids[1]);
+  auto tokenised = tokenise(t, special);
+  if (auto* r = std::get_if<Rejection>(&tokenised)) return *r;
+  auto& [ids, prompt] = std::get<Tokenised>(tokenised);
   const auto max = static_cast<size_t>(cfg_.max_length);
   std::vector<int32_t>& seq = ids[1];
-  if (prompt >= max || (seq.size() > max && cfg_.overlong == recipe::Overlong::Skip))
-    return Rejection{Rejection::Overlong,
-                     prompt >= max ? fmt::format("its prompt alone is {} tokens, data.max_length is {}", prompt, max)
-                                   : fmt::format("{} tokens, data.max_length is {}", seq.size(), max)};
   if (seq.size() == prompt) return untrainable("the completion has no token");
   Example e;
   e.desirable = std::get<bool>(label);

@@ -99,6 +99,14 @@ class ExampleBuilder {
   // format: unpaired, as TRL 1.16's KTOTrainer tokenises an example: prompt and prompt + completion
   // as preference(), the completion starting where their ids part; data.label_field true/false or 1/0.
   std::variant<Example, Rejection> unpaired(const Document& doc) const;
+  // `texts` (the prompt's, then prompt + each completion) tokenised whole, and where the prompt's ids
+  // and every sequence's part; rejected as overlong when the prompt alone fills data.max_length or,
+  // with data.overlong skip, a sequence is longer (TRL's DPOTrainer and KTOTrainer alike).
+  struct Tokenised {
+    std::vector<std::vector<int32_t>> ids;
+    size_t prompt = 0;
+  };
+  std::variant<Tokenised, Rejection> tokenise(const std::vector<std::string>& texts, bool special) const;
   // The texts of the prompt and of the prompt followed by each of the fields `completions`, and
   // whether to add special tokens.
   std::variant<std::vector<std::string>, Rejection> completion_texts(const Document& doc,
