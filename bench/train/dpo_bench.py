@@ -1,7 +1,8 @@
 """Preference training on CPU: lora-train's DPO, SimPO and KTO steps against an SFT step of the same
 model and batch (time and peak memory: DPO's and KTO's reference is the same model with its adapters
-off, never a second copy; SimPO has none), and DPO and KTO against TRL's DPOTrainer and KTOTrainer on
-the same documents, same torch, 2 threads each, in one run, REPEATS times.
+off, never a second copy; SimPO has none), DPO and KTO with preference.precompute_reference (their
+step, and the pass before training that computes the reference log-probs), and DPO and KTO against
+TRL's DPOTrainer and KTOTrainer on the same documents, same torch, 2 threads each, in one run, REPEATS times.
 
 usage: .venv/bin/python bench/train/dpo_bench.py BUILD_DIR WORK_DIR [STEPS [REPEATS]]
 
@@ -16,6 +17,7 @@ its own process). Prints each repeat's figures, then the median and spread (min-
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -44,8 +46,9 @@ def make_pairs(work, n):
     return path
 
 
-def ours(build, work, model_dir, pairs, objective, steps):
-    out = os.path.join(work, f"ours-{objective}")
+def ours(build, work, model_dir, pairs, objective, steps, precompute=False):
+    """Median step seconds, peak RSS (MB) and the seconds of the precompute pass (0 without it)."""
+    out = os.path.join(work, f"ours-{objective}{'-pre' if precompute else ''}")
     recipe = os.path.join(work, f"{objective}.yaml")
     data = ("format: instruction, prompt_template: \"{prompt}\", response_field: chosen" if objective == "sft" else
             "format: unpaired" if objective == "kto" else "format: preference")
@@ -60,9 +63,14 @@ checkpoint: {{output_dir: {out}, resume: never, epochs_to_save: none, overwrite:
 track: {{mongodb: false}}
 """)
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
-    subprocess.run([f"{build}/bin/lora-train", recipe], env=env, check=True, stdout=subprocess.DEVNULL)
+    extra = ["preference.precompute_reference=true"] if precompute else []
+    run = subprocess.run([f"{build}/bin/lora-train", recipe, *extra], env=env, check=True, capture_output=True,
+                         text=True)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return statistics.median(r["seconds"] for r in rows[2:]), max(r["peak_rss_mb"] for r in rows)
+    found = re.search(r"the reference's log-probs of \d+ examples of epoch \d+ in ([0-9.]+) s", run.stdout + run.stderr)
+    assert found or not precompute, "no precompute pass reported"
+    return (statistics.median(r["seconds"] for r in rows[2:]), max(r["peak_rss_mb"] for r in rows),
+            float(found.group(1)) if found else 0.0)
 
 
 TRL = r"""
@@ -121,20 +129,32 @@ def main():
     pairs = make_pairs(work, steps * BATCH)
     ratios = {"DPO/SFT step time": [], "DPO/SFT peak RSS": [], "SimPO/SFT step time": [], "SimPO/SFT peak RSS": [],
               "KTO/SFT step time": [], "KTO/SFT peak RSS": [],
+              "DPO precomputed/SFT step time": [], "DPO precomputed/SFT peak RSS": [],
+              "DPO precompute pass/DPO steps' time": [],
+              "KTO precomputed/SFT step time": [], "KTO precompute pass/KTO steps' time": [],
               "TRL/lora-train DPO step time": [], "TRL/lora-train DPO peak RSS": [],
               "TRL/lora-train KTO step time": [], "TRL/lora-train KTO peak RSS": []}
     for k in range(repeats):
-        sft_s, sft_rss = ours(build, work, model_dir, pairs, "sft", steps)
-        dpo_s, dpo_rss = ours(build, work, model_dir, pairs, "dpo", steps)
-        simpo_s, simpo_rss = ours(build, work, model_dir, pairs, "simpo", steps)
-        kto_s, kto_rss = ours(build, work, model_dir, pairs, "kto", steps)
+        sft_s, sft_rss, _ = ours(build, work, model_dir, pairs, "sft", steps)
+        dpo_s, dpo_rss, _ = ours(build, work, model_dir, pairs, "dpo", steps)
+        pre_s, pre_rss, pre_pass = ours(build, work, model_dir, pairs, "dpo", steps, precompute=True)
+        simpo_s, simpo_rss, _ = ours(build, work, model_dir, pairs, "simpo", steps)
+        kto_s, kto_rss, _ = ours(build, work, model_dir, pairs, "kto", steps)
+        kpre_s, _, kpre_pass = ours(build, work, model_dir, pairs, "kto", steps, precompute=True)
         trl_s, trl_rss = trl(model_dir, pairs, steps)
         trl_kto_s, trl_kto_rss = trl(model_dir, os.path.join(work, "answers.jsonl"), steps, "kto")
         print(f"repeat {k + 1}: lora-train SFT {sft_s * 1e3:.1f} ms/step {sft_rss:.0f} MB; "
               f"DPO {dpo_s * 1e3:.1f} ms/step {dpo_rss:.0f} MB; SimPO {simpo_s * 1e3:.1f} ms/step {simpo_rss:.0f} MB; "
               f"KTO {kto_s * 1e3:.1f} ms/step {kto_rss:.0f} MB; TRL DPO {trl_s * 1e3:.1f} ms/step {trl_rss:.0f} MB; "
-              f"TRL KTO {trl_kto_s * 1e3:.1f} ms/step {trl_kto_rss:.0f} MB",
+              f"TRL KTO {trl_kto_s * 1e3:.1f} ms/step {trl_kto_rss:.0f} MB; DPO precomputed {pre_s * 1e3:.1f} "
+              f"ms/step {pre_rss:.0f} MB after a {pre_pass:.2f} s pass; KTO precomputed {kpre_s * 1e3:.1f} ms/step "
+              f"after a {kpre_pass:.2f} s pass",
               flush=True)
+        ratios["DPO precomputed/SFT step time"].append(pre_s / sft_s)
+        ratios["DPO precomputed/SFT peak RSS"].append(pre_rss / sft_rss)
+        ratios["DPO precompute pass/DPO steps' time"].append(pre_pass / (steps * dpo_s))
+        ratios["KTO precomputed/SFT step time"].append(kpre_s / sft_s)
+        ratios["KTO precompute pass/KTO steps' time"].append(kpre_pass / (steps * kto_s))
         ratios["KTO/SFT step time"].append(kto_s / sft_s)
         ratios["KTO/SFT peak RSS"].append(kto_rss / sft_rss)
         ratios["TRL/lora-train KTO step time"].append(trl_kto_s / kto_s)
@@ -146,7 +166,7 @@ def main():
         ratios["TRL/lora-train DPO step time"].append(trl_s / dpo_s)
         ratios["TRL/lora-train DPO peak RSS"].append(trl_rss / dpo_rss)
     for name, values in ratios.items():
-        print(f"{name:30} median {statistics.median(values):.2f}x (min {min(values):.2f}, max {max(values):.2f})")
+        print(f"{name:36} median {statistics.median(values):.2f}x (min {min(values):.2f}, max {max(values):.2f})")
 
 
 if __name__ == "__main__":

@@ -265,12 +265,13 @@ struct EpochsToSave {
 struct PreferenceSection {
   double beta = 0.1;
   PreferenceLoss loss_type = PreferenceLoss::Sigmoid;
-  double label_smoothing = 0.0;     // sigmoid: conservative DPO
-  std::optional<double> rpo_alpha;  // the chosen answers' NLL, this much of it, added (RPO); null: off
-  std::optional<double> cpo_alpha;  // cpo, simpo: the chosen answers' NLL weight; null: 1 (cpo), 0 (simpo)
-  double simpo_gamma = 0.5;         // loss simpo: the target reward margin
-  double desirable_weight = 1.0;    // kto: of the desirable completions' losses
-  double undesirable_weight = 1.0;  // ... and of the undesirable ones'
+  double label_smoothing = 0.0;       // sigmoid: conservative DPO
+  std::optional<double> rpo_alpha;    // the chosen answers' NLL, this much of it, added (RPO); null: off
+  std::optional<double> cpo_alpha;    // cpo, simpo: the chosen answers' NLL weight; null: 1 (cpo), 0 (simpo)
+  double simpo_gamma = 0.5;           // loss simpo: the target reward margin
+  double desirable_weight = 1.0;      // kto: of the desirable completions' losses
+  double undesirable_weight = 1.0;    // ... and of the undesirable ones'
+  bool precompute_reference = false;  // dpo, kto: the reference's log-probs computed once, before training
   bool operator==(const PreferenceSection&) const = default;
 };
 

@@ -372,6 +372,10 @@ void for_each_key(R& r, V&& v) {
         .bound = above(0),
         .meaning = "kto: the weight of the undesirable completions' losses (raise it when they are fewer)"},
     r.preference.undesirable_weight);
+  v(Key{.name = "preference.precompute_reference",
+        .meaning = "dpo, kto: compute the reference's log-probs of the data once, before training, and keep them with "
+                   "the resumable state"},
+    r.preference.precompute_reference);
 
   v(Key{.name = "checkpoint.output_dir",
         .example = "runs/my-run",

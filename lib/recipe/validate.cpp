@@ -396,6 +396,16 @@ constexpr Rule kRules[] = {
          fail(o, "preference.simpo_gamma",
               "is SimPO's margin: it applies to train.objective simpo (or cpo with loss_type simpo) only: remove it");
      }},
+    // Only DPO and KTO have a reference whose log-probs could be computed ahead.
+    {"preference.precompute_reference",
+     [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
+       const Objective objective = r.train.objective;
+       if (r.preference.precompute_reference && objective != Objective::Dpo && objective != Objective::Kto)
+         fail(o, "preference.precompute_reference",
+              fmt::format("applies to train.objective dpo and kto, whose losses compare with a reference; {} has none: "
+                          "remove it",
+                          name(objective)));
+     }},
     // The checkpoint policy: listed epochs exist (0-based, below train.epochs), once each.
     {"checkpoint.epochs_to_save",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {

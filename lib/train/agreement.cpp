@@ -46,4 +46,23 @@ at::Tensor Agreement::rows(const at::Tensor& mine) const {
   return all;
 }
 
+std::vector<std::vector<double>> Agreement::gather(const std::vector<double>& mine) const {
+  if (world_ == 1) return {mine};
+  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
+  at::Tensor sizes = at::zeros({world_}, f64);
+  sizes[rank_].fill_(static_cast<double>(mine.size()));
+  sum(sizes);
+  sizes = sizes.cpu();
+  at::Tensor all = at::zeros({world_, sizes.max().item<int64_t>()}, f64);
+  all[rank_].narrow(0, 0, static_cast<int64_t>(mine.size())).copy_(at::tensor(mine, at::kDouble));
+  sum(all);
+  all = all.cpu().contiguous();
+  std::vector<std::vector<double>> out;
+  for (int r = 0; r < world_; ++r) {
+    const double* row = all[r].data_ptr<double>();
+    out.emplace_back(row, row + sizes[r].item<int64_t>());
+  }
+  return out;
+}
+
 }  // namespace lorarun::train

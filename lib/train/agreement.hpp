@@ -5,6 +5,7 @@
 #include <c10/core/Device.h>
 #include <exception>
 #include <string>
+#include <vector>
 
 namespace lorarun::dist {
 class ProcessGroup;
@@ -28,6 +29,8 @@ class Agreement {
   void sum(at::Tensor& t) const;
   // Every rank's `mine` (the same size on each), as rows [world, n] of float32 in rank order.
   at::Tensor rows(const at::Tensor& mine) const;
+  // Every rank's `mine` (of any length on each), exactly (float64: integers below 2^53), in rank order.
+  std::vector<std::vector<double>> gather(const std::vector<double>& mine) const;
 
   int rank() const { return rank_; }
   int world() const { return world_; }

@@ -153,7 +153,12 @@ void restore_from_store(const recipe::Recipe& r, const Agreement& agree, const s
 
 std::optional<Progress> Checkpointer::load(const RunShape& shape) {
   if (r_.checkpoint.resume != recipe::Resume::Auto) return std::nullopt;
-  return load_state(out_, opt_, params_, agree_.rank(), agree_.world(), rng_, recipe::to_json(r_), shape);
+  return load_state(out_, opt_, params_, agree_.rank(), agree_.world(), rng_, recipe::to_json(r_), shape, load_also_);
+}
+
+void Checkpointer::keep_in_state(StateFiles save, StateFiles load) {
+  save_also_ = std::move(save);
+  load_also_ = std::move(load);
 }
 
 // No adapter with a NaN or an infinity is ever written (every rank checks its replica).
@@ -227,7 +232,8 @@ void Checkpointer::save_state(const Progress& p, bool store_it) {
   std::string why;
   if (agree_.lead()) {
     try {
-      train::save_state(out_, m_, cfg_, opt_, params_, p, rngs.to(at::kCPU, at::kByte), recipe::to_json(r_), data_);
+      train::save_state(out_, m_, cfg_, opt_, params_, p, rngs.to(at::kCPU, at::kByte), recipe::to_json(r_), data_,
+                        save_also_);
       if (store_it) store("resume_state", state_dir());
     } catch (const std::exception& e) {
       why = e.what();

@@ -57,6 +57,10 @@ class Checkpointer {
   // see train::load_state.
   std::optional<Progress> load(const RunShape& shape);
 
+  // Files its adapter's objective keeps in each resumable state (preference.precompute_reference's):
+  // `save` writes them into a state's directory as it is written, `load` reads them from the state load() restores.
+  void keep_in_state(StateFiles save, StateFiles load);
+
   // A job of many adapters: this adapter's artifacts go to GridFS as <name>/<artifact>.
   void store_as_adapter(const std::string& name);
 
@@ -91,6 +95,7 @@ class Checkpointer {
   torch::optim::AdamW& opt_;
   const nlohmann::json data_;
   const RngStream rng_;
+  StateFiles save_also_, load_also_;
   const std::string out_;
   track::RunSinks* sinks_ = nullptr;
   track::RunRecorder* record_ = nullptr;  // sinks_'s, when the run is recorded

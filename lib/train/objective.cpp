@@ -2,12 +2,14 @@
 
 #include <ATen/ATen.h>
 #include <algorithm>
+#include <optional>
 
 #include "data/collate.hpp"
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
 #include "train/agreement.hpp"
 #include "train/preference.hpp"
+#include "train/reference_logps.hpp"
 
 namespace lorarun::train {
 namespace {
@@ -60,18 +62,10 @@ std::vector<std::vector<std::vector<int32_t>>> mismatched(const std::vector<std:
   for (const auto& examples : micro)
     for (const data::Example& e : examples) flat.insert(flat.end(), e.completion.begin(), e.completion.end());
   const int world = agree.world();
-  at::Tensor all = at::tensor(flat, at::kDouble).unsqueeze(0);
-  if (world > 1) {  // (ids as float64 in a sum over the ranks: exact below 2^53)
-    const auto sizes = agree.rows(at::scalar_tensor(static_cast<double>(flat.size()))).cpu();
-    all =
-        at::zeros({world, sizes.max().item<int64_t>()}, at::TensorOptions().dtype(at::kDouble).device(agree.device()));
-    all[agree.rank()].narrow(0, 0, static_cast<int64_t>(flat.size())).copy_(at::tensor(flat, at::kDouble));
-    agree.sum(all);
-    all = all.cpu().contiguous();
-  }
+  const std::vector<std::vector<double>> all = agree.gather(flat);
   std::vector<std::vector<std::vector<int32_t>>> completions(static_cast<size_t>(world));  // by rank
   for (int r = 0; r < world; ++r) {
-    const double* row = all[r].data_ptr<double>();
+    const double* row = all[static_cast<size_t>(r)].data();
     const auto n = static_cast<size_t>(row[0]);
     for (size_t i = 0, at = 1 + n; i < n; ++i) {
       const auto len = static_cast<size_t>(row[1 + i]);
@@ -106,7 +100,9 @@ class Pairs final : public Objective {
  public:
   Pairs(const recipe::Recipe& r, model::CausalLM& m, const std::vector<std::pair<std::string, at::Tensor>>& named,
         const Agreement& agree, c10::Device device)
-      : pref_(r, m, named), agree_(agree), device_(device) {}
+      : pref_(r, m, named), agree_(agree), device_(device) {
+    if (r.preference.precompute_reference) cache_.emplace(pref_.kto() ? 1 : 2);
+  }
 
   Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm) override {
     Sums sums;
@@ -118,31 +114,39 @@ class Pairs final : public Objective {
     std::vector<std::vector<std::vector<int32_t>>> others;  // each example's KL pair's completion
     if (kl_pairs) others = mismatched(examples, agree_);
     std::vector<PairBatch> micro;
-    double mine[4] = {0, 0, 0, 0};  // pairs, chosen tokens; kto: its KL pairs' sum and count
+    // pairs, chosen tokens; kto: its KL pairs' sum and count; then each micro-batch whose reference
+    // log-probs were not computed ahead here (its reference pass runs: on every rank alike)
+    std::vector<double> mine(4 + examples.size(), 0.0);
     for (size_t a = 0; a < examples.size(); ++a) {
       micro.push_back(pref_.collate(examples[a], device_, kl_pairs ? &others[a] : nullptr));
-      mine[0] += static_cast<double>(micro.back().pairs);
-      mine[1] += static_cast<double>(micro.back().chosen_tokens);
+      PairBatch& b = micro.back();
+      mine[0] += static_cast<double>(b.pairs);
+      mine[1] += static_cast<double>(b.chosen_tokens);
+      if (cache_ && b.pairs > 0) b.reference = cache_->find(examples[a], device_);
+      mine[4 + a] = !cache_ || (b.pairs > 0 && !b.reference.defined()) ? 1.0 : 0.0;
       if (!kl_pairs) continue;
-      const at::Tensor kl = pref_.kl_sums(micro.back());
+      const at::Tensor kl = pref_.kl_sums(b);
       mine[2] += kl[0].item<double>();
       mine[3] += kl[1].item<double>();
     }
-    at::Tensor total = at::tensor({mine[0], mine[1], mine[2], mine[3]}, at::kDouble).to(device_);
+    at::Tensor total = at::tensor(mine, at::kDouble).to(device_);
     agree_.sum(total);
-    total = total.cpu();
-    const double pairs = std::max(total[0].item<double>(), 1.0), chosen = total[1].item<double>();
-    const double kl = std::max(total[2].item<double>() / std::max(total[3].item<double>(), 1.0), 0.0);
+    total = total.cpu().contiguous();
+    const double* t = total.data_ptr<double>();
+    const double pairs = std::max(t[0], 1.0), chosen = t[1];
+    const double kl = std::max(t[2] / std::max(t[3], 1.0), 0.0);
     for (PairBatch& b : micro) b.kl = kl;
     for (size_t a = 0; a < micro.size(); ++a) {
       if (a + 1 == micro.size()) arm();
       const PairBatch& b = micro[a];
+      const bool live = t[4 + a] > 0;  // a rank runs this micro-batch's reference pass
       sums.real += b.rows.real;
       sums.slots += b.rows.slots;
       if (b.pairs == 0) {
-        pref_.skip(true);
+        pref_.skip(true, live);
         continue;
       }
+      if (live && b.reference.defined()) pref_.skip_reference();  // (joins a peer's pass)
       const PreferenceObjective::Result res = pref_.forward(b, pairs, chosen);
       res.loss.backward();
       sums.loss += res.loss.detach();
@@ -156,8 +160,31 @@ class Pairs final : public Objective {
   nlohmann::json figures(const double* stats) const override { return pref_.figures(stats); }
   const PreferenceObjective* preference() const override { return &pref_; }
 
+  bool wants_reference() const override { return cache_ && !ready_; }
+  void reference(const std::vector<data::Example>& micro) override {
+    const at::Tensor logps = pref_.reference(micro, device_);
+    if (logps.defined()) cache_->add(micro, logps);
+  }
+  int64_t reference_done() override {
+    cache_->gather(agree_);
+    ready_ = true;
+    return cache_->size();
+  }
+  void save_files(const std::string& dir, const nlohmann::json& data) const override {
+    if (cache_) cache_->save(dir, data);
+  }
+  std::string load_files(const std::string& dir, const nlohmann::json& data) override {
+    if (!cache_) return "";
+    const std::string why = cache_->load(dir, data);
+    ready_ = why.empty();
+    if (!ready_) cache_->clear();
+    return why;
+  }
+
  private:
   const PreferenceObjective pref_;
+  std::optional<ReferenceLogps> cache_;  // preference.precompute_reference's
+  bool ready_ = false;                   // ... computed, or read from the state
   const Agreement& agree_;
   const c10::Device device_;
 };

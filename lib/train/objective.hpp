@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <string>
 #include <vector>
 
 #include "data/example.hpp"
@@ -50,6 +51,17 @@ class Objective {
   virtual nlohmann::json figures(const double* /*stats*/) const { return nlohmann::json::object(); }
   // The preference objective evaluation reports the loss of (nullptr: the token cross-entropy).
   virtual const PreferenceObjective* preference() const { return nullptr; }
+
+  // preference.precompute_reference (dpo, kto): whether it has no reference log-probs yet. Then
+  // reference() takes each micro-batch of an epoch in turn, every rank its own (the same passes on
+  // each: a micro-batch of none skips them), and reference_done() gathers every rank's on each.
+  virtual bool wants_reference() const { return false; }
+  virtual void reference(const std::vector<data::Example>& /*micro*/) {}
+  virtual int64_t reference_done() { return 0; }  // the examples it holds the log-probs of
+  // ... kept in the resumable state's directory `dir`, naming the data (its identity) they were
+  // computed from. load_files: "" when read, else why not (they are then computed again).
+  virtual void save_files(const std::string& /*dir*/, const nlohmann::json& /*data*/) const {}
+  virtual std::string load_files(const std::string& /*dir*/, const nlohmann::json& /*data*/) { return ""; }
 };
 
 // The recipe's train.objective on `m`, training the tensors `named` (PEFT's names: DPO's reference

@@ -183,9 +183,21 @@ at::Tensor log1mexp(const at::Tensor& x) {
 
 }  // namespace
 
-void PreferenceObjective::skip(bool backward) const {
-  if (has_reference()) m_.skip_pass(false, false);
+void PreferenceObjective::skip(bool backward, bool reference) const {
+  if (has_reference() && reference) m_.skip_pass(false, false);
   m_.skip_pass(backward, false);
+}
+
+void PreferenceObjective::skip_reference() const { m_.skip_pass(false, false); }
+
+at::Tensor PreferenceObjective::reference(const std::vector<data::Example>& examples, c10::Device device) const {
+  if (examples.empty()) {
+    skip_reference();
+    return {};
+  }
+  const PairBatch b =
+      kto() ? collate_unpaired(examples, nullptr, max_length_, device) : collate_pairs(examples, device);
+  return reference_logps(b.rows);
 }
 
 PreferenceObjective::Result PreferenceObjective::forward(const PairBatch& b, double pairs, double chosen) const {
@@ -193,7 +205,9 @@ PreferenceObjective::Result PreferenceObjective::forward(const PairBatch& b, dou
   const int64_t P = b.pairs;
   const bool orpo = objective_ == recipe::Objective::Orpo;
   // (the reference first: it sets the parameters' values in place, which the policy's graph must not see)
-  const at::Tensor ref = has_reference() ? reference_logps(b.rows) : at::Tensor();
+  const at::Tensor ref = !has_reference()        ? at::Tensor()
+                         : b.reference.defined() ? b.reference
+                                                 : reference_logps(b.rows);
   const at::Tensor tok = token_losses(b.rows);
   at::Tensor logps = at::zeros({2 * P}, tok.options()).index_add(0, b.seq, tok.neg() * b.completion);
   if (mean_logps()) logps = logps / b.lengths.clamp_min(1);  // (means over each completion's tokens)
@@ -231,7 +245,7 @@ PreferenceObjective::Result PreferenceObjective::forward(const PairBatch& b, dou
 // TRL's KTO losses (Eq. 7 of the KTO paper; apo_zero_unpaired: APO's, without the KL term), each
 // label's weighted, their sum over `examples` (the step's, every rank's).
 PreferenceObjective::Result PreferenceObjective::kto_forward(const PairBatch& b, double examples) const {
-  const at::Tensor ref = reference_logps(b.rows);
+  const at::Tensor ref = b.reference.defined() ? b.reference : reference_logps(b.rows);
   const at::Tensor logps = summed_logps(b.rows);
   const at::Tensor lr = logps - ref, d = b.desirable;
   const double beta = p_.beta;

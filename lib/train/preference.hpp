@@ -42,6 +42,8 @@ struct PairBatch {
   at::Tensor desirable;
   data::Batch kl_rows;
   double kl = 0;
+  at::Tensor
+      reference;  // float32 [rows]: the reference's log-probs of `rows` when known ahead; else forward() computes them
 };
 PairBatch collate_pairs(const std::vector<data::Example>& pairs, c10::Device device, bool whole_chosen = false);
 // KTO's batch of `examples`, example i's KL pair its prompt with `mismatched[i]` after it, cut to
@@ -100,8 +102,13 @@ class PreferenceObjective {
   // Whether forward() runs a reference pass before the policy's (DPO, KTO; ORPO, CPO and SimPO have none).
   bool has_reference() const { return objective_ == recipe::Objective::Dpo || kto(); }
   // A micro-batch of no pair here: forward()'s passes skipped as the model skips a pass
-  // (CausalLM::skip_pass), the policy's with a backward when `backward`.
-  void skip(bool backward) const;
+  // (CausalLM::skip_pass), the policy's with a backward when `backward`, the reference's unless not `reference`.
+  void skip(bool backward, bool reference = true) const;
+  // preference.precompute_reference: the reference's summed log-probs of `examples`' rows (PairBatch's: [2P] of
+  // pairs, [P] of kto's completions), without gradient; for none, its pass skipped and undefined.
+  at::Tensor reference(const std::vector<data::Example>& examples, c10::Device device) const;
+  // ... that pass skipped: a peer runs it (its rows were not computed ahead), these were.
+  void skip_reference() const;
 
   // One evaluation batch's summed stats (float64 [kPrefStats] on the host; undefined for a batch of
   // none, whose passes are skipped) and its scored tokens. KTO's KL estimate is the batch's own.

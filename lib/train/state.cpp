@@ -109,6 +109,8 @@ void check_counters(const fs::path& dir, const Progress& p, const RunShape& shap
                             int64_t{p.epoch} * shape.steps_per_epoch + p.step_in_epoch));
 }
 
+}  // namespace
+
 // How `now` differs from `saved` (two data::Documents::identity()), in words; "" when it does not
 // or cannot be told (a state from before identities were saved).
 std::string data_change(const nlohmann::json& saved, const nlohmann::json& now) {
@@ -126,6 +128,8 @@ std::string data_change(const nlohmann::json& saved, const nlohmann::json& now) 
            "another: the rest of this epoch reads other documents than the interrupted run would have";
   return "";
 }
+
+namespace {
 
 at::Tensor finite_tensor(const io::SafetensorsFile& f, const fs::path& dir, const std::string& name) {
   at::Tensor t = load_tensor(f, name, at::kFloat);
@@ -198,7 +202,8 @@ void set_rng_state(const at::Tensor& bytes, bool cuda) {
 
 void save_state(const std::string& output_dir, const model::CausalLM& m, const model::LoraConfig& cfg,
                 torch::optim::AdamW& opt, const std::vector<at::Tensor>& params, const Progress& p,
-                const at::Tensor& rngs, const nlohmann::json& recipe, const nlohmann::json& data) {
+                const at::Tensor& rngs, const nlohmann::json& recipe, const nlohmann::json& data,
+                const StateFiles& also) {
   const fs::path dir = state_dir(output_dir);
   const fs::path tmp = dir.string() + fmt::format(".tmp.{}", getpid()), old = dir.string() + ".old";
   io::remove_tree(tmp.string());
@@ -238,6 +243,7 @@ void save_state(const std::string& output_dir, const model::CausalLM& m, const m
                                {"steering", steering}, {"pending_eval", p.pending_eval},   {"data", data},
                                {"recipe", recipe}};
   io::write_file_atomic((tmp / "state.json").string(), meta.dump(1));
+  if (also) also(tmp.string());
   write_manifest(tmp);
   io::sync_dir(tmp.string());
   io::remove_tree(old.string());
@@ -249,7 +255,7 @@ void save_state(const std::string& output_dir, const model::CausalLM& m, const m
 
 std::optional<Progress> load_state(const std::string& output_dir, torch::optim::AdamW& opt,
                                    const std::vector<at::Tensor>& params, int rank, int world, const RngStream& rng,
-                                   const nlohmann::json& recipe, const RunShape& shape) {
+                                   const nlohmann::json& recipe, const RunShape& shape, const StateFiles& also) {
   fs::path dir = state_dir(output_dir);
   if (!fs::exists(dir)) dir = dir.string() + ".old";  // a swap cut short by a crash
   if (!fs::exists(dir)) return std::nullopt;
@@ -309,6 +315,7 @@ std::optional<Progress> load_state(const std::string& output_dir, torch::optim::
   const at::Tensor rngs = load_tensor(f, "rng", at::kByte);
   if (rngs.dim() != 2 || rngs.size(0) != world) refuse(dir, "holds random-generator states of another world size");
   rng.set(rngs[rank]);
+  if (also) also(dir.string());
   return p;
 }
 

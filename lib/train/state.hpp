@@ -70,11 +70,17 @@ struct RngStream {
   }
 };
 
+// Files an objective keeps in the state's directory: written into it before its manifest, read from
+// it once it passed its checks.
+using StateFiles = std::function<void(const std::string& dir)>;
+
 // Writes the state (rank 0). `rngs` is [world, S] uint8: every rank's rng_state(); `recipe` the
-// run's resolved recipe as JSON (checked on resume); `data` the selection's identity.
+// run's resolved recipe as JSON (checked on resume); `data` the selection's identity; `also` writes
+// an objective's files into it.
 void save_state(const std::string& output_dir, const model::CausalLM& m, const model::LoraConfig& cfg,
                 torch::optim::AdamW& opt, const std::vector<at::Tensor>& params, const Progress& p,
-                const at::Tensor& rngs, const nlohmann::json& recipe, const nlohmann::json& data);
+                const at::Tensor& rngs, const nlohmann::json& recipe, const nlohmann::json& data,
+                const StateFiles& also = {});
 
 // What a state's counters must fit: this run's epochs and optimizer steps per epoch; and what it
 // reads (data::Documents::identity()), saved with the state and compared on resume.
@@ -92,9 +98,14 @@ struct RunShape {
 // When the data it read is not shape.data (documents added, removed or changed since), rank 0 says
 // so in one line and the run resumes at the same step of the new selection, if its counters still
 // fit; else the refusal names the change.
+// `also` reads an objective's files from it.
 std::optional<Progress> load_state(const std::string& output_dir, torch::optim::AdamW& opt,
                                    const std::vector<at::Tensor>& params, int rank, int world, const RngStream& rng,
-                                   const nlohmann::json& recipe, const RunShape& shape);
+                                   const nlohmann::json& recipe, const RunShape& shape, const StateFiles& also = {});
+
+// How `now` differs from `saved` (two data::Documents::identity()), in words; "" when it does not
+// or cannot be told (identities from before they held what differs).
+std::string data_change(const nlohmann::json& saved, const nlohmann::json& now);
 
 // Removes the state (the run finished).
 void remove_state(const std::string& output_dir);

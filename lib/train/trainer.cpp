@@ -93,6 +93,8 @@ int Trainer::run() {
   }
   if (step_ == INT64_MAX) step_ = total_steps_;
   if (lead_) begin(resumed);
+  for (auto& t : tenants_)
+    if (!t->done && !precompute_reference(*t)) return stopped(false);
   m_.training = true;
   // eval.on_start: each adapter before its first step (a stop during it ends the run, which has
   // nothing to save)
@@ -131,26 +133,78 @@ bool Trainer::settle(Tenant& t) {
   return true;
 }
 
-// The adapter's batches of its epoch from its step on; none when the data is already gone (the
-// steps then go on empty and the ranks stop together at the step's end).
-void Trainer::open_batches(Tenant& t) {
-  AdapterRun& a = *t.run;
+// Adapter a's batches of its current epoch from step `step` on, into `out` (reads the first window).
+void Trainer::epoch_batches(const AdapterRun& a, int64_t step, std::optional<data::MicroBatches>& out) const {
   const auto seed = static_cast<uint64_t>(a.r.train.seed);
   const data::ShardSpec spec{env_.world_size, env_.rank, seed, a.p.epoch, a.r.data.shuffle, stop_flag()};
   const data::BatchPlan plan{a.r.data.batch_size, a.r.train.gradient_accumulation_steps,
                              a.r.data.group_by_length ? a.r.data.group_window : 1, seed, a.p.epoch};
+  if (a.data.mix)
+    out.emplace(*a.data.mix, spec, plan, step);
+  else
+    out.emplace(*a.data.docs, *rt_.builder, spec, plan, step);
+}
+
+// The adapter's batches of its epoch from its step on; none when the data is already gone (the
+// steps then go on empty and the ranks stop together at the step's end).
+void Trainer::open_batches(Tenant& t) {
+  AdapterRun& a = *t.run;
   a.whole_epoch_here = a.p.step_in_epoch == 0;
   if (a.whole_epoch_here) a.epoch_tokens = 0;
   a.skips.new_epoch();
-  try {  // reads the first window
-    if (a.data.mix)
-      a.batches.emplace(*a.data.mix, spec, plan, a.p.step_in_epoch);
-    else
-      a.batches.emplace(*a.data.docs, *rt_.builder, spec, plan, a.p.step_in_epoch);
+  try {
+    epoch_batches(a, a.p.step_in_epoch, a.batches);
   } catch (const data::DataUnavailable& e) {
     data_error_ = a.who() + e.what();
     log_error(fmt::format("rank {}: {}", env_.rank, data_error_));
   }
+}
+
+// preference.precompute_reference: when the adapter's objective has no reference log-probs yet (a
+// new run, or a state of other data), those of every example of its current epoch, each rank's
+// micro-batches as its steps read them, then every rank's on each; before its first step here. False:
+// a stop came first.
+bool Trainer::precompute_reference(Tenant& t) {
+  AdapterRun& a = *t.run;
+  if (!agree_.any(a.objective->wants_reference())) return true;
+  const auto t0 = Clock::now();
+  const model::CausalLM::Routing routing(m_, alone(t, nullptr));
+  std::optional<data::MicroBatches> batches;
+  std::string lost;  // why this rank's data gave up (its micro-batches are then empty: the passes stay in step)
+  const auto read = [&](auto&& next) {
+    try {
+      if (lost.empty()) next();
+    } catch (const data::DataUnavailable& e) {
+      lost = fmt::format("rank {}: {}preference.precompute_reference: {}", env_.rank, a.who(), e.what());
+    }
+  };
+  read([&] { epoch_batches(a, 0, batches); });
+  for (int64_t s = 0;; ++s) {  // (between two steps the ranks agree on a stop and on data lost)
+    at::Tensor flags = at::tensor({stop_requested() ? 1.0 : 0.0, lost.empty() ? 0.0 : 1.0}, at::kDouble).to(rt_.device);
+    agree_.sum(flags);
+    flags = flags.cpu();
+    if (flags[1].item<double>() > 0) {
+      if (!lost.empty()) throw Error(lost);
+      throw PeerError(-1, "another rank's data gave up while the reference log-probs were computed; stopping");
+    }
+    if (flags[0].item<double>() > 0) return false;
+    if (s == a.steps_per_epoch) break;
+    for (int k = 0; k < a.r.train.gradient_accumulation_steps; ++k) {
+      std::vector<data::Example> micro;
+      read([&] {
+        for (data::Built& b : batches->next())
+          if (auto* e = std::get_if<data::Example>(&b)) micro.push_back(std::move(*e));
+      });
+      a.objective->reference(micro);
+    }
+  }
+  const int64_t n = a.objective->reference_done();
+  if (lead_)
+    info(
+        fmt::format("{}preference.precompute_reference: the reference's log-probs of {} examples of epoch {} in "
+                    "{:.1f} s",
+                    a.who(), n, a.p.epoch, std::chrono::duration<double>(Clock::now() - t0).count()));
+  return true;
 }
 
 // Micro-batches of several adapters (parts[k] owners[k]'s), stacked, through the model once; each

@@ -56,7 +56,23 @@ void Trainer::add_alone() {
   a.plan(env_.world_size);
   a.ckpt = std::make_unique<Checkpointer>(a.r, agree_, m_, model::lora_config_of(r_.lora, r_.model.path), a.params,
                                           *a.opt, a.data.identity(), cuda_, t->rng);
+  keep_reference_in_state(a);
   tenants_.push_back(std::move(t));
+}
+
+// preference.precompute_reference: the reference's log-probs go with each resumable state and come
+// back with it; those of other data (or none) are computed again, said in one line.
+void Trainer::keep_reference_in_state(AdapterRun& a) {
+  if (!a.r.preference.precompute_reference) return;
+  Objective* o = a.objective.get();
+  const nlohmann::json data = a.data.identity();
+  const bool lead = lead_;
+  a.ckpt->keep_in_state([o, data](const std::string& dir) { o->save_files(dir, data); },
+                        [o, data, lead, who = a.who()](const std::string& dir) {
+                          const std::string why = o->load_files(dir, data);
+                          if (!why.empty() && lead)
+                            warn(fmt::format("{}preference.precompute_reference: {}; computing them again", who, why));
+                        });
 }
 
 // A job's adapters (job_adapters), each in its slot of the model with its own run's recipe, data,
@@ -104,6 +120,7 @@ void Trainer::add_adapters() {
     a.ckpt = std::make_unique<Checkpointer>(a.r, agree_, m_, cfg, a.params, *a.opt, a.data.identity(), cuda_, t->rng);
     a.ckpt->store_as_adapter(a.name);
     a.objective = make_objective(a.r, m_, model::tenant_state(m_, slot), agree_, rt_.device);
+    keep_reference_in_state(a);
     tenants_.push_back(std::move(t));
   }
 }

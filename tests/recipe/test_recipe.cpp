@@ -211,6 +211,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "preference.simpo_gamma",
                                 "preference.desirable_weight",
                                 "preference.undesirable_weight",
+                                "preference.precompute_reference",
                                 "checkpoint.output_dir",
                                 "checkpoint.epochs_to_save",
                                 "checkpoint.save_last_epoch_only",
@@ -984,6 +985,11 @@ TEST_CASE("train.objective: kto needs labelled completions, and its keys belong 
   const std::string pairs = "model: {path: /m}\ndata: {database: d, collection: c, format: preference}\n";
   CHECK_THAT(error_of(pairs, {"train.objective=dpo", "preference.undesirable_weight=2"}),
              Catch::Contains("preference.undesirable_weight applies to train.objective kto only, not dpo"));
+  CHECK_THAT(error_of(pairs, {"train.objective=simpo", "preference.precompute_reference=true"}),
+             Catch::Contains("preference.precompute_reference applies to train.objective dpo and kto, whose losses "
+                             "compare with a reference; simpo has none"));
+  CHECK(
+      load(unpaired, {"train.objective=kto", "preference.precompute_reference=true"}).preference.precompute_reference);
   CHECK_THAT(error_of(pairs, {"train.objective=dpo", "preference.loss_type=kto"}),
              Catch::Contains("preference.loss_type kto is a loss of labelled single completions"));
   CHECK_THAT(error_of(pairs, {"train.objective=kto"}), Catch::Contains("but data.format is preference"));

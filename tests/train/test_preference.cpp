@@ -110,8 +110,9 @@ void check_against_trl(const std::string& cmd, const std::string& name) {
 }
 
 // `train` (a lora-train command writing `dir`/k, 2 epochs of 6 steps) killed (-9) mid-epoch after a
-// state, then run again: it resumes, to the adapter of the uninterrupted run in `dir`/w1b4a1.
-void killed_then_resumed(const std::string& train, const std::string& dir) {
+// state, then run again: it resumes, to the adapter of the uninterrupted run in `dir`/w1b4a1. Returns
+// the second run.
+Result killed_then_resumed(const std::string& train, const std::string& dir) {
   const std::string cmd = train + " checkpoint.state_every_n_steps=2";
   const Result killed = interrupt(cmd, dir + "/k.log", "epoch 0/2 step 4/6", "kill -9 $pid");
   INFO(read_file(dir + "/k.log"));
@@ -124,6 +125,27 @@ void killed_then_resumed(const std::string& train, const std::string& dir) {
   CHECK(sh(fmt::format("cmp {}/w1b4a1/epoch_1/adapter_model.safetensors {}/k/epoch_1/adapter_model.safetensors", dir,
                        dir))
             .status == 0);
+  return again;
+}
+
+// The largest difference of `key` between two runs' rows, step by step (a step may lack it, as a
+// KTO step without an example of one label does: then in both runs; else infinite).
+double worst_diff(const std::vector<nlohmann::json>& a, const std::vector<nlohmann::json>& b, const std::string& key) {
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    if (a[i].contains(key) != b[i].contains(key)) return INFINITY;
+    if (a[i].contains(key)) worst = std::max(worst, std::abs(a[i][key].get<double>() - b[i][key].get<double>()));
+  }
+  return worst;
+}
+
+// The largest magnitude of `keys` over a run's rows.
+double largest(const std::vector<nlohmann::json>& rows, const std::vector<std::string>& keys) {
+  double m = 0;
+  for (const auto& row : rows)
+    for (const std::string& key : keys)
+      if (row.contains(key)) m = std::max(m, std::abs(row[key].get<double>()));
+  return m;
 }
 
 }  // namespace
@@ -245,13 +267,8 @@ TEST_CASE(
       for (const std::string key : {"loss", "rewards/chosen", "rewards/margins", "logps/rejected", "nll_loss"}) {
         INFO(key);
         const bool reward = key.starts_with("rewards/");
-        double scale = 0, worst = 0;
-        for (const auto& row : first)
-          scale = std::max(scale, reward ? 0.2 * std::abs(row.at("logps/chosen").get<double>())
-                                         : std::abs(row.at(key).get<double>()));
-        for (size_t i = 0; i < rows.size(); ++i)
-          worst = std::max(worst, std::abs(rows[i].at(key).get<double>() - first[i].at(key).get<double>()));
-        CHECK(worst <= 1e-6 * scale);
+        const double scale = reward ? 0.2 * largest(first, {"logps/chosen"}) : largest(first, {key});
+        CHECK(worst_diff(rows, first, key) <= 1e-6 * scale);
       }
       CHECK(adapter_diff(fmt::format("{}/{}w1b4a1/epoch_1/adapter_model.safetensors", dir, prefix),
                          dir + "/" + name + "/epoch_1/adapter_model.safetensors") < 1e-6);
@@ -485,19 +502,11 @@ TEST_CASE(
     // The loss within 1e-6 of its largest; the log-probability figures (sums over a completion's
     // tokens, the KL estimate and rewards their differences) within 1e-6 of the largest log-probability
     // (measured: 1e-7 of it, float32 sums in another order)
-    double logps = 0, loss = 0;
-    for (const auto& row : first) {
-      logps = std::max(
-          {logps, std::abs(row.at("logps/chosen").get<double>()), std::abs(row.at("logps/rejected").get<double>())});
-      loss = std::max(loss, std::abs(row.at("loss").get<double>()));
-    }
+    const double logps = largest(first, {"logps/chosen", "logps/rejected"}), loss = largest(first, {"loss"});
     for (const std::string key :
          {"loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"}) {
       INFO(key);
-      double worst = 0;
-      for (size_t i = 0; i < rows.size(); ++i)
-        worst = std::max(worst, std::abs(rows[i].at(key).get<double>() - first[i].at(key).get<double>()));
-      CHECK(worst <= 1e-6 * (key == "loss" ? loss : logps));
+      CHECK(worst_diff(rows, first, key) <= 1e-6 * (key == "loss" ? loss : logps));
     }
     // (AdamW at lr 5e-3 over 12 steps turns those rounding differences into 1e-5 of the largest weight)
     CHECK(adapter_relative_diff(dir + "/w1b4a1/epoch_1/adapter_model.safetensors",
@@ -544,4 +553,96 @@ TEST_CASE(
   CHECK(got.at("examples") == 6);
   CHECK(got.at("loss").get<double>() == Approx(evals[0].at("eval_loss").get<double>()).epsilon(1e-6));
   CHECK(got.at("kl").get<double>() == Approx(evals[0].at("eval_kl").get<double>()).epsilon(1e-6).margin(1e-9));
+}
+
+TEST_CASE(
+    "preference.precompute_reference: dpo and kto with it = without it (1 rank, and 2 ranks on a sharded base) from "
+    "FerretDB, kill -9 then resume reads them back, changed documents have them computed again",
+    "[e2e][db][preference]") {
+  const std::string dir = temp_dir("precompute");
+  write_pairs(dir + "/pairs.jsonl", 24);
+  write_unpaired(dir + "/examples.jsonl", 24, [](int i) { return i % 3 != 2; });
+  const std::string db = fmt::format("precompute_{}", getpid());
+  for (const char* c : {"pairs", "examples"}) {
+    const Result imp = sh(fmt::format("{} import {}/{}.jsonl --uri '{}' --db {} --collection {}", bin("lora-data"), dir,
+                                      c, test_uri(), db, c));
+    INFO(imp.output);
+    REQUIRE(imp.status == 0);
+  }
+  const std::string env = fmt::format("LORARUN_MONGODB_URI='{}'", test_uri());
+  const auto recipe = [&](const std::string& name, const std::string& collection) {
+    return write_dpo_recipe(
+        dir, name, "epochs: 2, lr: 5.0e-3", "beta: 0.2",
+        fmt::format(", source: mongodb, database: {}, collection: {}, batch_size: 4", db, collection));
+  };
+  const std::string precompute = " data.shuffle=global preference.precompute_reference=true";
+  for (const auto& [objective, collection] : {std::pair{"dpo", "pairs"}, std::pair{"kto", "examples"}}) {
+    INFO(objective);
+    const std::string o = objective == std::string("dpo") ? "" : "kto-";
+    const std::string extra = o.empty() ? "" : " train.objective=kto data.format=unpaired";
+    const auto run = [&](const std::string& name, int world, const std::string& overrides) {
+      const Result t = sh(fmt::format("{} {} --nproc-per-node {} {}{} {}", env, bin("lorarun"), world,
+                                      recipe(o + name, collection), extra, overrides));
+      INFO(t.output);
+      REQUIRE(t.status == 0);
+      return std::pair{train_rows(dir + "/" + o + name), t.output};
+    };
+    const auto [plain, plain_out] = run("plain", 1, "data.shuffle=global");
+    const auto [pre, pre_out] = run("w1b4a1", 1, precompute);
+    const auto [sharded, sharded_out] = run("sharded", 2, precompute + " dist.shard_base=true data.batch_size=2");
+    CHECK_THAT(pre_out, Catch::Contains("the reference's log-probs of 24 examples of epoch 0"));
+    CHECK_THAT(sharded_out, Catch::Contains("the reference's log-probs of 24 examples of epoch 0"));
+    REQUIRE(plain.size() == 12);
+    REQUIRE(pre.size() == 12);
+    REQUIRE(sharded.size() == 12);
+    // Each figure within 1e-6 of the largest log-probability (the loss: of the largest loss). Epoch 1
+    // reads the documents in other batches than epoch 0 computed them in: float32 sums in another order.
+    const double logps = largest(plain, {"logps/chosen", "logps/rejected"}), loss = largest(plain, {"loss"});
+    for (const std::string key : {"loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"}) {
+      INFO(key);
+      const double scale = key == "loss" ? loss : logps;
+      CHECK(worst_diff(pre, plain, key) <= 1e-6 * scale);
+      CHECK(worst_diff(sharded, plain, key) <= 1e-6 * scale);
+    }
+    for (const char* run_dir : {"w1b4a1", "sharded"}) {
+      INFO(run_dir);
+      CHECK(adapter_relative_diff(fmt::format("{}/{}plain/epoch_1/adapter_model.safetensors", dir, o),
+                                  fmt::format("{}/{}{}/epoch_1/adapter_model.safetensors", dir, o, run_dir)) < 1e-4);
+    }
+  }
+  // Killed (-9) mid-epoch after a state, then the same command: the log-probs come back with the state
+  // (not computed again), to the uninterrupted run's adapter.
+  const std::string train = fmt::format("{} {} {}{}", env, bin("lora-train"), recipe("k", "pairs"), precompute);
+  const Result again = killed_then_resumed(train, dir);
+  CHECK_THAT(again.output, !Catch::Contains("the reference's log-probs of"));
+  // Killed again, and the collection imported anew before the resume (the same count, other documents: the
+  // state's position still fits): the log-probs are computed again, said in one line.
+  const std::string cmd = train + " checkpoint.state_every_n_steps=2 checkpoint.output_dir=" + dir + "/c";
+  REQUIRE_THAT(interrupt(cmd, dir + "/c.log", "epoch 0/2 step 4/6", "kill -9 $pid").output,
+               Catch::Contains("exit=137"));
+  write_pairs(dir + "/other.jsonl", 24, 1);
+  REQUIRE(sh(fmt::format("{} import {}/other.jsonl --drop --uri '{}' --db {} --collection pairs", bin("lora-data"), dir,
+                         test_uri(), db))
+              .status == 0);
+  const Result changed = sh(cmd);
+  INFO(changed.output);
+  REQUIRE(changed.status == 0);
+  CHECK(lines_with(changed.output, "computing them again").size() == 1);
+  CHECK_THAT(changed.output, Catch::Contains("were computed from other data: the selection held 24 documents then "
+                                             "as now, but other ones"));
+  CHECK_THAT(changed.output, Catch::Contains("the reference's log-probs of 24 examples"));
+  // With checkpoint.store: mongodb they go to GridFS with the state: an output directory lost after a
+  // state comes back from there, and the run resumes without computing them again.
+  const std::string stored = fmt::format(
+      "{} {} {}{} track.mongodb=true track.database={} checkpoint.store=mongodb checkpoint.state_every_n_steps=2 "
+      "checkpoint.output_dir={}/s",
+      env, bin("lora-train"), recipe("s", "pairs"), precompute, db, dir);
+  REQUIRE_THAT(interrupt(stored, dir + "/s.log", "epoch 0/2 step 4/6", "kill -9 $pid").output,
+               Catch::Contains("exit=137"));
+  std::filesystem::remove_all(dir + "/s");
+  const Result restored = sh(stored);
+  INFO(restored.output);
+  REQUIRE(restored.status == 0);
+  CHECK_THAT(restored.output, Catch::Contains("resuming at epoch 0"));
+  CHECK_THAT(restored.output, !Catch::Contains("the reference's log-probs of"));
 }
