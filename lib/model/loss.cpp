@@ -181,4 +181,24 @@ at::Tensor lm_head_token_losses(const at::Tensor& hidden, const at::Tensor& lm_h
   return LinearCrossEntropy::apply(h, lm_head, targets, chunk_rows, h.requires_grad(), softcap.value_or(0.0), true);
 }
 
+at::Tensor lm_head_token_figures(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,
+                                 const at::Tensor& targets, std::optional<double> softcap, int64_t chunk_bytes) {
+  c10::NoGradGuard no_grad;
+  const int64_t chunk_rows = loss_chunk_rows(lm_head.size(0), softcap.has_value(), chunk_bytes);
+  const at::Tensor h = hidden.detach().reshape({-1, hidden.size(-1)}).index_select(0, rows);  // [N, H]
+  at::Tensor out = at::empty({h.size(0), 3}, h.options().dtype(at::kFloat));
+  for (int64_t s = 0; s < h.size(0); s += chunk_rows) {
+    const int64_t n = std::min(chunk_rows, h.size(0) - s);
+    at::Tensor z = at::linear(h.narrow(0, s, n), lm_head.detach());
+    if (softcap) z = at::tanh(z / *softcap) * *softcap;
+    z = z.to(at::kFloat);
+    const at::Tensor logp = at::log_softmax(z, 1);
+    at::Tensor part = out.narrow(0, s, n);
+    part.select(1, 0).copy_((logp.exp() * logp).sum(1).neg());
+    part.select(1, 1).copy_(z.mean(1));
+    part.select(1, 2).copy_(z.argmax(1).eq(targets.narrow(0, s, n)));
+  }
+  return out;
+}
+
 }  // namespace lorarun::model

@@ -38,6 +38,13 @@ at::Tensor lm_head_token_losses(const at::Tensor& hidden, const at::Tensor& lm_h
                                 const at::Tensor& targets, std::optional<double> softcap = std::nullopt,
                                 int64_t chunk_bytes = kLossChunkBytes);
 
+// What TRL logs of the same rows' next-token distributions, without gradient: [N, 3] float32 of
+// each row's entropy, the mean of its logits over the vocabulary (softcapped as the model caps
+// them), and 1 where its target is the most likely token (0 else).
+at::Tensor lm_head_token_figures(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,
+                                 const at::Tensor& targets, std::optional<double> softcap = std::nullopt,
+                                 int64_t chunk_bytes = kLossChunkBytes);
+
 // Per-sequence mean loss [B] (float32), for evaluation.
 at::Tensor per_sequence_loss(const at::Tensor& logits, const at::Tensor& labels);
 

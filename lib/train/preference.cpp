@@ -100,14 +100,17 @@ PreferenceObjective::PreferenceObjective(const recipe::Recipe& r, model::CausalL
   for (const at::Tensor& t : values) reference_.push_back(t.detach().clone());
 }
 
-// [N] -log p of each scored token, with gradient when the model's parameters want it.
-at::Tensor PreferenceObjective::token_losses(const data::Batch& rows) const {
+// [N] -log p of each scored token, with gradient when the model's parameters want it; `figures`, when
+// given, gets their model::lm_head_token_figures.
+at::Tensor PreferenceObjective::token_losses(const data::Batch& rows, at::Tensor* figures) const {
   const at::Tensor hidden = m_.hidden_states(rows.ids, rows.mask);
-  return model::lm_head_token_losses(hidden, m_.lm_head(), rows.rows, rows.targets, m_.config().logit_softcap);
+  const std::optional<double> cap = m_.config().logit_softcap;
+  if (figures) *figures = model::lm_head_token_figures(hidden, m_.lm_head(), rows.rows, rows.targets, cap);
+  return model::lm_head_token_losses(hidden, m_.lm_head(), rows.rows, rows.targets, cap);
 }
 
-at::Tensor PreferenceObjective::summed_logps(const data::Batch& rows) const {
-  const at::Tensor tok = token_losses(rows);
+at::Tensor PreferenceObjective::summed_logps(const data::Batch& rows, at::Tensor* figures) const {
+  const at::Tensor tok = token_losses(rows, figures);
   return at::zeros({rows.ids.size(0)}, tok.options())
       .index_add_(0, at::floor_divide(rows.rows, rows.ids.size(1)), tok.neg());
 }
@@ -176,6 +179,21 @@ at::Tensor PreferenceObjective::kl_sums(const PairBatch& b) const {
 
 namespace {
 
+// TRL's token figures of a batch into `s`: `fig` [N, 3] (model::lm_head_token_figures) of its targets,
+// `chosen` [N] 1 where the target is a chosen (kto: desirable) completion's, `completion` [N] 1 where
+// it is a completion's at all.
+void token_stats(std::vector<at::Tensor>& s, const at::Tensor& fig, const at::Tensor& chosen,
+                 const at::Tensor& completion) {
+  const at::Tensor c = chosen * completion, r = (1 - chosen) * completion, logits = fig.select(1, 1);
+  s[kEntropy] = (fig.select(1, 0) * completion).sum();
+  s[kCompletionTokens] = completion.sum();
+  s[kLogitsChosen] = (logits * c).sum();
+  s[kChosenCompletionTokens] = c.sum();
+  s[kLogitsRejected] = (logits * r).sum();
+  s[kRejectedCompletionTokens] = r.sum();
+  s[kTop1Chosen] = (fig.select(1, 2) * c).sum();
+}
+
 // log(1 - exp(x)) for x < 0, as TRL computes it (branching at -ln 2).
 at::Tensor log1mexp(const at::Tensor& x) {
   return at::where(x < -0.6931471805599453, at::log1p(-at::exp(x)), at::log(-at::expm1(x)));
@@ -208,45 +226,53 @@ PreferenceObjective::Result PreferenceObjective::forward(const PairBatch& b, dou
   const at::Tensor ref = !has_reference()        ? at::Tensor()
                          : b.reference.defined() ? b.reference
                                                  : reference_logps(b.rows);
-  const at::Tensor tok = token_losses(b.rows);
+  at::Tensor fig;  // (dpo: TRL's token figures)
+  const at::Tensor tok = token_losses(b.rows, objective_ == recipe::Objective::Dpo ? &fig : nullptr);
   at::Tensor logps = at::zeros({2 * P}, tok.options()).index_add(0, b.seq, tok.neg() * b.completion);
   if (mean_logps()) logps = logps / b.lengths.clamp_min(1);  // (means over each completion's tokens)
   const at::Tensor nll = tok.masked_fill(b.seq >= P, 0).sum();
   const double beta = p_.beta;
   const at::Tensor c = logps.narrow(0, 0, P), r = logps.narrow(0, P, P);
-  at::Tensor per_pair, rc, rr, extra;
+  at::Tensor per_pair, rc, rr, ratio, log_odds;
   if (orpo) {
-    const at::Tensor log_odds = (c - r) - (log1mexp(c) - log1mexp(r));
-    const at::Tensor ratio = at::log_sigmoid(log_odds);
+    log_odds = (c - r) - (log1mexp(c) - log1mexp(r));
+    ratio = at::log_sigmoid(log_odds);
     per_pair = -beta * ratio;
     rc = beta * c.detach();
     rr = beta * r.detach();
-    extra = at::stack({ratio.detach().sum(), log_odds.detach().sum()});
   } else {  // DPO: the log-ratios to the reference; CPO and SimPO: the log-probabilities themselves
     const at::Tensor chosen_lr = ref.defined() ? c - ref.narrow(0, 0, P) : c;
     const at::Tensor rejected_lr = ref.defined() ? r - ref.narrow(0, P, P) : r;
     per_pair = pair_loss(chosen_lr, rejected_lr, b);
     rc = beta * chosen_lr.detach();
     rr = beta * rejected_lr.detach();
-    extra = at::zeros({2}, rc.options());
   }
   at::Tensor loss = per_pair.sum() / pairs;
   if (const std::optional<double> w = nll_weight()) loss = loss + *w * nll / std::max(chosen, 1.0);
-  const auto count = [&](double v) { return at::scalar_tensor(v, rc.options()); };
-  const at::Tensor stats =
-      at::cat({at::stack({count(static_cast<double>(P)), per_pair.detach().sum(), nll.detach(),
-                          count(static_cast<double>(b.chosen_tokens)), rc.sum(), rr.sum(),
-                          (rc > rr).sum().to(rc.scalar_type()), c.detach().sum(), r.detach().sum()}),
-               extra, at::zeros({kPrefStats - kDesirable}, rc.options())})
-          .to(at::kDouble);
-  return {loss, stats};
+  std::vector<at::Tensor> s(kPrefStats, at::zeros({}, rc.options()));
+  s[kPairs] = at::scalar_tensor(static_cast<double>(P), rc.options());
+  s[kLossSum] = per_pair.detach().sum();
+  s[kNllSum] = nll.detach();
+  s[kChosenTokens] = at::scalar_tensor(static_cast<double>(b.chosen_tokens), rc.options());
+  s[kRewardChosen] = rc.sum();
+  s[kRewardRejected] = rr.sum();
+  s[kCorrect] = (rc > rr).sum().to(rc.scalar_type());
+  s[kLogpChosen] = c.detach().sum();
+  s[kLogpRejected] = r.detach().sum();
+  if (orpo) {
+    s[kLogOddsRatio] = ratio.detach().sum();
+    s[kLogOdds] = log_odds.detach().sum();
+  }
+  if (fig.defined()) token_stats(s, fig, (b.seq < P).to(at::kFloat), b.completion);
+  return {loss, at::stack(s).to(at::kDouble)};
 }
 
 // TRL's KTO losses (Eq. 7 of the KTO paper; apo_zero_unpaired: APO's, without the KL term), each
 // label's weighted, their sum over `examples` (the step's, every rank's).
 PreferenceObjective::Result PreferenceObjective::kto_forward(const PairBatch& b, double examples) const {
   const at::Tensor ref = b.reference.defined() ? b.reference : reference_logps(b.rows);
-  const at::Tensor logps = summed_logps(b.rows);
+  at::Tensor fig;
+  const at::Tensor logps = summed_logps(b.rows, &fig);
   const at::Tensor lr = logps - ref, d = b.desirable;
   const double beta = p_.beta;
   const bool apo = loss_type() == recipe::PreferenceLoss::ApoZeroUnpaired;
@@ -264,6 +290,8 @@ PreferenceObjective::Result PreferenceObjective::kto_forward(const PairBatch& b,
   s[kDesirable] = d.sum();
   s[kUndesirable] = (1 - d).sum();
   s[kKl] = s[kPairs] * b.kl;
+  const at::Tensor row = at::floor_divide(b.rows.rows, b.rows.ids.size(1));  // (each target's)
+  token_stats(s, fig, d.index_select(0, row), at::ones_like(d.index_select(0, row)));
   return {per.sum() / examples, at::stack(s).to(at::kDouble)};
 }
 
@@ -357,13 +385,24 @@ nlohmann::json PreferenceObjective::figures(const double* s, const std::string& 
     out[prefix + "log_odds_ratio"] = s[kLogOddsRatio] / pairs;
     out[prefix + "log_odds_chosen"] = s[kLogOdds] / pairs;
   }
+  if (objective_ == recipe::Objective::Dpo) {  // (0 without tokens, as TRL logs them)
+    const auto mean = [](double sum, double n) { return n > 0 ? sum / n : 0.0; };
+    out[prefix + "entropy"] = mean(s[kEntropy], s[kCompletionTokens]);
+    out[prefix + "logits/chosen"] = mean(s[kLogitsChosen], s[kChosenCompletionTokens]);
+    out[prefix + "logits/rejected"] = mean(s[kLogitsRejected], s[kRejectedCompletionTokens]);
+    out[prefix + "mean_token_accuracy"] = mean(s[kTop1Chosen], s[kChosenCompletionTokens]);
+  }
   return out;
 }
 
 // As TRL's KTOTrainer logs them: each label's figures when the step has examples of it, the margin
 // when it has both.
 nlohmann::json PreferenceObjective::kto_figures(const double* s, const std::string& prefix) const {
-  nlohmann::json out = {{prefix + "kl", s[kKl] / std::max(s[kPairs], 1.0)}};
+  nlohmann::json out = {{prefix + "kl", s[kKl] / std::max(s[kPairs], 1.0)},
+                        {prefix + "entropy", s[kCompletionTokens] > 0 ? s[kEntropy] / s[kCompletionTokens] : 0.0}};
+  if (s[kChosenCompletionTokens] > 0) out[prefix + "logits/chosen"] = s[kLogitsChosen] / s[kChosenCompletionTokens];
+  if (s[kRejectedCompletionTokens] > 0)
+    out[prefix + "logits/rejected"] = s[kLogitsRejected] / s[kRejectedCompletionTokens];
   if (s[kDesirable] > 0) {
     out[prefix + "rewards/chosen"] = s[kRewardChosen] / s[kDesirable];
     out[prefix + "logps/chosen"] = s[kLogpChosen] / s[kDesirable];

@@ -67,6 +67,16 @@ enum PrefStat : int64_t {
   kDesirable,     // kto: the desirable examples (kRewardChosen, kLogpChosen theirs), the undesirable
   kUndesirable,
   kKl,  // kto: the KL estimate x the examples
+  // dpo, kto: TRL's token figures: the completion tokens' entropies, and their number; their mean
+  // logits, of the chosen (kto: desirable) completions' tokens and the rejected ones', and their
+  // numbers; the chosen completions' tokens that were the most likely
+  kEntropy,
+  kCompletionTokens,
+  kLogitsChosen,
+  kChosenCompletionTokens,
+  kLogitsRejected,
+  kRejectedCompletionTokens,
+  kTop1Chosen,
   kPrefStats
 };
 
@@ -118,8 +128,9 @@ class PreferenceObjective {
   // tokens' mean NLL.
   double loss_of(const double* stats) const;
   // TRL's figures of summed stats: rewards/chosen, rewards/rejected, rewards/accuracies,
-  // rewards/margins, logps/chosen, logps/rejected (and nll_loss when it is in the loss), each name
-  // after `prefix`. kto: rewards/* and logps/* of the examples of each label present, kl.
+  // rewards/margins, logps/chosen, logps/rejected (and nll_loss when it is in the loss; dpo: entropy,
+  // logits/chosen, logits/rejected, mean_token_accuracy), each name after `prefix`. kto: rewards/*,
+  // logps/* and logits/* of the examples of each label present, kl, entropy.
   nlohmann::json figures(const double* stats, const std::string& prefix = "") const;
 
  private:
@@ -130,9 +141,9 @@ class PreferenceObjective {
   recipe::PreferenceLoss loss_type() const;  // simpo's is the simpo loss
   bool mean_logps() const;  // a completion's log-prob is the mean over its tokens (orpo; cpo's ipo, simpo)
   std::optional<double> nll_weight() const;  // of the chosen completions' NLL in the loss (none: not added)
-  at::Tensor token_losses(const data::Batch& rows) const;
+  at::Tensor token_losses(const data::Batch& rows, at::Tensor* figures = nullptr) const;
   // [R] each row's summed log-prob of its targets
-  at::Tensor summed_logps(const data::Batch& rows) const;
+  at::Tensor summed_logps(const data::Batch& rows, at::Tensor* figures = nullptr) const;
 
   const recipe::PreferenceSection& p_;
   const int64_t max_length_;

@@ -42,6 +42,24 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # noqa: E402
 
 FIGURES = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected"]
+# What DPOTrainer and KTOTrainer log of the completion tokens' next-token distributions. (CPO's and ORPO's
+# logits/* are means over their whole padded batch, prompts and padding included: not compared, not logged.)
+TOKEN_FIGURES = ["entropy", "logits/chosen", "logits/rejected"]
+
+
+def figure_floor(k, logps, beta, vocab):
+    """The scale below which a figure's difference is taken as absolute: a reward's, beta times the largest
+    log-probability (a difference of two float32 sums); a mean logit's, 1 (a mean of terms of either sign);
+    the entropy's, its largest possible value ln(vocab) (after the first step it moves with the adapter's
+    rounding differences, over the whole distribution); ORPO's log odds and KTO's KL, the largest
+    log-probability."""
+    if k.startswith("rewards/"):
+        return beta * logps
+    if k.startswith("logits/"):
+        return 1.0
+    if k == "entropy":
+        return math.log(vocab)
+    return logps if k in ("log_odds_chosen", "kl") else 0.0
 
 
 class InOrderMixin:
@@ -165,12 +183,12 @@ def check(model_dir, init_dir, data, ours, loss_type, beta, rpo, steps, batch, l
     # its own.
     series = {"loss": (list(zip([r["loss"] for r in got], InOrderMixin.losses)))}
     extra = (["nll_loss", "log_odds_ratio", "log_odds_chosen"] if loss_type == "orpo"
-             else ["nll_loss"] if loss_type.startswith("cpo-") and rpo != "none" else [])
+             else ["nll_loss"] if loss_type.startswith("cpo-") and rpo != "none"
+             else [] if loss_type.startswith("cpo-") else TOKEN_FIGURES + ["mean_token_accuracy"])
     for k in FIGURES + extra:
         series[k] = [(mine[k], theirs[k]) for mine, theirs in zip(got, logged.rows)]
     logps = max(abs(r["logps/chosen"]) for r in logged.rows)
-    worst, where = worst_figure(series, lambda k: (1.0 if k == "log_odds_chosen" else beta) * logps
-                            if k.startswith("rewards/") or k == "log_odds_chosen" else 0.0)
+    worst, where = worst_figure(series, lambda k: figure_floor(k, logps, beta, model.config.vocab_size))
     same_keys, worst_w, moved = adapter_against(model, ours, init_dir)
     ok = (len(got) == steps and len(logged.rows) == steps and len(InOrderMixin.losses) == steps and same_keys
           and worst < loss_tol and worst_w < weight_tol and moved > 1e-4)

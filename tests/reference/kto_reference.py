@@ -19,14 +19,15 @@ import os
 import sys
 import tempfile
 
-from dpo_reference import InOrderMixin, Logged, adapter_against, policy, worst_figure  # (imports oracle first)
+from dpo_reference import (TOKEN_FIGURES, InOrderMixin, Logged, adapter_against, figure_floor, policy,  # (oracle first)
+                           worst_figure)
 import oracle  # noqa: E402
 import pyarrow as pa  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from datasets.table import InMemoryTable  # noqa: E402
 from trl import KTOConfig, KTOTrainer  # noqa: E402
 
-FIGURES = ["kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"]
+FIGURES = ["kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"] + TOKEN_FIGURES
 
 
 class InOrderKto(InOrderMixin, KTOTrainer):
@@ -73,8 +74,7 @@ def check(model_dir, init_dir, data, ours, loss_type, beta, dw, uw, steps, batch
             elif k in mine:
                 series.setdefault(k, []).append((mine[k], theirs[k]))
     logps = max([0.0] + [abs(r[f]) for r in logged.rows for f in ("logps/chosen", "logps/rejected") if f in r])
-    worst, where = worst_figure(series, lambda k: (beta if k.startswith("rewards/") else 1.0) * logps
-                                if k.startswith("rewards/") or k == "kl" else 0.0)
+    worst, where = worst_figure(series, lambda k: figure_floor(k, logps, beta, model.config.vocab_size))
     same_keys, worst_w, moved = adapter_against(model, ours, init_dir)
     ok = (len(got) == steps and len(logged.rows) == steps and len(InOrderMixin.losses) == steps and not missing
           and same_keys and worst < loss_tol and worst_w < weight_tol and moved > 1e-4)
