@@ -586,8 +586,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "adapters: DPO, ORPO, SimPO and KTO jobs on 2 ranks (dropout, their own lr, an eval split, best/) give each "
-    "adapter its own run's, with its figures per adapter",
+    "adapters: DPO, ORPO, SimPO and KTO jobs on 2 ranks (dropout, their own lr, an eval split, best/, DPO's and KTO's "
+    "reference log-probs precomputed) give each adapter its own run's, with its figures per adapter",
     "[e2e]") {
   const std::string dir = temp_dir("adapters-pairs");
   write_pairs(dir);
@@ -596,12 +596,14 @@ TEST_CASE(
   for (const std::string objective : {"dpo", "orpo", "simpo", "kto"}) {
     const bool kto = objective == "kto";  // (labelled answers: kl every step, not every label every step)
     const std::string data = kto ? dir + "/kto" : dir;
+    const bool reference = kto || objective == "dpo";
     std::string recipe =
         pairs_job_recipe(dir, objective + "-job", data,
                          {.data = ", shuffle: global",
                           .train = fmt::format(", objective: {}, lr_scheduler: cosine, warmup_steps: 1", objective),
                           .checkpoint = ", keep_best: true",
-                          .extra = "eval: {fraction: 0.25, every_n_steps: 2}"});
+                          .extra = std::string(reference ? "preference: {precompute_reference: true}\n" : "") +
+                                   "eval: {fraction: 0.25, every_n_steps: 2}"});
     if (kto) REQUIRE(sh(fmt::format("sed -i 's/format: preference/format: unpaired/' {}", recipe)).status == 0);
     jsonl_job_against_own_runs(recipe, data, fmt::format("{}/{}-job", dir, objective),
                                fmt::format("{}/{}-own", dir, objective), tenants, objective + " job on 2 ranks");

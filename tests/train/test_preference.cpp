@@ -337,10 +337,13 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("dpo composes: activation checkpointing and dist.shard_base on 2 ranks give the same run, QLoRA trains",
-          "[e2e][preference]") {
+TEST_CASE(
+    "dpo composes: activation checkpointing and dist.shard_base on 2 ranks give the same run, QLoRA trains (kto "
+    "too)",
+    "[e2e][preference]") {
   const std::string dir = temp_dir("dpo-compose");
   write_pairs(dir + "/pairs.jsonl", 16);
+  write_unpaired(dir + "/answers.jsonl", 16, [](int i) { return i % 2 == 0; });
   REQUIRE(sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {}/llama {}/trained 4 8 7", LORARUN_PYTHON,
                          LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir))
               .status == 0);
@@ -358,6 +361,11 @@ TEST_CASE("dpo composes: activation checkpointing and dist.shard_base on 2 ranks
   const std::vector<nlohmann::json> recompute = run("recompute", 1, "train.activation_checkpointing=true");
   const std::vector<nlohmann::json> sharded = run("sharded", 2, "dist.shard_base=true data.batch_size=1");
   const std::vector<nlohmann::json> qlora = run("qlora", 1, "lora.quantize_base=true");
+  const std::vector<nlohmann::json> kto_qlora =
+      run("kto-qlora", 1,
+          fmt::format("lora.quantize_base=true train.objective=kto data.format=unpaired preference.rpo_alpha=null "
+                      "data.path={}/answers.jsonl",
+                      dir));
   REQUIRE(plain.size() == 8);
   REQUIRE(sharded.size() == 8);
   for (size_t i = 0; i < plain.size(); ++i) {
@@ -372,6 +380,9 @@ TEST_CASE("dpo composes: activation checkpointing and dist.shard_base on 2 ranks
   REQUIRE(qlora.size() == 8);
   CHECK(qlora.back().at("loss").get<double>() != plain.back().at("loss").get<double>());  // (an NF4 base)
   CHECK(std::isfinite(qlora.back().at("rewards/margins").get<double>()));
+  REQUIRE(kto_qlora.size() == 8);
+  CHECK(std::isfinite(kto_qlora.back().at("kl").get<double>()));
+  CHECK(kto_qlora.back().at("loss").get<double>() != kto_qlora.front().at("loss").get<double>());
 }
 
 TEST_CASE(
