@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iterator>
+#include <vector>
 
 #include "data/collate.hpp"
 #include "data/mongo.hpp"
@@ -62,6 +64,25 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
   const bool join = m.passes_joined();
   const int64_t stride = per_batch * world;
   const int64_t passes = join || stop ? (n + stride - 1) / stride : 0;
+  // This rank's documents (positions rank, rank + world, …) fetched ahead, kFetchAhead a round trip
+  // rather than one batch's: a fetch by _id on FerretDB's SQLite backend scans the whole collection.
+  constexpr size_t kFetchAhead = 256;
+  std::vector<data::Found> ahead;
+  size_t used = 0;
+  int64_t unfetched = rank;
+  const auto take = [&](size_t count) {
+    if (ahead.size() - used < count) {
+      ahead.erase(ahead.begin(), ahead.begin() + static_cast<std::ptrdiff_t>(used));
+      used = 0;
+      std::vector<int64_t> positions;
+      for (; unfetched < n && positions.size() < std::max(kFetchAhead, count); unfetched += world)
+        positions.push_back(unfetched);
+      for (data::Found& f : docs.fetch_found(positions, fields)) ahead.push_back(std::move(f));
+    }
+    used += count;
+    return std::vector<data::Found>(std::make_move_iterator(ahead.begin() + static_cast<std::ptrdiff_t>(used - count)),
+                                    std::make_move_iterator(ahead.begin() + static_cast<std::ptrdiff_t>(used)));
+  };
   for (int64_t first = rank, pass = 0; first < n || pass < passes; first += stride, ++pass) {
     if (stop && stop()) {
       sums.stopped = true;
@@ -74,12 +95,11 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
         m.skip_pass(false, r.data.packing);
       continue;
     }
-    std::vector<int64_t> positions;
-    for (int64_t p = first; p < n && static_cast<int64_t>(positions.size()) < per_batch; p += world)
-      positions.push_back(p);
+    size_t count = 0;  // the batch's documents: positions first, first + world, …
+    for (int64_t p = first; p < n && static_cast<int64_t>(count) < per_batch; p += world) ++count;
     std::vector<data::Example> batch;
     std::string id;
-    for (const data::Found& f : docs.fetch_found(positions, fields)) {
+    for (const data::Found& f : take(count)) {
       data::Built built = data::build_found(builder, f);
       if (auto* ex = std::get_if<data::Example>(&built)) {
         batch.push_back(std::move(*ex));
