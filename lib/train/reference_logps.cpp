@@ -115,7 +115,8 @@ std::string ReferenceLogps::load(const std::string& dir, const nlohmann::json& d
       entries_[{static_cast<uint64_t>(k[2 * i]), static_cast<uint64_t>(k[2 * i + 1])}] = {e[0],
                                                                                           width_ == 2 ? e[1] : 0.0};
     }
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // (a damaged file is recomputed, whatever it holds)
+    entries_.clear();
     return e.what();
   }
   return "";

@@ -15,6 +15,7 @@
 #include "model/lora.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::train {
 namespace {
@@ -112,15 +113,20 @@ void check_counters(const fs::path& dir, const Progress& p, const RunShape& shap
 }  // namespace
 
 // How `now` differs from `saved` (two data::Documents::identity()), in words; "" when it does not
-// or cannot be told (a state from before identities were saved).
+// or cannot be told (a state from before identities were saved). `saved` is read from a file: a count
+// of another type is not one, a digest is escaped before it is printed.
 std::string data_change(const nlohmann::json& saved, const nlohmann::json& now) {
   if (!saved.is_object() || !now.is_object()) return "";
-  const int64_t was = saved.value("documents", int64_t{-1}), is = now.value("documents", int64_t{-1});
+  const auto documents = [](const nlohmann::json& id) {
+    const auto it = id.find("documents");
+    return it != id.end() && it->is_number_integer() ? it->get<int64_t>() : int64_t{-1};
+  };
+  const int64_t was = documents(saved), is = documents(now);
   if (was != is) return fmt::format("the selection held {} documents, and now {}", was, is);
   const nlohmann::json a = saved.value("digest", nlohmann::json()), b = now.value("digest", nlohmann::json());
   if (a.is_string() && b.is_string() && a != b)
     return fmt::format("the selection held {} documents then as now, but other ones (digest {} then, {} now)", is,
-                       a.get<std::string>(), b.get<std::string>());
+                       printable(a.get<std::string>()), printable(b.get<std::string>()));
   // (compared as JSON: an "order" of another type in a hand-edited state is "not keyed", not a throw)
   const auto keyed = [](const nlohmann::json& id) { return id.contains("order") && id["order"] == "keyed"; };
   if (keyed(now) && !keyed(saved))
