@@ -1,8 +1,11 @@
-// lora-generate: look at what an adapter learned — continue a prompt, greedy or top-p.
+// lora-generate: look at what an adapter learned — continue a prompt, greedy or sampled (top-k, top-p).
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "app_main.hpp"
 #include "io/files.hpp"
@@ -14,63 +17,115 @@
 #include "model_args.hpp"
 #include "tokenizer/tokenizer.hpp"
 #include "util/log.hpp"
+#include "util/untrusted.hpp"
 
 namespace {
 
 using namespace lorarun;
 
+// The prompts of a --prompts file: one JSON string a line (blank lines skipped).
+std::vector<std::string> read_prompts(const std::string& path) {
+  std::vector<std::string> prompts;
+  std::istringstream lines(io::read_file(path));
+  std::string line;
+  for (int n = 1; std::getline(lines, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_string())
+      throw Error(fmt::format("--prompts {} line {}: not a JSON string; write one prompt a line, e.g. \"Hello\"",
+                              printable(path), n));
+    prompts.push_back(j.get<std::string>());
+  }
+  if (prompts.empty()) throw Error(fmt::format("--prompts {}: no prompts in it", printable(path)));
+  return prompts;
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"lora-generate: continue a prompt with a base model and optionally a LoRA adapter"};
   std::string prompt;
   model::GenerateOptions opt;
-  bool ids_only = false, no_echo = false;
+  bool ids_only = false, no_echo = false, stats = false;
   ModelArgs model_args;
   model_args.add_to(app);
-  std::string prompt_file;
+  std::string prompt_file, prompts_file;
   CLI::Option* text = app.add_option("--prompt", prompt, "text to continue");
-  app.add_option("--prompt-file", prompt_file, "read the text to continue from this file (kept byte for byte)")
-      ->excludes(text);
+  CLI::Option* file =
+      app.add_option("--prompt-file", prompt_file, "read the text to continue from this file (kept byte for byte)")
+          ->excludes(text);
+  app.add_option("--prompts", prompts_file,
+                 "a file of prompts, one JSON string a line, continued together in one batch: prints one JSON line "
+                 "a prompt (its completion, or with --ids its ids)")
+      ->excludes(text)
+      ->excludes(file);
   app.add_option("--max-new-tokens", opt.max_new_tokens, "most tokens to generate")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--temperature", opt.temperature, "0 (default): greedy; > 0: sample")->check(CLI::NonNegativeNumber);
-  app.add_option("--top-p", opt.top_p, "nucleus sampling mass")->check(CLI::Range(0.0, 1.0));
-  app.add_option("--seed", opt.seed, "sampling seed");
+  model::Sampling& s = opt.sampling;
+  uint64_t seed = 0;
+  app.add_option("--temperature", s.temperature, "0 (default): greedy; > 0: sample")->check(CLI::NonNegativeNumber);
+  app.add_option("--top-k", s.top_k, "sample from the k most likely tokens only (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--top-p", s.top_p, "nucleus sampling mass")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--seed", seed, "sampling seed (prompt i of --prompts draws from its own stream of it)");
   app.add_flag("--ids", ids_only, "print the generated token ids as a JSON array instead of text");
   app.add_flag("--no-echo", no_echo, "print only the generated text, not the prompt before it");
+  app.add_flag("--stats", stats, "say on stderr how many tokens were generated, in how long");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   model_args.pull_adapter();
-  if (!prompt_file.empty()) {
-    prompt = io::read_file(prompt_file);
-  } else if (!app.count("--prompt")) {
-    throw Error("give the text to continue: --prompt TEXT or --prompt-file FILE");
+  std::vector<std::string> prompts;
+  if (!prompts_file.empty()) {
+    prompts = read_prompts(prompts_file);
+  } else if (!prompt_file.empty()) {
+    prompts = {io::read_file(prompt_file)};
+  } else if (app.count("--prompt")) {
+    prompts = {prompt};
+  } else {
+    throw Error("give the text to continue: --prompt TEXT, --prompt-file FILE or --prompts FILE");
   }
   const model::CausalLM m = model_args.load();
   const tok::Tokenizer tokenizer = model::load_tokenizer(m.dir());
   m.check_tokenizer(tokenizer);
-  const std::vector<int32_t> p32 = tokenizer.encode(prompt);
+  std::vector<std::vector<int64_t>> ids;
+  std::vector<uint64_t> seeds;
+  int64_t longest = 0;
+  for (const std::string& p : prompts) {
+    const std::vector<int32_t> p32 = tokenizer.encode(p);
+    if (p32.empty()) throw Error(fmt::format("prompt {} has no tokens: give it some text", ids.size() + 1));
+    ids.emplace_back(p32.begin(), p32.end());
+    seeds.push_back(model::completion_seed(seed, 0, seeds.size(), 0));
+    longest = std::max(longest, static_cast<int64_t>(p32.size()));
+  }
   // A model with learned positions (opt, gpt2) stops where its table ends: say so before, keep
   // what fits.
-  const auto prompt_tokens = static_cast<int64_t>(p32.size());
-  m.check_length(prompt_tokens + 1, fmt::format("the prompt ({} tokens) and one new token", prompt_tokens));
-  if (const auto limit = m.position_limit(); limit && prompt_tokens + opt.max_new_tokens > *limit) {
+  m.check_length(longest + 1, fmt::format("the prompt ({} tokens) and one new token", longest));
+  if (const auto limit = m.position_limit(); limit && longest + opt.max_new_tokens > *limit) {
     warn(
         fmt::format("--max-new-tokens {} with a prompt of {} tokens passes the {} positions of {}: generating at "
                     "most {}",
-                    opt.max_new_tokens, prompt_tokens, *limit, m.dir(), *limit - prompt_tokens));
-    opt.max_new_tokens = *limit - prompt_tokens;
+                    opt.max_new_tokens, longest, *limit, m.dir(), *limit - longest));
+    opt.max_new_tokens = *limit - longest;
   }
   opt.eos_id = model::default_eos_id(m);
   if (!opt.eos_id && tokenizer.eos_id()) opt.eos_id = *tokenizer.eos_id();
-  const std::vector<int64_t> out = model::generate(m, std::vector<int64_t>(p32.begin(), p32.end()), opt);
-  if (ids_only) {
-    fmt::print("[{}]\n", fmt::join(out, ","));
-  } else {
-    const std::vector<int32_t> o32(out.begin(), out.end());
-    fmt::print("{}{}\n", no_echo ? "" : prompt, tokenizer.decode(o32, true));
+  const auto start = std::chrono::steady_clock::now();
+  const auto out = model::generate(m, ids, seeds, opt);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  size_t tokens = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    tokens += out[i].size();
+    const std::string completion = tokenizer.decode(std::vector<int32_t>(out[i].begin(), out[i].end()), true);
+    if (ids_only)
+      fmt::print("[{}]\n", fmt::join(out[i], ","));
+    else if (!prompts_file.empty())
+      fmt::print("{}\n", nlohmann::json(completion).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    else
+      fmt::print("{}{}\n", no_echo ? "" : prompts[i], completion);
   }
+  if (stats)
+    fmt::print(stderr, "lora-generate: {} prompts, {} new tokens in {:.3f} s ({:.1f} tokens/s)\n", out.size(), tokens,
+               seconds, static_cast<double>(tokens) / seconds);
   return 0;
 }
 

@@ -6,17 +6,13 @@
 #include <utility>
 
 #include "util/error.hpp"
+#include "util/mix.hpp"
 
 namespace lorarun::data {
 namespace {
 
-constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
-
-uint64_t finalise(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
+constexpr uint64_t kGolden = kGolden64;
+constexpr uint64_t finalise(uint64_t z) { return mix64(z); }
 
 uint64_t epoch_key(uint64_t seed, int64_t epoch) {
   return seed * 0x100000001b3ULL ^ static_cast<uint64_t>(epoch) * kGolden;

@@ -1,30 +1,122 @@
 #include "model/generate.hpp"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
+#include <fmt/format.h>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "io/files.hpp"
 #include "model/transformer.hpp"
 #include "util/error.hpp"
+#include "util/mix.hpp"
 
 namespace lorarun::model {
+
+at::Tensor sampling_probs(const at::Tensor& logits, const Sampling& s) {
+  if (s.greedy()) throw Error("sampling_probs: greedy decoding draws nothing (temperature 0)");
+  constexpr double kFiltered = -std::numeric_limits<double>::infinity();
+  at::Tensor scores = logits.to(at::kFloat);
+  if (s.temperature != 1.0) scores = scores / s.temperature;
+  if (s.top_k > 0 && s.top_k < scores.size(-1)) {  // ties with the k-th are kept
+    const at::Tensor kth = std::get<0>(at::topk(scores, s.top_k)).narrow(-1, s.top_k - 1, 1);
+    scores = scores.masked_fill(scores < kth, kFiltered);
+  }
+  if (s.top_p < 1.0) {  // drops the least likely tokens whose mass stays within 1 - top_p; keeps the most likely
+    const auto [sorted, order] = at::sort(scores, -1, /*descending=*/false);
+    at::Tensor drop = at::softmax(sorted, -1).cumsum(-1) <= (1.0 - s.top_p);
+    drop.narrow(-1, drop.size(-1) - 1, 1).fill_(false);
+    scores = scores.masked_fill(drop.scatter(-1, order, drop), kFiltered);
+  }
+  return at::softmax(scores, -1);
+}
+
+uint64_t completion_seed(uint64_t seed, uint64_t step, uint64_t prompt, uint64_t generation) {
+  uint64_t h = mix64(seed + kGolden64);
+  for (const uint64_t part : {step, prompt, generation}) h = mix64(h ^ mix64(part + kGolden64));
+  return h;
+}
+
+double completion_uniform(uint64_t seed, uint64_t token) {
+  return static_cast<double>(mix64(seed ^ mix64(token * kGolden64 + 1)) >> 11) * 0x1.0p-53;
+}
+
+at::Tensor draw(const at::Tensor& probs, const at::Tensor& u) {
+  const at::Tensor cdf = probs.to(at::kDouble).cumsum(-1);
+  const at::Tensor target = (u.to(cdf.device(), at::kDouble) * cdf.select(-1, -1)).unsqueeze(-1);
+  return at::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true).squeeze(-1).clamp_max(cdf.size(-1) - 1);
+}
+
 namespace {
 
-// Samples from softmax(logits / temperature) restricted to the smallest set of tokens whose
-// probability reaches top_p (HF's TopPLogitsWarper keeps at least one token).
-int64_t sample_top_p(const at::Tensor& logits, double temperature, double top_p, at::Generator& gen) {
-  const at::Tensor probs = at::softmax(logits.to(at::kFloat) / temperature, -1);
-  const auto [sorted, order] = probs.sort(-1, /*descending=*/true);
-  const at::Tensor before = sorted.cumsum(-1) - sorted;  // mass of strictly more likely tokens
-  const at::Tensor kept = sorted.masked_fill(before >= top_p, 0);
-  const int64_t pick = at::multinomial(kept.cpu(), 1, false, gen).item<int64_t>();
-  return order[pick].item<int64_t>();
+// prompts -> ids [B, L] left-padded with 0 and their mask (1 = token).
+std::pair<at::Tensor, at::Tensor> left_padded(const std::vector<std::vector<int64_t>>& prompts) {
+  size_t longest = 0;
+  for (const auto& p : prompts) {
+    if (p.empty()) throw Error("a prompt to continue has no tokens");
+    longest = std::max(longest, p.size());
+  }
+  const auto rows = static_cast<int64_t>(prompts.size()), length = static_cast<int64_t>(longest);
+  at::Tensor ids = at::zeros({rows, length}, at::kLong), mask = at::zeros({rows, length}, at::kLong);
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto& p = prompts[static_cast<size_t>(r)];
+    const auto n = static_cast<int64_t>(p.size());
+    ids[r].narrow(0, length - n, n).copy_(at::tensor(p, at::kLong));
+    mask[r].narrow(0, length - n, n).fill_(1);
+  }
+  return {ids, mask};
 }
 
 }  // namespace
+
+std::vector<std::vector<int64_t>> generate(const CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
+                                           const std::vector<uint64_t>& seeds, const GenerateOptions& opt) {
+  const Sampling& s = opt.sampling;
+  if (!s.greedy() && seeds.size() != prompts.size())
+    throw Error(fmt::format("generate: {} seeds for {} prompts", seeds.size(), prompts.size()));
+  std::vector<std::vector<int64_t>> out(prompts.size());
+  if (prompts.empty()) return out;
+  c10::NoGradGuard no_grad;
+  auto [ids, mask] = left_padded(prompts);
+  const at::Device device = model.device();
+  mask = mask.to(device);
+  std::vector<int64_t> live(prompts.size());  // the rows still generating, in batch order
+  for (size_t r = 0; r < live.size(); ++r) live[r] = static_cast<int64_t>(r);
+  KVCache cache;
+  for (int64_t t = 0; t < opt.max_new_tokens; ++t) {
+    const at::Tensor last = model.logits(model.hidden_states(ids, mask, &cache).select(1, -1)).to(at::kFloat);
+    at::Tensor next;
+    if (s.greedy()) {
+      next = last.argmax(-1);
+    } else {
+      std::vector<double> u;
+      for (const int64_t r : live) u.push_back(completion_uniform(seeds[static_cast<size_t>(r)], t));
+      next = draw(sampling_probs(last, s), at::tensor(u, at::kDouble));
+    }
+    next = next.cpu().contiguous();
+    std::vector<int64_t> keep;  // positions in the batch of rows that go on
+    for (size_t i = 0; i < live.size(); ++i) {
+      const int64_t id = next.data_ptr<int64_t>()[i];
+      out[static_cast<size_t>(live[i])].push_back(id);
+      if (!(opt.eos_id && id == *opt.eos_id)) keep.push_back(static_cast<int64_t>(i));
+    }
+    if (keep.empty() || t + 1 == opt.max_new_tokens) break;
+    if (keep.size() < live.size()) {  // drop the ended rows from the batch and the cache
+      const at::Tensor rows = at::tensor(keep, at::kLong).to(device);
+      for (auto* layer : {&cache.k, &cache.v})
+        for (at::Tensor& kv : *layer) kv = kv.index_select(0, rows);
+      mask = mask.index_select(0, rows);
+      next = next.index_select(0, rows.cpu());
+      std::vector<int64_t> still;
+      for (const int64_t i : keep) still.push_back(live[static_cast<size_t>(i)]);
+      live = std::move(still);
+    }
+    ids = next.unsqueeze(1);
+    mask = at::cat({mask, at::ones({mask.size(0), 1}, mask.options())}, 1);
+  }
+  return out;
+}
 
 std::optional<int64_t> default_eos_id(const CausalLM& model) {
   for (const char* file : {"generation_config.json", "config.json"}) {
@@ -38,24 +130,6 @@ std::optional<int64_t> default_eos_id(const CausalLM& model) {
     }
   }
   return model.config().eos_token_id;  // a .gguf model: from its metadata
-}
-
-std::vector<int64_t> generate(const CausalLM& model, const std::vector<int64_t>& prompt, const GenerateOptions& opt) {
-  if (prompt.empty()) throw Error("the prompt has no tokens");
-  c10::NoGradGuard no_grad;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
-  KVCache cache;
-  at::Tensor ids = at::tensor(prompt, at::kLong).unsqueeze(0);
-  std::vector<int64_t> out;
-  while (static_cast<int64_t>(out.size()) < opt.max_new_tokens) {
-    const at::Tensor last = model.logits(model.hidden_states(ids, {}, &cache).select(1, -1)).squeeze(0);
-    const int64_t next =
-        opt.temperature <= 0 ? last.argmax().item<int64_t>() : sample_top_p(last, opt.temperature, opt.top_p, gen);
-    out.push_back(next);
-    if (opt.eos_id && next == *opt.eos_id) break;
-    ids = at::full({1, 1}, next, at::kLong);
-  }
-  return out;
 }
 
 }  // namespace lorarun::model

@@ -211,14 +211,17 @@ at::Tensor rotate_half(const at::Tensor& x) {
 
 // Boolean attention mask [B, 1, Tq, Tk]: key j is visible to query i when it is a real token,
 // not in the future (past + i >= j), and within the sliding window if there is one.
-at::Tensor attention_mask(const at::Tensor& key_valid, int64_t tq, int64_t past, std::optional<int64_t> window) {
+// left_padded: a padding query sees itself, so that no row is fully masked (generation's batches).
+at::Tensor attention_mask(const at::Tensor& key_valid, int64_t tq, int64_t past, std::optional<int64_t> window,
+                          bool left_padded = false) {
   const auto dev = key_valid.device();
   const int64_t tk = key_valid.size(1);
   const at::Tensor qi = at::arange(past, past + tq, at::TensorOptions().dtype(at::kLong).device(dev)).unsqueeze(1);
   const at::Tensor kj = at::arange(tk, at::TensorOptions().dtype(at::kLong).device(dev)).unsqueeze(0);
   at::Tensor allowed = kj <= qi;
   if (window) allowed = allowed.logical_and(qi - kj < *window);
-  return allowed.unsqueeze(0).unsqueeze(0).logical_and(key_valid.to(at::kBool).unsqueeze(1).unsqueeze(1));
+  allowed = allowed.unsqueeze(0).unsqueeze(0).logical_and(key_valid.to(at::kBool).unsqueeze(1).unsqueeze(1));
+  return left_padded ? allowed.logical_or(kj == qi) : allowed;
 }
 
 // Packed rows: segments [B, T] number the documents of each row (0 = padding). A token sees the
@@ -543,9 +546,12 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
     if (any_window) masks[1] = packed_attention_mask(valid, c.sliding_window);
     positions = positions_in_document(valid);
   } else {
-    if (!all_windowed) masks[0] = attention_mask(valid, T, past, none);
-    if (any_window) masks[1] = attention_mask(valid, T, past, c.sliding_window);
-    positions = at::arange(past, past + T, long_opts).unsqueeze(0).expand({B, T});
+    // With a cache (generation) rows may be left-padded: positions count each row's real tokens.
+    const bool left = cache != nullptr;
+    if (!all_windowed) masks[0] = attention_mask(valid, T, past, none, left);
+    if (any_window) masks[1] = attention_mask(valid, T, past, c.sliding_window, left);
+    positions = left ? (at::cumsum(valid, 1) - 1).clamp_min(0).narrow(1, past, T)
+                     : at::arange(past, past + T, long_opts).unsqueeze(0).expand({B, T});
   }
 
   at::Tensor h = embedded(input_ids.to(device_));

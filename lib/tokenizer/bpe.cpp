@@ -6,6 +6,7 @@
 
 #include "tokenizer/unicode.hpp"
 #include "util/error.hpp"
+#include "util/mix.hpp"
 
 namespace lorarun::tok {
 namespace {
@@ -14,13 +15,7 @@ uint64_t pair_key(int32_t a, int32_t b) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
 }
 
-uint64_t mix(uint64_t k) {  // splitmix64 finalizer: spreads ids that differ in few bits
-  k ^= k >> 30;
-  k *= 0xbf58476d1ce4e5b9ULL;
-  k ^= k >> 27;
-  k *= 0x94d049bb133111ebULL;
-  return k ^ (k >> 31);
-}
+constexpr uint64_t mix(uint64_t k) { return mix64(k); }  // spreads ids that differ in few bits
 
 constexpr uint64_t kEmptyKey = ~uint64_t{0};
 

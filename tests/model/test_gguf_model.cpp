@@ -73,7 +73,7 @@ double max_logit_diff_to_transformers(const CausalLM& m, const std::string& file
     const std::vector<int64_t> prompt(first.data_ptr<int64_t>(), first.data_ptr<int64_t>() + 5);
     GenerateOptions greedy_12;
     greedy_12.max_new_tokens = 12;  // greedy, no eos
-    const std::vector<int64_t> ours = generate(m, prompt, greedy_12);
+    const std::vector<int64_t> ours = generate(m, {prompt}, {}, greedy_12)[0];
     *greedy = ours == ref.fields.at("greedy").get<std::vector<int64_t>>();
   }
   return (logits.index({real}) - expected.index({real})).abs().max().item<double>();

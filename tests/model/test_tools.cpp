@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 #include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -103,4 +104,33 @@ TEST_CASE("lora-generate prints text and samples reproducibly", "[e2e]") {
   CHECK(a.status == 0);
   CHECK_THAT(a.output, Catch::StartsWith("LoRA adapts"));
   CHECK(a.output == b.output);
+}
+
+TEST_CASE("lora-generate --prompts continues a file of prompts in one batch, each as it would alone", "[e2e]") {
+  const std::string base = kFixtures + "/llama", dir = temp_dir("generate-prompts");
+  const std::vector<std::string> prompts = {"The quick brown", "LoRA", "a b c d e f g"};
+  {
+    std::ofstream f(dir + "/prompts.jsonl");
+    for (const auto& p : prompts) f << nlohmann::json(p).dump() << "\n\n";  // blank lines are skipped
+  }
+  for (const char* sampling : {"", "--temperature 0.9 --top-k 20 --top-p 0.95 --seed 4"}) {
+    INFO(sampling);
+    const Result all = sh(fmt::format("{} --model {} --prompts {}/prompts.jsonl --max-new-tokens 8 --ids {}",
+                                      bin("lora-generate"), base, dir, sampling));
+    INFO(all.output);
+    REQUIRE(all.status == 0);
+    std::istringstream lines(all.output);
+    std::string line;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      REQUIRE(std::getline(lines, line));
+      if (*sampling && i > 0) continue;  // a sampled row draws from the stream of its place in the file
+      const Result one = sh(fmt::format("{} --model {} --prompt '{}' --max-new-tokens 8 --ids {}", bin("lora-generate"),
+                                        base, prompts[i], sampling));
+      CHECK(one.output.substr(0, one.output.find('\n')) == line);
+    }
+  }
+  std::ofstream(dir + "/bad.jsonl") << "\"fine\"\n{\"prompt\": \"not a string\"}\n";
+  const Result bad = sh(fmt::format("{} --model {} --prompts {}/bad.jsonl", bin("lora-generate"), base, dir));
+  CHECK(bad.status != 0);
+  CHECK_THAT(bad.output, Catch::Contains("bad.jsonl line 2: not a JSON string"));
 }
