@@ -37,6 +37,13 @@ std::string error_of(F&& f) {
 
 std::vector<std::string> sh(const std::string& script) { return {"sh", "-c", script}; }
 
+// What scoring 3 completions with `script` (as reward "rewards[1] (c)") ends in.
+std::string failure(const std::string& script, double timeout_s = 30) {
+  return error_of([&] { RewardCommand(sh(script), timeout_s, "rewards[1] (c)").score(items(3)); });
+}
+
+const std::string kStderr = " (its stderr is in this rank's log)";
+
 }  // namespace
 
 TEST_CASE("reward command: one process answers every batch, in order, from the JSON it is given") {
@@ -66,19 +73,16 @@ TEST_CASE("reward command: null or nan is an unscorable completion") {
 
 TEST_CASE("reward command: a program that hangs, dies, or answers wrong is an error naming it, never a hang") {
   const auto start = std::chrono::steady_clock::now();
-  CHECK(error_of([] { RewardCommand(sh("exec sleep 100"), 1, "rewards[1] (slow)").score(items(3)); }) ==
-        "rewards[1] (slow): reward command 'sh' did not answer within 1 s (timeout_s) after 0 of 3 answers; killed");
+  CHECK(failure("exec sleep 100", 1) ==
+        "rewards[1] (c): reward command 'sh' did not answer within 1 s (timeout_s) after 0 of 3 answers; killed");
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
-  CHECK(error_of([] { RewardCommand(sh("read x; exit 3"), 30, "rewards[1] (c)").score(items(3)); }) ==
-        "rewards[1] (c): reward command 'sh' exited with status 3 after 0 of 3 answers (its stderr is in this rank's "
-        "log)");
-  CHECK(error_of([] { RewardCommand(sh("read x; echo 1"), 30, "rewards[1] (c)").score(items(3)); }) ==
-        "rewards[1] (c): reward command 'sh' exited with status 0 after 1 of 3 answers (its stderr is in this rank's "
-        "log)");
-  CHECK(error_of([] { RewardCommand(sh("read x; kill -9 $$"), 30, "rewards[1] (c)").score(items(3)); }) ==
-        "rewards[1] (c): reward command 'sh' was killed by signal 9 after 0 of 3 answers (its stderr is in this rank's "
-        "log)");
-  CHECK(error_of([] { RewardCommand(sh("while read l; do echo abc; done"), 30, "rewards[1] (c)").score(items(3)); }) ==
+  CHECK(failure("read x; exit 3") ==
+        "rewards[1] (c): reward command 'sh' exited with status 3 after 0 of 3 answers" + kStderr);
+  CHECK(failure("read x; echo 1") ==
+        "rewards[1] (c): reward command 'sh' exited with status 0 after 1 of 3 answers" + kStderr);
+  CHECK(failure("read x; kill -9 $$") ==
+        "rewards[1] (c): reward command 'sh' was killed by signal 9 after 0 of 3 answers" + kStderr);
+  CHECK(failure("while read l; do echo abc; done") ==
         "rewards[1] (c): reward command 'sh' answered 'abc' for completion 1: not a number; print one number a line "
         "(null: unscorable)");
   CHECK(error_of([] {
