@@ -68,6 +68,7 @@ int run(int argc, char** argv) {
   app.add_flag("--ids", ids_only, "print the generated token ids as a JSON array instead of text");
   app.add_flag("--no-echo", no_echo, "print only the generated text, not the prompt before it");
   app.add_flag("--stats", stats, "say on stderr how many tokens were generated, in how long");
+  app.add_option("--device", model_args.device, "cpu, cuda or cuda:N");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

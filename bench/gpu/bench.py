@@ -20,6 +20,9 @@ usage: bench.py COMMAND [options]      (scripts/gpu-check runs these; each repor
             training stages must see: tokens per step and transformers' first-step loss
   row-nf4   --model DIR --ours F --device D [--adapter DIR]
             our NF4 logits vs transformers + bitsandbytes (nf4, double quant, bf16 compute) [+ PEFT]
+  row-generate --model DIR --prompts F --ours LOG --device D [--new N]
+            lora-generate's greedy ids and tokens/s (its --prompts --ids --stats output) vs
+            transformers' batched generate on the same prompts
   row-train --expect F --metrics F --world W [--same-as F]
             a short lora-train run's metrics vs ref-small's expectations (and, for a
             dist.shard_base run, its losses vs the same run's with the base whole)
@@ -37,6 +40,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -384,6 +388,66 @@ def cmd_row_nf4(a):
                       "quant, bf16 compute"}]})
 
 
+def cmd_row_generate(a):
+    """Greedy generation with the KV cache: our ids (lora-generate --prompts --ids --stats, its log)
+    against transformers' batched, left-padded generate on the same prompts and device (fp32), and
+    tokens/s. A row whose ids part where transformers' two best logits are within 1e-3 of the larger
+    logit's size (a near tie, which another reduction order may break the other way: random weights
+    make many) passes and is counted; any other difference fails."""
+    import torch
+    from transformers import AutoTokenizer
+    device = torch_device(a.device)
+    prompts = [json.loads(line) for line in open(a.prompts) if line.strip()]
+    log = open(a.ours).read().splitlines()
+    ours = [json.loads(line) for line in log if line.startswith("[")]
+    m = re.search(r"(\d+) new tokens in ([\d.]+) s", "\n".join(log))
+    if len(ours) != len(prompts) or not m:
+        raise SystemExit(f"{a.ours}: expected {len(prompts)} id lists and lora-generate's --stats line")
+    model = load_reference(a.model, device, "fp32")
+    tok = AutoTokenizer.from_pretrained(a.model)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.convert_ids_to_tokens(0)
+    enc = tok(prompts, return_tensors="pt", padding=True).to(device)
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    with torch.no_grad():
+        model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(**enc, max_new_tokens=a.new, do_sample=False, pad_token_id=tok.pad_token_id)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    width, same, ties, bad, theirs_tokens = enc.input_ids.size(1), 0, 0, [], 0
+    for i, row in enumerate(out[:, width:].tolist()):
+        if eos is not None and eos in row:
+            row = row[:row.index(eos) + 1]
+        theirs_tokens += len(row)
+        if row == ours[i]:
+            same += 1
+            continue
+        k = next((j for j, (x, y) in enumerate(zip(row, ours[i])) if x != y), min(len(row), len(ours[i])))
+        ids = torch.cat([enc.input_ids[i][enc.attention_mask[i].bool()], torch.tensor(row[:k], device=device)])
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0, -1].float()
+        top = logits.topk(2).values
+        ours_id = ours[i][k] if k < len(ours[i]) else None
+        gap = (top[0] - logits[ours_id]).item() if ours_id is not None else float("inf")
+        if gap <= 1e-3 * max(1.0, top[0].abs().item()):
+            ties += 1
+        else:
+            bad.append(f"row {i} parts at token {k} (logit gap {fmt_g(gap)})")
+    ours_tps = int(m.group(1)) / float(m.group(2))
+    ref_tps = theirs_tokens / seconds
+    emit({"rows": [{"stage": "generation (KV cache) vs transformers", "status": "FAIL" if bad else "PASS",
+                    "ours": f"{ours_tps:.0f} tokens/s", "ref": f"{ref_tps:.0f} tokens/s",
+                    "ratio": f"{ours_tps / ref_tps:.2f}x",
+                    "notes": "; ".join(bad) if bad else f"{len(prompts)} prompts x {a.new} new tokens, greedy, fp32, "
+                    f"one batch: {same} rows identical, {ties} parting at a near tie"}]})
+
+
 def read_examples(path):
     out = []
     for line in open(path):
@@ -678,6 +742,12 @@ def main():
     rn.add_argument("--ours", required=True)
     rn.add_argument("--adapter")
     rn.add_argument("--device", default="cuda")
+    rg = sub.add_parser("row-generate")
+    rg.add_argument("--model", required=True)
+    rg.add_argument("--prompts", required=True, help="one JSON string a line")
+    rg.add_argument("--ours", required=True, help="lora-generate --prompts --ids --stats output")
+    rg.add_argument("--new", type=int, default=32)
+    rg.add_argument("--device", default="cuda")
     rt = sub.add_parser("row-train")
     rt.add_argument("--stage", required=True)
     rt.add_argument("--expect", required=True, help="ref-small's expectations")
@@ -717,7 +787,7 @@ def main():
     rs.add_argument("--aim-mem-gib", type=float)
     rs.add_argument("--aim-vs-bf16", help="ours' bf16 LoRA metrics.jsonl: QLoRA within 10%% of its speed")
     a = p.parse_args()
-    {"model": cmd_model, "data": cmd_data, "matmul": cmd_matmul, "ref-small": cmd_ref_small,
+    {"model": cmd_model, "data": cmd_data, "matmul": cmd_matmul, "ref-small": cmd_ref_small, "row-generate": cmd_row_generate,
      "row-nf4": cmd_row_nf4, "row-train": cmd_row_train, "ref-train": cmd_ref_train,
      "row-speed": cmd_row_speed}[a.cmd](a)
 
