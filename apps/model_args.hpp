@@ -42,10 +42,13 @@ struct ModelArgs {
     source = std::make_shared<track::AdapterSource>(adapter);
     adapter = source->dir();
   }
-  model::CausalLM load() const {
-    model::CausalLM m = model::CausalLM::load(
-        base, model::parse_dtype(dtype), at::Device(device),
-        {.quantize = quantize, .double_quant = !no_double_quant, .keep_quantized = keep_quantized});
+  // `shards`: dist.shard_base's slices of this rank (none: the base whole).
+  model::CausalLM load(std::shared_ptr<model::BaseShards> shards = nullptr) const {
+    model::CausalLM m = model::CausalLM::load(base, model::parse_dtype(dtype), at::Device(device),
+                                              {.quantize = quantize,
+                                               .double_quant = !no_double_quant,
+                                               .keep_quantized = keep_quantized,
+                                               .shards = std::move(shards)});
     if (!adapter.empty()) model::load_adapter(m, adapter, m.dtype());
     return m;
   }

@@ -76,16 +76,22 @@ std::vector<std::vector<int64_t>> generate(const CausalLM& model, const std::vec
   if (!s.greedy() && seeds.size() != prompts.size())
     throw Error(fmt::format("generate: {} seeds for {} prompts", seeds.size(), prompts.size()));
   std::vector<std::vector<int64_t>> out(prompts.size());
-  if (prompts.empty()) return out;
   c10::NoGradGuard no_grad;
-  auto [ids, mask] = left_padded(prompts);
+  at::Tensor ids, mask;
+  if (!prompts.empty()) std::tie(ids, mask) = left_padded(prompts);
   const at::Device device = model.device();
-  mask = mask.to(device);
   std::vector<int64_t> live(prompts.size());  // the rows still generating, in batch order
   for (size_t r = 0; r < live.size(); ++r) live[r] = static_cast<int64_t>(r);
   KVCache cache;
-  for (int64_t t = 0; t < opt.max_new_tokens; ++t) {
-    const at::Tensor last = model.logits(model.hidden_states(ids, mask, &cache).select(1, -1)).to(at::kFloat);
+  bool mine = !prompts.empty() && opt.max_new_tokens > 0;  // this rank has rows to run
+  for (int64_t t = 0; mine || opt.any_running; ++t) {
+    if (!mine) {  // the other ranks' pass, joined with one of none; then, as they do, whether any goes on
+      model.skip_pass(false, false);
+      if (!opt.any_running(false)) break;
+      continue;
+    }
+    const at::Tensor last =
+        model.logits(model.hidden_states(ids, mask.to(device), &cache).select(1, -1)).to(at::kFloat);
     at::Tensor next;
     if (s.greedy()) {
       next = last.argmax(-1);
@@ -101,13 +107,15 @@ std::vector<std::vector<int64_t>> generate(const CausalLM& model, const std::vec
       out[static_cast<size_t>(live[i])].push_back(id);
       if (!(opt.eos_id && id == *opt.eos_id)) keep.push_back(static_cast<int64_t>(i));
     }
-    if (keep.empty() || t + 1 == opt.max_new_tokens) break;
+    mine = !keep.empty() && t + 1 < opt.max_new_tokens;
+    if (opt.any_running && !opt.any_running(mine)) break;
+    if (!mine) continue;
     if (keep.size() < live.size()) {  // drop the ended rows from the batch and the cache
-      const at::Tensor rows = at::tensor(keep, at::kLong).to(device);
+      const at::Tensor rows = at::tensor(keep, at::kLong);
       for (auto* layer : {&cache.k, &cache.v})
-        for (at::Tensor& kv : *layer) kv = kv.index_select(0, rows);
+        for (at::Tensor& kv : *layer) kv = kv.index_select(0, rows.to(kv.device()));
       mask = mask.index_select(0, rows);
-      next = next.index_select(0, rows.cpu());
+      next = next.index_select(0, rows);
       std::vector<int64_t> still;
       for (const int64_t i : keep) still.push_back(live[static_cast<size_t>(i)]);
       live = std::move(still);

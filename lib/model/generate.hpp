@@ -1,6 +1,7 @@
 // Text generation with a KV cache: a batch of prompts continued greedily or by sampling.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -25,6 +26,10 @@ struct GenerateOptions {
   int64_t max_new_tokens = 64;
   Sampling sampling;
   std::optional<int64_t> eos_id;  // a row stops after generating it
+  // Ranks whose passes are joined (dist.shard_base: each forward gathers the base with the others):
+  // given whether this rank still has rows after a pass, whether any rank has. A rank whose rows
+  // have all ended (or that had none) joins the others' passes with a pass of none until all end.
+  std::function<bool(bool)> any_running = {};
 };
 
 // The distribution a next token is drawn from: logits [B, V] -> probabilities [B, V] (float32) as
@@ -44,9 +49,10 @@ double completion_uniform(uint64_t seed, uint64_t token);
 // token whose cumulative probability passes u (inverse transform; a token of probability 0 is never drawn).
 at::Tensor draw(const at::Tensor& probs, const at::Tensor& u);
 
-// Continues each prompt (token ids, none empty); row i draws with seeds[i] (ignored when greedy).
-// Returns each row's new ids (eos included when produced). Rows run together, left-padded, with
-// the adapters attached as they are; a row that ends leaves the batch.
+// Continues each prompt (token ids, none empty; none at all on a rank with no share); row i draws
+// with seeds[i] (ignored when greedy). Returns each row's new ids (eos included when produced).
+// Rows run together, left-padded, with the adapters attached as they are; a row that ends leaves
+// the batch.
 std::vector<std::vector<int64_t>> generate(const CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
                                            const std::vector<uint64_t>& seeds, const GenerateOptions& opt);
 

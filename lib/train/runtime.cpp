@@ -88,10 +88,14 @@ at::Device rank_device(const recipe::Recipe& r, const dist::DistEnv& env) {
 }
 
 std::shared_ptr<model::BaseShards> base_shards(const recipe::Recipe& r, int rank, int world, dist::ProcessGroup* pg) {
+  return base_shards(r.dist.shard_base_prefetch, rank, world, pg);
+}
+
+std::shared_ptr<model::BaseShards> base_shards(bool prefetch, int rank, int world, dist::ProcessGroup* pg) {
   auto shards = std::make_shared<model::BaseShards>();
   shards->rank = rank;
   shards->world = world;
-  shards->prefetch = r.dist.shard_base_prefetch;
+  shards->prefetch = prefetch;
   if (pg)  // each block gathered from every rank's slices while it runs (one rank: the same path)
     shards->all_gather = [pg](at::Tensor& out, const at::Tensor& in) -> std::function<void()> {
       auto pending = std::make_shared<dist::ProcessGroup::Pending>(pg->all_gather_async(out, in));

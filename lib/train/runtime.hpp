@@ -38,6 +38,8 @@ at::Device rank_device(const recipe::Recipe& r, const dist::DistEnv& env);
 // dist.shard_base: the slices of rank `rank` of `world`, gathered over `pg` (none: shapes only,
 // for an estimate).
 std::shared_ptr<model::BaseShards> base_shards(const recipe::Recipe& r, int rank, int world, dist::ProcessGroup* pg);
+// ... with the next block gathered while one computes when `prefetch` (dist.shard_base_prefetch).
+std::shared_ptr<model::BaseShards> base_shards(bool prefetch, int rank, int world, dist::ProcessGroup* pg);
 
 // How the recipe holds the base weights (lora.quantize_base, lora.double_quant, `shards`).
 model::LoadOptions load_options(const recipe::Recipe& r, std::shared_ptr<model::BaseShards> shards,

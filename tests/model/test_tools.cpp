@@ -1,5 +1,6 @@
 // lora-eval and lora-generate against transformers + PEFT on the fixture models.
 #include <fmt/format.h>
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <fstream>
 #include <sstream>
@@ -133,4 +134,49 @@ TEST_CASE("lora-generate --prompts continues a file of prompts in one batch, eac
   const Result bad = sh(fmt::format("{} --model {} --prompts {}/bad.jsonl", bin("lora-generate"), base, dir));
   CHECK(bad.status != 0);
   CHECK_THAT(bad.output, Catch::Contains("bad.jsonl line 2: not a JSON string"));
+}
+
+// Under lorarun each rank generates its share of the prompts (prompt i is rank i % world's) and rank
+// 0 prints them all; with --shard-base every pass gathers the base from the ranks' slices, so a rank
+// whose rows have ended (or that has none) joins the others' passes until they end.
+TEST_CASE("lora-generate on 2 ranks, the base whole or sharded, prints the completions one process prints", "[e2e]") {
+  const std::string base = kFixtures + "/llama", dir = temp_dir("generate-ranks");
+  const auto write_prompts = [&](const std::string& name, const std::vector<std::string>& prompts) {
+    std::ofstream f(dir + "/" + name);
+    for (const auto& p : prompts) f << nlohmann::json(p).dump() << "\n";
+  };
+  write_prompts("five.jsonl", {"The quick brown", "LoRA", "a b c d e f g", "Hello world", "x"});
+  write_prompts("two.jsonl", {"LoRA", "Hello"});
+  // rank 0's lines, without the launcher's "[rank0]: "
+  const auto lines = [](const std::string& output) {
+    std::string out;
+    std::istringstream in(output);
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("[rank0]: ", 0) == 0) out += line.substr(9) + "\n";
+    return out;
+  };
+  const auto run = [&](int world, const std::string& args) {
+    const std::string cmd = fmt::format("{} --model {} --max-new-tokens 8 --ids {}", bin("lora-generate"), base, args);
+    const Result r =
+        world == 1
+            ? sh(cmd + " 2>/dev/null")
+            : sh(fmt::format("timeout 300 {} --nproc-per-node {} -- {} 2>/dev/null", bin("lorarun"), world, cmd));
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    return world == 1 ? r.output : lines(r.output);
+  };
+  const std::string sampled = fmt::format("--prompts {}/five.jsonl --temperature 0.9 --top-k 20 --seed 7", dir);
+  const std::string one = run(1, sampled);
+  CHECK(std::count(one.begin(), one.end(), '\n') == 5);
+  CHECK(run(2, sampled) == one);
+  CHECK(run(2, sampled + " --shard-base") == one);
+  CHECK(run(3, sampled + " --shard-base") == one);  // ranks of 2, 2 and 1 prompts
+  // Rank 0's one row ends at its first token (made the end-of-sequence id), rank 1's runs all 8.
+  const std::string greedy = run(1, fmt::format("--prompts {}/two.jsonl", dir));
+  const std::string eos = greedy.substr(1, greedy.find_first_of(",]") - 1);
+  const std::string ended = run(1, fmt::format("--prompts {}/two.jsonl --eos-id {}", dir, eos));
+  CHECK(ended.substr(0, ended.find('\n')) == "[" + eos + "]");
+  const std::string second = ended.substr(ended.find('\n') + 1);
+  CHECK(std::count(second.begin(), second.end(), ',') == 7);  // 8 ids: it ran on alone
+  CHECK(run(2, fmt::format("--prompts {}/two.jsonl --eos-id {} --shard-base", dir, eos)) == ended);
 }
