@@ -48,6 +48,25 @@ at::Tensor draw(const at::Tensor& probs, const at::Tensor& u) {
   return at::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true).squeeze(-1).clamp_max(cdf.size(-1) - 1);
 }
 
+at::Tensor KVCache::append(size_t layer, int which, const at::Tensor& kv) {
+  std::vector<at::Tensor>& all = which == 0 ? k : v;
+  if (all.size() <= layer) all.resize(layer + 1);
+  at::Tensor& buffer = all[layer];
+  const int64_t need = filled + kv.size(2);
+  if (!buffer.defined() || buffer.size(2) < need) {  // grown to the next multiple of 256 positions
+    at::Tensor grown = at::empty({kv.size(0), kv.size(1), (need + 255) / 256 * 256, kv.size(3)}, kv.options());
+    if (filled > 0) grown.narrow(2, 0, filled).copy_(buffer.narrow(2, 0, filled));
+    buffer = grown;
+  }
+  buffer.narrow(2, filled, kv.size(2)).copy_(kv);
+  return buffer.narrow(2, 0, need);
+}
+
+void KVCache::keep_rows(const at::Tensor& rows) {
+  for (auto* layers : {&k, &v})
+    for (at::Tensor& kv : *layers) kv = kv.narrow(2, 0, filled).index_select(0, rows.to(kv.device()));
+}
+
 namespace {
 
 // prompts -> ids [B, L] left-padded with 0 and their mask (1 = token).
@@ -112,8 +131,7 @@ std::vector<std::vector<int64_t>> generate(const CausalLM& model, const std::vec
     if (!mine) continue;
     if (keep.size() < live.size()) {  // drop the ended rows from the batch and the cache
       const at::Tensor rows = at::tensor(keep, at::kLong);
-      for (auto* layer : {&cache.k, &cache.v})
-        for (at::Tensor& kv : *layer) kv = kv.index_select(0, rows.to(kv.device()));
+      cache.keep_rows(rows);
       mask = mask.index_select(0, rows);
       next = next.index_select(0, rows);
       std::vector<int64_t> still;

@@ -480,16 +480,8 @@ at::Tensor CausalLM::attention(const Block& b, const at::Tensor& x, const at::Te
     k = k.transpose(1, 2);
   }
   if (cache) {
-    if (cache->k.size() <= layer) {
-      cache->k.resize(layer + 1);
-      cache->v.resize(layer + 1);
-    }
-    if (cache->k[layer].defined()) {
-      k = at::cat({cache->k[layer], k}, 2);
-      v = at::cat({cache->v[layer], v}, 2);
-    }
-    cache->k[layer] = k;
-    cache->v[layer] = v;
+    k = cache->append(layer, 0, k);
+    v = cache->append(layer, 1, v);
   }
   const double scale = 1.0 / std::sqrt(c.query_pre_attn_scalar.value_or(static_cast<double>(hd)));
   // q [b, nh, t, hd], k and v [b, nkv, t', hd], mask [b, 1, t, t'] -> [b, nh, t, hd]
@@ -601,6 +593,7 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
   }
   if (final_norm_.weight.defined()) h = norm(final_norm_, h);
   if (project_out_.defined()) h = project_out_.forward(h, training, routes_.get());
+  if (cache) cache->filled += T;
   return h;
 }
 

@@ -98,10 +98,18 @@ struct TrainedTables {
   bool off = false;          // skipped: the frozen tables alone (a preference loss's reference)
 };
 
-// Keys and values of past positions, for generation.
+// Keys and values of past positions, for generation: per layer [B, kv_heads, capacity, head_dim]
+// buffers, the first length() positions filled. They grow 256 positions at a time, so a step
+// writes its new positions in place rather than copying all the past ones (generate.cpp).
 struct KVCache {
-  std::vector<at::Tensor> k, v;  // per layer [B, kv_heads, past, head_dim]
-  int64_t length() const { return k.empty() || !k[0].defined() ? 0 : k[0].size(2); }
+  std::vector<at::Tensor> k, v;
+  int64_t filled = 0;  // positions of every layer written by the passes done
+  int64_t length() const { return filled; }
+  // Writes `kv` [B, kv_heads, T, head_dim] at positions [filled, filled + T) of layer `layer`'s
+  // keys (which 0) or values (1) and returns the layer's positions so far.
+  at::Tensor append(size_t layer, int which, const at::Tensor& kv);
+  // Keeps the batch rows `rows` (int64, on the CPU) only: their filled positions.
+  void keep_rows(const at::Tensor& rows);
 };
 
 // How the base weights are held.
