@@ -270,8 +270,12 @@ TEST_CASE(
         const double scale = reward ? 0.2 * largest(first, {"logps/chosen"}) : largest(first, {key});
         CHECK(worst_diff(rows, first, key) <= 1e-6 * scale);
       }
-      CHECK(adapter_diff(fmt::format("{}/{}w1b4a1/epoch_1/adapter_model.safetensors", dir, prefix),
-                         dir + "/" + name + "/epoch_1/adapter_model.safetensors") < 1e-6);
+      // The adapter within 1e-4 of its largest weight: AdamW at lr 5e-3 turns the rounding of other
+      // sums (2 ranks, other batch shapes, the CPU's kernels) into steps of up to the lr on weights
+      // whose gradients are near 0. Measured on an AVX-512/AMX Xeon: DPO 1.5e-6, CPO 1.6e-5 (2 ranks);
+      // a wrong gradient moves it by ~1. The figures above hold the maths to 1e-6.
+      CHECK(adapter_relative_diff(fmt::format("{}/{}w1b4a1/epoch_1/adapter_model.safetensors", dir, prefix),
+                                  dir + "/" + name + "/epoch_1/adapter_model.safetensors") < 1e-4);
     }
   }
   // Killed (-9) mid-epoch after a state, then the same command: the uninterrupted run's adapter.
