@@ -25,6 +25,7 @@ namespace lorarun::train {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr size_t kLongestAnswer = 1 << 20;  // bytes of one answer line: a number, with room to spare
 
 std::string trim(std::string s) {
   const auto space = [](char c) { return c == ' ' || c == '\t' || c == '\r'; };
@@ -154,6 +155,8 @@ std::vector<double> RewardCommand::score(const std::vector<nlohmann::json>& item
       const ssize_t n = read(fd_, chunk, sizeof chunk);
       if (n > 0) {
         buffer_.append(chunk, static_cast<size_t>(n));
+        if (buffer_.size() > kLongestAnswer && buffer_.find('\n') == std::string::npos)
+          fail(fmt::format("wrote more than {} bytes without ending a line {}", kLongestAnswer, progress()));
       } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
         int status = 0;
         pid_t ended = 0;

@@ -172,18 +172,20 @@ const data::Document* Reward::field_value(const data::Document& doc) const {
 std::string Reward::check(const data::Document& doc) const {
   if (spec_.field.empty()) return "";
   const data::Document* v = field_value(doc);
-  if (!v) return fmt::format("field '{}' (reward {}) is missing", spec_.field, spec_.name);
+  const std::string field = printable(spec_.field), name = printable(spec_.name);
+  if (!v) return fmt::format("field '{}' (reward {}) is missing", field, name);
   if (!v->is_string() && !v->is_number())
-    return fmt::format("field '{}' (reward {}) is a {}, not a string or a number", spec_.field, spec_.name,
-                       v->type_name());
+    return fmt::format("field '{}' (reward {}) is a {}, not a string or a number", field, name, v->type_name());
   if (spec_.kind == "number" && !last_number(field_text(doc)))
-    return fmt::format("field '{}' (reward {}) holds no number", spec_.field, spec_.name);
+    return fmt::format("field '{}' (reward {}) holds no number", field, name);
   return "";
 }
 
 std::string Reward::field_text(const data::Document& doc) const {
   const data::Document* v = field_value(doc);
-  if (!v) throw Error(fmt::format("reward {}: the document has no field '{}'", spec_.name, spec_.field));
+  if (!v)
+    throw Error(
+        fmt::format("reward {}: the document has no field '{}'", printable(spec_.name), printable(spec_.field)));
   return v->is_string() ? v->get<std::string>() : v->dump();
 }
 

@@ -82,6 +82,9 @@ TEST_CASE("reward command: a program that hangs, dies, or answers wrong is an er
         "rewards[1] (c): reward command 'sh' exited with status 0 after 1 of 3 answers" + kStderr);
   CHECK(failure("read x; kill -9 $$") ==
         "rewards[1] (c): reward command 'sh' was killed by signal 9 after 0 of 3 answers" + kStderr);
+  // an answer that never ends its line is not read into memory without bound
+  CHECK(failure("read x; exec cat /dev/zero") ==
+        "rewards[1] (c): reward command 'sh' wrote more than 1048576 bytes without ending a line after 0 of 3 answers");
   CHECK(failure("while read l; do echo abc; done") ==
         "rewards[1] (c): reward command 'sh' answered 'abc' for completion 1: not a number; print one number a line "
         "(null: unscorable)");
