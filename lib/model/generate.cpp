@@ -97,8 +97,11 @@ std::vector<std::vector<int64_t>> generate(const CausalLM& model, const std::vec
   std::vector<std::vector<int64_t>> out(prompts.size());
   c10::NoGradGuard no_grad;
   at::Tensor ids, mask;
-  if (!prompts.empty()) std::tie(ids, mask) = left_padded(prompts);
   const at::Device device = model.device();
+  if (!prompts.empty()) {
+    std::tie(ids, mask) = left_padded(prompts);
+    mask = mask.to(device);
+  }
   std::vector<int64_t> live(prompts.size());  // the rows still generating, in batch order
   for (size_t r = 0; r < live.size(); ++r) live[r] = static_cast<int64_t>(r);
   KVCache cache;
@@ -109,8 +112,7 @@ std::vector<std::vector<int64_t>> generate(const CausalLM& model, const std::vec
       if (!opt.any_running(false)) break;
       continue;
     }
-    const at::Tensor last =
-        model.logits(model.hidden_states(ids, mask.to(device), &cache).select(1, -1)).to(at::kFloat);
+    const at::Tensor last = model.logits(model.hidden_states(ids, mask, &cache).select(1, -1)).to(at::kFloat);
     at::Tensor next;
     if (s.greedy()) {
       next = last.argmax(-1);
@@ -132,7 +134,7 @@ std::vector<std::vector<int64_t>> generate(const CausalLM& model, const std::vec
     if (keep.size() < live.size()) {  // drop the ended rows from the batch and the cache
       const at::Tensor rows = at::tensor(keep, at::kLong);
       cache.keep_rows(rows);
-      mask = mask.index_select(0, rows);
+      mask = mask.index_select(0, rows.to(device));
       next = next.index_select(0, rows);
       std::vector<int64_t> still;
       for (const int64_t i : keep) still.push_back(live[static_cast<size_t>(i)]);

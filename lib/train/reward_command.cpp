@@ -1,4 +1,5 @@
 #include "train/reward_command.hpp"
+#include "train/rewards.hpp"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -27,17 +28,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr size_t kLongestAnswer = 1 << 20;  // bytes of one answer line: a number, with room to spare
 
-std::string trim(std::string s) {
-  const auto space = [](char c) { return c == ' ' || c == '\t' || c == '\r'; };
-  while (!s.empty() && space(s.back())) s.pop_back();
-  size_t i = 0;
-  while (i < s.size() && space(s[i])) ++i;
-  return s.substr(i);
-}
-
 // An answer line's number; NaN for `nan` / `null` (unscorable); nullopt when it is neither.
 std::optional<double> answer(const std::string& line) {
-  const std::string t = trim(line);
+  const std::string t(strip(line));
   if (t == "nan" || t == "NaN" || t == "null" || t == "None") return std::nan("");
   if (t.empty()) return std::nullopt;
   char* end = nullptr;

@@ -74,13 +74,6 @@ struct Reward::Pattern : Compiled {
 
 namespace {
 
-std::string_view strip(std::string_view s) {
-  const auto space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
-  while (!s.empty() && space(s.front())) s.remove_prefix(1);
-  while (!s.empty() && space(s.back())) s.remove_suffix(1);
-  return s;
-}
-
 std::string lower(std::string_view s) {
   std::string out(s);
   std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return std::tolower(c); });
@@ -106,6 +99,13 @@ std::string_view fenced_or_whole(std::string_view text) {
 const char* const kKinds[] = {"exact", "number", "regex", "contains", "json", "format", "length"};
 
 }  // namespace
+
+std::string_view strip(std::string_view s) {
+  const auto space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
+  while (!s.empty() && space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && space(s.back())) s.remove_suffix(1);
+  return s;
+}
 
 std::optional<double> last_number(std::string_view text) {
   static const Compiled number(R"([-+]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)", 0,

@@ -61,6 +61,9 @@ class Reward {
   std::string field_text(const data::Document& doc) const;             // a string, or a number's JSON
 };
 
+// `s` without leading and trailing whitespace.
+std::string_view strip(std::string_view s);
+
 // The last number written in `text` ("-3", "1,234.5", "2e3"), if any.
 std::optional<double> last_number(std::string_view text);
 
