@@ -119,7 +119,8 @@ std::string invalid_utf8_reason(std::string_view field) { return fmt::format("fi
 ExampleBuilder::ExampleBuilder(const recipe::DataSection& cfg, const tok::Tokenizer& tokenizer,
                                std::optional<int32_t> eos, PairTokens tokens, const std::atomic<bool>* stop)
     : cfg_(cfg), tok_(tokenizer), eos_(eos ? eos : tokenizer.eos_id()), pairs_(tokens), stop_(stop) {
-  const bool pairs = cfg.format == recipe::Format::Preference || cfg.format == recipe::Format::Unpaired;
+  const bool pairs = cfg.format == recipe::Format::Preference || cfg.format == recipe::Format::Unpaired ||
+                     cfg.format == recipe::Format::Prompt;
   if (cfg.format == recipe::Format::Instruction || (pairs && !cfg.prompt_template.empty()))
     template_ = recipe::parse_template(cfg.prompt_template);
   if ((cfg.format == recipe::Format::Chat || pairs) && cfg.chat_format == recipe::ChatFormat::Template)
@@ -163,6 +164,8 @@ std::variant<Example, Rejection> ExampleBuilder::build(const Document& doc) cons
       return preference(doc);
     case recipe::Format::Unpaired:
       return unpaired(doc);
+    case recipe::Format::Prompt:
+      return prompt(doc);
   }
   return bad("unknown format");
 }
@@ -191,6 +194,8 @@ std::vector<std::string> ExampleBuilder::fields_of(const recipe::DataSection& cf
         if (std::find(f.begin(), f.end(), *c) == f.end()) f.push_back(*c);
       return f;
     }
+    case recipe::Format::Prompt:  // the whole document: rewards may read any of its fields
+      return {};
   }
   return {};
 }
@@ -666,6 +671,25 @@ std::variant<Example, Rejection> ExampleBuilder::unpaired(const Document& doc) c
   e.labels = seq;
   std::fill(e.labels.begin(), e.labels.begin() + static_cast<std::ptrdiff_t>(prompt), kIgnoreIndex);
   e.ids = std::move(seq);
+  return e;
+}
+
+std::variant<Example, Rejection> ExampleBuilder::prompt(const Document& doc) const {
+  if (!doc.is_object()) return unreadable("the document is not an object");
+  if (check_)
+    if (std::string why = check_(doc); !why.empty()) return bad(why);
+  bool special = true;
+  auto texts = completion_texts(doc, {}, special);
+  if (auto* r = std::get_if<Rejection>(&texts)) return *r;
+  const auto& t = std::get<std::vector<std::string>>(texts);
+  if (!valid_utf8(t[0])) return unreadable("the rendered prompt is not valid UTF-8");
+  auto tokenised = tokenise(t, special);
+  if (auto* r = std::get_if<Rejection>(&tokenised)) return *r;
+  Example e;
+  e.ids = std::move(std::get<Tokenised>(tokenised).ids[0]);
+  if (e.ids.empty()) return untrainable("the prompt has no token");
+  e.labels.assign(e.ids.size(), kIgnoreIndex);
+  e.document = std::make_shared<const Document>(doc);
   return e;
 }
 

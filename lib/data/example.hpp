@@ -4,6 +4,8 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -33,6 +35,9 @@ struct Example {
   // another example's prompt).
   std::optional<bool> desirable;
   std::vector<int32_t> completion;
+  // data.format: prompt: ids are the prompt (labels all kIgnoreIndex: the objective samples the
+  // completions), and the document, which rewards check the completions against.
+  std::shared_ptr<const Document> document;
   int32_t source = 0;  // data.sources: the index of the source it came from
   bool pair() const { return !rejected_ids.empty(); }
 };
@@ -76,6 +81,9 @@ class ExampleBuilder {
                  PairTokens pairs = PairTokens::Dpo, const std::atomic<bool>* stop = nullptr);
 
   std::variant<Example, Rejection> build(const Document& doc) const;
+  // format: prompt: `check` says why a document cannot be scored by the objective's rewards (a bad
+  // document), or "".
+  void check_documents(std::function<std::string(const Document&)> check) { check_ = std::move(check); }
   // The top-level fields build() reads (template fields + response, text or messages): the
   // projection a source fetches.
   std::vector<std::string> fields() const { return fields_of(cfg_); }
@@ -99,6 +107,10 @@ class ExampleBuilder {
   // format: unpaired, as TRL 1.16's KTOTrainer tokenises an example: prompt and prompt + completion
   // as preference(), the completion starting where their ids part; data.label_field true/false or 1/0.
   std::variant<Example, Rejection> unpaired(const Document& doc) const;
+  // format: prompt, as TRL 1.16's GRPOTrainer tokenises a prompt: a string with the special tokens, a
+  // conversation rendered with the generation prompt (as preference()'s prompt); the whole document kept.
+  // A prompt of data.max_length tokens or more is rejected as overlong.
+  std::variant<Example, Rejection> prompt(const Document& doc) const;
   // `texts` (the prompt's, then prompt + each completion) tokenised whole, and where the prompt's ids
   // and every sequence's part; rejected as overlong when the prompt alone fills data.max_length or,
   // with data.overlong skip, a sequence is longer (TRL's DPOTrainer and KTOTrainer alike).
@@ -135,13 +147,14 @@ class ExampleBuilder {
   std::optional<int32_t> eos_;
   PairTokens pairs_;
   std::vector<recipe::TemplatePart> template_;
-  std::string chat_template_;                        // chat_format: template: the Jinja text
-  std::optional<chat::Template> compiled_template_;  // ... compiled once
-  std::string chat_template_source_;                 // where it came from, for messages
-  nlohmann::ordered_json chat_context_;              // bos_token, eos_token, ..., data.chat_template_kwargs
-  const std::atomic<bool>* stop_ = nullptr;          // a stop request: long renders are given up
-  bool generation_tags_ = false;                     // the template marks assistant text with {% generation %}
-  std::string eot_;                                  // the end-of-turn token's text (without generation tags)
+  std::string chat_template_;                          // chat_format: template: the Jinja text
+  std::optional<chat::Template> compiled_template_;    // ... compiled once
+  std::string chat_template_source_;                   // where it came from, for messages
+  nlohmann::ordered_json chat_context_;                // bos_token, eos_token, ..., data.chat_template_kwargs
+  const std::atomic<bool>* stop_ = nullptr;            // a stop request: long renders are given up
+  std::function<std::string(const Document&)> check_;  // format: prompt: the rewards' check
+  bool generation_tags_ = false;                       // the template marks assistant text with {% generation %}
+  std::string eot_;                                    // the end-of-turn token's text (without generation tags)
 };
 
 // True when `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past

@@ -341,9 +341,18 @@ void read(const YAML::Node& n, T& out, Field f) {
     const auto d = n.IsScalar() ? parse_float(n.Scalar()) : std::nullopt;
     if (!d) f.expected("a number", n);
     out = *d;
-  } else if constexpr (std::is_same_v<T, nlohmann::json>) {  // data.filter
+  } else if constexpr (std::is_same_v<T, nlohmann::json>) {  // data.filter, eval.filter; grpo.rewards (a list)
+    const bool list = f.key == "grpo.rewards";
     if (n.IsNull()) {
-      out = nlohmann::json::object();
+      out = list ? nlohmann::json::array() : nlohmann::json::object();
+      return;
+    }
+    if (list) {
+      if (!n.IsSequence())
+        f.expected("a list of rewards such as [{name: answer, kind: exact, field: answer}]", n, false);
+      for (const YAML::Node& item : n)
+        if (!item.IsMap()) f.expected("a list of mappings, one per reward ({name, kind, field, …})", n, false);
+      out = yaml_to_json(n, f);
       return;
     }
     if (!n.IsMap())

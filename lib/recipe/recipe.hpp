@@ -24,7 +24,7 @@ namespace lorarun::recipe {
 enum class Dtype { BF16, FP16, FP32, Auto };
 enum class Device { Auto, Cuda, Cpu };
 enum class Source { MongoDB, Jsonl };
-enum class Format { Instruction, Text, Chat, Preference, Unpaired };
+enum class Format { Instruction, Text, Chat, Preference, Unpaired, Prompt };
 enum class ChatFormat { ChatML, Llama3, Mistral, Template };
 enum class Overlong { Truncate, Skip };
 enum class BadDocuments { Skip, Fail };
@@ -33,7 +33,10 @@ enum class Scheduler { Cosine, Linear, Constant };
 enum class Resume { Auto, Never };
 enum class DistBackend { Auto, Nccl, Gloo };
 enum class Store { None, MongoDB };
-enum class Objective { Sft, Dpo, Orpo, Cpo, Simpo, Kto };
+enum class Objective { Sft, Dpo, Orpo, Cpo, Simpo, Kto, Grpo };
+enum class GrpoLoss { Dapo, Grpo, DrGrpo, Bnpo };
+enum class ImportanceLevel { Token, Sequence };
+enum class RewardScale { Group, Batch, None };
 enum class PreferenceLoss { Sigmoid, Ipo, Hinge, Simpo, Kto, ApoZeroUnpaired };
 enum class MixBy { Examples, Tokens };
 
@@ -57,11 +60,12 @@ struct EnumNames<Source> {
 };
 template <>
 struct EnumNames<Format> {
-  static constexpr std::array<std::pair<std::string_view, Format>, 5> values{{{"instruction", Format::Instruction},
+  static constexpr std::array<std::pair<std::string_view, Format>, 6> values{{{"instruction", Format::Instruction},
                                                                               {"text", Format::Text},
                                                                               {"chat", Format::Chat},
                                                                               {"preference", Format::Preference},
-                                                                              {"unpaired", Format::Unpaired}}};
+                                                                              {"unpaired", Format::Unpaired},
+                                                                              {"prompt", Format::Prompt}}};
 };
 template <>
 struct EnumNames<ChatFormat> {
@@ -108,12 +112,28 @@ struct EnumNames<Store> {
 
 template <>
 struct EnumNames<Objective> {
-  static constexpr std::array<std::pair<std::string_view, Objective>, 6> values{{{"sft", Objective::Sft},
+  static constexpr std::array<std::pair<std::string_view, Objective>, 7> values{{{"sft", Objective::Sft},
                                                                                  {"dpo", Objective::Dpo},
                                                                                  {"orpo", Objective::Orpo},
                                                                                  {"cpo", Objective::Cpo},
                                                                                  {"simpo", Objective::Simpo},
-                                                                                 {"kto", Objective::Kto}}};
+                                                                                 {"kto", Objective::Kto},
+                                                                                 {"grpo", Objective::Grpo}}};
+};
+template <>
+struct EnumNames<GrpoLoss> {
+  static constexpr std::array<std::pair<std::string_view, GrpoLoss>, 4> values{
+      {{"dapo", GrpoLoss::Dapo}, {"grpo", GrpoLoss::Grpo}, {"dr_grpo", GrpoLoss::DrGrpo}, {"bnpo", GrpoLoss::Bnpo}}};
+};
+template <>
+struct EnumNames<ImportanceLevel> {
+  static constexpr std::array<std::pair<std::string_view, ImportanceLevel>, 2> values{
+      {{"token", ImportanceLevel::Token}, {"sequence", ImportanceLevel::Sequence}}};
+};
+template <>
+struct EnumNames<RewardScale> {
+  static constexpr std::array<std::pair<std::string_view, RewardScale>, 3> values{
+      {{"group", RewardScale::Group}, {"batch", RewardScale::Batch}, {"none", RewardScale::None}}};
 };
 template <>
 struct EnumNames<PreferenceLoss> {
@@ -275,6 +295,27 @@ struct PreferenceSection {
   bool operator==(const PreferenceSection&) const = default;
 };
 
+// train.objective: grpo: TRL 1.16's GRPOTrainer (GRPOConfig's names and defaults): G completions of each
+// prompt sampled from the model being trained, scored by `rewards`, advantaged within their group.
+struct GrpoSection {
+  int num_generations = 8;  // G
+  int max_completion_length = 512;
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int top_k = 0;      // 0: off
+  double beta = 0.0;  // KL to the reference; 0: no reference pass
+  int num_iterations = 1;
+  double epsilon = 0.2;
+  std::optional<double> epsilon_high;  // null: epsilon
+  GrpoLoss loss_type = GrpoLoss::Dapo;
+  ImportanceLevel importance_sampling_level = ImportanceLevel::Token;
+  RewardScale scale_rewards = RewardScale::Group;
+  bool mask_truncated_completions = false;
+  bool log_completions = false;
+  nlohmann::json rewards = nlohmann::json::array();  // [{name, kind, weight, field, …}]
+  bool operator==(const GrpoSection&) const = default;
+};
+
 struct CheckpointSection {
   std::string output_dir;  // empty in the file: runs/<recipe file name> at load time
   EpochsToSave epochs_to_save;
@@ -362,6 +403,7 @@ struct Recipe {
   DataSection data;
   TrainSection train;
   PreferenceSection preference;
+  GrpoSection grpo;
   CheckpointSection checkpoint;
   DistSection dist;
   TrackSection track;
@@ -372,7 +414,8 @@ struct Recipe {
   // Same settings (warnings, which name where a recipe came from, are not compared).
   bool operator==(const Recipe& o) const {
     return model == o.model && lora == o.lora && data == o.data && train == o.train && preference == o.preference &&
-           checkpoint == o.checkpoint && dist == o.dist && track == o.track && eval == o.eval && adapters == o.adapters;
+           grpo == o.grpo && checkpoint == o.checkpoint && dist == o.dist && track == o.track && eval == o.eval &&
+           adapters == o.adapters;
   }
 };
 

@@ -303,7 +303,8 @@ std::string reference_tables() {
       out += fmt::format("{}### {}\n\n| Key | Type | Default | Allowed | Meaning |\n|---|---|---|---|---|\n",
                          out.empty() ? "" : "\n", section);
     }
-    out += fmt::format("| `{}` | {} | `{}` | {} | {} |\n", k.name, detail::type_text<T>(), detail::yaml_text(value),
+    out += fmt::format("| `{}` | {} | `{}` | {} | {} |\n", k.name,
+                       k.name == "grpo.rewards" ? "list of rewards" : detail::type_text<T>(), detail::yaml_text(value),
                        detail::allowed_text<T>(k), k.meaning);
   });
   return out;

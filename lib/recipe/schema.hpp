@@ -13,8 +13,8 @@
 
 namespace lorarun::recipe::detail {
 
-inline constexpr std::array<std::string_view, 10> kSections{"model",      "lora", "data",  "train", "preference",
-                                                            "checkpoint", "dist", "track", "eval",  "adapters"};
+inline constexpr std::array<std::string_view, 11> kSections{
+    "model", "lora", "data", "train", "preference", "grpo", "checkpoint", "dist", "track", "eval", "adapters"};
 
 // How far a number may go. Messages and docs/recipe.md word it the same way (bound_text):
 // whole numbers "at least 1", other numbers ">= 0", "> 0", "in [0, 1)", "in [0, 3600] seconds".
@@ -164,8 +164,8 @@ void for_each_key(R& r, V&& v) {
         .meaning = "with data.sources: documents per epoch, shared out by the weights (smaller sources repeat)"},
     r.data.epoch_documents);
   v(Key{.name = "data.format",
-        .meaning = "how a document becomes an example: a prompt template and a response field, one text field, chat "
-                   "messages, pairs, labelled answers"},
+        .meaning = "how a document becomes an example: a template and a response, a text field, chat messages, pairs, "
+                   "labelled answers, a prompt"},
     r.data.format);
   v(Key{.name = "data.prompt_template",
         .example = R"("### Instruction:\n{instruction}\n\n### Response:\n")",
@@ -184,7 +184,7 @@ void for_each_key(R& r, V&& v) {
     r.data.messages_field);
   v(Key{.name = "data.prompt_field",
         .example = "prompt",
-        .meaning = "format: preference and unpaired: the field holding the prompt, a string or a list of "
+        .meaning = "format: preference, unpaired and prompt: the field holding the prompt, a string or a list of "
                    "`{role, content}` messages"},
     r.data.prompt_field);
   v(Key{.name = "data.chosen_field",
@@ -330,8 +330,8 @@ void for_each_key(R& r, V&& v) {
         .meaning = "an evaluation improves when it lowers the best eval loss so far by more than this"},
     r.train.early_stopping_min_delta);
   v(Key{.name = "train.objective",
-        .meaning = "sft: the trained tokens' loss; dpo, orpo, cpo, simpo: over pairs (data.format: preference); kto: "
-                   "labelled answers (unpaired)"},
+        .meaning = "sft: the trained tokens' loss; dpo, orpo, cpo, simpo: pairs (format preference); kto: labelled "
+                   "answers; grpo: rewarded samples"},
     r.train.objective);
 
   v(Key{.name = "preference.beta",
@@ -376,6 +376,69 @@ void for_each_key(R& r, V&& v) {
         .meaning = "dpo, kto: compute the reference's log-probs of the data once, before training, and keep them with "
                    "the resumable state"},
     r.preference.precompute_reference);
+
+  v(Key{.name = "grpo.num_generations",
+        .bound = at_least(2),
+        .meaning = "completions sampled for each prompt (G): a group, whose rewards each completion's advantage is "
+                   "measured against"},
+    r.grpo.num_generations);
+  v(Key{.name = "grpo.max_completion_length",
+        .bound = at_least(1),
+        .meaning = "a completion stops after this many tokens (or at the model's end-of-sequence token)"},
+    r.grpo.max_completion_length);
+  v(Key{.name = "grpo.temperature",
+        .bound = above(0),
+        .meaning = "sampling temperature; the trained log-probs are the logits divided by it too"},
+    r.grpo.temperature);
+  v(Key{.name = "grpo.top_p",
+        .bound = above_at_most(0, 1),
+        .meaning = "sample from the fewest most likely tokens whose probabilities reach this; 1: every token"},
+    r.grpo.top_p);
+  v(Key{.name = "grpo.top_k",
+        .bound = at_least(0),
+        .meaning = "sample from this many most likely tokens; 0: every token"},
+    r.grpo.top_k);
+  v(Key{.name = "grpo.beta",
+        .bound = at_least(0),
+        .meaning = "weight of the KL to the reference (the adapters off, or lora.init_from); 0: no reference pass"},
+    r.grpo.beta);
+  v(Key{.name = "grpo.num_iterations",
+        .bound = at_least(1),
+        .meaning = "optimizer steps per batch of generations (μ); 1 is the only value supported so far"},
+    r.grpo.num_iterations);
+  v(Key{.name = "grpo.epsilon",
+        .bound = within(0, 1, true),
+        .meaning = "the importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]"},
+    r.grpo.epsilon);
+  v(Key{.name = "grpo.epsilon_high",
+        .bound = at_least(0),
+        .example = "0.28",
+        .null_means = "epsilon",
+        .meaning = "the upper clip (DAPO's clip-higher)"},
+    r.grpo.epsilon_high);
+  v(Key{.name = "grpo.loss_type",
+        .meaning = "normalised over the step's tokens (dapo, bnpo), per completion (grpo), or by completions × "
+                   "max_completion_length (dr_grpo)"},
+    r.grpo.loss_type);
+  v(Key{.name = "grpo.importance_sampling_level",
+        .meaning = "token: a ratio per token; sequence: one per completion, its tokens' mean log-ratio (GSPO)"},
+    r.grpo.importance_sampling_level);
+  v(Key{.name = "grpo.scale_rewards",
+        .meaning = "advantages divided by the standard deviation of the group's rewards, of the batch's, or none "
+                   "(Dr. GRPO)"},
+    r.grpo.scale_rewards);
+  v(Key{.name = "grpo.mask_truncated_completions",
+        .meaning = "completions cut at max_completion_length do not count in the loss (DAPO)"},
+    r.grpo.mask_truncated_completions);
+  v(Key{.name = "grpo.log_completions",
+        .meaning =
+            "write each step's prompts, completions, rewards and advantages to `<output_dir>/completions.jsonl`"},
+    r.grpo.log_completions);
+  v(Key{.name = "grpo.rewards",
+        .example = "[{name: answer, kind: number, field: answer}, {name: form, kind: format, pattern: '<think>.*'}]",
+        .meaning = "the rewards, summed by weight: each {name, kind, weight, field, …} (kinds: see Reinforcement "
+                   "learning below)"},
+    r.grpo.rewards);
 
   v(Key{.name = "checkpoint.output_dir",
         .example = "runs/my-run",

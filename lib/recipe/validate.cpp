@@ -147,6 +147,35 @@ void kto_rules(const Recipe& r, const RecipeOrigin& o) {
          "another example's completion of the step, which needs 2 examples a step at least: raise either");
 }
 
+// train.objective: grpo (TRL's GRPOTrainer): prompts, completions sampled from the model, rewards.
+void grpo_rules(const Recipe& r, const RecipeOrigin& o) {
+  if (r.data.format != Format::Prompt)
+    fail(o, "train.objective",
+         fmt::format("is grpo, which samples its own completions of prompts, but data.format is {}: set data.format: "
+                     "prompt (with data.prompt_field)",
+                     name(r.data.format)));
+  if (r.preference != PreferenceSection{})
+    fail(o, "train.objective",
+         "is grpo, but preference: keys are set; grpo's own are under grpo: (grpo.beta, grpo.loss_type): remove "
+         "them");
+  if (r.grpo.rewards.empty())
+    fail(o, "grpo.rewards",
+         "must list at least one reward (e.g. grpo.rewards: [{name: answer, kind: exact, field: "
+         "answer}])");
+  if (r.grpo.num_iterations != 1)
+    fail(o, "grpo.num_iterations",
+         fmt::format("is {}: reusing a batch of generations for several steps is not supported yet: set it to 1",
+                     r.grpo.num_iterations));
+  if (r.data.packing) fail(o, "data.packing", "is true: grpo does not pack its completions: set data.packing: false");
+  if (r.eval.enabled(r.data.source))
+    fail(o, "train.objective",
+         "is grpo, whose evaluation (the mean reward) is not built yet: remove the eval: section");
+  if (r.adapters.enabled())
+    fail(o, "train.objective", "is grpo, which trains one adapter a run so far: remove the adapters: section");
+  if (!r.data.sources.empty())
+    fail(o, "data.sources", "is set: grpo reads one selection so far: give data.collection (or data.path) instead");
+}
+
 constexpr Rule kRules[] = {
     // The GGUF's own blocks are the frozen base: nothing else may quantise or rewrite it.
     {"model.keep_quantized",
@@ -221,6 +250,8 @@ constexpr Rule kRules[] = {
                 fmt::format("is '{}', a field that holds text here: name the field holding true/false or 1/0",
                             r.data.label_field));
        }
+       if (r.data.format == Format::Prompt)
+         require(o, "data.prompt_field", r.data.prompt_field, "for data.format: prompt");
        if (r.data.format != Format::Preference) return;
        for (const auto& [key, value] : {std::pair{"data.prompt_field", &r.data.prompt_field},
                                         {"data.chosen_field", &r.data.chosen_field},
@@ -302,7 +333,8 @@ constexpr Rule kRules[] = {
               what +
                   " in float, and lora.quantize_base holds them in NF4 (PEFT refuses this too): drop "
                   "quantize_base, or use lora.init: olora");
-       if (r.train.objective == Objective::Dpo || r.train.objective == Objective::Kto)
+       if (r.train.objective == Objective::Dpo || r.train.objective == Objective::Kto ||
+           (r.train.objective == Objective::Grpo && r.grpo.beta > 0))
          fail(o, "lora.init",
               fmt::format("{} and {}'s reference is the base with the adapter off, which would be that residual: use "
                           "lora.init: default with train.objective: {}",
@@ -312,6 +344,16 @@ constexpr Rule kRules[] = {
     {"train.objective",
      [](const Recipe& r, const RecipeOrigin& o, Warnings&) {
        const bool pairs = r.data.format == Format::Preference, unpaired = r.data.format == Format::Unpaired;
+       if (r.train.objective == Objective::Grpo) return grpo_rules(r, o);
+       if (r.grpo != GrpoSection{})
+         fail(o, "train.objective",
+              fmt::format("is {}, but grpo: keys are set; they apply to train.objective: grpo only: remove them",
+                          name(r.train.objective)));
+       if (r.data.format == Format::Prompt)
+         fail(o, "train.objective",
+              fmt::format("is {}, but data.format: prompt gives prompts without completions: set train.objective: "
+                          "grpo, which samples them",
+                          name(r.train.objective)));
        if (r.train.objective == Objective::Sft && (pairs || unpaired))
          fail(o, "train.objective",
               fmt::format("is sft, but data.format: {} gives {}: set train.objective: {}, or a data.format of single "

@@ -8,6 +8,7 @@
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
 #include "train/agreement.hpp"
+#include "train/grpo_objective.hpp"
 #include "train/preference.hpp"
 #include "train/reference_logps.hpp"
 
@@ -19,7 +20,7 @@ class Sft final : public Objective {
  public:
   Sft(const recipe::Recipe& r, model::CausalLM& m, c10::Device device) : r_(r), m_(m), device_(device) {}
 
-  Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm) override {
+  Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, int64_t /*step*/) override {
     Sums sums;
     sums.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
     for (int a = 0; a < accum; ++a) {
@@ -104,7 +105,7 @@ class Pairs final : public Objective {
     if (r.preference.precompute_reference) cache_.emplace(pref_.kto() ? 1 : 2);
   }
 
-  Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm) override {
+  Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, int64_t /*step*/) override {
     Sums sums;
     sums.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
     sums.stats = at::zeros({kPrefStats}, at::TensorOptions().dtype(at::kDouble).device(device_));
@@ -195,8 +196,9 @@ Objective::~Objective() = default;
 
 std::unique_ptr<Objective> make_objective(const recipe::Recipe& r, model::CausalLM& m,
                                           const std::vector<std::pair<std::string, at::Tensor>>& named,
-                                          const Agreement& agree, c10::Device device) {
+                                          const Agreement& agree, c10::Device device, const tok::Tokenizer& tokenizer) {
   if (r.train.objective == recipe::Objective::Sft) return std::make_unique<Sft>(r, m, device);
+  if (r.train.objective == recipe::Objective::Grpo) return make_grpo(r, m, named, agree, device, tokenizer);
   return std::make_unique<Pairs>(r, m, named, agree, device);
 }
 

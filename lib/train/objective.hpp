@@ -1,7 +1,7 @@
 // What train.objective makes of an adapter's step: its micro-batches through the model and back,
 // the figures of its own the ranks sum, and the step's loss. The step asks it, whatever the
-// objective: SFT's token cross-entropy, and the preference losses of DPO, ORPO, CPO, SimPO and KTO
-// (PreferenceObjective).
+// objective: SFT's token cross-entropy, the preference losses of DPO, ORPO, CPO, SimPO and KTO
+// (PreferenceObjective), and GRPO's policy loss on completions it samples (grpo_objective).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -17,6 +17,9 @@
 
 namespace lorarun::model {
 class CausalLM;
+}
+namespace lorarun::tok {
+class Tokenizer;
 }
 
 namespace lorarun::train {
@@ -41,7 +44,8 @@ class Objective {
 
   // The step's `accum` micro-batches from `next`, forward and backward: the gradients accumulate in
   // .grad; `arm` is called before the last micro-batch's backward (which sums them over ranks).
-  virtual Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm) = 0;
+  // `step`: the adapter's optimizer steps done before this one (what GRPO's sampling is seeded by).
+  virtual Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, int64_t step) = 0;
   // Whether forward_backward divided the loss and the gradients by the step's totals over every
   // rank already (pairs); else the step divides them by the global count of trained tokens.
   virtual bool normalised() const { return false; }
@@ -66,9 +70,9 @@ class Objective {
 
 // The recipe's train.objective on `m`, training the tensors `named` (PEFT's names: DPO's reference
 // reads lora.init_from's values from them), its batches on `device`; `agree` sums a step's pairs
-// over the ranks.
+// over the ranks; `tokenizer` turns GRPO's completions into the text its rewards read.
 std::unique_ptr<Objective> make_objective(const recipe::Recipe& r, model::CausalLM& m,
                                           const std::vector<std::pair<std::string, at::Tensor>>& named,
-                                          const Agreement& agree, c10::Device device);
+                                          const Agreement& agree, c10::Device device, const tok::Tokenizer& tokenizer);
 
 }  // namespace lorarun::train

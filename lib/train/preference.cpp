@@ -92,12 +92,24 @@ PreferenceObjective::PreferenceObjective(const recipe::Recipe& r, model::CausalL
                                          const std::optional<std::vector<at::Tensor>>& reference)
     : p_(r.preference), max_length_(r.data.max_length), objective_(r.train.objective), m_(m) {
   for (const auto& [name, t] : named) params_.push_back(t);
-  const std::vector<at::Tensor>& values = reference                  ? *reference
-                                          : r.lora.init_from.empty() ? std::vector<at::Tensor>{}
-                                                                     : params_;
-  if (!has_reference() || values.empty() || identity(values, named)) return;
+  if (has_reference()) reference_ = reference ? reference_values(*reference, named) : reference_values(r, named);
+}
+
+std::vector<at::Tensor> reference_values(const std::vector<at::Tensor>& values,
+                                         const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  std::vector<at::Tensor> out;
+  if (values.empty() || identity(values, named)) return out;
   c10::NoGradGuard no_grad;
-  for (const at::Tensor& t : values) reference_.push_back(t.detach().clone());
+  for (const at::Tensor& t : values) out.push_back(t.detach().clone());
+  return out;
+}
+
+std::vector<at::Tensor> reference_values(const recipe::Recipe& r,
+                                         const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  if (r.lora.init_from.empty()) return {};
+  std::vector<at::Tensor> values;
+  for (const auto& [name, t] : named) values.push_back(t);
+  return reference_values(values, named);
 }
 
 // [N] -log p of each scored token, with gradient when the model's parameters want it; `figures`, when
@@ -127,36 +139,22 @@ PairBatch PreferenceObjective::collate(const std::vector<data::Example>& example
 
 bool PreferenceObjective::kl_pairs() const { return kto() && loss_type() == recipe::PreferenceLoss::Kto; }
 
-namespace {
-
-// While it lives, the model is the reference: eval mode, the adapters off or at `values`.
-class AsReference {
- public:
-  AsReference(model::CausalLM& m, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& values)
-      : m_(m), params_(params), was_training_(m.training) {
-    m.training = false;
-    if (values.empty()) m.set_adapters_off(true);
-    for (size_t i = 0; i < values.size(); ++i) {
-      saved_.push_back(params[i].detach().clone());
-      params[i].detach().copy_(values[i]);
-    }
+AsReference::AsReference(model::CausalLM& m, const std::vector<at::Tensor>& params,
+                         const std::vector<at::Tensor>& values)
+    : m_(m), params_(params), was_training_(m.training) {
+  m.training = false;
+  if (values.empty()) m.set_adapters_off(true);
+  for (size_t i = 0; i < values.size(); ++i) {
+    saved_.push_back(params[i].detach().clone());
+    params[i].detach().copy_(values[i]);
   }
-  ~AsReference() {
-    m_.set_adapters_off(false);
-    for (size_t i = 0; i < saved_.size(); ++i) params_[i].detach().copy_(saved_[i]);
-    m_.training = was_training_;
-  }
-  AsReference(const AsReference&) = delete;
-  AsReference& operator=(const AsReference&) = delete;
+}
 
- private:
-  model::CausalLM& m_;
-  const std::vector<at::Tensor>& params_;
-  std::vector<at::Tensor> saved_;
-  const bool was_training_;
-};
-
-}  // namespace
+AsReference::~AsReference() {
+  m_.set_adapters_off(false);
+  for (size_t i = 0; i < saved_.size(); ++i) params_[i].detach().copy_(saved_[i]);
+  m_.training = was_training_;
+}
 
 // [R] the reference's summed log-probs of each row's targets, without gradient.
 at::Tensor PreferenceObjective::reference_logps(const data::Batch& rows) const {

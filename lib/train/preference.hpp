@@ -19,6 +19,7 @@
 #include "data/collate.hpp"
 #include "data/example.hpp"
 #include "recipe/recipe.hpp"
+#include "train/as_reference.hpp"
 
 namespace lorarun::model {
 class CausalLM;

@@ -96,7 +96,7 @@ std::string_view fenced_or_whole(std::string_view text) {
   return text.substr(line + 1, close == std::string_view::npos ? std::string_view::npos : close - line - 1);
 }
 
-const char* const kKinds[] = {"exact", "number", "regex", "contains", "json", "format", "length"};
+const char* const kKinds[] = {"exact", "number", "regex", "contains", "json", "format", "length", "command"};
 
 }  // namespace
 
@@ -123,8 +123,15 @@ std::optional<double> last_number(std::string_view text) {
 Reward::Reward(RewardSpec spec, const std::string& where) : spec_(std::move(spec)) {
   const std::string& k = spec_.kind;
   if (std::find(std::begin(kKinds), std::end(kKinds), k) == std::end(kKinds))
-    throw ConfigError(fmt::format("{}: kind '{}' is not one of exact, number, regex, contains, json, format, length",
-                                  where, printable(k)));
+    throw ConfigError(
+        fmt::format("{}: kind '{}' is not one of exact, number, regex, contains, json, format, length, command", where,
+                    printable(k)));
+  if (k == "command" && spec_.run.empty())
+    throw ConfigError(fmt::format("{}: a command reward needs `run`: [program, args…]", where));
+  if (k != "command" && (!spec_.run.empty() || !spec_.fields.empty()))
+    throw ConfigError(fmt::format("{}: `run` and `fields` are for a command reward, not {}", where, k));
+  if (!(spec_.timeout_s > 0) || !std::isfinite(spec_.timeout_s))
+    throw ConfigError(fmt::format("{}: timeout_s must be a number > 0", where));
   const bool reads_field = k == "exact" || k == "number" || k == "contains" || k == "regex";
   const bool needs_field = reads_field && k != "regex";
   if (needs_field && spec_.field.empty())
@@ -170,6 +177,9 @@ const data::Document* Reward::field_value(const data::Document& doc) const {
 }
 
 std::string Reward::check(const data::Document& doc) const {
+  for (const std::string& f : spec_.fields)
+    if (!doc.is_object() || !doc.contains(f))
+      return fmt::format("field '{}' (reward {}) is missing", printable(f), printable(spec_.name));
   if (spec_.field.empty()) return "";
   const data::Document* v = field_value(doc);
   const std::string field = printable(spec_.field), name = printable(spec_.name);
@@ -224,11 +234,76 @@ double Reward::score(std::string_view completion, int64_t tokens, const data::Do
     return 1.0;
   }
   if (k == "format") return pattern_->find(completion, 0, /*whole=*/true) ? 1.0 : 0.0;
+  if (k == "command") throw Error(fmt::format("reward {} is scored by its program", printable(spec_.name)));
   // length: DAPO's soft overlong punishment
   const int64_t soft = spec_.max_tokens - spec_.cache;
   if (tokens <= soft) return 0.0;
   if (tokens <= spec_.max_tokens) return static_cast<double>(soft - tokens) / static_cast<double>(spec_.cache);
   return -1.0;
+}
+
+namespace {
+
+// grpo.rewards[i]'s `key` read into `out` (json's own types), or ConfigError naming it.
+template <class T>
+void read_key(const nlohmann::json& entry, const char* key, T& out, const std::string& where) {
+  const auto it = entry.find(key);
+  if (it == entry.end() || it->is_null()) return;
+  try {
+    out = it->get<T>();
+  } catch (const nlohmann::json::exception&) {
+    throw ConfigError(fmt::format("{}: `{}` is a {}, which does not fit", where, key, it->type_name()));
+  }
+}
+
+bool metric_name(std::string_view s) {
+  return !s.empty() && s.size() <= 64 && std::all_of(s.begin(), s.end(), [](unsigned char c) {
+    return std::isalnum(c) || c == '_' || c == '-' || c == '.';
+  });
+}
+
+}  // namespace
+
+std::vector<RewardSpec> reward_specs(const nlohmann::json& list) {
+  static const char* const kKeys[] = {"name", "kind",       "weight", "field", "pattern",   "ignore_case", "tolerance",
+                                      "keys", "max_tokens", "cache",  "run",   "timeout_s", "fields"};
+  std::vector<RewardSpec> out;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const nlohmann::json& e = list[i];
+    const std::string where = fmt::format("grpo.rewards[{}]", i);
+    if (!e.is_object())
+      throw ConfigError(where + ": must be a mapping such as {name: answer, kind: exact, field: answer}");
+    for (const auto& [key, value] : e.items())
+      if (std::find_if(std::begin(kKeys), std::end(kKeys), [&](const char* k) { return key == k; }) == std::end(kKeys))
+        throw ConfigError(
+            fmt::format("{}: unknown key '{}' (known: name, kind, weight, field, pattern, ignore_case, "
+                        "tolerance, keys, max_tokens, cache, run, timeout_s, fields)",
+                        where, printable(key)));
+    RewardSpec s;
+    read_key(e, "name", s.name, where);
+    read_key(e, "kind", s.kind, where);
+    read_key(e, "weight", s.weight, where);
+    read_key(e, "field", s.field, where);
+    read_key(e, "pattern", s.pattern, where);
+    read_key(e, "ignore_case", s.ignore_case, where);
+    read_key(e, "tolerance", s.tolerance, where);
+    read_key(e, "keys", s.keys, where);
+    read_key(e, "max_tokens", s.max_tokens, where);
+    read_key(e, "cache", s.cache, where);
+    read_key(e, "run", s.run, where);
+    read_key(e, "timeout_s", s.timeout_s, where);
+    read_key(e, "fields", s.fields, where);
+    if (!metric_name(s.name))
+      throw ConfigError(
+          fmt::format("{}: `name` must be set, of letters, digits, '_', '-' and '.' (it names the "
+                      "metrics rewards/<name>/mean and /std), got '{}'",
+                      where, printable(s.name)));
+    for (const RewardSpec& o : out)
+      if (o.name == s.name) throw ConfigError(fmt::format("{}: name '{}' is used twice", where, s.name));
+    if (s.kind.empty()) throw ConfigError(fmt::format("{}: `kind` must be set (exact, number, regex, …)", where));
+    out.push_back(std::move(s));
+  }
+  return out;
 }
 
 }  // namespace lorarun::train

@@ -8,6 +8,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "data/document.hpp"
 
 namespace lorarun::train {
@@ -22,6 +24,8 @@ namespace lorarun::train {
 //   format    the pattern matches the whole completion (Python's re.fullmatch with re.DOTALL)
 //   length    DAPO's soft overlong punishment, as TRL's get_soft_overlong_punishment: 0 up to
 //             max_tokens - cache tokens, then falling linearly to -1 at max_tokens, -1 beyond
+//   command   the user's program `run` (RewardCommand) scores each completion; `fields` are the
+//             document's fields sent along (each must be in the document)
 // A pattern's answer is its group named `answer`, else its first group, else the whole match.
 struct RewardSpec {
   std::string name = {}, kind = {};
@@ -32,7 +36,14 @@ struct RewardSpec {
   double tolerance = 0.0;
   std::vector<std::string> keys = {};
   int64_t max_tokens = 0, cache = 0;
+  std::vector<std::string> run = {}, fields = {};  // command
+  double timeout_s = 60;                           // command: for each batch of completions
 };
+
+// The recipe's grpo.rewards (a list of mappings) as specs; throws ConfigError naming the entry
+// ("grpo.rewards[1]: …") for a key it does not know, a value of the wrong type, a missing or repeated
+// name, or a name other than letters, digits, '_', '-' and '.' (it names metrics).
+std::vector<RewardSpec> reward_specs(const nlohmann::json& list);
 
 class Reward {
  public:

@@ -11,6 +11,7 @@
 #include "model/lora.hpp"
 #include "model/resolve.hpp"
 #include "train/evaluate.hpp"
+#include "train/grpo_objective.hpp"
 #include "train/stop.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
@@ -163,6 +164,7 @@ Runtime::Runtime(const recipe::Recipe& r, const dist::DistEnv& env, const Runtim
   if (o.tenants || r.data.sources.empty() || (evaluating && r.eval.fraction <= 0))
     builder = std::make_unique<data::ExampleBuilder>(r.data, tokenizer, std::nullopt,
                                                      data::pair_tokens(r.train.objective), stop_flag());
+  if (builder && r.train.objective == recipe::Objective::Grpo) builder->check_documents(train::reward_check(r));
   if (!o.tenants) read_training_data(r, tokenizer, builder.get(), evaluating, data);
 }
 

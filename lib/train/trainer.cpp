@@ -268,7 +268,8 @@ void Trainer::own_passes(Tenant& t) {
                                                           r_.train.gradient_accumulation_steps,
                                                           [this] {
                                                             if (tenants_.size() == 1) sync_->arm();
-                                                          });
+                                                          },
+                                                          a.p.step);
   t.loss = s.loss;
   t.tokens = s.tokens;
   t.real = s.real;

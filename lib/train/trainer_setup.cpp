@@ -52,7 +52,7 @@ void Trainer::add_alone() {
       make_adamw(model::lora_state(m_), r_.train.lr, r_.train.weight_decay, r_.lora.plus_lr_ratio));
   AdapterRun& a = *t->run;
   a.data = std::move(rt_.data);
-  a.objective = make_objective(a.r, m_, model::lora_state(m_), agree_, rt_.device);
+  a.objective = make_objective(a.r, m_, model::lora_state(m_), agree_, rt_.device, rt_.tokenizer);
   a.plan(env_.world_size);
   a.ckpt = std::make_unique<Checkpointer>(a.r, agree_, m_, model::lora_config_of(r_.lora, r_.model.path), a.params,
                                           *a.opt, a.data.identity(), cuda_, t->rng);
@@ -119,7 +119,7 @@ void Trainer::add_adapters() {
               [streams, slot](const at::Tensor& b) { streams->set_state(slot, b); }};
     a.ckpt = std::make_unique<Checkpointer>(a.r, agree_, m_, cfg, a.params, *a.opt, a.data.identity(), cuda_, t->rng);
     a.ckpt->store_as_adapter(a.name);
-    a.objective = make_objective(a.r, m_, model::tenant_state(m_, slot), agree_, rt_.device);
+    a.objective = make_objective(a.r, m_, model::tenant_state(m_, slot), agree_, rt_.device, rt_.tokenizer);
     keep_reference_in_state(a);
     tenants_.push_back(std::move(t));
   }

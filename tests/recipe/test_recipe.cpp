@@ -212,6 +212,21 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "preference.desirable_weight",
                                 "preference.undesirable_weight",
                                 "preference.precompute_reference",
+                                "grpo.num_generations",
+                                "grpo.max_completion_length",
+                                "grpo.temperature",
+                                "grpo.top_p",
+                                "grpo.top_k",
+                                "grpo.beta",
+                                "grpo.num_iterations",
+                                "grpo.epsilon",
+                                "grpo.epsilon_high",
+                                "grpo.loss_type",
+                                "grpo.importance_sampling_level",
+                                "grpo.scale_rewards",
+                                "grpo.mask_truncated_completions",
+                                "grpo.log_completions",
+                                "grpo.rewards",
                                 "checkpoint.output_dir",
                                 "checkpoint.epochs_to_save",
                                 "checkpoint.save_last_epoch_only",
@@ -445,8 +460,8 @@ TEST_CASE("unknown sections name the closest section, or the key they hold") {
   CHECK(error_of(kBase + "learning_rate: 1e-4\n") ==
         "recipe.yaml: unknown key 'learning_rate'; did you mean 'train.lr'?");
   CHECK(error_of(kBase + "zzz: 1\n") ==
-        "recipe.yaml: unknown section 'zzz'; the sections are model, lora, data, train, preference, checkpoint, dist, "
-        "track, "
+        "recipe.yaml: unknown section 'zzz'; the sections are model, lora, data, train, preference, grpo, checkpoint, "
+        "dist, track, "
         "eval, adapters");
 }
 
@@ -497,7 +512,8 @@ TEST_CASE("enum keys list their values") {
       {"model.dtype=float32", "model.dtype must be one of bf16|fp16|fp32|auto, got 'float32'"},
       {"model.device=gpu", "model.device must be one of auto|cuda|cpu, got 'gpu'"},
       {"data.source=postgres", "data.source must be one of mongodb|jsonl, got 'postgres'"},
-      {"data.format=alpaca", "data.format must be one of instruction|text|chat|preference|unpaired, got 'alpaca'"},
+      {"data.format=alpaca",
+       "data.format must be one of instruction|text|chat|preference|unpaired|prompt, got 'alpaca'"},
       {"data.chat_format=vicuna", "data.chat_format must be one of chatml|llama3|mistral|template, got 'vicuna'"},
       {"data.overlong=wrap", "data.overlong must be one of truncate|skip, got 'wrap'"},
       {"data.bad_documents=ignore", "data.bad_documents must be one of skip|fail, got 'ignore'"},
@@ -900,6 +916,47 @@ TEST_CASE("checkpoint.store: mongodb needs track.mongodb and a MongoDB URI") {
         "recipe.yaml (override 'checkpoint.store=mongodb'): checkpoint.store is mongodb but no MongoDB URI is set: set "
         "data.uri or LORARUN_MONGODB_URI (and track.database or data.database), or checkpoint.store: none");
   CHECK_THAT(override_error({"checkpoint.store=gridfs"}), Catch::Contains("none") && Catch::Contains("mongodb"));
+}
+
+TEST_CASE("train.objective: grpo needs prompts and rewards, with GRPOConfig's names and defaults") {
+  const std::string prompts =
+      "model: {path: /m}\ndata: {database: d, collection: c, format: prompt}\ntrain: {objective: grpo}\n"
+      "grpo: {rewards: [{name: answer, kind: number, field: answer}]}\n";
+  const Recipe r = load(prompts);
+  CHECK(r.train.objective == Objective::Grpo);
+  CHECK(r.grpo.num_generations == 8);
+  CHECK(r.grpo.max_completion_length == 512);
+  CHECK(r.grpo.temperature == 1.0);
+  CHECK(r.grpo.top_p == 1.0);
+  CHECK(r.grpo.top_k == 0);
+  CHECK(r.grpo.beta == 0.0);
+  CHECK(r.grpo.epsilon == 0.2);
+  CHECK(!r.grpo.epsilon_high);
+  CHECK(r.grpo.loss_type == GrpoLoss::Dapo);
+  CHECK(r.grpo.importance_sampling_level == ImportanceLevel::Token);
+  CHECK(r.grpo.scale_rewards == RewardScale::Group);
+  CHECK(r.grpo.rewards.size() == 1);
+  CHECK(r.grpo.rewards[0]["kind"] == "number");
+  // the rewards survive a run record's JSON, and an override replaces the list
+  CHECK(recipe_from_json(to_json(r), {}).grpo == r.grpo);
+  CHECK(load(prompts, {"grpo.rewards=[{name: a, kind: exact, field: x}, {name: b, kind: json}]"}).grpo.rewards.size() ==
+        2);
+  CHECK_THAT(error_of(prompts, {"grpo.rewards=answer"}), Catch::Contains("grpo.rewards must be a list of rewards"));
+  CHECK_THAT(error_of(prompts, {"grpo.rewards=[answer]"}), Catch::Contains("a list of mappings, one per reward"));
+  CHECK_THAT(error_of(prompts, {"grpo.rewards=[]"}), Catch::Contains("grpo.rewards must list at least one reward"));
+  CHECK_THAT(error_of(prompts, {"data.format=instruction", "data.prompt_template=x"}),
+             Catch::Contains("train.objective is grpo, which samples its own completions of prompts, but data.format "
+                             "is instruction"));
+  CHECK_THAT(error_of(prompts, {"train.objective=sft"}),
+             Catch::Contains("train.objective is sft, but grpo: keys are set"));
+  CHECK_THAT(error_of("model: {path: /m}\ndata: {database: d, collection: c, format: prompt}\n"),
+             Catch::Contains("data.format: prompt gives prompts without completions: set train.objective: grpo"));
+  CHECK_THAT(error_of(prompts, {"grpo.num_generations=1"}), Catch::Contains("grpo.num_generations must be at least 2"));
+  CHECK_THAT(error_of(prompts, {"grpo.num_iterations=2"}), Catch::Contains("is not supported yet: set it to 1"));
+  CHECK_THAT(error_of(prompts, {"grpo.loss_type=ppo"}), Catch::Contains("grpo.loss_type"));
+  CHECK_THAT(error_of(prompts, {"grpo.top_p=0"}), Catch::Contains("grpo.top_p must be"));
+  CHECK_THAT(error_of(prompts, {"preference.beta=0.2"}), Catch::Contains("grpo's own are under grpo:"));
+  CHECK_THAT(error_of(prompts, {"data.packing=true"}), Catch::Contains("grpo does not pack its completions"));
 }
 
 TEST_CASE("train.objective: dpo, orpo, cpo and simpo need pairs, and the preference: keys belong to them") {

@@ -154,6 +154,10 @@ TEST_CASE("every key is declared in full") {
       overrides.push_back(simpo ? "train.objective=simpo" : kto ? "train.objective=kto" : "train.objective=dpo");
       overrides.push_back(kto ? "data.format=unpaired" : "data.format=preference");
     }
+    if (detail::section_of(k.name) == "grpo") {  // (keys of train.objective: grpo, which needs a reward)
+      overrides.insert(overrides.end(), {"train.objective=grpo", "data.format=prompt"});
+      if (k.name != "grpo.rewards") overrides.push_back("grpo.rewards=[{name: a, kind: exact, field: answer}]");
+    }
     CHECK_NOTHROW(recipe_from_yaml(YAML::Load(base), overrides));
     // The default is within the bound (keys that must be set have none to check).
     if (k.required.empty()) CHECK_NOTHROW(detail::check_declared(k, value, RecipeOrigin{}));

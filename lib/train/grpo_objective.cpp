@@ -1,0 +1,518 @@
+#include "train/grpo_objective.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+
+#include "data/collate.hpp"
+#include "io/files.hpp"
+#include "model/generate.hpp"
+#include "model/loss.hpp"
+#include "model/transformer.hpp"
+#include "tokenizer/tokenizer.hpp"
+#include "train/agreement.hpp"
+#include "train/as_reference.hpp"
+#include "train/grpo.hpp"
+#include "train/reward_command.hpp"
+#include "train/rewards.hpp"
+#include "util/error.hpp"
+
+namespace lorarun::train {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// The step's figures over every rank's completions, which rank 0 alone adds to the stats (the others
+// add 0), after grpo_loss's sums: TRL's names in figures().
+enum StepFigure : int64_t {
+  kReward = static_cast<int64_t>(kFigures),
+  kRewardStd,
+  kZeroStd,
+  kMeanLength,
+  kMinLength,
+  kMaxLength,
+  kClippedRatio,
+  kMeanTerminated,
+  kMinTerminated,
+  kMaxTerminated,
+  kStepFigures  // then each reward's mean and std
+};
+
+// TRL's nanmean and nanstd (Bessel's correction) of `x`: NaN when nothing (nanstd: one value) is left.
+std::pair<double, double> nan_mean_std(const std::vector<double>& x) {
+  double sum = 0, n = 0;
+  for (double v : x)
+    if (!std::isnan(v)) sum += v, ++n;
+  if (n == 0) return {kNaN, kNaN};
+  const double mean = sum / n;
+  double sq = 0;
+  for (double v : x)
+    if (!std::isnan(v)) sq += (v - mean) * (v - mean);
+  return {mean, n < 2 ? kNaN : std::sqrt(sq / (n - 1))};
+}
+
+GrpoLossConfig loss_config(const recipe::GrpoSection& g) {
+  GrpoLossConfig c;
+  switch (g.loss_type) {
+    case recipe::GrpoLoss::Dapo:
+      c.type = GrpoLossType::Dapo;
+      break;
+    case recipe::GrpoLoss::Grpo:
+      c.type = GrpoLossType::Grpo;
+      break;
+    case recipe::GrpoLoss::DrGrpo:
+      c.type = GrpoLossType::DrGrpo;
+      break;
+    case recipe::GrpoLoss::Bnpo:
+      c.type = GrpoLossType::Bnpo;
+      break;
+  }
+  c.sequence_level = g.importance_sampling_level == recipe::ImportanceLevel::Sequence;
+  c.beta = g.beta;
+  c.epsilon_low = g.epsilon;
+  c.epsilon_high = g.epsilon_high.value_or(g.epsilon);
+  c.max_completion_length = g.max_completion_length;
+  return c;
+}
+
+ScaleRewards scale_of(recipe::RewardScale s) {
+  return s == recipe::RewardScale::Group   ? ScaleRewards::Group
+         : s == recipe::RewardScale::Batch ? ScaleRewards::Batch
+                                           : ScaleRewards::None;
+}
+
+std::vector<Reward> rewards_of(const recipe::Recipe& r) {
+  std::vector<Reward> out;
+  const std::vector<RewardSpec> specs = reward_specs(r.grpo.rewards);
+  for (size_t i = 0; i < specs.size(); ++i)
+    out.emplace_back(specs[i], fmt::format("grpo.rewards[{}] ({})", i, specs[i].name));
+  return out;
+}
+
+// While it lives, the model samples: eval mode (no dropout), no gradient.
+class Sampling {
+ public:
+  explicit Sampling(model::CausalLM& m) : m_(m), was_(m.training) { m.training = false; }
+  ~Sampling() { m_.training = was_; }
+  Sampling(const Sampling&) = delete;
+  Sampling& operator=(const Sampling&) = delete;
+
+ private:
+  model::CausalLM& m_;
+  const bool was_;
+  c10::NoGradGuard no_grad_;
+};
+
+// One micro-batch's prompts and what became of them: G completions a prompt, row p * G + g.
+struct Rollout {
+  std::vector<const data::Example*> prompts;
+  std::vector<std::vector<int64_t>> completions;
+  std::vector<double> scores;  // [rows, rewards]: each reward's (NaN: its program could not score it)
+  std::vector<double> advantages;
+  std::vector<char> truncated;  // the completion ended without EOS (cut at max_completion_length)
+};
+
+class Grpo final : public Objective {
+ public:
+  Grpo(const recipe::Recipe& r, model::CausalLM& m, const std::vector<std::pair<std::string, at::Tensor>>& named,
+       const Agreement& agree, c10::Device device, const tok::Tokenizer& tokenizer)
+      : r_(r),
+        g_(r.grpo),
+        m_(m),
+        agree_(agree),
+        device_(device),
+        tok_(tokenizer),
+        cfg_(loss_config(r.grpo)),
+        rewards_(rewards_of(r)) {
+    if (m.config().logit_softcap && g_.temperature != 1.0)
+      throw ConfigError(
+          "grpo.temperature other than 1 with a model that soft-caps its logits (gemma2) is not supported yet: set "
+          "grpo.temperature: 1");
+    for (const auto& [name, t] : named) params_.push_back(t);
+    if (g_.beta > 0) reference_ = reference_values(r, named);
+    for (size_t i = 0; i < rewards_.size(); ++i) {
+      const RewardSpec& s = rewards_[i].spec();
+      commands_.push_back(s.kind == "command" ? std::make_unique<RewardCommand>(
+                                                    s.run, s.timeout_s, fmt::format("grpo.rewards[{}] ({})", i, s.name))
+                                              : nullptr);
+    }
+    eos_ = model::default_eos_id(m);
+    if (!eos_ && tokenizer.eos_id()) eos_ = *tokenizer.eos_id();
+  }
+
+  Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, int64_t step) override {
+    std::vector<Rollout> micro(static_cast<size_t>(accum));
+    std::vector<std::vector<data::Example>> examples;
+    for (Rollout& roll : micro) {
+      examples.push_back(next());
+      for (const data::Example& e : examples.back()) roll.prompts.push_back(&e);
+    }
+    prompt_indices(micro);
+    for (size_t a = 0, k = 0; a < micro.size(); k += micro[a].prompts.size(), ++a) {
+      sample(micro[a], index_.data() + k, static_cast<uint64_t>(step));
+      score(micro[a]);
+    }
+    const Step s = advantage(micro, step);
+    Sums sums;
+    const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
+    sums.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
+    sums.stats = at::zeros({stats()}, f64);
+    if (agree_.lead())  // (the step's figures once, not once a rank)
+      sums.stats.narrow(0, kFigures, static_cast<int64_t>(s.figures.size())).copy_(at::tensor(s.figures, at::kDouble));
+    for (size_t a = 0; a < micro.size(); ++a) {
+      if (a + 1 == micro.size()) arm();
+      train(micro[a], s.counts, sums);
+    }
+    return sums;
+  }
+  bool normalised() const override { return true; }
+  int64_t stats() const override { return kStepFigures + 2 * static_cast<int64_t>(rewards_.size()); }
+  nlohmann::json figures(const double* s) const override {
+    nlohmann::json f = nlohmann::json::object();
+    const double tokens = std::max(s[kTokens], 1.0);
+    const double clipped_over = cfg_.sequence_level ? std::max(s[kCompletions], 1.0) : tokens;
+    if (g_.beta != 0) f["kl"] = s[kKl] / tokens;
+    f["clip_ratio/low_mean"] = s[kClipLow] / clipped_over;
+    f["clip_ratio/high_mean"] = s[kClipHigh] / clipped_over;
+    f["clip_ratio/region_mean"] = s[kClipRegion] / clipped_over;
+    f["reward"] = s[kReward];
+    f["reward_std"] = s[kRewardStd];
+    f["frac_reward_zero_std"] = s[kZeroStd];
+    f["completions/mean_length"] = s[kMeanLength];
+    f["completions/min_length"] = s[kMinLength];
+    f["completions/max_length"] = s[kMaxLength];
+    f["completions/clipped_ratio"] = s[kClippedRatio];
+    f["completions/mean_terminated_length"] = s[kMeanTerminated];
+    f["completions/min_terminated_length"] = s[kMinTerminated];
+    f["completions/max_terminated_length"] = s[kMaxTerminated];
+    for (size_t i = 0; i < rewards_.size(); ++i) {
+      const std::string& name = rewards_[i].spec().name;
+      f["rewards/" + name + "/mean"] = s[kStepFigures + 2 * static_cast<int64_t>(i)];
+      f["rewards/" + name + "/std"] = s[kStepFigures + 2 * static_cast<int64_t>(i) + 1];
+    }
+    for (auto& [k, v] : f.items())  // NaN (no scored completion): null in every sink
+      if (v.is_number_float() && !std::isfinite(v.get<double>())) v = nullptr;
+    return f;
+  }
+
+ private:
+  struct Step {
+    GrpoStepCounts counts;        // over every rank and micro-batch
+    std::vector<double> figures;  // kReward … then each reward's mean and std
+  };
+
+  int64_t generations() const { return g_.num_generations; }
+
+  // Where this rank's prompts of the step (micro-batch after micro-batch) stand in the step's global
+  // batch: every rank's first, in rank order, then every rank's second, … (the order the epoch's
+  // positions were dealt to the ranks in, so the same on 1 rank with accumulation as on N).
+  void prompt_indices(const std::vector<Rollout>& micro) {
+    size_t n = 0;
+    for (const Rollout& roll : micro) n += roll.prompts.size();
+    order_ = interleaved(agree_.gather({static_cast<double>(n)}));
+    index_.clear();
+    for (size_t p = 0; p < order_.size(); ++p)
+      if (order_[p].first == agree_.rank()) index_.push_back(p);
+  }
+
+  // (rank, its k-th prompt) in the step's global order, from every rank's count of prompts.
+  static std::vector<std::pair<int, size_t>> interleaved(const std::vector<std::vector<double>>& counts) {
+    std::vector<std::pair<int, size_t>> order;
+    for (size_t k = 0;; ++k) {
+      const size_t before = order.size();
+      for (size_t r = 0; r < counts.size(); ++r)
+        if (k < static_cast<size_t>(counts[r][0])) order.emplace_back(static_cast<int>(r), k);
+      if (order.size() == before) return order;
+    }
+  }
+
+  // Samples each prompt's G completions; `index`: the prompts' places in the step's global batch.
+  void sample(Rollout& roll, const size_t* index, uint64_t step) {
+    std::vector<std::vector<int64_t>> prompts;
+    std::vector<uint64_t> seeds;
+    for (size_t p = 0; p < roll.prompts.size(); ++p)
+      for (int64_t g = 0; g < generations(); ++g) {
+        const std::vector<int32_t>& ids = roll.prompts[p]->ids;
+        prompts.emplace_back(ids.begin(), ids.end());
+        seeds.push_back(
+            model::completion_seed(static_cast<uint64_t>(r_.train.seed), step, index[p], static_cast<uint64_t>(g)));
+      }
+    model::GenerateOptions opt{.max_new_tokens = g_.max_completion_length,
+                               .sampling = {.temperature = g_.temperature, .top_k = g_.top_k, .top_p = g_.top_p},
+                               .eos_id = eos_};
+    if (r_.dist.shard_base) opt.any_running = [this](bool mine) { return agree_.any(mine); };
+    const Sampling sampling(m_);
+    roll.completions = model::generate(m_, prompts, seeds, opt);
+    for (const auto& c : roll.completions) roll.truncated.push_back(c.empty() || !eos_ || c.back() != *eos_);
+  }
+
+  // Each completion's rewards: decoded without special tokens, as TRL gives them to reward functions.
+  void score(Rollout& roll) {
+    const size_t F = rewards_.size(), rows = roll.completions.size();
+    roll.scores.assign(rows * F, kNaN);
+    std::vector<std::string> texts(rows);
+    for (size_t i = 0; i < rows; ++i) {
+      const std::vector<int32_t> ids(roll.completions[i].begin(), roll.completions[i].end());
+      texts[i] = tok_.decode(ids, /*skip_special_tokens=*/true);
+    }
+    for (size_t f = 0; f < F; ++f) {
+      if (commands_[f]) {
+        std::vector<nlohmann::json> items;
+        for (size_t i = 0; i < rows; ++i) items.push_back(command_item(rewards_[f].spec(), roll, i, texts[i]));
+        const std::vector<double> got = rows ? commands_[f]->score(items) : std::vector<double>{};
+        for (size_t i = 0; i < rows; ++i) roll.scores[i * F + f] = got[i];
+        continue;
+      }
+      for (size_t i = 0; i < rows; ++i)
+        roll.scores[i * F + f] = rewards_[f].score(texts[i], static_cast<int64_t>(roll.completions[i].size()),
+                                                   *roll.prompts[i / static_cast<size_t>(generations())]->document);
+    }
+  }
+
+  // A command reward's line for completion `i`: the prompt as the document holds it (else as rendered),
+  // the completion, and the document's fields the reward names.
+  nlohmann::json command_item(const RewardSpec& spec, const Rollout& roll, size_t i, const std::string& text) const {
+    const data::Example& e = *roll.prompts[i / static_cast<size_t>(generations())];
+    const data::Document& doc = *e.document;
+    nlohmann::json item = nlohmann::json::object();
+    const auto it = doc.find(r_.data.prompt_field);
+    item["prompt"] = it != doc.end() && r_.data.prompt_template.empty() ? nlohmann::json::parse(it->dump())
+                                                                        : nlohmann::json(tok_.decode(e.ids, false));
+    item["completion"] = text;
+    for (const std::string& f : spec.fields) item[f] = nlohmann::json::parse(doc.at(f).dump());
+    return item;
+  }
+
+  // Every rank's rewards gathered in the step's global order; the advantages of this rank's
+  // completions, and the step's counts and figures.
+  Step advantage(std::vector<Rollout>& micro, int64_t step) {
+    const size_t F = rewards_.size(), G = static_cast<size_t>(generations()), per = F + 2;
+    std::vector<double> mine;  // per completion, in this rank's order: its rewards, length, truncated
+    for (const Rollout& roll : micro)
+      for (size_t i = 0; i < roll.completions.size(); ++i) {
+        mine.insert(mine.end(), roll.scores.begin() + static_cast<std::ptrdiff_t>(i * F),
+                    roll.scores.begin() + static_cast<std::ptrdiff_t>((i + 1) * F));
+        mine.push_back(static_cast<double>(roll.completions[i].size()));
+        mine.push_back(roll.truncated[i] ? 1.0 : 0.0);
+      }
+    const std::vector<std::vector<double>> all = agree_.gather(mine);
+    const size_t N = order_.size() * G;
+    std::vector<double> per_reward(N * F), total(N), length(N), truncated(N);
+    for (size_t p = 0; p < order_.size(); ++p) {
+      const auto& [rank, k] = order_[p];
+      for (size_t g = 0; g < G; ++g) {
+        const double* row = all[static_cast<size_t>(rank)].data() + (k * G + g) * per;
+        const size_t i = p * G + g;
+        double sum = 0;
+        bool any = false;
+        for (size_t f = 0; f < F; ++f) {
+          per_reward[i * F + f] = row[f];
+          if (std::isnan(row[f])) continue;
+          sum += rewards_[f].spec().weight * row[f];
+          any = true;
+        }
+        total[i] = any ? sum : kNaN;  // (every reward unscorable: advantaged 0)
+        length[i] = row[F];
+        truncated[i] = row[F + 1];
+      }
+    }
+    const at::Tensor rewards = at::tensor(std::vector<float>(total.begin(), total.end()), at::kFloat);
+    const Advantages adv = group_advantages(rewards, static_cast<int64_t>(G), scale_of(g_.scale_rewards));
+    const at::Tensor advantages = adv.advantages.to(at::kDouble).contiguous();
+    const double* a = advantages.data_ptr<double>();
+    size_t k = 0;
+    for (Rollout& roll : micro)
+      for (size_t p = 0; p < roll.prompts.size(); ++p, ++k)
+        for (size_t g = 0; g < G; ++g) roll.advantages.push_back(a[index_[k] * G + g]);
+    Step s;
+    s.counts.completions = static_cast<double>(N);
+    for (size_t i = 0; i < N; ++i)
+      if (!(g_.mask_truncated_completions && truncated[i] > 0)) s.counts.tokens += length[i];
+    s.figures = step_figures(total, per_reward, length, truncated, adv.std_zero.to(at::kDouble).mean().item<double>());
+    if (g_.log_completions && agree_.lead()) log(step, micro, total, advantages);
+    return s;
+  }
+
+  std::vector<double> step_figures(const std::vector<double>& total, const std::vector<double>& per_reward,
+                                   const std::vector<double>& length, const std::vector<double>& truncated,
+                                   double zero_std) const {
+    const auto [reward, reward_std] = nan_mean_std(total);
+    double len_sum = 0, len_min = kNaN, len_max = kNaN, cut = 0, term_sum = 0, term_n = 0;
+    double term_min = kNaN, term_max = kNaN;
+    for (size_t i = 0; i < length.size(); ++i) {
+      len_sum += length[i];
+      len_min = std::isnan(len_min) ? length[i] : std::min(len_min, length[i]);
+      len_max = std::isnan(len_max) ? length[i] : std::max(len_max, length[i]);
+      if (truncated[i] > 0) {
+        ++cut;
+        continue;
+      }
+      term_sum += length[i], ++term_n;
+      term_min = std::isnan(term_min) ? length[i] : std::min(term_min, length[i]);
+      term_max = std::isnan(term_max) ? length[i] : std::max(term_max, length[i]);
+    }
+    const double n = std::max<double>(static_cast<double>(length.size()), 1);
+    // (none terminated: TRL logs 0s)
+    std::vector<double> out = {reward,
+                               reward_std,
+                               zero_std,
+                               len_sum / n,
+                               len_min,
+                               len_max,
+                               cut / n,
+                               term_n ? term_sum / term_n : 0.0,
+                               term_n ? term_min : 0.0,
+                               term_n ? term_max : 0.0};
+    const size_t F = rewards_.size();
+    for (size_t f = 0; f < F; ++f) {
+      std::vector<double> col;
+      for (size_t i = 0; i < total.size(); ++i) col.push_back(per_reward[i * F + f]);
+      const auto [mean, std] = nan_mean_std(col);
+      out.push_back(mean);
+      out.push_back(std);
+    }
+    return out;
+  }
+
+  // grpo.log_completions: rank 0 appends the step's rows it generated to <output_dir>/completions.jsonl.
+  // (Only this rank's prompts: the others' stay on their ranks.) The first step this process logs
+  // keeps the rows of the steps before it (a resume's) and drops any later ones (a new run: all).
+  void log(int64_t step, const std::vector<Rollout>& micro, const std::vector<double>& total,
+           const at::Tensor& advantages) {
+    if (!log_.is_open()) {
+      const std::string path = (std::filesystem::path(r_.checkpoint.output_dir) / "completions.jsonl").string();
+      std::string kept, line;
+      for (std::ifstream in(path); std::getline(in, line);) {
+        const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
+        if (row.is_object() && row.value("step", int64_t{0}) < step) kept += line + "\n";
+      }
+      io::write_file_atomic(path, kept);
+      log_ = io::OutFile(path, io::OutFile::Mode::Append);
+    }
+    std::string out;
+    const double* a = advantages.data_ptr<double>();
+    const size_t G = static_cast<size_t>(generations());
+    size_t k = 0;  // this rank's completions so far
+    for (const Rollout& roll : micro)
+      for (size_t i = 0; i < roll.completions.size(); ++i, ++k) {
+        const size_t p = index_[k / G];  // the prompt's place in the step
+        const std::vector<int32_t> ids(roll.completions[i].begin(), roll.completions[i].end());
+        nlohmann::json row = {{"step", step},
+                              {"index", p},
+                              {"generation", i % G},
+                              {"prompt", tok_.decode(roll.prompts[i / G]->ids, false)},
+                              {"completion", tok_.decode(ids, true)},
+                              {"completion_ids", ids}};
+        nlohmann::json rewards = nlohmann::json::object();
+        for (size_t f = 0; f < rewards_.size(); ++f) {
+          const double v = roll.scores[i * rewards_.size() + f];
+          rewards[rewards_[f].spec().name] = std::isnan(v) ? nlohmann::json(nullptr) : nlohmann::json(v);
+        }
+        row["rewards"] = rewards;
+        const double t = total[p * G + i % G];
+        row["reward"] = std::isnan(t) ? nlohmann::json(nullptr) : nlohmann::json(t);
+        row["advantage"] = a[p * G + i % G];
+        out += row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+      }
+    log_.write(out);
+  }
+
+  // The micro-batch's completions through the policy (and the reference, with grpo.beta), the loss
+  // backward; `counts`: the step's, over every rank.
+  void train(const Rollout& roll, const GrpoStepCounts& counts, Sums& sums) {
+    if (roll.completions.empty()) {  // the others' passes joined (shard_base, the gradients' all-reduce)
+      if (g_.beta > 0) m_.skip_pass(false, false);
+      m_.skip_pass(true, false);
+      return;
+    }
+    std::vector<data::Example> rows;
+    std::vector<int64_t> ri, ci;
+    std::vector<float> keep;
+    int64_t longest = 1;
+    for (size_t i = 0; i < roll.completions.size(); ++i) {
+      const data::Example& prompt = *roll.prompts[i / static_cast<size_t>(generations())];
+      data::Example x;
+      x.ids = prompt.ids;
+      x.labels.assign(prompt.ids.size(), data::kIgnoreIndex);
+      const auto& c = roll.completions[i];
+      for (size_t j = 0; j < c.size(); ++j) {
+        x.ids.push_back(static_cast<int32_t>(c[j]));
+        x.labels.push_back(static_cast<int32_t>(c[j]));
+        ri.push_back(static_cast<int64_t>(i));
+        ci.push_back(static_cast<int64_t>(j));
+      }
+      longest = std::max(longest, static_cast<int64_t>(c.size()));
+      keep.push_back(g_.mask_truncated_completions && roll.truncated[i] ? 0.0f : 1.0f);
+      rows.push_back(std::move(x));
+    }
+    const data::Batch b = data::collate(rows, false, 0, device_);
+    const auto B = static_cast<int64_t>(rows.size());
+    const at::Tensor row = at::tensor(ri, at::kLong).to(device_), col = at::tensor(ci, at::kLong).to(device_);
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
+    const at::Tensor mask = at::zeros({B, longest}, f32).index_put_({row, col}, at::ones({}, f32)) *
+                            at::tensor(keep, at::kFloat).to(device_).unsqueeze(1);
+    at::Tensor ref;
+    if (g_.beta > 0) {
+      const c10::NoGradGuard no_grad;
+      const AsReference as_reference(m_, params_, reference_);
+      ref = logps(b, row, col, B, longest);
+    }
+    const at::Tensor policy = logps(b, row, col, B, longest);
+    const at::Tensor adv = at::tensor(roll.advantages, at::kDouble).to(at::kFloat).to(device_);
+    const GrpoLoss l = grpo_loss(policy, at::Tensor(), ref, mask, adv, cfg_, counts);
+    l.loss.backward();
+    sums.loss += l.loss.detach();
+    sums.stats.narrow(0, 0, kFigures).add_(l.figures.to(device_));
+    sums.tokens += static_cast<int64_t>(l.figures[kTokens].item<double>());
+    sums.real += b.real;
+    sums.slots += b.slots;
+  }
+
+  // [B, longest] each completion token's log-prob, the logits divided by grpo.temperature (TRL's).
+  at::Tensor logps(const data::Batch& b, const at::Tensor& row, const at::Tensor& col, int64_t B, int64_t longest) {
+    at::Tensor hidden = m_.hidden_states(b.ids, b.mask);
+    if (g_.temperature != 1.0) hidden = hidden / g_.temperature;
+    const at::Tensor tok =
+        model::lm_head_token_losses(hidden, m_.lm_head(), b.rows, b.targets, m_.config().logit_softcap);
+    return at::zeros({B, longest}, tok.options()).index_put({row, col}, tok.neg());
+  }
+
+  const recipe::Recipe& r_;
+  const recipe::GrpoSection& g_;
+  model::CausalLM& m_;
+  const Agreement& agree_;
+  const c10::Device device_;
+  const tok::Tokenizer& tok_;
+  const GrpoLossConfig cfg_;
+  std::vector<Reward> rewards_;
+  std::vector<std::unique_ptr<RewardCommand>> commands_;  // by reward: its program (null: a built-in kind)
+  std::vector<at::Tensor> params_, reference_;            // the adapter's tensors; the reference's values
+  std::optional<int64_t> eos_;
+  std::vector<std::pair<int, size_t>> order_;  // the step's prompts: (rank, its k-th) in global order
+  std::vector<size_t> index_;                  // ... where this rank's stand in it
+  io::OutFile log_;                            // grpo.log_completions' file, once opened
+};
+
+}  // namespace
+
+std::unique_ptr<Objective> make_grpo(const recipe::Recipe& r, model::CausalLM& m,
+                                     const std::vector<std::pair<std::string, at::Tensor>>& named,
+                                     const Agreement& agree, c10::Device device, const tok::Tokenizer& tokenizer) {
+  return std::make_unique<Grpo>(r, m, named, agree, device, tokenizer);
+}
+
+std::function<std::string(const data::Document&)> reward_check(const recipe::Recipe& r) {
+  auto rewards = std::make_shared<const std::vector<Reward>>(rewards_of(r));
+  return [rewards](const data::Document& doc) {
+    for (const Reward& reward : *rewards)
+      if (std::string why = reward.check(doc); !why.empty()) return why;
+    return std::string();
+  };
+}
+
+}  // namespace lorarun::train

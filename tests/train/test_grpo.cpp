@@ -1,0 +1,239 @@
+// train.objective: grpo: lora-train samples, scores and trains as TRL's GRPOTrainer does; the same
+// completions and adapter on 1 rank, 2 ranks and with accumulation; a resume samples the same
+// completions again; bad rewards and documents in one line.
+#include <fmt/format.h>
+
+#include <catch2/catch.hpp>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "support/oracle.hpp"
+#include "support/runs.hpp"
+
+using namespace lorarun::test;
+
+namespace {
+
+// `n` prompts "What is i+(i+1)? Answer:" with the answer 2i+1, one JSON object a line.
+void write_prompts(const std::string& path, int n) {
+  std::ofstream out(path);
+  for (int i = 0; i < n; ++i)
+    out << nlohmann::json{{"prompt", fmt::format("What is {}+{}? Answer:", i, i + 1)}, {"answer", 2 * i + 1}}.dump()
+        << "\n";
+}
+
+// 4 completions of up to 8 tokens a prompt, rewarded for the right number and for ending early.
+const std::string kGrpo =
+    "num_generations: 4, max_completion_length: 8, rewards: [{name: num, kind: number, field: answer}, {name: short, "
+    "kind: length, max_tokens: 8, cache: 6, weight: 0.5}]";
+
+// A GRPO recipe on the llama fixture over `dir`/prompts.jsonl in file order, constant LR, logging
+// its completions; `grpo` is the grpo: section's keys.
+std::string write_grpo_recipe(const std::string& dir, const std::string& name, const std::string& train,
+                              const std::string& grpo = kGrpo, const std::string& data = "") {
+  const std::string path = fmt::format("{}/{}.yaml", dir, name);
+  std::ofstream(path) << fmt::format(
+      R"(model: {{path: {}/llama, dtype: fp32, device: cpu}}
+lora: {{r: 4, alpha: 8, target_modules: all-linear}}
+data: {{source: jsonl, path: {}/prompts.jsonl, format: prompt, shuffle: none, max_length: 64{}}}
+train: {{objective: grpo, lr_scheduler: constant, lr: 0.001, {}}}
+grpo: {{log_completions: true, {}}}
+checkpoint: {{output_dir: {}/{}}}
+track: {{mongodb: false}}
+)",
+      LORARUN_MODEL_FIXTURES, dir, data, train, grpo, dir, name);
+  return path;
+}
+
+std::vector<nlohmann::json> rows_of(const std::string& file) {
+  std::vector<nlohmann::json> rows;
+  std::ifstream in(file);
+  for (std::string line; std::getline(in, line);) rows.push_back(nlohmann::json::parse(line));
+  return rows;
+}
+
+// The train rows of a run's metrics.jsonl.
+std::vector<nlohmann::json> steps_of(const std::string& run_dir) {
+  std::vector<nlohmann::json> out;
+  for (auto& row : rows_of(run_dir + "/metrics.jsonl"))
+    if (row.contains("reward")) out.push_back(std::move(row));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "grpo: lora-train equals TRL's GRPOTrainer step by step on the same completions: dapo, grpo, dr_grpo, bnpo, "
+    "GSPO's sequence level, beta 0 and 0.04, scale_rewards group, batch and none, accumulation, masked truncation",
+    "[e2e][reference][grpo]") {
+  const std::string dir = temp_dir("grpo-trl");
+  {  // 6 steps of 2 prompts (× accumulation 2): "What is a + b?", the answer a number or a string
+    std::ofstream out(dir + "/prompts.jsonl");
+    for (int i = 0; i < 24; ++i) {
+      const int a = (i * 7 + 1) % 6, b = (i * 5 + 4) % 5;
+      const nlohmann::json answer = i % 2 ? nlohmann::json(std::to_string(a + b)) : nlohmann::json(a + b);
+      out << nlohmann::json{{"prompt", fmt::format("What is {} + {}?", a, b)}, {"answer", answer}}.dump() << "\n";
+    }
+  }
+  const std::string script = std::string(LORARUN_SOURCE_DIR) + "/tests/reference/grpo_trainer_reference.py";
+  const std::string model = std::string(LORARUN_MODEL_FIXTURES) + "/llama";
+  REQUIRE(sh(fmt::format("{} {} init {} {}/init 4 8 0", LORARUN_PYTHON, script, model, dir)).status == 0);
+  // 8 completions of up to 16 tokens a prompt, rewarded for ending early: groups whose rewards differ
+  const std::string recipe = write_grpo_recipe(
+      dir, "g", "epochs: 1, max_steps_per_epoch: 6",
+      "num_generations: 8, max_completion_length: 16, rewards: [{name: num, kind: number, field: answer}, "
+      "{name: short, kind: length, max_tokens: 16, cache: 14, weight: 0.5}]",
+      ", batch_size: 2");
+  const struct {
+    std::string name, ours, trl;
+  } cases[] = {
+      {"dapo", "grpo.beta=0.04", "--loss-type dapo --beta 0.04"},
+      {"grpo", "grpo.loss_type=grpo", "--loss-type grpo --beta 0"},
+      {"dr_grpo", "grpo.loss_type=dr_grpo grpo.beta=0.04", "--loss-type dr_grpo --beta 0.04"},
+      {"bnpo", "grpo.loss_type=bnpo grpo.beta=0.04", "--loss-type bnpo --beta 0.04"},
+      {"gspo", "grpo.importance_sampling_level=sequence grpo.beta=0.04",
+       "--loss-type dapo --beta 0.04 --importance-level sequence"},
+      {"none", "grpo.scale_rewards=none grpo.beta=0.04", "--loss-type dapo --beta 0.04 --scale-rewards none"},
+      {"accum", "train.gradient_accumulation_steps=2 grpo.beta=0.04", "--loss-type dapo --beta 0.04 --accum 2"},
+      {"masked", "grpo.mask_truncated_completions=true grpo.beta=0.04",
+       "--loss-type dapo --beta 0.04 --mask-truncated"},
+      {"batch", "grpo.scale_rewards=batch grpo.epsilon_high=0.28 grpo.temperature=0.7",
+       "--loss-type dapo --beta 0 --scale-rewards batch --epsilon-high 0.28 --temperature 0.7"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.name);
+    const Result t = sh(fmt::format("{} {} lora.init_from={}/init checkpoint.output_dir={}/{} {}", bin("lora-train"),
+                                    recipe, dir, dir, c.name, c.ours));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    const Oracle ref =
+        oracle(fmt::format("{} {} check {} {}/init {}/prompts.jsonl {}/{} --steps 6 --batch 2 --num-generations 8 "
+                           "--max-completion-length 16 --length 16,14 --lr 1e-3 --loss-tol 1e-5 --adapter-tol 1e-4 {}",
+                           LORARUN_PYTHON, script, model, dir, dir, dir, c.name, c.trl));
+    INFO(ref.run.output);
+    CHECK(ref.run.status == 0);
+    CHECK(ref.fields.value("match", false));
+    CHECK(ref.fields.value("steps", 0) == 6);
+    // advantages that move the adapter: some groups' rewards differ
+    CHECK(ref.fields.value("largest_weight_change", 0.0) > 1e-4);
+  }
+}
+
+TEST_CASE("grpo: 1 rank, 2 ranks and accumulation 2 sample the same completions and train the same adapter",
+          "[e2e][grpo]") {
+  const std::string dir = temp_dir("grpo-ranks");
+  write_prompts(dir + "/prompts.jsonl", 16);  // 4 steps of 4 prompts
+  struct Layout {
+    std::string name, launch, train;
+  } layouts[] = {{"w1b4", bin("lora-train"), "data.batch_size=4"},
+                 {"w2b2", bin("lorarun") + " --nproc-per-node 2", "data.batch_size=2"},
+                 {"w1b2a2", bin("lora-train"), "data.batch_size=2 train.gradient_accumulation_steps=2"}};
+  const std::string recipe = write_grpo_recipe(dir, "g", "epochs: 1", kGrpo + ", beta: 0.04");
+  for (const Layout& l : layouts) {
+    const Result t = sh(fmt::format("{} {} {} checkpoint.output_dir={}/{}", l.launch, recipe, l.train, dir, l.name));
+    INFO(l.name << "\n" << t.output);
+    REQUIRE(t.status == 0);
+  }
+  const auto one = steps_of(dir + "/w1b4");
+  REQUIRE(one.size() == 4);
+  bool learnt = false;
+  for (const Layout& l : {layouts[1], layouts[2]}) {
+    INFO(l.name);
+    const auto other = steps_of(dir + "/" + l.name);
+    REQUIRE(other.size() == one.size());
+    // every rank's completions are scored and advantaged together: the step's figures are the same
+    for (size_t s = 0; s < one.size(); ++s)
+      for (const char* key : {"reward", "reward_std", "frac_reward_zero_std", "rewards/short/mean",
+                              "completions/mean_length", "completions/max_length"}) {
+        INFO("step " << s + 1 << " " << key);
+        CHECK(other[s][key] == one[s][key]);
+      }
+    CHECK(adapter_relative_diff(dir + "/w1b4/epoch_0/adapter_model.safetensors",
+                                dir + "/" + l.name + "/epoch_0/adapter_model.safetensors") < 1e-5);
+  }
+  for (const auto& row : one) learnt = learnt || row["grad_norm"].get<double>() > 0;
+  CHECK(learnt);
+  // 1 rank logs every completion: 4 steps × 4 prompts × 4 generations, the same as accumulation's
+  const auto logged = rows_of(dir + "/w1b4/completions.jsonl");
+  CHECK(logged.size() == 64);
+  const auto accumulated = rows_of(dir + "/w1b2a2/completions.jsonl");
+  REQUIRE(accumulated.size() == logged.size());
+  for (size_t i = 0; i < logged.size(); ++i) {
+    INFO("row " << i);
+    CHECK(accumulated[i]["completion_ids"] == logged[i]["completion_ids"]);
+    CHECK(accumulated[i]["advantage"] == logged[i]["advantage"]);
+  }
+}
+
+TEST_CASE("grpo: a run killed mid-epoch resumes to the uninterrupted run's adapter, sampling the same completions",
+          "[e2e][grpo]") {
+  const std::string dir = temp_dir("grpo-resume");
+  write_prompts(dir + "/prompts.jsonl", 8);  // 4 steps of 2 prompts an epoch
+  const std::string recipe = write_grpo_recipe(dir, "w", "epochs: 2", kGrpo, ", batch_size: 2");
+  REQUIRE(sh(fmt::format("{} {}", bin("lora-train"), recipe)).status == 0);
+  const std::string cmd =
+      fmt::format("{} {} checkpoint.output_dir={}/k checkpoint.state_every_n_steps=2", bin("lora-train"), recipe, dir);
+  const Result killed = interrupt(cmd, dir + "/k.log", "epoch 1/2 step 1/4", "kill -9 $pid");
+  INFO(read_file(dir + "/k.log"));
+  REQUIRE_THAT(killed.output, Catch::Contains("exit=137"));
+  const Result again = sh(cmd);
+  INFO(again.output);
+  REQUIRE(again.status == 0);
+  CHECK_THAT(again.output, Catch::Contains("resuming at epoch 1"));
+  CHECK(sh(fmt::format("cmp {0}/w/epoch_1/adapter_model.safetensors {0}/k/epoch_1/adapter_model.safetensors", dir))
+            .status == 0);
+  // the resumed steps sampled the uninterrupted run's completions; the log kept the steps before the
+  // state and dropped the killed run's later ones
+  CHECK(rows_of(dir + "/w/completions.jsonl").size() == 64);
+  CHECK(sh(fmt::format("cmp {0}/w/completions.jsonl {0}/k/completions.jsonl", dir)).status == 0);
+}
+
+TEST_CASE("grpo: a reward program scores completions, and bad rewards, programs and documents are one line each",
+          "[e2e][grpo]") {
+  const std::string dir = temp_dir("grpo-bad");
+  write_prompts(dir + "/prompts.jsonl", 6);
+  {  // two documents without the answer a reward checks: skipped as bad documents before sampling
+    std::ofstream out(dir + "/prompts.jsonl", std::ios::app);
+    out << R"({"prompt": "What is one?"})" << "\n" << R"({"prompt": "What is two?", "answer": "none"})" << "\n";
+  }
+  const std::string recipe = write_grpo_recipe(dir, "g", "epochs: 1", kGrpo, ", batch_size: 2");
+  // a program in any language: here sh, 1 for a line that holds the document's answer field, else 0
+  std::ofstream(dir + "/digit.sh")
+      << "while read -r l; do case \"$l\" in *'\"answer\":'*) echo 1;; *) echo 0;; esac; done\n";
+  const Result scored = sh(fmt::format(
+      "{} {} data.max_skipped_share=0.5 'grpo.rewards=[{{name: digit, kind: command, fields: [answer], run: [sh, "
+      "{}/digit.sh]}}, {{name: num, kind: number, field: answer}}]'",
+      bin("lora-train"), recipe, dir));
+  INFO(scored.output);
+  REQUIRE(scored.status == 0);
+  const auto rows = steps_of(dir + "/g");
+  REQUIRE(rows.size() == 4);  // 4 steps of 2 documents, the last two skipped: a step of none, reward null
+  int skipped = 0;
+  for (size_t s = 0; s < rows.size(); ++s) {
+    INFO(rows[s].dump());
+    CHECK(rows[s]["rewards/digit/mean"] == (s < 3 ? nlohmann::json(1.0) : nlohmann::json(nullptr)));
+    skipped += rows[s]["skipped"].get<int>();
+  }
+  CHECK(skipped == 2);
+  const struct {
+    std::string override_, message;
+  } bad[] = {
+      {"grpo.rewards=[{name: x, kind: bogus}]", "grpo.rewards[0] (x): kind 'bogus' is not one of"},
+      {"grpo.rewards=[{name: x, kind: exact}]", "grpo.rewards[0] (x): a exact reward compares with a field"},
+      {R"(grpo.rewards=[{name: "a b", kind: json}])", "grpo.rewards[0]: `name` must be set, of letters"},
+      {R"(grpo.rewards=[{name: x, kind: regex, pattern: "(("}])", "pattern '((' does not compile"},
+      {R"(grpo.rewards=[{name: talk, kind: command, run: [sh, -c, "while read -r l; do echo hello; done"]}])", "talk"},
+      {R"(grpo.rewards=[{name: gone, kind: command, run: [sh, -c, "exit 3"]}])", "gone"},
+  };
+  for (const auto& b : bad) {
+    const Result r =
+        sh(fmt::format("{} {} '{}' checkpoint.output_dir={}/bad", bin("lora-train"), recipe, b.override_, dir));
+    INFO(b.override_ << "\n" << r.output);
+    CHECK(r.status != 0);
+    CHECK_THAT(r.output, Catch::Contains(b.message));
+    CHECK_THAT(r.output, !Catch::Contains("terminate called"));
+    CHECK(sh(fmt::format("test -e {}/bad/epoch_0", dir)).status != 0);
+  }
+}
