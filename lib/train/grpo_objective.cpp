@@ -334,7 +334,7 @@ class Grpo final : public Objective {
     for (size_t i = 0; i < N; ++i)
       if (!(g_.mask_truncated_completions && truncated[i] > 0)) s.counts.tokens += length[i];
     s.figures = step_figures(total, per_reward, length, truncated, adv.std_zero.to(at::kDouble).mean().item<double>());
-    if (g_.log_completions && agree_.lead()) log(step, micro, total, advantages);
+    if (g_.log_completions) log(step, micro, per_reward, total, advantages);
     return s;
   }
 
@@ -379,11 +379,36 @@ class Grpo final : public Objective {
     return out;
   }
 
-  // grpo.log_completions: rank 0 appends the step's rows it generated to <output_dir>/completions.jsonl.
-  // (Only this rank's prompts: the others' stay on their ranks.) The first step this process logs
-  // keeps the rows of the steps before it (a resume's) and drops any later ones (a new run: all).
-  void log(int64_t step, const std::vector<Rollout>& micro, const std::vector<double>& total,
-           const at::Tensor& advantages) {
+  // grpo.log_completions: every rank's prompts and completions (their ids) gathered, and rank 0
+  // appends the step's rows in its global order to <output_dir>/completions.jsonl. The first step
+  // this process logs keeps the rows of the steps before it (a resume's) and drops any later ones.
+  void log(int64_t step, const std::vector<Rollout>& micro, const std::vector<double>& per_reward,
+           const std::vector<double>& total, const at::Tensor& advantages) {
+    std::vector<double> mine;  // per completion: its prompt's length and ids, its length and ids
+    for (const Rollout& roll : micro)
+      for (size_t i = 0; i < roll.completions.size(); ++i) {
+        const std::vector<int32_t>& prompt = roll.prompts[i / static_cast<size_t>(generations())]->ids;
+        mine.push_back(static_cast<double>(prompt.size()));
+        mine.insert(mine.end(), prompt.begin(), prompt.end());
+        mine.push_back(static_cast<double>(roll.completions[i].size()));
+        mine.insert(mine.end(), roll.completions[i].begin(), roll.completions[i].end());
+      }
+    const std::vector<std::vector<double>> all = agree_.gather(mine);
+    if (!agree_.lead()) return;
+    const size_t G = static_cast<size_t>(generations()), F = rewards_.size();
+    std::vector<std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>>> rows(all.size());  // by rank
+    for (size_t r = 0; r < all.size(); ++r)
+      for (size_t at = 0; at < all[r].size();) {
+        const auto take = [&] {
+          const auto n = static_cast<size_t>(all[r][at]);
+          std::vector<int32_t> ids(all[r].begin() + static_cast<std::ptrdiff_t>(at + 1),
+                                   all[r].begin() + static_cast<std::ptrdiff_t>(at + 1 + n));
+          at += 1 + n;
+          return ids;
+        };
+        auto prompt = take();
+        rows[r].emplace_back(std::move(prompt), take());
+      }
     if (!log_.is_open()) {
       const std::string path = (std::filesystem::path(r_.checkpoint.output_dir) / "completions.jsonl").string();
       std::string kept, line;
@@ -394,29 +419,24 @@ class Grpo final : public Objective {
       io::write_file_atomic(path, kept);
       log_ = io::OutFile(path, io::OutFile::Mode::Append);
     }
-    std::string out;
+    const auto number = [](double v) { return std::isnan(v) ? nlohmann::json(nullptr) : nlohmann::json(v); };
     const double* a = advantages.data_ptr<double>();
-    const size_t G = static_cast<size_t>(generations());
-    size_t k = 0;  // this rank's completions so far
-    for (const Rollout& roll : micro)
-      for (size_t i = 0; i < roll.completions.size(); ++i, ++k) {
-        const size_t p = index_[k / G];  // the prompt's place in the step
-        const std::vector<int32_t> ids(roll.completions[i].begin(), roll.completions[i].end());
-        nlohmann::json row = {{"step", step},
-                              {"index", p},
-                              {"generation", i % G},
-                              {"prompt", tok_.decode(roll.prompts[i / G]->ids, false)},
-                              {"completion", tok_.decode(ids, true)},
-                              {"completion_ids", ids}};
+    std::string out;
+    for (size_t p = 0; p < order_.size(); ++p)
+      for (size_t g = 0; g < G; ++g) {
+        const auto& [prompt, completion] = rows[static_cast<size_t>(order_[p].first)][order_[p].second * G + g];
+        const size_t i = p * G + g;
         nlohmann::json rewards = nlohmann::json::object();
-        for (size_t f = 0; f < rewards_.size(); ++f) {
-          const double v = roll.scores[i * rewards_.size() + f];
-          rewards[rewards_[f].spec().name] = std::isnan(v) ? nlohmann::json(nullptr) : nlohmann::json(v);
-        }
-        row["rewards"] = rewards;
-        const double t = total[p * G + i % G];
-        row["reward"] = std::isnan(t) ? nlohmann::json(nullptr) : nlohmann::json(t);
-        row["advantage"] = a[p * G + i % G];
+        for (size_t f = 0; f < F; ++f) rewards[rewards_[f].spec().name] = number(per_reward[i * F + f]);
+        const nlohmann::json row = {{"step", step},
+                                    {"index", p},
+                                    {"generation", g},
+                                    {"prompt", tok_.decode(prompt, false)},
+                                    {"completion", tok_.decode(completion, true)},
+                                    {"completion_ids", completion},
+                                    {"rewards", rewards},
+                                    {"reward", number(total[i])},
+                                    {"advantage", a[i]}};
         out += row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
       }
     log_.write(out);

@@ -121,15 +121,19 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("grpo: 1 rank, 2 ranks and accumulation 2 sample the same completions and train the same adapter",
-          "[e2e][grpo]") {
+TEST_CASE(
+    "grpo: 1 rank, 2 ranks, accumulation 2 and a sharded base sample the same completions and train the same "
+    "adapter",
+    "[e2e][grpo]") {
   const std::string dir = temp_dir("grpo-ranks");
   write_prompts(dir + "/prompts.jsonl", 16);  // 4 steps of 4 prompts
   struct Layout {
     std::string name, launch, train;
   } layouts[] = {{"w1b4", bin("lora-train"), "data.batch_size=4"},
                  {"w2b2", bin("lorarun") + " --nproc-per-node 2", "data.batch_size=2"},
-                 {"w1b2a2", bin("lora-train"), "data.batch_size=2 train.gradient_accumulation_steps=2"}};
+                 {"w1b2a2", bin("lora-train"), "data.batch_size=2 train.gradient_accumulation_steps=2"},
+                 // each rank holding half the base: ranks whose completions end first join the others' passes
+                 {"w2b2s", bin("lorarun") + " --nproc-per-node 2", "data.batch_size=2 dist.shard_base=true"}};
   const std::string recipe = write_grpo_recipe(dir, "g", "epochs: 1", kGrpo + ", beta: 0.04");
   for (const Layout& l : layouts) {
     const Result t = sh(fmt::format("{} {} {} checkpoint.output_dir={}/{}", l.launch, recipe, l.train, dir, l.name));
@@ -139,7 +143,7 @@ TEST_CASE("grpo: 1 rank, 2 ranks and accumulation 2 sample the same completions 
   const auto one = steps_of(dir + "/w1b4");
   REQUIRE(one.size() == 4);
   bool learnt = false;
-  for (const Layout& l : {layouts[1], layouts[2]}) {
+  for (const Layout& l : {layouts[1], layouts[2], layouts[3]}) {
     INFO(l.name);
     const auto other = steps_of(dir + "/" + l.name);
     REQUIRE(other.size() == one.size());
@@ -155,15 +159,18 @@ TEST_CASE("grpo: 1 rank, 2 ranks and accumulation 2 sample the same completions 
   }
   for (const auto& row : one) learnt = learnt || row["grad_norm"].get<double>() > 0;
   CHECK(learnt);
-  // 1 rank logs every completion: 4 steps × 4 prompts × 4 generations, the same as accumulation's
+  // every completion is logged, 4 steps × 4 prompts × 4 generations, the same on each layout
   const auto logged = rows_of(dir + "/w1b4/completions.jsonl");
   CHECK(logged.size() == 64);
-  const auto accumulated = rows_of(dir + "/w1b2a2/completions.jsonl");
-  REQUIRE(accumulated.size() == logged.size());
-  for (size_t i = 0; i < logged.size(); ++i) {
-    INFO("row " << i);
-    CHECK(accumulated[i]["completion_ids"] == logged[i]["completion_ids"]);
-    CHECK(accumulated[i]["advantage"] == logged[i]["advantage"]);
+  for (const char* other : {"w2b2", "w1b2a2", "w2b2s"}) {
+    const auto rows = rows_of(dir + "/" + other + "/completions.jsonl");
+    REQUIRE(rows.size() == logged.size());
+    for (size_t i = 0; i < logged.size(); ++i) {
+      INFO(other << " row " << i);
+      CHECK(rows[i]["prompt"] == logged[i]["prompt"]);
+      CHECK(rows[i]["completion_ids"] == logged[i]["completion_ids"]);
+      CHECK(rows[i]["advantage"] == logged[i]["advantage"]);
+    }
   }
 }
 
