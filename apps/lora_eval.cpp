@@ -138,6 +138,11 @@ int eval_recipe(const RecipeEval& a) {
   const dist::DistEnv env = dist::DistEnv::from_environment();
   if (env.world_size > 1 && !a.per_doc.empty())
     throw Error("--per-doc runs on one rank: drop it, or run lora-eval without lorarun");
+  if (r.train.objective == recipe::Objective::Grpo)
+    throw Error(fmt::format(
+        "{} trains grpo: its documents are prompts without completions to score, and its evaluation (the mean "
+        "reward of sampled completions) is not built yet: sample them with lora-generate --prompts",
+        a.recipe));
   const bool eval_split = a.split == "eval";
   if (eval_split && !r.eval.enabled(r.data.source))
     throw Error(

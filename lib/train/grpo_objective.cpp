@@ -147,7 +147,8 @@ class Grpo final : public Objective {
 
   Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, int64_t step) override {
     std::vector<Rollout> micro(static_cast<size_t>(accum));
-    std::vector<std::vector<data::Example>> examples;
+    std::vector<std::vector<data::Example>> examples;  // (the rollouts point into them)
+    examples.reserve(micro.size());
     for (Rollout& roll : micro) {
       examples.push_back(next());
       for (const data::Example& e : examples.back()) roll.prompts.push_back(&e);

@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <type_traits>
 
 #include "util/error.hpp"
 #include "util/untrusted.hpp"
@@ -249,11 +250,24 @@ template <class T>
 void read_key(const nlohmann::json& entry, const char* key, T& out, const std::string& where) {
   const auto it = entry.find(key);
   if (it == entry.end() || it->is_null()) return;
-  try {
-    out = it->get<T>();
-  } catch (const nlohmann::json::exception&) {
-    throw ConfigError(fmt::format("{}: `{}` is a {}, which does not fit", where, key, it->type_name()));
+  const nlohmann::json& v = *it;
+  bool fits = false;
+  const char* what = "";
+  if constexpr (std::is_same_v<T, std::string>) {
+    fits = v.is_string(), what = "a string";
+  } else if constexpr (std::is_same_v<T, bool>) {
+    fits = v.is_boolean(), what = "true or false";
+  } else if constexpr (std::is_integral_v<T>) {
+    fits = v.is_number_integer(), what = "a whole number";
+  } else if constexpr (std::is_floating_point_v<T>) {
+    fits = v.is_number(), what = "a number";
+  } else {
+    static_assert(std::is_same_v<T, std::vector<std::string>>);
+    fits = v.is_array() && std::all_of(v.begin(), v.end(), [](const nlohmann::json& x) { return x.is_string(); });
+    what = "a list of strings";
   }
+  if (!fits) throw ConfigError(fmt::format("{}: `{}` must be {}, got {}", where, key, what, printable(v.dump())));
+  out = v.get<T>();
 }
 
 bool metric_name(std::string_view s) {

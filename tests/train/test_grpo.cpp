@@ -2,7 +2,9 @@
 // completions and adapter on 1 rank, 2 ranks and with accumulation; a resume samples the same
 // completions again; bad rewards and documents in one line.
 #include <fmt/format.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -11,6 +13,7 @@
 
 #include "support/oracle.hpp"
 #include "support/runs.hpp"
+#include "support/servers.hpp"
 
 using namespace lorarun::test;
 
@@ -69,9 +72,9 @@ TEST_CASE(
     "GSPO's sequence level, beta 0 and 0.04, scale_rewards group, batch and none, accumulation, masked truncation",
     "[e2e][reference][grpo]") {
   const std::string dir = temp_dir("grpo-trl");
-  {  // 6 steps of 2 prompts (× accumulation 2): "What is a + b?", the answer a number or a string
+  {  // 8 steps of 2 prompts (× accumulation 2): "What is a + b?", the answer a number or a string
     std::ofstream out(dir + "/prompts.jsonl");
-    for (int i = 0; i < 24; ++i) {
+    for (int i = 0; i < 32; ++i) {
       const int a = (i * 7 + 1) % 6, b = (i * 5 + 4) % 5;
       const nlohmann::json answer = i % 2 ? nlohmann::json(std::to_string(a + b)) : nlohmann::json(a + b);
       out << nlohmann::json{{"prompt", fmt::format("What is {} + {}?", a, b)}, {"answer", answer}}.dump() << "\n";
@@ -82,7 +85,7 @@ TEST_CASE(
   REQUIRE(sh(fmt::format("{} {} init {} {}/init 4 8 0", LORARUN_PYTHON, script, model, dir)).status == 0);
   // 8 completions of up to 16 tokens a prompt, rewarded for ending early: groups whose rewards differ
   const std::string recipe = write_grpo_recipe(
-      dir, "g", "epochs: 1, max_steps_per_epoch: 6",
+      dir, "g", "epochs: 1, max_steps_per_epoch: 8",
       "num_generations: 8, max_completion_length: 16, rewards: [{name: num, kind: number, field: answer}, "
       "{name: short, kind: length, max_tokens: 16, cache: 14, weight: 0.5}]",
       ", batch_size: 2");
@@ -109,13 +112,13 @@ TEST_CASE(
     INFO(t.output);
     REQUIRE(t.status == 0);
     const Oracle ref =
-        oracle(fmt::format("{} {} check {} {}/init {}/prompts.jsonl {}/{} --steps 6 --batch 2 --num-generations 8 "
+        oracle(fmt::format("{} {} check {} {}/init {}/prompts.jsonl {}/{} --steps 8 --batch 2 --num-generations 8 "
                            "--max-completion-length 16 --length 16,14 --lr 1e-3 --loss-tol 1e-5 --adapter-tol 1e-4 {}",
                            LORARUN_PYTHON, script, model, dir, dir, dir, c.name, c.trl));
     INFO(ref.run.output);
     CHECK(ref.run.status == 0);
     CHECK(ref.fields.value("match", false));
-    CHECK(ref.fields.value("steps", 0) == 6);
+    CHECK(ref.fields.value("steps", 0) == 8);
     // advantages that move the adapter: some groups' rewards differ
     CHECK(ref.fields.value("largest_weight_change", 0.0) > 1e-4);
   }
@@ -126,7 +129,13 @@ TEST_CASE(
     "adapter",
     "[e2e][grpo]") {
   const std::string dir = temp_dir("grpo-ranks");
-  write_prompts(dir + "/prompts.jsonl", 16);  // 4 steps of 4 prompts
+  write_prompts(dir + "/prompts.jsonl", 16);  // 4 steps of 4 prompts, read from FerretDB
+  const std::string db = fmt::format("grpo_ranks_{}", getpid());
+  REQUIRE(sh(fmt::format("{} import {}/prompts.jsonl --uri '{}' --db {} --collection prompts --drop", bin("lora-data"),
+                         dir, test_uri(), db))
+              .status == 0);
+  const std::string mongo =
+      fmt::format("data.source=mongodb 'data.uri={}' data.database={} data.collection=prompts", test_uri(), db);
   struct Layout {
     std::string name, launch, train;
   } layouts[] = {{"w1b4", bin("lora-train"), "data.batch_size=4"},
@@ -136,7 +145,8 @@ TEST_CASE(
                  {"w2b2s", bin("lorarun") + " --nproc-per-node 2", "data.batch_size=2 dist.shard_base=true"}};
   const std::string recipe = write_grpo_recipe(dir, "g", "epochs: 1", kGrpo + ", beta: 0.04");
   for (const Layout& l : layouts) {
-    const Result t = sh(fmt::format("{} {} {} checkpoint.output_dir={}/{}", l.launch, recipe, l.train, dir, l.name));
+    const Result t =
+        sh(fmt::format("{} {} {} {} checkpoint.output_dir={}/{}", l.launch, recipe, mongo, l.train, dir, l.name));
     INFO(l.name << "\n" << t.output);
     REQUIRE(t.status == 0);
   }
@@ -178,7 +188,12 @@ TEST_CASE("grpo: a run killed mid-epoch resumes to the uninterrupted run's adapt
           "[e2e][grpo]") {
   const std::string dir = temp_dir("grpo-resume");
   write_prompts(dir + "/prompts.jsonl", 8);  // 4 steps of 2 prompts an epoch
-  const std::string recipe = write_grpo_recipe(dir, "w", "epochs: 2", kGrpo, ", batch_size: 2");
+  // (a reward of weight 0 that takes 0.05 s a completion: steps slow enough to be killed mid-epoch)
+  const std::string recipe = write_grpo_recipe(
+      dir, "w", "epochs: 2",
+      kGrpo.substr(0, kGrpo.size() - 1) +
+          R"(, {name: pace, kind: command, weight: 0, run: [sh, -c, "while read -r l; do sleep 0.05; echo 0; done"]}])",
+      ", batch_size: 2");
   REQUIRE(sh(fmt::format("{} {}", bin("lora-train"), recipe)).status == 0);
   const std::string cmd =
       fmt::format("{} {} checkpoint.output_dir={}/k checkpoint.state_every_n_steps=2", bin("lora-train"), recipe, dir);
@@ -233,6 +248,11 @@ TEST_CASE("grpo: a reward program scores completions, and bad rewards, programs 
       {R"(grpo.rewards=[{name: x, kind: regex, pattern: "(("}])", "pattern '((' does not compile"},
       {R"(grpo.rewards=[{name: talk, kind: command, run: [sh, -c, "while read -r l; do echo hello; done"]}])", "talk"},
       {R"(grpo.rewards=[{name: gone, kind: command, run: [sh, -c, "exit 3"]}])", "gone"},
+      {R"(grpo.rewards=[{name: stuck, kind: command, timeout_s: 1, run: [sh, -c, "sleep 60"]}])", "stuck"},
+      {"grpo.rewards=[{name: x, kind: json, keys: [1, 2]}]",
+       "grpo.rewards[0]: `keys` must be a list of strings, got [1,2]"},
+      {"grpo.num_generations=1", "grpo.num_generations must be at least 2"},
+      {"grpo.max_completion_length=0", "grpo.max_completion_length must be at least 1"},
   };
   for (const auto& b : bad) {
     const Result r =
@@ -243,4 +263,58 @@ TEST_CASE("grpo: a reward program scores completions, and bad rewards, programs 
     CHECK_THAT(r.output, !Catch::Contains("terminate called"));
     CHECK(sh(fmt::format("test -e {}/bad/epoch_0", dir)).status != 0);
   }
+}
+
+TEST_CASE(
+    "grpo: SmolLM2 with its GGUF blocks kept quantised samples, scores and trains from FerretDB on 2 ranks, its "
+    "completions real text",
+    "[e2e][grpo][gguf]") {
+  const std::string dir = temp_dir("grpo-smollm2");
+  {
+    std::ofstream out(dir + "/prompts.jsonl");
+    for (int i = 0; i < 8; ++i)
+      out << nlohmann::json{{"prompt", {{{"role", "user"}, {"content", fmt::format("What is {} plus {}?", i, i)}}}},
+                            {"answer", std::to_string(2 * i)}}
+                 .dump()
+          << "\n";
+  }
+  const std::string db = fmt::format("grpo_smollm2_{}", getpid());
+  const Result imp = sh(fmt::format("{} import {}/prompts.jsonl --uri '{}' --db {} --collection prompts --drop",
+                                    bin("lora-data"), dir, test_uri(), db));
+  INFO(imp.output);
+  REQUIRE(imp.status == 0);
+  const std::string recipe = fmt::format("{}/g.yaml", dir);
+  std::ofstream(recipe) << fmt::format(
+      R"(model: {{path: {}/.fixtures/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, dtype: fp32, device: cpu,
+        keep_quantized: true}}
+lora: {{r: 4, alpha: 8, target_modules: all-linear}}
+data: {{uri: "{}", database: {}, collection: prompts, format: prompt, chat_format: chatml, max_length: 64,
+       batch_size: 2}}
+train: {{objective: grpo, epochs: 1, lr: 0.001, max_steps_per_epoch: 2}}
+grpo: {{num_generations: 4, max_completion_length: 12, beta: 0.04, log_completions: true,
+       rewards: [{{name: sum, kind: number, field: answer}}, {{name: brief, kind: length, max_tokens: 12, cache: 8}}]}}
+checkpoint: {{output_dir: {}/out}}
+track: {{mongodb: false}}
+)",
+      LORARUN_SOURCE_DIR, test_uri(), db, dir);
+  const Result t = sh(fmt::format("{} --nproc-per-node 2 {}", bin("lorarun"), recipe));
+  INFO(t.output);
+  REQUIRE(t.status == 0);
+  const auto rows = steps_of(dir + "/out");
+  REQUIRE(rows.size() == 2);
+  for (const auto& row : rows) {
+    CHECK(row["completions/mean_length"].get<double>() > 0);
+    CHECK(row["kl"].get<double>() >= 0);
+    CHECK(row.contains("rewards/sum/mean"));
+  }
+  const auto logged = rows_of(dir + "/out/completions.jsonl");
+  REQUIRE(logged.size() == 2 * 4 * 4);  // 2 steps, 2 ranks × 2 prompts, 4 generations
+  int words = 0;                        // completions of the real model read as words, not noise
+  for (const auto& row : logged) {
+    CHECK_THAT(row["prompt"].get<std::string>(), Catch::Contains("<|im_start|>assistant"));
+    const std::string c = row["completion"];
+    words += std::count(c.begin(), c.end(), ' ') >= 2 ? 1 : 0;
+  }
+  CHECK(words > 16);
+  CHECK(sh(fmt::format("test -s {}/out/epoch_0/adapter_model.safetensors", dir)).status == 0);
 }
