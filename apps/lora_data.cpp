@@ -3,7 +3,7 @@
 //   stats RECIPE [k=v…]       what training would see: counts, bad documents, token lengths
 //   preview N RECIPE [k=v…]   the first N documents as training sees them, trained part marked
 //   import FILE.jsonl         a JSONL file into a MongoDB collection, 1,000 documents per insert
-//   plot OUTPUT_DIR           a run's train and eval loss by step (metrics.jsonl) as an SVG
+//   plot OUTPUT_DIR           a run's train and eval loss (or --metric KEY) by step (metrics.jsonl) as an SVG
 //
 // Line protocol (one record per line, so any text survives, newlines and CR included):
 //   tokenize   in: a JSON string literal per line ("Hello\nworld"), or with --raw each line
@@ -527,11 +527,11 @@ void import_jsonl(const ImportArgs& a) {
 // ---- plot ---------------------------------------------------------------------------------
 
 struct PlotArgs {
-  std::string output_dir, out;
+  std::string output_dir, out, metric = "loss";
 };
 
-// A run's metrics.jsonl -> an SVG of train loss (line) and eval loss (markers) by step.
-void plot(const PlotArgs& a) { fmt::print("{}\n", lorarun::track::plot_loss(a.output_dir, a.out)); }
+// A run's metrics.jsonl -> an SVG of the train figure (line) and its eval_ twin (markers) by step.
+void plot(const PlotArgs& a) { fmt::print("{}\n", lorarun::track::plot_loss(a.output_dir, a.out, a.metric)); }
 
 // ---- command line -------------------------------------------------------------------------
 
@@ -586,7 +586,9 @@ int run(int argc, char** argv) {
   PlotArgs pl;
   auto* plt = app.add_subcommand("plot", "a run's train and eval loss by step (its metrics.jsonl) as an SVG");
   plt->add_option("output_dir", pl.output_dir, "the run's checkpoint.output_dir")->required();
-  plt->add_option("--out", pl.out, "SVG file to write (default: OUTPUT_DIR/loss.svg)");
+  plt->add_option("--out", pl.out, "SVG file to write (default: OUTPUT_DIR/<metric>.svg, '/' as '_')");
+  plt->add_option("--metric", pl.metric,
+                  "the metrics.jsonl figure to plot, e.g. reward or rewards/answer/mean (grpo); default loss");
   plt->callback([&] { plot(pl); });
 
   try {

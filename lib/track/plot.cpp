@@ -9,6 +9,7 @@
 
 #include "io/files.hpp"
 #include "util/error.hpp"
+#include "util/untrusted.hpp"
 
 namespace lorarun::track {
 namespace {
@@ -30,11 +31,11 @@ struct Axis {
   bool log = false;
 };
 
-// Adds a metrics.jsonl row's loss (a training row) or eval_loss (an evaluation row) to `c`.
+// Adds a metrics.jsonl row's figure (a training row) or eval_ figure (an evaluation row) to `c`.
 void add_row(LossCurves& c, const json& row) {
   const auto step = row.find("step");
   if (step == row.end() || !step->is_number_integer()) return;
-  const auto loss = row.find("loss"), eval = row.find("eval_loss");
+  const auto loss = row.find(c.metric), eval = row.find("eval_" + c.metric);
   if (loss != row.end() && loss->is_number()) c.train.emplace_back(step->get<int64_t>(), loss->get<double>());
   if (eval != row.end() && eval->is_number()) c.eval.emplace_back(step->get<int64_t>(), eval->get<double>());
 }
@@ -134,7 +135,7 @@ std::pair<Axis, Axis> axes_of(const LossCurves& c) {
 }
 
 // Grid lines, axis lines, tick marks and tick labels, and the axes' names.
-std::string draw_axes(const Axis& x, const Axis& y) {
+std::string draw_axes(const Axis& x, const Axis& y, const std::string& metric) {
   std::string grid = R"(<g class="grid" stroke="#e5e5e5" stroke-width="1">)", labels = R"(<g class="ticks">)";
   for (const double v : ticks(x)) {
     const double at = px(x, v);
@@ -161,7 +162,7 @@ std::string draw_axes(const Axis& x, const Axis& y) {
       R"(<text class="axis-name" x="{}" y="{}" text-anchor="middle">optimizer step</text>)"
       R"svg(<text class="axis-name" transform="translate(20 {}) rotate(-90)" text-anchor="middle">{}</text>)svg"
       "\n",
-      (kLeft + kRight) / 2, kHeight - 14, (kTop + kBottom) / 2, y.log ? "loss (log scale)" : "loss");
+      (kLeft + kRight) / 2, kHeight - 14, (kTop + kBottom) / 2, xml_escape(y.log ? metric + " (log scale)" : metric));
   return grid + lines + labels + names;
 }
 
@@ -176,34 +177,35 @@ std::string draw_train(const Points& train, const Axis& x, const Axis& y) {
 }
 
 // The eval loss as a marker per evaluation.
-std::string draw_eval(const Points& eval, const Axis& x, const Axis& y) {
+std::string draw_eval(const Points& eval, const Axis& x, const Axis& y, const std::string& metric) {
   std::string out = fmt::format(R"(<g class="eval-loss" fill="{}" stroke="white">)", kEvalColour);
   for (const auto& [step, loss] : eval)
-    out += fmt::format(R"(<circle cx="{:.2f}" cy="{:.2f}" r="4"><title>step {}: eval loss {:.6g}</title></circle>)",
-                       px(x, step), py(y, loss), step, loss);
+    out += fmt::format(R"(<circle cx="{:.2f}" cy="{:.2f}" r="4"><title>step {}: eval {} {:.6g}</title></circle>)",
+                       px(x, step), py(y, loss), step, xml_escape(metric), loss);
   return out + "</g>\n";
 }
 
 // The legend, top right inside the plot: a line for train loss, a marker for eval loss (when any).
-std::string draw_legend(bool with_eval) {
+std::string draw_legend(bool with_eval, const std::string& metric) {
   const double x = kRight - 128, y = kTop + 8;
-  std::string out =
-      fmt::format(R"(<g class="legend"><rect x="{}" y="{}" width="120" height="{}" fill="white" stroke="#bbb"/>)"
-                  R"(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="{}" stroke-width="1.5"/>)"
-                  R"(<text x="{}" y="{}" dominant-baseline="middle">train loss</text>)",
-                  x, y, with_eval ? 44 : 26, x + 8, y + 13, x + 32, y + 13, kTrainColour, x + 40, y + 13);
+  std::string out = fmt::format(
+      R"(<g class="legend"><rect x="{}" y="{}" width="120" height="{}" fill="white" stroke="#bbb"/>)"
+      R"(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="{}" stroke-width="1.5"/>)"
+      R"(<text x="{}" y="{}" dominant-baseline="middle">train {}</text>)",
+      x, y, with_eval ? 44 : 26, x + 8, y + 13, x + 32, y + 13, kTrainColour, x + 40, y + 13, xml_escape(metric));
   if (with_eval)
     out += fmt::format(R"(<circle cx="{}" cy="{}" r="4" fill="{}"/><text x="{}" y="{}" dominant-baseline="middle">)"
-                       "eval loss</text>",
-                       x + 20, y + 31, kEvalColour, x + 40, y + 31);
+                       "eval {}</text>",
+                       x + 20, y + 31, kEvalColour, x + 40, y + 31, xml_escape(metric));
   return out + "</g>\n";
 }
 
 // The title, and under it the last values of each curve.
 std::string draw_title(const std::string& title, const LossCurves& c) {
-  std::string last = fmt::format("last train loss {:.4g} at step {}", c.train.back().second, c.train.back().first);
+  std::string last =
+      fmt::format("last train {} {:.4g} at step {}", c.metric, c.train.back().second, c.train.back().first);
   if (!c.eval.empty())
-    last += fmt::format(", last eval loss {:.4g} at step {}", c.eval.back().second, c.eval.back().first);
+    last += fmt::format(", last eval {} {:.4g} at step {}", c.metric, c.eval.back().second, c.eval.back().first);
   return fmt::format(
       R"(<text class="title" x="{0}" y="26" text-anchor="middle" font-size="16" font-weight="bold">{1}</text>)"
       R"(<text class="subtitle" x="{0}" y="46" text-anchor="middle" fill="#555">{2}</text>)"
@@ -220,12 +222,13 @@ std::string run_name(const std::string& output_dir) {
 
 }  // namespace
 
-LossCurves read_loss_curves(const std::string& metrics_path) {
+LossCurves read_loss_curves(const std::string& metrics_path, const std::string& metric) {
   if (!fs::is_regular_file(metrics_path))
     throw Error(
         fmt::format("{} does not exist: give the checkpoint.output_dir of a run that has started", metrics_path));
   const std::string text = io::read_file(metrics_path);
   LossCurves c;
+  c.metric = metric;
   size_t at = 0;
   for (int64_t n = 1; at < text.size(); ++n) {
     const size_t end = text.find('\n', at);
@@ -258,20 +261,23 @@ std::string loss_svg(const LossCurves& curves, const std::string& title) {
                   "\n",
                   kWidth, kHeight, xml_escape(title));
   svg += draw_title(title, curves);
-  svg += draw_axes(x, y);
+  svg += draw_axes(x, y, curves.metric);
   svg += draw_train(curves.train, x, y);
-  if (!curves.eval.empty()) svg += draw_eval(curves.eval, x, y);
-  svg += draw_legend(!curves.eval.empty());
+  if (!curves.eval.empty()) svg += draw_eval(curves.eval, x, y, curves.metric);
+  svg += draw_legend(!curves.eval.empty(), curves.metric);
   return svg + "</svg>\n";
 }
 
-std::string plot_loss(const std::string& output_dir, const std::string& out) {
+std::string plot_loss(const std::string& output_dir, const std::string& out, const std::string& metric) {
   const std::string metrics = (fs::path(output_dir) / "metrics.jsonl").string();
-  const LossCurves curves = read_loss_curves(metrics);
+  const LossCurves curves = read_loss_curves(metrics, metric);
   if (curves.train.empty())
-    throw Error(fmt::format("{} holds no training loss row: plot a run once it has logged a step", metrics));
-  const std::string path = out.empty() ? (fs::path(output_dir) / "loss.svg").string() : out;
-  io::write_file_atomic(path, loss_svg(curves, run_name(output_dir) + ": loss by optimizer step"));
+    throw Error(fmt::format("{} holds no training {} row: plot a run once it has logged a step{}", metrics,
+                            printable(metric), metric == "loss" ? "" : ", and a figure its metrics rows hold"));
+  std::string file = metric + ".svg";
+  std::replace(file.begin(), file.end(), '/', '_');
+  const std::string path = out.empty() ? (fs::path(output_dir) / file).string() : out;
+  io::write_file_atomic(path, loss_svg(curves, run_name(output_dir) + ": " + metric + " by optimizer step"));
   return path;
 }
 

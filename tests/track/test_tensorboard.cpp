@@ -206,4 +206,23 @@ TEST_CASE("the loss plot: a line of every train row, a marker per evaluation, we
   CHECK_THROWS_WITH(track::plot_loss(dir + "/none"), dir +
                                                          "/none/metrics.jsonl does not exist: give the "
                                                          "checkpoint.output_dir of a run that has started");
+
+  // Another figure (GRPO's), its eval_ twin as markers, written next to the run as <metric>.svg.
+  fs::create_directories(dir + "/reward");
+  {
+    std::ofstream m(dir + "/reward/metrics.jsonl");
+    for (int step = 1; step <= 10; ++step)
+      m << nlohmann::json{{"step", step}, {"loss", 0.01}, {"rewards/sum/mean", 0.05 * step}}.dump() << "\n";
+    m << nlohmann::json{{"step", 10}, {"eval_rewards/sum/mean", 0.6}}.dump() << "\n";
+  }
+  const std::string reward_svg = track::plot_loss(dir + "/reward", "", "rewards/sum/mean");
+  CHECK(reward_svg == dir + "/reward/rewards_sum_mean.svg");
+  const PythonRead reward = check_svg(reward_svg);
+  INFO(reward.run.output << reward.error);
+  REQUIRE(reward.data.is_object());
+  const std::vector<std::string> reward_texts = reward.data.at("texts");
+  for (const char* label : {"rewards/sum/mean (log scale)", "train rewards/sum/mean", "eval rewards/sum/mean"})
+    CHECK(std::find(reward_texts.begin(), reward_texts.end(), label) != reward_texts.end());
+  CHECK(reward.data.at("circles").at("eval-loss") == 1);
+  CHECK_THROWS_WITH(track::plot_loss(dir + "/reward", "", "reward"), Catch::Contains("holds no training reward row"));
 }
