@@ -23,6 +23,8 @@ usage: bench.py COMMAND [options]      (scripts/gpu-check runs these; each repor
   row-generate --model DIR --prompts F --ours LOG --device D [--new N]
             lora-generate's greedy ids and tokens/s (its --prompts --ids --stats output) vs
             transformers' batched generate on the same prompts
+  row-grpo  --one DIR --two DIR
+            a GRPO run on 1 rank vs 2: the same completions, reward figures and adapter; step time
   row-train --expect F --metrics F --world W [--same-as F]
             a short lora-train run's metrics vs ref-small's expectations (and, for a
             dist.shard_base run, its losses vs the same run's with the base whole)
@@ -448,6 +450,43 @@ def cmd_row_generate(a):
                     f"one batch: {same} rows identical, {ties} parting at a near tie"}]})
 
 
+def cmd_row_grpo(a):
+    """GRPO on 1 rank (--one) and 2 (--two), the same global batch: every completion (its ids), its
+    reward and advantage identical, each step's reward figures equal, the adapters within 1e-4 of the
+    largest weight; the step time (the median of the steps after the first)."""
+    from safetensors.torch import load_file
+
+    def rows(d, name):
+        return [json.loads(line) for line in open(os.path.join(d, name)) if line.strip()]
+
+    one, two = rows(a.one, "completions.jsonl"), rows(a.two, "completions.jsonl")
+    bad = []
+    if len(one) != len(two) or not one:
+        bad.append(f"{len(one)} vs {len(two)} completions logged")
+    else:
+        for i, (x, y) in enumerate(zip(one, two)):
+            if (x["completion_ids"], x["reward"], x["advantage"]) != (y["completion_ids"], y["reward"], y["advantage"]):
+                bad.append(f"completion {i} (step {x['step']}) differs")
+                break
+    steps = [[r for r in rows(d, "metrics.jsonl") if "reward" in r] for d in (a.one, a.two)]
+    for s1, s2 in zip(*steps):
+        if any(s1[k] != s2[k] for k in ("reward", "reward_std", "frac_reward_zero_std")):
+            bad.append(f"step {s1['step']} reward figures differ")
+            break
+    w1 = load_file(os.path.join(a.one, "epoch_0/adapter_model.safetensors"))
+    w2 = load_file(os.path.join(a.two, "epoch_0/adapter_model.safetensors"))
+    largest = max(t.abs().max().item() for t in w1.values())
+    diff = max((w1[k] - w2[k]).abs().max().item() for k in w1) / largest
+    if diff > 1e-4:
+        bad.append(f"adapters differ by {fmt_g(diff)} of the largest weight")
+    times = [statistics.median([r["seconds"] for r in s[1:]] or [s[0]["seconds"]]) for s in steps]
+    emit({"rows": [{"stage": "GRPO steps, 1 rank = 2 ranks", "status": "FAIL" if bad else "PASS",
+                    "ours": f"{times[0]:.3f} s/step (1 rank)", "ref": f"{times[1]:.3f} s/step (2 ranks, gloo)",
+                    "ratio": "",
+                    "notes": "; ".join(bad) if bad else f"{len(one)} completions identical, adapters within "
+                    f"{fmt_g(diff)} of the largest weight; 4 prompts x 4 completions of <= 16 tokens a step, beta 0.04"}]})
+
+
 def read_examples(path):
     out = []
     for line in open(path):
@@ -748,6 +787,9 @@ def main():
     rg.add_argument("--ours", required=True, help="lora-generate --prompts --ids --stats output")
     rg.add_argument("--new", type=int, default=32)
     rg.add_argument("--device", default="cuda")
+    rq = sub.add_parser("row-grpo")
+    rq.add_argument("--one", required=True, help="output_dir of the 1-rank GRPO run")
+    rq.add_argument("--two", required=True, help="output_dir of the 2-rank GRPO run")
     rt = sub.add_parser("row-train")
     rt.add_argument("--stage", required=True)
     rt.add_argument("--expect", required=True, help="ref-small's expectations")
@@ -788,7 +830,7 @@ def main():
     rs.add_argument("--aim-vs-bf16", help="ours' bf16 LoRA metrics.jsonl: QLoRA within 10%% of its speed")
     a = p.parse_args()
     {"model": cmd_model, "data": cmd_data, "matmul": cmd_matmul, "ref-small": cmd_ref_small, "row-generate": cmd_row_generate,
-     "row-nf4": cmd_row_nf4, "row-train": cmd_row_train, "ref-train": cmd_ref_train,
+     "row-nf4": cmd_row_nf4, "row-grpo": cmd_row_grpo, "row-train": cmd_row_train, "ref-train": cmd_ref_train,
      "row-speed": cmd_row_speed}[a.cmd](a)
 
 
