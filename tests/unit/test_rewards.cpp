@@ -107,7 +107,7 @@ TEST_CASE("rewards: a document the reward cannot read is a bad document, with th
 
 TEST_CASE("rewards: a recipe's mistakes are refused in one line naming the reward") {
   CHECK(refusal({.name = "x", .kind = "exactly"}) ==
-        "rewards[1] (x): kind 'exactly' is not one of exact, number, regex, contains, json, format, length");
+        "rewards[1] (x): kind 'exactly' is not one of exact, number, regex, contains, json, format, length, command");
   CHECK(refusal({.name = "x", .kind = "exact"}) ==
         "rewards[1] (x): a exact reward compares with a field of the document: give it `field`");
   CHECK(refusal({.name = "x", .kind = "regex", .pattern = "(unclosed"}) ==
