@@ -60,7 +60,10 @@ RewardCommand::RewardCommand(std::vector<std::string> argv, double timeout_s, st
   for (const int s : {SIGPIPE, SIGINT, SIGTERM}) sigaddset(&defaults, s);
   posix_spawnattr_setsigmask(&attr, &none);
   posix_spawnattr_setsigdefault(&attr, &defaults);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  // its own process group: what it starts (a shell's children) is killed with it, and none keeps
+  // this process's stderr open after it (a log reader would wait for them)
+  posix_spawnattr_setpgroup(&attr, 0);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETPGROUP);
   std::vector<char*> args;
   for (std::string& a : argv_) args.push_back(a.data());
   args.push_back(nullptr);
@@ -86,12 +89,13 @@ void RewardCommand::stop() {
     int status = 0;
     while (waitpid(pid_, &status, WNOHANG) == 0) {
       if (Clock::now() > until) {
-        kill(pid_, SIGKILL);
+        kill(-pid_, SIGKILL);
         waitpid(pid_, &status, 0);
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
+    kill(-pid_, SIGKILL);  // anything of its group still running
     pid_ = -1;
   }
   if (fd_ >= 0) close(fd_);
@@ -99,7 +103,7 @@ void RewardCommand::stop() {
 }
 
 void RewardCommand::fail(const std::string& what) {
-  if (pid_ > 0) kill(pid_, SIGKILL);
+  if (pid_ > 0) kill(-pid_, SIGKILL);
   stop();
   throw Error(fmt::format("{}: reward command '{}' {}", where_, printable(argv_[0]), what));
 }

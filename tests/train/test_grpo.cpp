@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -255,9 +256,13 @@ TEST_CASE("grpo: a reward program scores completions, and bad rewards, programs 
       {"grpo.max_completion_length=0", "grpo.max_completion_length must be at least 1"},
   };
   for (const auto& b : bad) {
+    const auto t0 = std::chrono::steady_clock::now();
     const Result r =
         sh(fmt::format("{} {} '{}' checkpoint.output_dir={}/bad", bin("lora-train"), recipe, b.override_, dir));
     INFO(b.override_ << "\n" << r.output);
+    // ended, its output closed: a program past its timeout is killed with what it started (its
+    // `sleep 60` would otherwise hold the output open for a minute)
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));
     CHECK(r.status != 0);
     CHECK_THAT(r.output, Catch::Contains(b.message));
     CHECK_THAT(r.output, !Catch::Contains("terminate called"));
