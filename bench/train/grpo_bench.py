@@ -75,6 +75,7 @@ def theirs(work, data, steps):
     torch.set_num_threads(THREADS)
     where, name = os.path.dirname(MODEL), os.path.basename(MODEL)
     model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer, model.is_quantized = None, False  # (dequantised to float32 at load: trainable)
     tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
