@@ -25,9 +25,9 @@ std::string hosts_of(const std::string& given) {
   return uri.substr(from, stop - from);
 }
 
-bool overrides_uri(const std::vector<std::string>& overrides) {
+bool overridden(const std::vector<std::string>& overrides, const std::string& key) {
   return std::any_of(overrides.begin(), overrides.end(),
-                     [](const std::string& o) { return o.starts_with("data.uri="); });
+                     [&](const std::string& o) { return o.starts_with(key + "="); });
 }
 
 }  // namespace
@@ -53,12 +53,21 @@ recipe::Recipe recipe_from_run(const std::string& ref, const std::string& runs_d
   const std::string stored = data.value("uri", "");
   // A redacted password cannot connect: the URI we were given (which has one) replaces it.
   if (stored.empty() || stored.find(":****@") != std::string::npos) {
-    if (!stored.empty() && hosts_of(stored) != hosts_of(uri) && !overrides_uri(overrides))
+    if (!stored.empty() && hosts_of(stored) != hosts_of(uri) && !overridden(overrides, "data.uri"))
       notes.push_back(fmt::format("run {}/{} read its data from {}; this run reads it from {} (the URI given)",
                                   run.database, run.id, hosts_of(stored), hosts_of(uri)));
     data["uri"] = uri;
   }
   recipe::Recipe r = recipe::recipe_from_json(j, overrides, fmt::format("run {}/{}", run.database, run.id));
+  // A record anyone with write access to the database could have changed does not start programs:
+  // a command reward (grpo.rewards' run) comes from a recipe file or an override, never from it.
+  const bool given = overridden(overrides, "grpo.rewards");
+  for (const auto& reward : r.grpo.rewards)
+    if (!given && reward.is_object() && reward.contains("run"))
+      throw Error(fmt::format(
+          "run {}/{}: its grpo.rewards start a program (a command reward's run:), which a run record may not: give "
+          "the recipe file (lora-train RECIPE.yaml), or the rewards as an override",
+          run.database, run.id));
   r.warnings.insert(r.warnings.begin(), notes.begin(), notes.end());
   return r;
 }

@@ -323,3 +323,29 @@ track: {{mongodb: false}}
   CHECK(words > 16);
   CHECK(sh(fmt::format("test -s {}/out/epoch_0/adapter_model.safetensors", dir)).status == 0);
 }
+
+TEST_CASE("grpo: a run record's command reward is not started by --from-run, an override's is", "[e2e][grpo]") {
+  const std::string dir = temp_dir("grpo-from-run");
+  write_prompts(dir + "/prompts.jsonl", 4);
+  const std::string recipe = write_grpo_recipe(dir, "g", "epochs: 1", kGrpo, ", batch_size: 2");
+  const std::string db = fmt::format("grpo_from_run_{}", getpid());
+  const std::string env = fmt::format("LORARUN_MONGODB_URI='{}'", test_uri());
+  const std::string command =
+      R"('grpo.rewards=[{name: c, kind: command, run: [sh, -c, "while read -r l; do echo 1; done"]}]')";
+  const Result first =
+      sh(fmt::format("{} {} {} track.mongodb=true track.database={} {}", env, bin("lora-train"), recipe, db, command));
+  INFO(first.output);
+  REQUIRE(first.status == 0);
+  const std::string id = run_id_in(first.output, db);
+  // a record anyone with write access to the database could have changed starts no program
+  const Result stored =
+      sh(fmt::format("{} {} --from-run {}/{} checkpoint.output_dir={}/again", env, bin("lora-train"), db, id, dir));
+  INFO(stored.output);
+  CHECK(stored.status != 0);
+  CHECK_THAT(stored.output, Catch::Contains("a run record may not"));
+  CHECK(sh(fmt::format("test -e {}/again/epoch_0", dir)).status != 0);
+  const Result given = sh(fmt::format("{} {} --from-run {}/{} checkpoint.output_dir={}/given {}", env,
+                                      bin("lora-train"), db, id, dir, command));
+  INFO(given.output);
+  CHECK(given.status == 0);
+}
