@@ -404,7 +404,8 @@ void for_each_key(R& r, V&& v) {
     r.grpo.beta);
   v(Key{.name = "grpo.num_iterations",
         .bound = at_least(1),
-        .meaning = "optimizer steps per batch of generations (μ); 1 is the only value supported so far"},
+        .meaning =
+            "optimizer steps on each batch of generations (μ): an epoch has μ times the steps; its old log-probs clip"},
     r.grpo.num_iterations);
   v(Key{.name = "grpo.epsilon",
         .bound = within(0, 1, true),

@@ -162,10 +162,6 @@ void grpo_rules(const Recipe& r, const RecipeOrigin& o) {
     fail(o, "grpo.rewards",
          "must list at least one reward (e.g. grpo.rewards: [{name: answer, kind: exact, field: "
          "answer}])");
-  if (r.grpo.num_iterations != 1)
-    fail(o, "grpo.num_iterations",
-         fmt::format("is {}: reusing a batch of generations for several steps is not supported yet: set it to 1",
-                     r.grpo.num_iterations));
   if (r.data.packing) fail(o, "data.packing", "is true: grpo does not pack its completions: set data.packing: false");
   if (r.eval.enabled(r.data.source))
     fail(o, "train.objective",

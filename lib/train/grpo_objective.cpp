@@ -5,12 +5,14 @@
 #include <fmt/format.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 
 #include "data/collate.hpp"
 #include "io/files.hpp"
+#include "io/safetensors.hpp"
 #include "model/generate.hpp"
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
@@ -40,6 +42,7 @@ enum StepFigure : int64_t {
   kMeanTerminated,
   kMinTerminated,
   kMaxTerminated,
+  kSampled,     // 1: the step sampled its completions (else it trained again on a rollout: no figures of it)
   kStepFigures  // then each reward's mean and std
 };
 
@@ -110,11 +113,47 @@ class Sampling {
 
 // One micro-batch's prompts and what became of them: G completions a prompt, row p * G + g.
 struct Rollout {
-  std::vector<const data::Example*> prompts;
+  std::vector<data::Example> prompts;  // (their documents only while the step that sampled them scores)
   std::vector<std::vector<int64_t>> completions;
   std::vector<double> scores;  // [rows, rewards]: each reward's (NaN: its program could not score it)
   std::vector<double> advantages;
   std::vector<char> truncated;  // the completion ended without EOS (cut at max_completion_length)
+  at::Tensor old, ref;          // [rows, longest] log-probs at sampling, with grpo.num_iterations > 1
+};
+
+// A micro-batch's prompts and completions as the model reads them: rows [B, prompt + longest], and
+// where each completion token stands in [B, longest] (row, col), mask 0 for a masked completion.
+struct Rows {
+  data::Batch b;
+  at::Tensor row, col, mask;
+  int64_t B = 0, longest = 1;
+};
+
+// A rollout kept in the resumable state as float64 numbers: a reader that checks each before use.
+class Unpack {
+ public:
+  Unpack(const double* v, size_t n) : v_(v), n_(n) {}
+  double next() {
+    if (at_ == n_) throw Error("it ends early");
+    return v_[at_++];
+  }
+  // A count or a token id: an integer in [0, most].
+  int64_t integer(int64_t most) {
+    const double x = next();
+    if (!(x >= 0 && x <= static_cast<double>(most)) || x != std::floor(x))
+      throw Error(fmt::format("{} where an integer in [0, {}] belongs", x, most));
+    return static_cast<int64_t>(x);
+  }
+  double finite() {
+    const double x = next();
+    if (!std::isfinite(x)) throw Error("a non-finite number");
+    return x;
+  }
+  bool done() const { return at_ == n_; }
+
+ private:
+  const double* v_;
+  size_t n_, at_ = 0;
 };
 
 class Grpo final : public Objective {
@@ -145,29 +184,28 @@ class Grpo final : public Objective {
     if (!eos_ && tokenizer.eos_id()) eos_ = *tokenizer.eos_id();
   }
 
-  Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, int64_t step) override {
-    std::vector<Rollout> micro(static_cast<size_t>(accum));
-    std::vector<std::vector<data::Example>> examples;  // (the rollouts point into them)
-    examples.reserve(micro.size());
-    for (Rollout& roll : micro) {
-      examples.push_back(next());
-      for (const data::Example& e : examples.back()) roll.prompts.push_back(&e);
+  // Every grpo.num_iterations-th step of an epoch samples and scores a rollout; each step trains on
+  // the last one.
+  Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, StepAt at) override {
+    const int64_t again = at.in_epoch % g_.num_iterations;  // steps since the rollout was sampled
+    std::vector<double> figures;
+    if (again == 0) {
+      figures = roll_out(next, accum, at.step);
+    } else if (sampled_at_ != at.step - again || held_.size() != static_cast<size_t>(accum)) {
+      throw Error(
+          fmt::format("step {} trains again on the completions sampled at step {} (grpo.num_iterations {}), which the "
+                      "resumable state in {} does not hold: set checkpoint.resume=never to start over",
+                      at.step + 1, at.step - again + 1, g_.num_iterations, r_.checkpoint.output_dir));
     }
-    prompt_indices(micro);
-    for (size_t a = 0, k = 0; a < micro.size(); k += micro[a].prompts.size(), ++a) {
-      sample(micro[a], index_.data() + k, static_cast<uint64_t>(step));
-      score(micro[a]);
-    }
-    const Step s = advantage(micro, step);
     Sums sums;
     const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
     sums.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
     sums.stats = at::zeros({stats()}, f64);
-    if (agree_.lead())  // (the step's figures once, not once a rank)
-      sums.stats.narrow(0, kFigures, static_cast<int64_t>(s.figures.size())).copy_(at::tensor(s.figures, at::kDouble));
-    for (size_t a = 0; a < micro.size(); ++a) {
-      if (a + 1 == micro.size()) arm();
-      train(micro[a], s.counts, sums);
+    if (agree_.lead() && !figures.empty())  // (the step's figures once, not once a rank)
+      sums.stats.narrow(0, kFigures, static_cast<int64_t>(figures.size())).copy_(at::tensor(figures, at::kDouble));
+    for (size_t a = 0; a < held_.size(); ++a) {
+      if (a + 1 == held_.size()) arm();
+      train(held_[a], sums);
     }
     return sums;
   }
@@ -196,9 +234,61 @@ class Grpo final : public Objective {
       f["rewards/" + name + "/mean"] = s[kStepFigures + 2 * static_cast<int64_t>(i)];
       f["rewards/" + name + "/std"] = s[kStepFigures + 2 * static_cast<int64_t>(i) + 1];
     }
+    if (s[kSampled] == 0) {  // (a step on an earlier rollout: the figures of its sampling were that step's)
+      for (auto it = f.begin(); it != f.end();)
+        it = it.key().starts_with("clip_ratio/") || it.key() == "kl" ? std::next(it) : f.erase(it);
+    }
     for (auto& [k, v] : f.items())  // NaN (no scored completion): null in every sink
       if (v.is_number_float() && !std::isfinite(v.get<double>())) v = nullptr;
     return f;
+  }
+
+  bool keeps_state() const override { return g_.num_iterations > 1; }
+
+  // (rank 0) Every rank's rollout, for the steps still to train on it after a resume.
+  void save_files(const std::string& dir, const nlohmann::json& /*data*/) const override {
+    if (sampled_at_ < 0) return;
+    std::vector<io::TensorBytes> tensors;
+    for (size_t r = 0; r < packed_.size(); ++r)
+      tensors.push_back({fmt::format("rank_{}", r),
+                         io::DType::F64,
+                         {static_cast<int64_t>(packed_[r].size())},
+                         packed_[r].data(),
+                         packed_[r].size() * sizeof(double)});
+    const nlohmann::json about = {
+        {"sampled_at", sampled_at_}, {"completions", counts_.completions}, {"tokens", counts_.tokens}};
+    io::write_safetensors((std::filesystem::path(dir) / kRolloutFile).string(), tensors, {{"rollout", about.dump()}});
+  }
+  // This rank's rollout from the state (rank 0: every rank's, to keep it in the next); none when it
+  // holds none. A file that does not hold together stops the run.
+  std::string load_files(const std::string& dir, const nlohmann::json& /*data*/) override {
+    const std::string path = (std::filesystem::path(dir) / kRolloutFile).string();
+    held_.clear();
+    packed_.clear();
+    sampled_at_ = -1;
+    if (!std::filesystem::exists(path)) return "";
+    try {
+      const io::SafetensorsFile f(path);
+      const auto it = f.metadata().find("rollout");
+      const nlohmann::json about =
+          it == f.metadata().end() ? nlohmann::json() : nlohmann::json::parse(it->second, nullptr, false);
+      if (!about.is_object()) throw Error("no rollout metadata");
+      for (int r = 0; r < agree_.world(); ++r) {
+        if (!agree_.lead() && r != agree_.rank()) continue;
+        const io::TensorInfo* t = f.find(fmt::format("rank_{}", r));
+        if (!t || t->dtype != io::DType::F64 || t->shape.size() != 1)
+          throw Error(fmt::format("no float64 rollout of rank {}", r));
+        std::vector<double> v(t->nbytes / sizeof(double));
+        std::memcpy(v.data(), f.bytes(*t).data(), v.size() * sizeof(double));
+        if (r == agree_.rank()) held_ = unpack(v);
+        if (agree_.lead()) packed_.push_back(std::move(v));
+      }
+      counts_ = {about.at("completions").get<double>(), about.at("tokens").get<double>()};
+      sampled_at_ = about.at("sampled_at").get<int64_t>();
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("{} is damaged ({}): set checkpoint.resume=never to start over", path, e.what()));
+    }
+    return "";
   }
 
  private:
@@ -207,7 +297,126 @@ class Grpo final : public Objective {
     std::vector<double> figures;  // kReward … then each reward's mean and std
   };
 
+  static constexpr const char* kRolloutFile = "grpo_rollout.safetensors";
+
   int64_t generations() const { return g_.num_generations; }
+
+  // The step's prompts read (`accum` micro-batches), their completions sampled and scored, advantaged
+  // over every rank's: the rollout held for this step and the grpo.num_iterations - 1 after it (with
+  // its log-probs at sampling). Returns the step's figures.
+  std::vector<double> roll_out(const Next& next, int accum, int64_t step) {
+    held_.assign(static_cast<size_t>(accum), Rollout{});
+    for (Rollout& roll : held_) roll.prompts = next();
+    prompt_indices(held_);
+    for (size_t a = 0, k = 0; a < held_.size(); k += held_[a].prompts.size(), ++a) {
+      sample(held_[a], index_.data() + k, static_cast<uint64_t>(step));
+      score(held_[a]);
+    }
+    Step s = advantage(held_, step);
+    counts_ = s.counts;
+    sampled_at_ = step;
+    for (Rollout& roll : held_)
+      for (data::Example& e : roll.prompts) e.document.reset();
+    if (g_.num_iterations > 1) keep_log_probs();
+    return std::move(s.figures);
+  }
+
+  // The rollout's log-probs under the policy that sampled it (eval mode, as it sampled) and under the
+  // reference (with beta), which the steps training on it again read; every rank's rollout packed on
+  // rank 0 for the resumable state.
+  void keep_log_probs() {
+    {
+      const Sampling sampling(m_);
+      for (Rollout& roll : held_) {
+        if (roll.completions.empty()) {  // (the others' passes joined)
+          m_.skip_pass(false, false);
+          if (g_.beta > 0) m_.skip_pass(false, false);
+          continue;
+        }
+        const Rows x = rows_of(roll);
+        roll.old = logps(x);
+        if (g_.beta > 0) {
+          const AsReference as_reference(m_, params_, reference_);
+          roll.ref = logps(x);
+        }
+      }
+    }
+    std::vector<std::vector<double>> all = agree_.gather(pack(held_));
+    packed_.clear();
+    if (agree_.lead()) packed_ = std::move(all);
+  }
+
+  // A rollout as numbers: per micro-batch its prompts (length, ids), then its completions (length,
+  // ids, truncated, advantage, the log-probs at sampling and, with beta, the reference's).
+  std::vector<double> pack(const std::vector<Rollout>& micro) const {
+    std::vector<double> v{static_cast<double>(micro.size())};
+    for (const Rollout& roll : micro) {
+      v.push_back(static_cast<double>(roll.prompts.size()));
+      for (const data::Example& e : roll.prompts) {
+        v.push_back(static_cast<double>(e.ids.size()));
+        v.insert(v.end(), e.ids.begin(), e.ids.end());
+      }
+      const at::Tensor old = roll.old.defined() ? roll.old.to(at::kCPU, at::kDouble).contiguous() : at::Tensor();
+      const at::Tensor ref = roll.ref.defined() ? roll.ref.to(at::kCPU, at::kDouble).contiguous() : at::Tensor();
+      for (size_t i = 0; i < roll.completions.size(); ++i) {
+        const auto& c = roll.completions[i];
+        v.push_back(static_cast<double>(c.size()));
+        v.insert(v.end(), c.begin(), c.end());
+        v.push_back(roll.truncated[i] ? 1.0 : 0.0);
+        v.push_back(roll.advantages[i]);
+        for (const at::Tensor& t : {old, ref})
+          if (t.defined())
+            v.insert(v.end(), t[static_cast<int64_t>(i)].data_ptr<double>(),
+                     t[static_cast<int64_t>(i)].data_ptr<double>() + c.size());
+      }
+    }
+    return v;
+  }
+
+  std::vector<Rollout> unpack(const std::vector<double>& v) const {
+    Unpack in(v.data(), v.size());
+    const int64_t vocab = m_.config().vocab_size - 1;
+    const auto ids = [&](auto& out) {
+      const int64_t n = in.integer(static_cast<int64_t>(v.size()));
+      for (int64_t j = 0; j < n; ++j) out.push_back(static_cast<std::decay_t<decltype(out[0])>>(in.integer(vocab)));
+    };
+    std::vector<Rollout> micro(static_cast<size_t>(in.integer(r_.train.gradient_accumulation_steps)));
+    for (Rollout& roll : micro) {
+      roll.prompts.resize(static_cast<size_t>(in.integer(r_.data.batch_size)));
+      for (data::Example& e : roll.prompts) {
+        ids(e.ids);
+        e.labels.assign(e.ids.size(), data::kIgnoreIndex);
+      }
+      const size_t rows = roll.prompts.size() * static_cast<size_t>(generations());
+      std::vector<std::vector<double>> old(rows), ref(rows);
+      for (size_t i = 0; i < rows; ++i) {
+        ids(roll.completions.emplace_back());
+        if (roll.completions.back().size() > static_cast<size_t>(g_.max_completion_length))
+          throw Error("a completion longer than grpo.max_completion_length");
+        roll.truncated.push_back(static_cast<char>(in.integer(1)));
+        roll.advantages.push_back(in.finite());
+        for (auto* lp : {&old[i], g_.beta > 0 ? &ref[i] : nullptr})
+          if (lp)
+            for (size_t j = 0; j < roll.completions.back().size(); ++j) lp->push_back(in.finite());
+      }
+      if (rows == 0) continue;
+      roll.old = padded(old);
+      if (g_.beta > 0) roll.ref = padded(ref);
+    }
+    if (!in.done()) throw Error("numbers after its end");
+    return micro;
+  }
+
+  // Rows of log-probs as [rows, longest] on the device, zeros after each row's end (as logps()).
+  at::Tensor padded(const std::vector<std::vector<double>>& rows) const {
+    size_t longest = 1;
+    for (const auto& r : rows) longest = std::max(longest, r.size());
+    std::vector<float> flat(rows.size() * longest, 0.0f);
+    for (size_t i = 0; i < rows.size(); ++i) std::copy(rows[i].begin(), rows[i].end(), flat.begin() + i * longest);
+    return at::tensor(flat, at::kFloat)
+        .view({static_cast<int64_t>(rows.size()), static_cast<int64_t>(longest)})
+        .to(device_);
+  }
 
   // Where this rank's prompts of the step (micro-batch after micro-batch) stand in the step's global
   // batch: every rank's first, in rank order, then every rank's second, … (the order the epoch's
@@ -238,7 +447,7 @@ class Grpo final : public Objective {
     std::vector<uint64_t> seeds;
     for (size_t p = 0; p < roll.prompts.size(); ++p)
       for (int64_t g = 0; g < generations(); ++g) {
-        const std::vector<int32_t>& ids = roll.prompts[p]->ids;
+        const std::vector<int32_t>& ids = roll.prompts[p].ids;
         prompts.emplace_back(ids.begin(), ids.end());
         seeds.push_back(
             model::completion_seed(static_cast<uint64_t>(r_.train.seed), step, index[p], static_cast<uint64_t>(g)));
@@ -271,14 +480,14 @@ class Grpo final : public Objective {
       }
       for (size_t i = 0; i < rows; ++i)
         roll.scores[i * F + f] = rewards_[f].score(texts[i], static_cast<int64_t>(roll.completions[i].size()),
-                                                   *roll.prompts[i / static_cast<size_t>(generations())]->document);
+                                                   *roll.prompts[i / static_cast<size_t>(generations())].document);
     }
   }
 
   // A command reward's line for completion `i`: the prompt as the document holds it (else as rendered),
   // the completion, and the document's fields the reward names.
   nlohmann::json command_item(const RewardSpec& spec, const Rollout& roll, size_t i, const std::string& text) const {
-    const data::Example& e = *roll.prompts[i / static_cast<size_t>(generations())];
+    const data::Example& e = roll.prompts[i / static_cast<size_t>(generations())];
     const data::Document& doc = *e.document;
     nlohmann::json item = nlohmann::json::object();
     const auto it = doc.find(r_.data.prompt_field);
@@ -368,7 +577,8 @@ class Grpo final : public Objective {
                                cut / n,
                                term_n ? term_sum / term_n : 0.0,
                                term_n ? term_min : 0.0,
-                               term_n ? term_max : 0.0};
+                               term_n ? term_max : 0.0,
+                               1.0};  // (kSampled)
     const size_t F = rewards_.size();
     for (size_t f = 0; f < F; ++f) {
       std::vector<double> col;
@@ -388,7 +598,7 @@ class Grpo final : public Objective {
     std::vector<double> mine;  // per completion: its prompt's length and ids, its length and ids
     for (const Rollout& roll : micro)
       for (size_t i = 0; i < roll.completions.size(); ++i) {
-        const std::vector<int32_t>& prompt = roll.prompts[i / static_cast<size_t>(generations())]->ids;
+        const std::vector<int32_t>& prompt = roll.prompts[i / static_cast<size_t>(generations())].ids;
         mine.push_back(static_cast<double>(prompt.size()));
         mine.insert(mine.end(), prompt.begin(), prompt.end());
         mine.push_back(static_cast<double>(roll.completions[i].size()));
@@ -443,64 +653,71 @@ class Grpo final : public Objective {
     log_.write(out);
   }
 
-  // The micro-batch's completions through the policy (and the reference, with grpo.beta), the loss
-  // backward; `counts`: the step's, over every rank.
-  void train(const Rollout& roll, const GrpoStepCounts& counts, Sums& sums) {
+  // The micro-batch's completions through the policy (and the reference, with grpo.beta, unless the
+  // rollout holds its log-probs), the loss backward, normalised by the rollout's counts over every rank.
+  void train(const Rollout& roll, Sums& sums) {
+    const bool reference_pass = g_.beta > 0 && g_.num_iterations == 1;  // (else keep_log_probs' pass)
     if (roll.completions.empty()) {  // the others' passes joined (shard_base, the gradients' all-reduce)
-      if (g_.beta > 0) m_.skip_pass(false, false);
+      if (reference_pass) m_.skip_pass(false, false);
       m_.skip_pass(true, false);
       return;
     }
-    std::vector<data::Example> rows;
-    std::vector<int64_t> ri, ci;
-    std::vector<float> keep;
-    int64_t longest = 1;
-    for (size_t i = 0; i < roll.completions.size(); ++i) {
-      const data::Example& prompt = *roll.prompts[i / static_cast<size_t>(generations())];
-      data::Example x;
-      x.ids = prompt.ids;
-      x.labels.assign(prompt.ids.size(), data::kIgnoreIndex);
-      const auto& c = roll.completions[i];
-      for (size_t j = 0; j < c.size(); ++j) {
-        x.ids.push_back(static_cast<int32_t>(c[j]));
-        x.labels.push_back(static_cast<int32_t>(c[j]));
-        ri.push_back(static_cast<int64_t>(i));
-        ci.push_back(static_cast<int64_t>(j));
-      }
-      longest = std::max(longest, static_cast<int64_t>(c.size()));
-      keep.push_back(g_.mask_truncated_completions && roll.truncated[i] ? 0.0f : 1.0f);
-      rows.push_back(std::move(x));
-    }
-    const data::Batch b = data::collate(rows, false, 0, device_);
-    const auto B = static_cast<int64_t>(rows.size());
-    const at::Tensor row = at::tensor(ri, at::kLong).to(device_), col = at::tensor(ci, at::kLong).to(device_);
-    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
-    const at::Tensor mask = at::zeros({B, longest}, f32).index_put_({row, col}, at::ones({}, f32)) *
-                            at::tensor(keep, at::kFloat).to(device_).unsqueeze(1);
-    at::Tensor ref;
-    if (g_.beta > 0) {
+    const Rows x = rows_of(roll);
+    at::Tensor ref = roll.ref;
+    if (reference_pass) {
       const c10::NoGradGuard no_grad;
       const AsReference as_reference(m_, params_, reference_);
-      ref = logps(b, row, col, B, longest);
+      ref = logps(x);
     }
-    const at::Tensor policy = logps(b, row, col, B, longest);
+    const at::Tensor policy = logps(x);
     const at::Tensor adv = at::tensor(roll.advantages, at::kDouble).to(at::kFloat).to(device_);
-    const GrpoLoss l = grpo_loss(policy, at::Tensor(), ref, mask, adv, cfg_, counts);
+    const GrpoLoss l = grpo_loss(policy, roll.old, ref, x.mask, adv, cfg_, counts_);
     l.loss.backward();
     sums.loss += l.loss.detach();
     sums.stats.narrow(0, 0, kFigures).add_(l.figures.to(device_));
     sums.tokens += static_cast<int64_t>(l.figures[kTokens].item<double>());
-    sums.real += b.real;
-    sums.slots += b.slots;
+    sums.real += x.b.real;
+    sums.slots += x.b.slots;
+  }
+
+  Rows rows_of(const Rollout& roll) const {
+    std::vector<data::Example> rows;
+    std::vector<int64_t> ri, ci;
+    std::vector<float> keep;
+    Rows x;
+    for (size_t i = 0; i < roll.completions.size(); ++i) {
+      const data::Example& prompt = roll.prompts[i / static_cast<size_t>(generations())];
+      data::Example e;
+      e.ids = prompt.ids;
+      e.labels.assign(prompt.ids.size(), data::kIgnoreIndex);
+      const auto& c = roll.completions[i];
+      for (size_t j = 0; j < c.size(); ++j) {
+        e.ids.push_back(static_cast<int32_t>(c[j]));
+        e.labels.push_back(static_cast<int32_t>(c[j]));
+        ri.push_back(static_cast<int64_t>(i));
+        ci.push_back(static_cast<int64_t>(j));
+      }
+      x.longest = std::max(x.longest, static_cast<int64_t>(c.size()));
+      keep.push_back(g_.mask_truncated_completions && roll.truncated[i] ? 0.0f : 1.0f);
+      rows.push_back(std::move(e));
+    }
+    x.b = data::collate(rows, false, 0, device_);
+    x.B = static_cast<int64_t>(rows.size());
+    x.row = at::tensor(ri, at::kLong).to(device_);
+    x.col = at::tensor(ci, at::kLong).to(device_);
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
+    x.mask = at::zeros({x.B, x.longest}, f32).index_put_({x.row, x.col}, at::ones({}, f32)) *
+             at::tensor(keep, at::kFloat).to(device_).unsqueeze(1);
+    return x;
   }
 
   // [B, longest] each completion token's log-prob, the logits divided by grpo.temperature (TRL's).
-  at::Tensor logps(const data::Batch& b, const at::Tensor& row, const at::Tensor& col, int64_t B, int64_t longest) {
-    at::Tensor hidden = m_.hidden_states(b.ids, b.mask);
+  at::Tensor logps(const Rows& x) {
+    at::Tensor hidden = m_.hidden_states(x.b.ids, x.b.mask);
     if (g_.temperature != 1.0) hidden = hidden / g_.temperature;
     const at::Tensor tok =
-        model::lm_head_token_losses(hidden, m_.lm_head(), b.rows, b.targets, m_.config().logit_softcap);
-    return at::zeros({B, longest}, tok.options()).index_put({row, col}, tok.neg());
+        model::lm_head_token_losses(hidden, m_.lm_head(), x.b.rows, x.b.targets, m_.config().logit_softcap);
+    return at::zeros({x.B, x.longest}, tok.options()).index_put({x.row, x.col}, tok.neg());
   }
 
   const recipe::Recipe& r_;
@@ -517,6 +734,10 @@ class Grpo final : public Objective {
   std::vector<std::pair<int, size_t>> order_;  // the step's prompts: (rank, its k-th) in global order
   std::vector<size_t> index_;                  // ... where this rank's stand in it
   io::OutFile log_;                            // grpo.log_completions' file, once opened
+  std::vector<Rollout> held_;                  // the rollout the steps train on: by micro-batch
+  int64_t sampled_at_ = -1;                    // ... the step that sampled it (-1: none)
+  GrpoStepCounts counts_;                      // ... its counts over every rank
+  std::vector<std::vector<double>> packed_;    // (rank 0) every rank's, for the resumable state
 };
 
 }  // namespace

@@ -20,7 +20,7 @@ class Sft final : public Objective {
  public:
   Sft(const recipe::Recipe& r, model::CausalLM& m, c10::Device device) : r_(r), m_(m), device_(device) {}
 
-  Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, int64_t /*step*/) override {
+  Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, StepAt /*at*/) override {
     Sums sums;
     sums.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
     for (int a = 0; a < accum; ++a) {
@@ -105,7 +105,7 @@ class Pairs final : public Objective {
     if (r.preference.precompute_reference) cache_.emplace(pref_.kto() ? 1 : 2);
   }
 
-  Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, int64_t /*step*/) override {
+  Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, StepAt /*at*/) override {
     Sums sums;
     sums.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
     sums.stats = at::zeros({kPrefStats}, at::TensorOptions().dtype(at::kDouble).device(device_));
@@ -171,6 +171,7 @@ class Pairs final : public Objective {
     ready_ = true;
     return cache_->size();
   }
+  bool keeps_state() const override { return cache_.has_value(); }
   void save_files(const std::string& dir, const nlohmann::json& data) const override {
     if (cache_) cache_->save(dir, data);
   }

@@ -41,11 +41,16 @@ class Objective {
   };
   // The examples of the adapter's next micro-batch.
   using Next = std::function<std::vector<data::Example>()>;
+  // Where a step stands: the adapter's optimizer steps done before it (what GRPO's sampling is seeded
+  // by), in all and in its epoch.
+  struct StepAt {
+    int64_t step = 0, in_epoch = 0;
+  };
 
   // The step's `accum` micro-batches from `next`, forward and backward: the gradients accumulate in
-  // .grad; `arm` is called before the last micro-batch's backward (which sums them over ranks).
-  // `step`: the adapter's optimizer steps done before this one (what GRPO's sampling is seeded by).
-  virtual Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, int64_t step) = 0;
+  // .grad; `arm` is called before the last micro-batch's backward (which sums them over ranks). GRPO
+  // with grpo.num_iterations μ reads them every μ-th step of an epoch and trains on them μ steps.
+  virtual Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, StepAt at) = 0;
   // Whether forward_backward divided the loss and the gradients by the step's totals over every
   // rank already (pairs); else the step divides them by the global count of trained tokens.
   virtual bool normalised() const { return false; }
@@ -62,8 +67,10 @@ class Objective {
   virtual bool wants_reference() const { return false; }
   virtual void reference(const std::vector<data::Example>& /*micro*/) {}
   virtual int64_t reference_done() { return 0; }  // the examples it holds the log-probs of
-  // ... kept in the resumable state's directory `dir`, naming the data (its identity) they were
+  // What it keeps in the resumable state (precomputed reference log-probs, GRPO's rollout that later
+  // steps train on again), in the state's directory `dir`, naming the data (its identity) they were
   // computed from. load_files: "" when read, else why not (they are then computed again).
+  virtual bool keeps_state() const { return false; }
   virtual void save_files(const std::string& /*dir*/, const nlohmann::json& /*data*/) const {}
   virtual std::string load_files(const std::string& /*dir*/, const nlohmann::json& /*data*/) { return ""; }
 };

@@ -117,14 +117,23 @@ uint64_t dropout_seed(int64_t seed, int rank) {
   return static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(rank) + 1;
 }
 
+int64_t steps_per_batch(const recipe::Recipe& r) {
+  return r.train.objective == recipe::Objective::Grpo ? r.grpo.num_iterations : 1;
+}
+
 int64_t steps_per_epoch(const recipe::Recipe& r, int64_t per_rank) {
   const int64_t per_step = int64_t{r.data.batch_size} * r.train.gradient_accumulation_steps;
-  const int64_t steps = (per_rank + per_step - 1) / per_step;
+  const int64_t steps = (per_rank + per_step - 1) / per_step * steps_per_batch(r);
   return r.train.max_steps_per_epoch ? std::min<int64_t>(steps, *r.train.max_steps_per_epoch) : steps;
 }
 
+int64_t batches_read(const recipe::Recipe& r, int64_t step_in_epoch) {
+  return (step_in_epoch + steps_per_batch(r) - 1) / steps_per_batch(r);
+}
+
 int64_t epoch_documents(const recipe::Recipe& r, int64_t per_rank, int world) {
-  const int64_t read = steps_per_epoch(r, per_rank) * r.data.batch_size * r.train.gradient_accumulation_steps;
+  const int64_t read =
+      batches_read(r, steps_per_epoch(r, per_rank)) * r.data.batch_size * r.train.gradient_accumulation_steps;
   return std::min(per_rank, read) * world;
 }
 

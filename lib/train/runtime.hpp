@@ -45,9 +45,13 @@ std::shared_ptr<model::BaseShards> base_shards(bool prefetch, int rank, int worl
 model::LoadOptions load_options(const recipe::Recipe& r, std::shared_ptr<model::BaseShards> shards,
                                 bool shapes_only = false);
 
+// Optimizer steps each step's worth of data is trained for: grpo.num_iterations (μ) with grpo, else 1.
+int64_t steps_per_batch(const recipe::Recipe& r);
 // Optimizer steps per epoch of a rank reading `per_rank` documents (Runtime::per_rank): every
 // rank the same (shards are equalised), at most train.max_steps_per_epoch.
 int64_t steps_per_epoch(const recipe::Recipe& r, int64_t per_rank);
+// The steps' worth of data an epoch's first `step_in_epoch` optimizer steps have read.
+int64_t batches_read(const recipe::Recipe& r, int64_t step_in_epoch);
 // The documents those steps read on all `world` ranks together (data.max_skipped_share's whole).
 int64_t epoch_documents(const recipe::Recipe& r, int64_t per_rank, int world);
 

@@ -153,7 +153,7 @@ void Trainer::open_batches(Tenant& t) {
   if (a.whole_epoch_here) a.epoch_tokens = 0;
   a.skips.new_epoch();
   try {
-    epoch_batches(a, a.p.step_in_epoch, a.batches);
+    epoch_batches(a, batches_read(a.r, a.p.step_in_epoch), a.batches);
   } catch (const data::DataUnavailable& e) {
     data_error_ = a.who() + e.what();
     log_error(fmt::format("rank {}: {}", env_.rank, data_error_));
@@ -269,7 +269,7 @@ void Trainer::own_passes(Tenant& t) {
                                                           [this] {
                                                             if (tenants_.size() == 1) sync_->arm();
                                                           },
-                                                          a.p.step);
+                                                          {a.p.step, a.p.step_in_epoch});
   t.loss = s.loss;
   t.tokens = s.tokens;
   t.real = s.real;

@@ -95,7 +95,7 @@ class Trainer {
   void epoch_batches(const AdapterRun& a, int64_t step, std::optional<data::MicroBatches>& out) const;
   void open_batches(Tenant& t);
   bool precompute_reference(Tenant& t);
-  void keep_reference_in_state(AdapterRun& a);
+  void keep_objective_in_state(AdapterRun& a);
   StepEnd step(const std::vector<Tenant*>& active);
   Reduced reduce(const std::vector<Tenant*>& active, double data_wait);
   void update(Tenant& t, Reduced& sums, size_t i, StepTotals& totals, nlohmann::json& figures);

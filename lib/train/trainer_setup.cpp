@@ -56,14 +56,15 @@ void Trainer::add_alone() {
   a.plan(env_.world_size);
   a.ckpt = std::make_unique<Checkpointer>(a.r, agree_, m_, model::lora_config_of(r_.lora, r_.model.path), a.params,
                                           *a.opt, a.data.identity(), cuda_, t->rng);
-  keep_reference_in_state(a);
+  keep_objective_in_state(a);
   tenants_.push_back(std::move(t));
 }
 
-// preference.precompute_reference: the reference's log-probs go with each resumable state and come
-// back with it; those of other data (or none) are computed again, said in one line.
-void Trainer::keep_reference_in_state(AdapterRun& a) {
-  if (!a.r.preference.precompute_reference) return;
+// What the objective keeps goes with each resumable state and comes back with it: GRPO's rollout;
+// preference.precompute_reference's log-probs (those of other data, or none, are computed again, said
+// in one line).
+void Trainer::keep_objective_in_state(AdapterRun& a) {
+  if (!a.objective->keeps_state()) return;
   Objective* o = a.objective.get();
   const nlohmann::json data = a.data.identity();
   const bool lead = lead_;
@@ -120,7 +121,7 @@ void Trainer::add_adapters() {
     a.ckpt = std::make_unique<Checkpointer>(a.r, agree_, m_, cfg, a.params, *a.opt, a.data.identity(), cuda_, t->rng);
     a.ckpt->store_as_adapter(a.name);
     a.objective = make_objective(a.r, m_, model::tenant_state(m_, slot), agree_, rt_.device, rt_.tokenizer);
-    keep_reference_in_state(a);
+    keep_objective_in_state(a);
     tenants_.push_back(std::move(t));
   }
 }

@@ -952,7 +952,7 @@ TEST_CASE("train.objective: grpo needs prompts and rewards, with GRPOConfig's na
   CHECK_THAT(error_of("model: {path: /m}\ndata: {database: d, collection: c, format: prompt}\n"),
              Catch::Contains("data.format: prompt gives prompts without completions: set train.objective: grpo"));
   CHECK_THAT(error_of(prompts, {"grpo.num_generations=1"}), Catch::Contains("grpo.num_generations must be at least 2"));
-  CHECK_THAT(error_of(prompts, {"grpo.num_iterations=2"}), Catch::Contains("is not supported yet: set it to 1"));
+  CHECK_THAT(error_of(prompts, {"grpo.num_iterations=0"}), Catch::Contains("grpo.num_iterations must be at least 1"));
   CHECK_THAT(error_of(prompts, {"grpo.loss_type=ppo"}), Catch::Contains("grpo.loss_type"));
   CHECK_THAT(error_of(prompts, {"grpo.top_p=0"}), Catch::Contains("grpo.top_p must be"));
   CHECK_THAT(error_of(prompts, {"preference.beta=0.2"}), Catch::Contains("grpo's own are under grpo:"));

@@ -12,10 +12,12 @@ usage: grpo_trainer_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
     --steps N --lr F --max-completion-length L --temperature F --epsilon F --epsilon-high F
     --importance-level {token,sequence} --scale-rewards {group,batch,none} --mask-truncated
     --rewards number,length --length M,C --length-weight W --loss-tol 1e-5 --adapter-tol 1e-4
+    --num-iterations MU
 
 TRL trains MODEL_DIR + INIT_DIR's adapter on the prompts in file order (P*G completions a micro-batch,
 A micro-batches a step, one generation a step: steps_per_generation = A, so TRL advantages over the
-step's P*A prompts as lora-train does). Generation is replaced: _generate_single_turn returns, for
+step's P*A prompts as lora-train does; with --num-iterations MU, every MU-th step generates and the
+steps between train again on its completions, with the log-probs at generation). Generation is replaced: _generate_single_turn returns, for
 step S, OURS_DIR/completions.jsonl's completion_ids of step S (row p*G+g: prompt p, generation g);
 the step's prompts are checked against the rows'. Everything else is TRL's: the rewards (the
 functions below, with reward_weights), advantages, log-probs, KL reference, loss, metrics, AdamW.
@@ -27,7 +29,8 @@ tokens, as TRL reduces it over ranks (TRL's log() averages micro-batch values un
 Rewards: "num" (number): 1.0 when the last number of the completion equals the answer's last number
 (lora-train's last_number: commas between thousands ignored), weight 1; "short" (length):
 trl.rewards.get_soft_overlong_punishment(M, C), weight W.
-Compared, step by step: metrics.jsonl's figures with TRL's logs, relative to max(|TRL|, 1e-6/loss_tol)
+Compared, step by step: metrics.jsonl's figures with TRL's logs (a step that did not generate logs
+no reward figure on either side), relative to max(|TRL|, 1e-6/loss_tol)
 (so an absolute difference under 1e-6 always passes); each completion's reward and advantage (absolute
 1e-5); then epoch_0/adapter_model.safetensors with TRL's adapter (largest difference relative to the
 largest weight). Prints a table, "worst relative loss diff", "worst advantage diff", "adapter relative
@@ -97,7 +100,7 @@ class Logged(TrainerCallback):
         self.rows = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs and "reward" in logs:
+        if logs and "loss" in logs and "learning_rate" in logs:
             self.rows.append(dict(logs))
 
 
@@ -169,10 +172,11 @@ def close(a, b, tol):
 def check(o):
     names = o.rewards.split(",")
     funcs, weights = reward_funcs(names, o.length, o.length_weight)
-    P, A, G, N = o.batch, o.accum, o.num_generations, o.steps
+    P, A, G, N, MU = o.batch, o.accum, o.num_generations, o.steps, o.num_iterations
     docs = [json.loads(line) for line in open(o.prompts) if line.strip()]
-    if len(docs) < N * P * A:
-        sys.exit(f"{o.prompts}: {len(docs)} prompts, {N} steps of {P * A} need {N * P * A}")
+    need = -(-N // MU) * P * A
+    if len(docs) < need:
+        sys.exit(f"{o.prompts}: {len(docs)} prompts, {N} steps of {P * A} ({MU} a generation) need {need}")
     columns = {"prompt": [d["prompt"] for d in docs], "answer": [str(d["answer"]) for d in docs]}
     data = Dataset(InMemoryTable(pa.table(columns)), fingerprint="lorarun-grpo-trainer-reference")
     ours = defaultdict(list)
@@ -183,7 +187,7 @@ def check(o):
     for rows in ours.values():
         rows.sort(key=lambda r: (r["index"], r["generation"]))
     metrics = [json.loads(line) for line in open(os.path.join(o.ours, "metrics.jsonl")) if line.strip()]
-    metrics = [r for r in metrics if "loss" in r and "step" in r and "reward" in r]
+    metrics = [r for r in metrics if "loss" in r and "step" in r]
 
     model, tok = policy(o.model, o.init, None)
     grpo_module.shuffle_sequence_dict = lambda batch: batch  # micro-batches in lora-train's order
@@ -191,7 +195,7 @@ def check(o):
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out, per_device_train_batch_size=P * G, gradient_accumulation_steps=A, num_generations=G,
-            steps_per_generation=A, num_iterations=1, shuffle_dataset=False, learning_rate=o.lr,
+            steps_per_generation=A, num_iterations=MU, shuffle_dataset=False, learning_rate=o.lr,
             lr_scheduler_type="constant", warmup_steps=0, max_steps=N, weight_decay=0.0, max_grad_norm=1.0,
             adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, beta=o.beta, loss_type=o.loss_type,
             epsilon=o.epsilon, epsilon_high=o.epsilon_high if o.epsilon_high is not None else o.epsilon,
@@ -216,7 +220,8 @@ def check(o):
     if len(metrics) != N or len(logged.rows) != N:
         failures.append(f"steps: ours {len(metrics)}, TRL {len(logged.rows)}, asked {N}")
     print(f"{'step':>4} {'figure':<26} {'lorarun':>17} {'TRL':>17} {'rel diff':>9}")
-    for s, (mine, theirs, raw, got) in enumerate(zip(metrics, logged.rows, cls.raw, cls.steps)):
+    for s, (mine, theirs, raw) in enumerate(zip(metrics, logged.rows, cls.raw)):
+        got = cls.steps[s // MU]  # the generation the step trains on
         for k in figures:
             want = theirs.get(k)
             if k in TOKEN_WEIGHTED and A > 1 and k in raw:  # the step's figure over all its tokens
@@ -230,7 +235,7 @@ def check(o):
             if not ok:
                 failures.append(f"{k} at step {s + 1}: lorarun {mine.get(k)!r}, TRL {want!r} (rel diff {d:.2e})")
         rewards, per_func = got["rewards"]
-        for i, r in enumerate(ours[s]):
+        for i, r in enumerate(ours[s] if s % MU == 0 else []):
             da = gap(r["advantage"], got["advantages"][i])
             dr = max([gap(r["reward"], rewards[i])] +
                      [gap(r["rewards"].get(f.__name__), per_func[i][j]) for j, f in enumerate(funcs)])
@@ -273,6 +278,7 @@ def options(argv):
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--batch", type=int, default=2, help="P: prompts a micro-batch")
     p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--num-iterations", type=int, default=1)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-completion-length", type=int, default=8)

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -32,6 +33,11 @@ void write_prompts(const std::string& path, int n) {
 const std::string kGrpo =
     "num_generations: 4, max_completion_length: 8, rewards: [{name: num, kind: number, field: answer}, {name: short, "
     "kind: length, max_tokens: 8, cache: 6, weight: 0.5}]";
+
+// ... and a reward of weight 0 that takes 0.05 s a completion: steps slow enough to stop or kill in.
+const std::string kPaced =
+    kGrpo.substr(0, kGrpo.size() - 1) +
+    R"(, {name: pace, kind: command, weight: 0, run: [sh, -c, "while read -r l; do sleep 0.05; echo 0; done"]}])";
 
 // A GRPO recipe on the llama fixture over `dir`/prompts.jsonl in file order, constant LR, logging
 // its completions; `grpo` is the grpo: section's keys.
@@ -66,11 +72,26 @@ std::vector<nlohmann::json> steps_of(const std::string& run_dir) {
   return out;
 }
 
+// `cmd` (output_dir `dir`/k), interrupted, run again: it resumes in epoch `epoch` and ends with the
+// adapter of the uninterrupted run in `dir`/w, having sampled its completions (the log kept the steps
+// before the state and dropped the interrupted run's later ones).
+void resumes_as_uninterrupted(const std::string& cmd, const std::string& dir, int epoch) {
+  const Result again = sh(cmd);
+  INFO(again.output);
+  REQUIRE(again.status == 0);
+  CHECK_THAT(again.output, Catch::Contains(fmt::format("resuming at epoch {}", epoch)));
+  CHECK(sh(fmt::format("cmp {0}/w/epoch_{1}/adapter_model.safetensors {0}/k/epoch_{1}/adapter_model.safetensors", dir,
+                       epoch))
+            .status == 0);
+  CHECK(sh(fmt::format("cmp {0}/w/completions.jsonl {0}/k/completions.jsonl", dir)).status == 0);
+}
+
 }  // namespace
 
 TEST_CASE(
     "grpo: lora-train equals TRL's GRPOTrainer step by step on the same completions: dapo, grpo, dr_grpo, bnpo, "
-    "GSPO's sequence level, beta 0 and 0.04, scale_rewards group, batch and none, accumulation, masked truncation",
+    "GSPO's sequence level, beta 0 and 0.04, scale_rewards group, batch and none, accumulation, masked truncation, "
+    "num_iterations 2",
     "[e2e][reference][grpo]") {
   const std::string dir = temp_dir("grpo-trl");
   {  // 8 steps of 2 prompts (× accumulation 2): "What is a + b?", the answer a number or a string
@@ -105,6 +126,12 @@ TEST_CASE(
        "--loss-type dapo --beta 0.04 --mask-truncated"},
       {"batch", "grpo.scale_rewards=batch grpo.epsilon_high=0.28 grpo.temperature=0.7",
        "--loss-type dapo --beta 0 --scale-rewards batch --epsilon-high 0.28 --temperature 0.7"},
+      // each generation trained on twice, the second time against its log-probs at sampling (a small
+      // epsilon: ratios that clip)
+      {"mu2", "grpo.num_iterations=2 grpo.beta=0.04 grpo.epsilon=0.002",
+       "--loss-type dapo --beta 0.04 --epsilon 0.002 --num-iterations 2"},
+      {"mu2accum", "grpo.num_iterations=2 grpo.loss_type=grpo grpo.epsilon=0.002 train.gradient_accumulation_steps=2",
+       "--loss-type grpo --beta 0 --accum 2 --epsilon 0.002 --num-iterations 2"},
   };
   for (const auto& c : cases) {
     INFO(c.name);
@@ -122,12 +149,23 @@ TEST_CASE(
     CHECK(ref.fields.value("steps", 0) == 8);
     // advantages that move the adapter: some groups' rewards differ
     CHECK(ref.fields.value("largest_weight_change", 0.0) > 1e-4);
+    if (c.name.starts_with("mu")) {  // the steps on an earlier generation clip some ratios, and log no reward
+      double clipped = 0;
+      size_t rewarded = 0;
+      for (const auto& row : rows_of(fmt::format("{}/{}/metrics.jsonl", dir, c.name)))
+        if (row.contains("loss")) {
+          clipped = std::max(clipped, row.value("clip_ratio/region_mean", 0.0));
+          rewarded += row.contains("reward");
+        }
+      CHECK(clipped > 0);
+      CHECK(rewarded == 4);
+    }
   }
 }
 
 TEST_CASE(
     "grpo: 1 rank, 2 ranks, accumulation 2 and a sharded base sample the same completions and train the same "
-    "adapter",
+    "adapter, num_iterations 2 too",
     "[e2e][grpo]") {
   const std::string dir = temp_dir("grpo-ranks");
   write_prompts(dir + "/prompts.jsonl", 16);  // 4 steps of 4 prompts, read from FerretDB
@@ -150,6 +188,32 @@ TEST_CASE(
         sh(fmt::format("{} {} {} {} checkpoint.output_dir={}/{}", l.launch, recipe, mongo, l.train, dir, l.name));
     INFO(l.name << "\n" << t.output);
     REQUIRE(t.status == 0);
+  }
+  // each generation trained on twice: every step's loss and kl the same on 1 rank and on 2 ranks each
+  // holding half the base
+  for (const Layout& l : {layouts[0], layouts[3]}) {
+    const Result t = sh(fmt::format("{} {} {} {} grpo.num_iterations=2 checkpoint.output_dir={}/{}m2", l.launch, recipe,
+                                    mongo, l.train, dir, l.name));
+    INFO(l.name << "m2\n" << t.output);
+    REQUIRE(t.status == 0);
+  }
+  {
+    std::vector<nlohmann::json> m2[2];
+    for (int k = 0; k < 2; ++k)
+      for (auto& row : rows_of(dir + (k ? "/w2b2sm2" : "/w1b4m2") + "/metrics.jsonl"))
+        if (row.contains("loss")) m2[k].push_back(std::move(row));
+    REQUIRE(m2[0].size() == 8);
+    REQUIRE(m2[1].size() == 8);
+    for (size_t s = 0; s < 8; ++s) {
+      INFO("num_iterations 2, step " << s + 1);
+      CHECK(m2[1][s].contains("reward") == (s % 2 == 0));
+      CHECK(std::abs(m2[1][s]["loss"].get<double>() - m2[0][s]["loss"].get<double>()) <=
+            1e-6 * std::max(1.0, std::abs(m2[0][s]["loss"].get<double>())));
+      // (kl ~ d^2 / 2 of log-prob differences d ~ 1e-2 from float32 sums: a few 1e-5 apart)
+      CHECK(m2[1][s]["kl"].get<double>() == Approx(m2[0][s]["kl"].get<double>()).epsilon(1e-3));
+    }
+    CHECK(adapter_relative_diff(dir + "/w1b4m2/epoch_0/adapter_model.safetensors",
+                                dir + "/w2b2sm2/epoch_0/adapter_model.safetensors") < 1e-5);
   }
   const auto one = steps_of(dir + "/w1b4");
   REQUIRE(one.size() == 4);
@@ -189,28 +253,43 @@ TEST_CASE("grpo: a run killed mid-epoch resumes to the uninterrupted run's adapt
           "[e2e][grpo]") {
   const std::string dir = temp_dir("grpo-resume");
   write_prompts(dir + "/prompts.jsonl", 8);  // 4 steps of 2 prompts an epoch
-  // (a reward of weight 0 that takes 0.05 s a completion: steps slow enough to be killed mid-epoch)
-  const std::string recipe = write_grpo_recipe(
-      dir, "w", "epochs: 2",
-      kGrpo.substr(0, kGrpo.size() - 1) +
-          R"(, {name: pace, kind: command, weight: 0, run: [sh, -c, "while read -r l; do sleep 0.05; echo 0; done"]}])",
-      ", batch_size: 2");
+  const std::string recipe = write_grpo_recipe(dir, "w", "epochs: 2", kPaced, ", batch_size: 2");
   REQUIRE(sh(fmt::format("{} {}", bin("lora-train"), recipe)).status == 0);
   const std::string cmd =
       fmt::format("{} {} checkpoint.output_dir={}/k checkpoint.state_every_n_steps=2", bin("lora-train"), recipe, dir);
   const Result killed = interrupt(cmd, dir + "/k.log", "epoch 1/2 step 1/4", "kill -9 $pid");
   INFO(read_file(dir + "/k.log"));
   REQUIRE_THAT(killed.output, Catch::Contains("exit=137"));
-  const Result again = sh(cmd);
-  INFO(again.output);
-  REQUIRE(again.status == 0);
-  CHECK_THAT(again.output, Catch::Contains("resuming at epoch 1"));
-  CHECK(sh(fmt::format("cmp {0}/w/epoch_1/adapter_model.safetensors {0}/k/epoch_1/adapter_model.safetensors", dir))
-            .status == 0);
-  // the resumed steps sampled the uninterrupted run's completions; the log kept the steps before the
-  // state and dropped the killed run's later ones
+  resumes_as_uninterrupted(cmd, dir, 1);
   CHECK(rows_of(dir + "/w/completions.jsonl").size() == 64);
-  CHECK(sh(fmt::format("cmp {0}/w/completions.jsonl {0}/k/completions.jsonl", dir)).status == 0);
+}
+
+TEST_CASE("grpo: num_iterations 2 stopped between the two steps on a generation resumes on the rollout its state kept",
+          "[e2e][grpo]") {
+  const std::string dir = temp_dir("grpo-mu-resume");
+  write_prompts(dir + "/prompts.jsonl", 8);  // 4 generations of 2 prompts, each trained on twice: 8 steps
+  const std::string recipe =
+      write_grpo_recipe(dir, "w", "epochs: 1, max_grad_norm: 1.0",
+                        kPaced + ", num_iterations: 2, beta: 0.04, epsilon: 0.002", ", batch_size: 2");
+  REQUIRE(sh(fmt::format("{} {}", bin("lora-train"), recipe)).status == 0);
+  const std::string cmd = fmt::format("{} {} checkpoint.output_dir={}/k", bin("lora-train"), recipe, dir);
+  // stopped while step 3 samples the second generation: the state after it lies inside that generation
+  const Result stopped = interrupt(cmd, dir + "/k.log", "step 2/8", "kill -TERM $pid");
+  INFO(read_file(dir + "/k.log"));
+  REQUIRE_THAT(stopped.output, Catch::Contains("exit=75"));
+  const auto state = nlohmann::json::parse(read_file(dir + "/k/resume_state/state.json"));
+  CHECK(state["step_in_epoch"] == 3);
+  CHECK(std::filesystem::exists(dir + "/k/resume_state/grpo_rollout.safetensors"));
+  resumes_as_uninterrupted(cmd, dir, 0);
+  // without the rollout, the step cannot train on it: one line, nothing written
+  const Result lost =
+      interrupt(fmt::format("{} checkpoint.output_dir={}/l", cmd, dir), dir + "/l.log", "step 2/8", "kill -TERM $pid");
+  REQUIRE_THAT(lost.output, Catch::Contains("exit=75"));
+  std::filesystem::remove(dir + "/l/resume_state/grpo_rollout.safetensors");
+  const Result refused = sh(fmt::format("{} checkpoint.output_dir={}/l", cmd, dir));
+  CHECK(refused.status != 0);
+  CHECK_THAT(refused.output, Catch::Contains("grpo_rollout.safetensors is missing"));
+  CHECK_FALSE(std::filesystem::exists(dir + "/l/epoch_0"));
 }
 
 TEST_CASE("grpo: a reward program scores completions, and bad rewards, programs and documents are one line each",
