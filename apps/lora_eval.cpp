@@ -140,8 +140,9 @@ int eval_recipe(const RecipeEval& a) {
     throw Error("--per-doc runs on one rank: drop it, or run lora-eval without lorarun");
   if (r.train.objective == recipe::Objective::Grpo)
     throw Error(fmt::format(
-        "{} trains grpo: its documents are prompts without completions to score, and its evaluation (the mean "
-        "reward of sampled completions) is not built yet: sample them with lora-generate --prompts",
+        "{} trains grpo: its documents are prompts without completions to score; lora-train reports their mean "
+        "reward (eval_reward, greedy completions) on its eval: split, lora-eval does not yet: sample them with "
+        "lora-generate --prompts",
         a.recipe));
   const bool eval_split = a.split == "eval";
   if (eval_split && !r.eval.enabled(r.data.source))
@@ -170,7 +171,7 @@ int eval_recipe(const RecipeEval& a) {
       train::eval_shard(rt.model, docs, *rt.builder, r, env.rank, env.world_size, rt.device,
                         a.per_doc.empty() ? train::PerDocument{} : per_doc, {}, pref ? &*pref : nullptr);
   std::vector<double> all = {mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)};
-  all.insert(all.end(), mine.pref.begin(), mine.pref.end());
+  all.insert(all.end(), mine.own.begin(), mine.own.end());
   at::Tensor sums = at::tensor(all, at::kDouble).to(rt.device);
   if (env.world_size > 1) {
     dist::ProcessGroup pg(env, dist::backend_of(r.dist.backend, train::uses_cuda(r)),

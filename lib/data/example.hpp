@@ -87,6 +87,7 @@ class ExampleBuilder {
   // The top-level fields build() reads (template fields + response, text or messages): the
   // projection a source fetches.
   std::vector<std::string> fields() const { return fields_of(cfg_); }
+  recipe::Format format() const { return cfg_.format; }
   static std::vector<std::string> fields_of(const recipe::DataSection& cfg);
 
  private:

@@ -163,9 +163,6 @@ void grpo_rules(const Recipe& r, const RecipeOrigin& o) {
          "must list at least one reward (e.g. grpo.rewards: [{name: answer, kind: exact, field: "
          "answer}])");
   if (r.data.packing) fail(o, "data.packing", "is true: grpo does not pack its completions: set data.packing: false");
-  if (r.eval.enabled(r.data.source))
-    fail(o, "train.objective",
-         "is grpo, whose evaluation (the mean reward) is not built yet: remove the eval: section");
   if (r.adapters.enabled())
     fail(o, "train.objective", "is grpo, which trains one adapter a run so far: remove the adapters: section");
   if (!r.data.sources.empty())

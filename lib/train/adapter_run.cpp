@@ -94,12 +94,15 @@ void AdapterRun::apply(std::vector<at::Tensor>& grads, const at::Tensor& norm, d
 void AdapterRun::evaluated(const nlohmann::json& row, bool steers, bool lead, bool tty) {
   const double loss = row["eval_loss"].get<double>();
   last_eval_loss = loss;
+  const bool rewarded = row.contains("eval_reward");  // (grpo: eval_loss is minus the mean reward)
   if (lead) {
     if (tty) std::fputs("\n", stdout);
-    info(fmt::format(
-        "{}eval at epoch {} step {}: eval_loss {:.6f} eval_ppl {:.4f} over {} tokens of {} documents ({:.1f} s)", who(),
-        p.epoch, p.step, loss, std::exp(loss), row["eval_tokens"].get<int64_t>(), row["eval_documents"].get<int64_t>(),
-        row["eval_seconds"].get<double>()));
+    const std::string what =
+        rewarded ? fmt::format("eval_reward {:.6f} of {} greedy completions", -loss, row["eval_tokens"].get<int64_t>())
+                 : fmt::format("eval_loss {:.6f} eval_ppl {:.4f} over {} tokens of {} documents", loss, std::exp(loss),
+                               row["eval_tokens"].get<int64_t>(), row["eval_documents"].get<int64_t>());
+    info(fmt::format("{}eval at epoch {} step {}: {} ({:.1f} s)", who(), p.epoch, p.step, what,
+                     row["eval_seconds"].get<double>()));
   }
   if (!steers) return;
   Steering& s = p.steering;
@@ -115,10 +118,12 @@ void AdapterRun::evaluated(const nlohmann::json& row, bool steers, bool lead, bo
   stopping_early = true;
   epochs = p.epoch + 1;
   if (lead)
-    info(fmt::format(
-        "{}early stopping after step {} (epoch {}): {} evaluations without lowering the best eval_loss {:.6f} "
-        "(step {}) by more than {:g}",
-        who(), p.step, p.epoch, s.evals_since_best, *s.best_loss, s.best_step, r.train.early_stopping_min_delta));
+    info(
+        fmt::format("{}early stopping after step {} (epoch {}): {} evaluations without {} the best {} {:.6f} (step {}) "
+                    "by more than {:g}",
+                    who(), p.step, p.epoch, s.evals_since_best, rewarded ? "raising" : "lowering",
+                    rewarded ? "eval_reward" : "eval_loss", rewarded ? -*s.best_loss : *s.best_loss, s.best_step,
+                    r.train.early_stopping_min_delta));
 }
 
 void check_replicas(const Agreement& agree, const std::vector<const AdapterRun*>& runs, int64_t step) {

@@ -214,9 +214,11 @@ void Checkpointer::save_best(const nlohmann::json& about, int64_t step) {
   if (agree_.lead()) {
     try {
       nlohmann::json best = about;
-      best["best"] = "the lowest eval_loss so far";
+      const bool rewarded = about.contains("eval_reward");  // (grpo)
+      best["best"] = rewarded ? "the highest eval_reward so far" : "the lowest eval_loss so far";
       const std::string dir = train::save_best(out_, m_, cfg_, best);
-      info(fmt::format("saved {} (eval_loss {:.6f} at step {})", dir, about.value("eval_loss", 0.0), step));
+      const char* key = rewarded ? "eval_reward" : "eval_loss";
+      info(fmt::format("saved {} ({} {:.6f} at step {})", dir, key, about.value(key, 0.0), step));
       store("best", dir);
     } catch (const std::exception& e) {
       why = e.what();

@@ -16,7 +16,7 @@
 #include "model/loss.hpp"
 #include "model/transformer.hpp"
 #include "train/agreement.hpp"
-#include "train/preference.hpp"
+#include "train/evaluation.hpp"
 #include "util/error.hpp"
 
 namespace lorarun::train {
@@ -35,8 +35,10 @@ void require_scored_token(const data::Documents& docs, const data::ExampleBuilde
         ++rejected;
         continue;
       }
-      // scored: a label after the first position (the loss predicts token t from those before it)
-      if (std::any_of(ex->labels.begin() + std::min<size_t>(1, ex->labels.size()), ex->labels.end(),
+      // scored: a label after the first position (the loss predicts token t from those before it);
+      // a prompt, by the rewards of its completion
+      if (builder.format() == recipe::Format::Prompt ||
+          std::any_of(ex->labels.begin() + std::min<size_t>(1, ex->labels.size()), ex->labels.end(),
                       [](int32_t l) { return l != data::kIgnoreIndex; }))
         return;
     }
@@ -50,12 +52,12 @@ void require_scored_token(const data::Documents& docs, const data::ExampleBuilde
 
 EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data::ExampleBuilder& builder,
                     const recipe::Recipe& r, int rank, int world, const c10::Device& device, const PerDocument& per_doc,
-                    const StopCheck& stop, const PreferenceObjective* pref) {
+                    const StopCheck& stop, const Evaluation* by) {
   const int64_t n = docs.size();
   const int64_t per_batch = per_doc ? 1 : r.eval.batch_size.value_or(r.data.batch_size);
   const std::vector<std::string> fields = builder.fields();
   EvalSums sums;
-  if (pref) sums.pref.assign(kPrefStats, 0.0);
+  if (by) sums.own.assign(static_cast<size_t>(by->stats()), 0.0);
   c10::NoGradGuard no_grad;
   const bool was_training = m.training;
   m.training = false;
@@ -88,9 +90,9 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
       sums.stopped = true;
       break;
     }
-    if (first >= n) {  // (a preference objective's passes, skipped: each it would have run)
-      if (pref)
-        pref->evaluate({}, device);
+    if (first >= n) {  // (an objective's own passes, skipped: each it would have run)
+      if (by)
+        by->evaluate({}, device);
       else
         m.skip_pass(false, r.data.packing);
       continue;
@@ -109,10 +111,10 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
       }
     }
     sums.documents += static_cast<int64_t>(batch.size());
-    if (pref) {
-      const auto [s, tokens] = pref->evaluate(batch, device);
+    if (by) {
+      const auto [s, tokens] = by->evaluate(batch, device);
       if (!s.defined()) continue;
-      for (int64_t k = 0; k < kPrefStats; ++k) sums.pref[static_cast<size_t>(k)] += s[k].item<double>();
+      for (int64_t k = 0; k < by->stats(); ++k) sums.own[static_cast<size_t>(k)] += s[k].item<double>();
       sums.tokens += tokens;
       continue;
     }
@@ -135,13 +137,13 @@ EvalSums eval_shard(model::CausalLM& m, const data::Documents& docs, const data:
 std::optional<nlohmann::json> evaluate_split(model::CausalLM& m, const data::EvalSplit& split,
                                              const data::ExampleBuilder& builder, const recipe::Recipe& r,
                                              const Agreement& agree, int epoch, int64_t step, const StopCheck& stop,
-                                             const PreferenceObjective* pref) {
+                                             const Evaluation* by) {
   const auto t0 = std::chrono::steady_clock::now();
   const EvalSums mine =
-      eval_shard(m, split.docs(), builder, r, agree.rank(), agree.world(), agree.device(), {}, stop, pref);
+      eval_shard(m, split.docs(), builder, r, agree.rank(), agree.world(), agree.device(), {}, stop, by);
   if (mine.stopped) return std::nullopt;
   std::vector<double> mine_all = {mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)};
-  mine_all.insert(mine_all.end(), mine.pref.begin(), mine.pref.end());
+  mine_all.insert(mine_all.end(), mine.own.begin(), mine.own.end());
   at::Tensor sums = at::tensor(mine_all, at::kDouble).to(agree.device());
   agree.sum(sums);
   sums = sums.cpu();
@@ -153,31 +155,30 @@ std::optional<nlohmann::json> evaluate_split(model::CausalLM& m, const data::Eva
         fmt::format("the evaluation documents ({}) hold no trained token: {} of {} were rejected (bad, or longer "
                     "than data.max_length with data.overlong=skip); fix the eval: selection",
                     split.describe(), rejected, split.docs().size()));
-  const double mean = pref ? pref->loss_of(t + 4) : t[0] / t[1];
+  const double mean = by ? by->loss_of(t + 4) : t[0] / t[1];
   nlohmann::json row{{"epoch", epoch},
                      {"step", step},
                      {"eval_loss", mean},
-                     {"eval_ppl", std::exp(mean)},
                      {"eval_tokens", tokens},
                      {"eval_documents", documents},
                      {"eval_rejected", rejected},
                      {"eval_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}};
-  if (pref) row.update(pref->figures(t + 4, "eval_"));
+  if (!by || by->perplexity()) row["eval_ppl"] = std::exp(mean);
+  if (by) row.update(by->figures(t + 4, "eval_"));
   return row;
 }
 
 std::optional<nlohmann::json> evaluate_sources(model::CausalLM& m, const std::vector<NamedSplit>& splits,
                                                const recipe::Recipe& r, const Agreement& agree, int epoch, int64_t step,
-                                               const StopCheck& stop, const PreferenceObjective* pref) {
+                                               const StopCheck& stop, const Evaluation* by) {
   nlohmann::json row{{"epoch", epoch}, {"step", step}};
   double loss = 0, weight = 0, seconds = 0;
   int64_t tokens = 0, documents = 0, rejected = 0;
   for (const NamedSplit& s : splits) {
-    const std::optional<nlohmann::json> one =
-        evaluate_split(m, *s.split, *s.builder, r, agree, epoch, step, stop, pref);
+    const std::optional<nlohmann::json> one = evaluate_split(m, *s.split, *s.builder, r, agree, epoch, step, stop, by);
     if (!one) return std::nullopt;
     const double mean = (*one)["eval_loss"].get<double>();
-    const auto w = static_cast<double>((*one)[pref ? "eval_documents" : "eval_tokens"].get<int64_t>());
+    const auto w = static_cast<double>((*one)[by ? "eval_documents" : "eval_tokens"].get<int64_t>());
     row["eval_loss/" + s.name] = mean;
     loss += mean * w;
     weight += w;

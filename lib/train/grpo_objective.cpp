@@ -19,6 +19,7 @@
 #include "tokenizer/tokenizer.hpp"
 #include "train/agreement.hpp"
 #include "train/as_reference.hpp"
+#include "train/evaluation.hpp"
 #include "train/grpo.hpp"
 #include "train/reward_command.hpp"
 #include "train/rewards.hpp"
@@ -45,6 +46,9 @@ enum StepFigure : int64_t {
   kSampled,     // 1: the step sampled its completions (else it trained again on a rollout: no figures of it)
   kStepFigures  // then each reward's mean and std
 };
+
+// An evaluation batch's sums over its greedy completions, then each reward's sum and count.
+enum EvalSum : int64_t { kEvalCompletions, kEvalScored, kEvalReward, kEvalLength, kEvalTruncated, kEvalSums };
 
 // TRL's nanmean and nanstd (Bessel's correction) of `x`: NaN when nothing (nanstd: one value) is left.
 std::pair<double, double> nan_mean_std(const std::vector<double>& x) {
@@ -113,12 +117,13 @@ class Sampling {
 
 // One micro-batch's prompts and what became of them: G completions a prompt, row p * G + g.
 struct Rollout {
-  std::vector<data::Example> prompts;  // (their documents only while the step that sampled them scores)
-  std::vector<std::vector<int64_t>> completions;
-  std::vector<double> scores;  // [rows, rewards]: each reward's (NaN: its program could not score it)
-  std::vector<double> advantages;
-  std::vector<char> truncated;  // the completion ended without EOS (cut at max_completion_length)
-  at::Tensor old, ref;          // [rows, longest] log-probs at sampling, with grpo.num_iterations > 1
+  size_t per_prompt = 1;                    // G: grpo.num_generations in training, 1 in evaluation (greedy)
+  std::vector<data::Example> prompts = {};  // (their documents only while the step that sampled them scores)
+  std::vector<std::vector<int64_t>> completions = {};
+  std::vector<double> scores = {};  // [rows, rewards]: each reward's (NaN: its program could not score it)
+  std::vector<double> advantages = {};
+  std::vector<char> truncated = {};  // the completion ended without EOS (cut at max_completion_length)
+  at::Tensor old = {}, ref = {};     // [rows, longest] log-probs at sampling, with grpo.num_iterations > 1
 };
 
 // A micro-batch's prompts and completions as the model reads them: rows [B, prompt + longest], and
@@ -243,6 +248,8 @@ class Grpo final : public Objective {
     return f;
   }
 
+  const Evaluation* evaluation() const override { return &evaluator_; }
+
   bool keeps_state() const override { return g_.num_iterations > 1; }
 
   // (rank 0) Every rank's rollout, for the steps still to train on it after a resume.
@@ -292,6 +299,62 @@ class Grpo final : public Objective {
   }
 
  private:
+  // eval: each held-out prompt's greedy completion, scored by the rewards: eval_reward (their weighted
+  // sum's mean over the completions some reward scored), each reward's mean, the completions' mean
+  // length and share cut at grpo.max_completion_length; eval_loss is minus eval_reward (best/ and
+  // early stopping keep the highest).
+  class Evaluator final : public Evaluation {
+   public:
+    explicit Evaluator(const Grpo& g) : g_(g) {}
+    int64_t stats() const override { return kEvalSums + 2 * static_cast<int64_t>(g_.rewards_.size()); }
+    std::pair<at::Tensor, int64_t> evaluate(const std::vector<data::Example>& batch,
+                                            c10::Device /*device*/) const override {
+      Rollout roll{.per_prompt = 1, .prompts = batch};
+      std::vector<std::vector<int64_t>> prompts;
+      for (const data::Example& e : batch) prompts.emplace_back(e.ids.begin(), e.ids.end());
+      g_.complete(roll, prompts, std::vector<uint64_t>(prompts.size(), 0), model::Sampling{});  // (none: joined)
+      if (batch.empty()) return {at::Tensor(), 0};
+      g_.score(roll);
+      const size_t F = g_.rewards_.size();
+      std::vector<double> sums(static_cast<size_t>(stats()), 0.0);
+      for (size_t i = 0; i < roll.completions.size(); ++i) {
+        double total = 0;
+        bool any = false;
+        for (size_t f = 0; f < F; ++f) {
+          const double v = roll.scores[i * F + f];
+          if (std::isnan(v)) continue;
+          total += g_.rewards_[f].spec().weight * v;
+          any = true;
+          sums[kEvalSums + 2 * f] += v;
+          sums[kEvalSums + 2 * f + 1] += 1;
+        }
+        sums[kEvalCompletions] += 1;
+        sums[kEvalScored] += any ? 1 : 0;
+        sums[kEvalReward] += total;
+        sums[kEvalLength] += static_cast<double>(roll.completions[i].size());
+        sums[kEvalTruncated] += roll.truncated[i] ? 1 : 0;
+      }
+      return {at::tensor(sums, at::kDouble), static_cast<int64_t>(batch.size())};
+    }
+    double loss_of(const double* s) const override {
+      return s[kEvalScored] > 0 ? -s[kEvalReward] / s[kEvalScored] : std::numeric_limits<double>::infinity();
+    }
+    nlohmann::json figures(const double* s, const std::string& prefix) const override {
+      const auto mean = [](double sum, double n) { return n > 0 ? nlohmann::json(sum / n) : nlohmann::json(); };
+      nlohmann::json f = {{prefix + "reward", mean(s[kEvalReward], s[kEvalScored])},
+                          {prefix + "completions/mean_length", mean(s[kEvalLength], s[kEvalCompletions])},
+                          {prefix + "completions/clipped_ratio", mean(s[kEvalTruncated], s[kEvalCompletions])}};
+      for (size_t i = 0; i < g_.rewards_.size(); ++i)
+        f[prefix + "rewards/" + g_.rewards_[i].spec().name + "/mean"] =
+            mean(s[kEvalSums + 2 * static_cast<int64_t>(i)], s[kEvalSums + 2 * static_cast<int64_t>(i) + 1]);
+      return f;
+    }
+    bool perplexity() const override { return false; }
+
+   private:
+    const Grpo& g_;
+  };
+
   struct Step {
     GrpoStepCounts counts;        // over every rank and micro-batch
     std::vector<double> figures;  // kReward … then each reward's mean and std
@@ -305,7 +368,7 @@ class Grpo final : public Objective {
   // over every rank's: the rollout held for this step and the grpo.num_iterations - 1 after it (with
   // its log-probs at sampling). Returns the step's figures.
   std::vector<double> roll_out(const Next& next, int accum, int64_t step) {
-    held_.assign(static_cast<size_t>(accum), Rollout{});
+    held_.assign(static_cast<size_t>(accum), Rollout{.per_prompt = static_cast<size_t>(generations())});
     for (Rollout& roll : held_) roll.prompts = next();
     prompt_indices(held_);
     for (size_t a = 0, k = 0; a < held_.size(); k += held_[a].prompts.size(), ++a) {
@@ -380,7 +443,8 @@ class Grpo final : public Objective {
       const int64_t n = in.integer(static_cast<int64_t>(v.size()));
       for (int64_t j = 0; j < n; ++j) out.push_back(static_cast<std::decay_t<decltype(out[0])>>(in.integer(vocab)));
     };
-    std::vector<Rollout> micro(static_cast<size_t>(in.integer(r_.train.gradient_accumulation_steps)));
+    std::vector<Rollout> micro(static_cast<size_t>(in.integer(r_.train.gradient_accumulation_steps)),
+                               Rollout{.per_prompt = static_cast<size_t>(generations())});
     for (Rollout& roll : micro) {
       roll.prompts.resize(static_cast<size_t>(in.integer(r_.data.batch_size)));
       for (data::Example& e : roll.prompts) {
@@ -452,9 +516,13 @@ class Grpo final : public Objective {
         seeds.push_back(
             model::completion_seed(static_cast<uint64_t>(r_.train.seed), step, index[p], static_cast<uint64_t>(g)));
       }
-    model::GenerateOptions opt{.max_new_tokens = g_.max_completion_length,
-                               .sampling = {.temperature = g_.temperature, .top_k = g_.top_k, .top_p = g_.top_p},
-                               .eos_id = eos_};
+    complete(roll, prompts, seeds, {.temperature = g_.temperature, .top_k = g_.top_k, .top_p = g_.top_p});
+  }
+
+  // The completions of `prompts` (a rollout's rows) drawn `how` with `seeds`, and which were cut short.
+  void complete(Rollout& roll, const std::vector<std::vector<int64_t>>& prompts, const std::vector<uint64_t>& seeds,
+                const model::Sampling& how) const {
+    model::GenerateOptions opt{.max_new_tokens = g_.max_completion_length, .sampling = how, .eos_id = eos_};
     if (r_.dist.shard_base) opt.any_running = [this](bool mine) { return agree_.any(mine); };
     const Sampling sampling(m_);
     roll.completions = model::generate(m_, prompts, seeds, opt);
@@ -462,7 +530,7 @@ class Grpo final : public Objective {
   }
 
   // Each completion's rewards: decoded without special tokens, as TRL gives them to reward functions.
-  void score(Rollout& roll) {
+  void score(Rollout& roll) const {
     const size_t F = rewards_.size(), rows = roll.completions.size();
     roll.scores.assign(rows * F, kNaN);
     std::vector<std::string> texts(rows);
@@ -480,14 +548,14 @@ class Grpo final : public Objective {
       }
       for (size_t i = 0; i < rows; ++i)
         roll.scores[i * F + f] = rewards_[f].score(texts[i], static_cast<int64_t>(roll.completions[i].size()),
-                                                   *roll.prompts[i / static_cast<size_t>(generations())].document);
+                                                   *roll.prompts[i / roll.per_prompt].document);
     }
   }
 
   // A command reward's line for completion `i`: the prompt as the document holds it (else as rendered),
   // the completion, and the document's fields the reward names.
   nlohmann::json command_item(const RewardSpec& spec, const Rollout& roll, size_t i, const std::string& text) const {
-    const data::Example& e = roll.prompts[i / static_cast<size_t>(generations())];
+    const data::Example& e = roll.prompts[i / roll.per_prompt];
     const data::Document& doc = *e.document;
     nlohmann::json item = nlohmann::json::object();
     const auto it = doc.find(r_.data.prompt_field);
@@ -686,7 +754,7 @@ class Grpo final : public Objective {
     std::vector<float> keep;
     Rows x;
     for (size_t i = 0; i < roll.completions.size(); ++i) {
-      const data::Example& prompt = roll.prompts[i / static_cast<size_t>(generations())];
+      const data::Example& prompt = roll.prompts[i / roll.per_prompt];
       data::Example e;
       e.ids = prompt.ids;
       e.labels.assign(prompt.ids.size(), data::kIgnoreIndex);
@@ -738,6 +806,7 @@ class Grpo final : public Objective {
   int64_t sampled_at_ = -1;                    // ... the step that sampled it (-1: none)
   GrpoStepCounts counts_;                      // ... its counts over every rank
   std::vector<std::vector<double>> packed_;    // (rank 0) every rank's, for the resumable state
+  const Evaluator evaluator_{*this};
 };
 
 }  // namespace

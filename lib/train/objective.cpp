@@ -159,7 +159,7 @@ class Pairs final : public Objective {
   bool normalised() const override { return true; }
   int64_t stats() const override { return kPrefStats; }
   nlohmann::json figures(const double* stats) const override { return pref_.figures(stats); }
-  const PreferenceObjective* preference() const override { return &pref_; }
+  const Evaluation* evaluation() const override { return &pref_; }
 
   bool wants_reference() const override { return cache_ && !ready_; }
   void reference(const std::vector<data::Example>& micro) override {

@@ -25,7 +25,7 @@ class Tokenizer;
 namespace lorarun::train {
 
 class Agreement;
-class PreferenceObjective;
+class Evaluation;
 
 class Objective {
  public:
@@ -58,8 +58,8 @@ class Objective {
   // over the ranks (TRL's names).
   virtual int64_t stats() const { return 0; }
   virtual nlohmann::json figures(const double* /*stats*/) const { return nlohmann::json::object(); }
-  // The preference objective evaluation reports the loss of (nullptr: the token cross-entropy).
-  virtual const PreferenceObjective* preference() const { return nullptr; }
+  // How it evaluates held-out documents (nullptr: the token cross-entropy).
+  virtual const Evaluation* evaluation() const { return nullptr; }
 
   // preference.precompute_reference (dpo, kto): whether it has no reference log-probs yet. Then
   // reference() takes each micro-batch of an epoch in turn, every rank its own (the same passes on

@@ -20,6 +20,7 @@
 #include "data/example.hpp"
 #include "recipe/recipe.hpp"
 #include "train/as_reference.hpp"
+#include "train/evaluation.hpp"
 
 namespace lorarun::model {
 class CausalLM;
@@ -81,7 +82,7 @@ enum PrefStat : int64_t {
   kPrefStats
 };
 
-class PreferenceObjective {
+class PreferenceObjective final : public Evaluation {
  public:
   // `named` are the adapter's trained tensors under PEFT's names (model::lora_state, or a job's
   // adapter's tenant_state); when lora.init_from gave them values other than the identity (some B
@@ -123,16 +124,17 @@ class PreferenceObjective {
 
   // One evaluation batch's summed stats (float64 [kPrefStats] on the host; undefined for a batch of
   // none, whose passes are skipped) and its scored tokens. KTO's KL estimate is the batch's own.
-  std::pair<at::Tensor, int64_t> evaluate(const std::vector<data::Example>& batch, c10::Device device) const;
+  int64_t stats() const override { return kPrefStats; }
+  std::pair<at::Tensor, int64_t> evaluate(const std::vector<data::Example>& batch, c10::Device device) const override;
 
   // The loss of summed stats: mean per-pair loss, plus the NLL weight (rpo_alpha, cpo_alpha; orpo: 1) x the chosen
   // tokens' mean NLL.
-  double loss_of(const double* stats) const;
+  double loss_of(const double* stats) const override;
   // TRL's figures of summed stats: rewards/chosen, rewards/rejected, rewards/accuracies,
   // rewards/margins, logps/chosen, logps/rejected (and nll_loss when it is in the loss; dpo: entropy,
   // logits/chosen, logits/rejected, mean_token_accuracy), each name after `prefix`. kto: rewards/*,
   // logps/* and logits/* of the examples of each label present, kl, entropy.
-  nlohmann::json figures(const double* stats, const std::string& prefix = "") const;
+  nlohmann::json figures(const double* stats, const std::string& prefix = "") const override;
 
  private:
   at::Tensor reference_logps(const data::Batch& rows) const;

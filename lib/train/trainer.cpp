@@ -500,19 +500,19 @@ void Trainer::close_epoch(Tenant& t) {
 bool Trainer::evaluate(Tenant& t, bool steers) {
   AdapterRun& a = *t.run;
   const StopCheck stop = [this] { return agree_.any(stop_requested()); };
-  const PreferenceObjective* pref = a.objective->preference();
+  const Evaluation* by = a.objective->evaluation();
   std::optional<nlohmann::json> row;
   {
     const model::CausalLM::Routing routing(m_, alone(t, nullptr));
     if (a.data.eval) {
-      row = evaluate_split(m_, *a.data.eval, *rt_.builder, a.r, agree_, a.p.epoch, a.p.step, stop, pref);
+      row = evaluate_split(m_, *a.data.eval, *rt_.builder, a.r, agree_, a.p.epoch, a.p.step, stop, by);
     } else {
       std::vector<NamedSplit> splits;
       for (size_t i = 0; i < a.data.source_evals.size(); ++i) {
         const data::MixSource& s = a.data.mix->sources()[i];
         splits.push_back({s.spec.name, a.data.source_evals[i].get(), s.builder.get()});
       }
-      row = evaluate_sources(m_, splits, a.r, agree_, a.p.epoch, a.p.step, stop, pref);
+      row = evaluate_sources(m_, splits, a.r, agree_, a.p.epoch, a.p.step, stop, by);
     }
   }
   if (!row) {
@@ -528,6 +528,7 @@ bool Trainer::evaluate(Tenant& t, bool steers) {
     (*row)["eval_loss/" + a.name] = *a.last_eval_loss;
   }
   if (a.p.steering.best_loss) (*row)["best_eval_loss"] = *a.p.steering.best_loss;
+  if (a.p.steering.best_loss && row->contains("eval_reward")) (*row)["best_eval_reward"] = -*a.p.steering.best_loss;
   sinks_->eval(*row);
   return true;
 }

@@ -13,6 +13,11 @@ usage: grpo_trainer_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED
     --importance-level {token,sequence} --scale-rewards {group,batch,none} --mask-truncated
     --rewards number,length --length M,C --length-weight W --loss-tol 1e-5 --adapter-tol 1e-4
     --num-iterations MU
+       grpo_trainer_reference.py eval MODEL_DIR OURS_DIR PROMPTS.jsonl [--max-completion-length L]
+       [--length M,C --length-weight W --rewards number,length]
+    lora-train's last eval row (eval.path PROMPTS.jsonl) against transformers' greedy generate with
+    OURS_DIR/epoch_0's adapter (PEFT), each prompt alone, scored by the same reward functions:
+    eval_reward, each reward's mean and the mean completion length (absolute 1e-6).
 
 TRL trains MODEL_DIR + INIT_DIR's adapter on the prompts in file order (P*G completions a micro-batch,
 A micro-batches a step, one generation a step: steps_per_generation = A, so TRL advantages over the
@@ -48,7 +53,8 @@ from collections import defaultdict
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import oracle  # noqa: E402  (first: before anything imports bitsandbytes)
-from dpo_reference import adapter_against, init, policy  # noqa: E402
+from dpo_reference import adapter_against, init, load, policy  # noqa: E402
+from peft import PeftModel  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 import trl.trainer.grpo_trainer as grpo_module  # noqa: E402
@@ -90,8 +96,12 @@ def reward_funcs(names, length, weight):
             def short(completion_ids, **kwargs):
                 return overlong(completion_ids)
             funcs.append(short), weights.append(weight)
+        elif name == "chars":  # the completion's characters (a command reward that reads the text)
+            def chars(completions, **kwargs):
+                return [float(len(c)) for c in completions]
+            funcs.append(chars), weights.append(1.0)
         else:
-            sys.exit(f"unknown reward {name!r} (number, length)")
+            sys.exit(f"unknown reward {name!r} (number, length, chars)")
     return funcs, weights
 
 
@@ -269,9 +279,48 @@ def check(o):
     return 0 if not failures else 1
 
 
+def evaluate(o):
+    """transformers' greedy completions of the prompts with lora-train's adapter, scored as TRL scores,
+    against lora-train's last evaluation row."""
+    base, tok = load(o.model)
+    model = PeftModel.from_pretrained(base, os.path.join(o.ours, "epoch_0")).eval()
+    funcs, weights = reward_funcs(o.rewards.split(","), o.length, o.length_weight)
+    docs = [json.loads(line) for line in open(o.prompts) if line.strip()]
+    totals, per_func, lengths = [], defaultdict(list), []
+    for d in docs:
+        ids = tok(d["prompt"], return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=o.max_completion_length, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.eos_token_id)
+        completion = out[0, ids.shape[1]:].tolist()
+        text = tok.decode(completion, skip_special_tokens=True)
+        total = 0.0
+        for f, w in zip(funcs, weights):
+            v = f(completions=[text], completion_ids=[completion], answer=[str(d["answer"])])[0]
+            per_func[f.__name__].append(v)
+            total += w * v
+        totals.append(total)
+        lengths.append(len(completion))
+    want = {"eval_reward": sum(totals) / len(totals), "eval_completions/mean_length": sum(lengths) / len(lengths)}
+    for name, values in per_func.items():
+        want[f"eval_rewards/{name}/mean"] = sum(values) / len(values)
+    rows = [json.loads(line) for line in open(os.path.join(o.ours, "metrics.jsonl")) if line.strip()]
+    mine = [r for r in rows if "eval_reward" in r][-1]
+    failures = [f"{k}: lorarun {mine.get(k)!r}, transformers {v!r}" for k, v in want.items()
+                if not gap(mine.get(k), v) <= 1e-6]
+    for k, v in want.items():
+        print(f"{k:<32} {fmt(mine.get(k)):>17} {fmt(v):>17}")
+    print("match" if not failures else "MISMATCH: " + "; ".join(failures))
+    oracle.report(match=not failures, prompts=len(docs), eval_reward=want["eval_reward"], failures=failures)
+    return 0 if not failures else 1
+
+
 def options(argv):
     p = argparse.ArgumentParser(description="TRL's GRPOTrainer on lora-train's completions")
-    for name in ("model", "init", "prompts", "ours"):
+    names = ("model", "ours", "prompts") if argv[0] == "eval" else ("model", "init", "prompts", "ours")
+    argv = argv[1:]
+    for name in names:
         p.add_argument(name)
     p.add_argument("--loss-type", choices=["grpo", "dr_grpo", "dapo", "bnpo"], default="dapo")
     p.add_argument("--beta", type=float, default=0.0)
@@ -279,7 +328,7 @@ def options(argv):
     p.add_argument("--batch", type=int, default=2, help="P: prompts a micro-batch")
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--num-iterations", type=int, default=1)
-    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--steps", type=int, required=names[1] == "init")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-completion-length", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -300,6 +349,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 7 and sys.argv[1] == "init":
         a = sys.argv[2:]
         sys.exit(init(a[0], a[1], int(a[2]), float(a[3]), int(a[4])))
-    if len(sys.argv) < 2 or sys.argv[1] != "check":
+    if len(sys.argv) < 2 or sys.argv[1] not in ("check", "eval"):
         sys.exit(__doc__)
-    sys.exit(check(options(sys.argv[2:])))
+    sys.exit((check if sys.argv[1] == "check" else evaluate)(options(sys.argv[1:])))

@@ -292,6 +292,71 @@ TEST_CASE("grpo: num_iterations 2 stopped between the two steps on a generation 
   CHECK_FALSE(std::filesystem::exists(dir + "/l/epoch_0"));
 }
 
+TEST_CASE(
+    "grpo: eval reports the mean reward of greedy completions as transformers' generate with the adapter scores "
+    "them, and best/ and early stopping keep the highest",
+    "[e2e][reference][grpo]") {
+  const std::string dir = temp_dir("grpo-eval");
+  write_prompts(dir + "/prompts.jsonl", 8);
+  {  // held-out sums the training prompts do not hold
+    std::ofstream out(dir + "/eval.jsonl");
+    for (int a = 20; a < 24; ++a)
+      for (int b : {7, 8})
+        out << nlohmann::json{{"prompt", fmt::format("What is {}+{}? Answer:", a, b)}, {"answer", a + b}}.dump()
+            << "\n";
+  }
+  // the rewards of the TRL check and a program reading the text: each completion's characters
+  const std::string chars = fmt::format(
+      R"py({{name: chars, kind: command, run: [{}, -c, "import sys, json\nfor l in sys.stdin: print(len(json.loads(l)['completion']), flush=True)"]}})py",
+      LORARUN_PYTHON);
+  const std::string recipe = write_grpo_recipe(
+      dir, "g", "epochs: 1", kGrpo.substr(0, kGrpo.size() - 1) + ", " + chars + "]", ", batch_size: 2");
+  const Result t = sh(
+      fmt::format("{} {} train.lr=0.01 'eval.path={}/eval.jsonl' eval.batch_size=3", bin("lora-train"), recipe, dir));
+  INFO(t.output);
+  REQUIRE(t.status == 0);
+  CHECK_THAT(t.output, Catch::Contains("eval_reward"));
+  const Oracle ref =
+      oracle(fmt::format("{} {}/tests/reference/grpo_trainer_reference.py eval {}/llama {}/g {}/eval.jsonl "
+                         "--max-completion-length 8 --length 8,6 --rewards number,length,chars",
+                         LORARUN_PYTHON, LORARUN_SOURCE_DIR, LORARUN_MODEL_FIXTURES, dir, dir));
+  INFO(ref.run.output);
+  CHECK(ref.fields.value("match", false));
+  CHECK(ref.fields.value("prompts", 0) == 8);
+
+  // A reward that grows with every completion scored (training's and evaluation's): each evaluation's
+  // mean beats the last, so best/ follows the last; one that shrinks stops the run at its second.
+  for (const std::string sign : {"", "-"}) {
+    INFO("reward " << sign << "n");
+    const std::string counter = fmt::format(
+        R"(rewards: [{{name: count, kind: command, run: [sh, -c, "n=0; while read -r l; do n=$((n+1)); echo {}$n; done"]}}])",
+        sign);
+    const std::string steered =
+        write_grpo_recipe(dir, "s" + sign, "epochs: 1, early_stopping_patience: 1",
+                          "num_generations: 2, max_completion_length: 4, " + counter, ", batch_size: 1");
+    const Result s = sh(fmt::format("{} {} 'eval.path={}/eval.jsonl' eval.every_n_steps=2 checkpoint.keep_best=true",
+                                    bin("lora-train"), steered, dir));
+    INFO(s.output);
+    REQUIRE(s.status == 0);
+    std::vector<nlohmann::json> evals;
+    for (auto& row : rows_of(fmt::format("{}/s{}/metrics.jsonl", dir, sign)))
+      if (row.contains("eval_reward")) evals.push_back(std::move(row));
+    const auto best = nlohmann::json::parse(read_file(fmt::format("{}/s{}/best/best.json", dir, sign)));
+    CHECK(best["best"] == "the highest eval_reward so far");
+    if (sign.empty()) {
+      REQUIRE(evals.size() == 4);  // steps 2, 4, 6 and the epoch's end
+      CHECK(evals[3]["eval_reward"].get<double>() > evals[0]["eval_reward"].get<double>());
+      CHECK(best["step"] == evals[3]["step"]);
+      CHECK(evals[3]["best_eval_reward"] == evals[3]["eval_reward"]);
+    } else {
+      REQUIRE(evals.size() == 2);
+      CHECK(best["step"] == 2);
+      CHECK(evals[1]["best_eval_reward"] == evals[0]["eval_reward"]);
+      CHECK_THAT(s.output, Catch::Contains("without raising the best eval_reward"));
+    }
+  }
+}
+
 TEST_CASE("grpo: a reward program scores completions, and bad rewards, programs and documents are one line each",
           "[e2e][grpo]") {
   const std::string dir = temp_dir("grpo-bad");
