@@ -64,7 +64,8 @@ void sample_source(MixSource& s, bool tokens) {
       first_reason = std::get<Rejection>(b).reason;
     }
   }
-  if (trained == 0)
+  // (format: prompt: an example is a prompt, its tokens never trained)
+  if ((s.builder->format() == recipe::Format::Prompt ? examples : trained) == 0)
     throw ConfigError(fmt::format(
         "data.sources '{}': none of the {} documents sampled from {} makes an example with a trained token ({}): "
         "fix the source or its format keys",

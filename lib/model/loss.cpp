@@ -73,7 +73,8 @@ at::Tensor fused_cross_entropy(at::Tensor& z, const at::Tensor& t) {
 
 // Fused output projection + cross-entropy over rows of hidden states, chunked over rows.
 // forward: h [N, H], W [V, H], targets [N] -> sum of -log softmax(z)[target] (float32), where
-// z = h W^T, or cap * tanh(h W^T / cap) with a soft cap (softcap > 0). Gradients: h's always (when
+// z = h W^T, or cap * tanh(h W^T / cap) with a soft cap (softcap > 0), divided by a temperature T
+// when it is not 1. Gradients: h's always (when
 // it needs one), computed here; W's when it is trained (modules_to_save, trainable tokens of a tied
 // head): float32 [V, H] summed here, or for per-row losses recomputed in backward, where each row's
 // weight is known.
@@ -82,7 +83,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
   // `each(s, n, losses, dz)`.
   template <class F>
   static void chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, int64_t chunk_rows,
-                     double softcap, bool grads, F&& each) {
+                     double softcap, double temperature, bool grads, F&& each) {
     for (int64_t s = 0; s < h.size(0); s += chunk_rows) {
       const int64_t n = std::min(chunk_rows, h.size(0) - s);
       const at::Tensor t = targets.narrow(0, s, n).unsqueeze(1);
@@ -94,27 +95,31 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
         z = capped * softcap;
       }
       at::Tensor zf = z.to(at::kFloat);
+      if (temperature != 1.0) zf = zf / temperature;
       if (softcap == 0 && zf.device().is_cpu() && fused::enabled() && zf.is_contiguous()) {
         const at::Tensor losses = fused_cross_entropy(zf, t);
+        if (temperature != 1.0) zf.div_(temperature);
         each(s, n, losses, zf);
         continue;
       }
       at::Tensor logp = at::log_softmax(zf, 1);
       const at::Tensor losses = logp.gather(1, t).squeeze(1).neg();
-      each(s, n, losses, grads ? logit_grad(logp, t, capped, softcap) : at::Tensor());
+      at::Tensor dz = grads ? logit_grad(logp, t, capped, softcap) : at::Tensor();
+      if (dz.defined() && temperature != 1.0) dz.div_(temperature);
+      each(s, n, losses, dz);
     }
   }
 
   // per_row: the [N] losses of the rows instead of their sum (each row's gradient is its own).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
                             const at::Tensor& targets, int64_t chunk_rows, bool need_grad, double softcap,
-                            bool per_row) {
+                            double temperature, bool per_row) {
     at::Tensor loss =
         per_row ? at::empty({h.size(0)}, h.options().dtype(at::kFloat)) : at::zeros({}, h.options().dtype(at::kFloat));
     at::Tensor grad = need_grad ? at::empty_like(h) : at::Tensor();
     const bool need_w = w.requires_grad();
     at::Tensor grad_w = need_w && !per_row ? at::zeros(w.sizes(), w.options().dtype(at::kFloat)) : at::Tensor();
-    chunks(h, w, targets, chunk_rows, softcap, need_grad || grad_w.defined(),
+    chunks(h, w, targets, chunk_rows, softcap, temperature, need_grad || grad_w.defined(),
            [&](int64_t s, int64_t n, const at::Tensor& losses, const at::Tensor& dz) {
              if (per_row)
                loss.narrow(0, s, n).copy_(losses);
@@ -132,6 +137,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     ctx->saved_data["per_row"] = per_row;
     ctx->saved_data["chunk_rows"] = chunk_rows;
     ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["temperature"] = temperature;
     ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
     return loss;
   }
@@ -151,13 +157,14 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
       const auto in = ctx->saved_data["inputs"].toTensorVector();
       const at::Tensor g = grad_out[0].to(at::kFloat);
       gw = at::zeros(in[1].sizes(), in[1].options().dtype(at::kFloat));
-      chunks(in[0], in[1], in[2], ctx->saved_data["chunk_rows"].toInt(), ctx->saved_data["softcap"].toDouble(), true,
+      chunks(in[0], in[1], in[2], ctx->saved_data["chunk_rows"].toInt(), ctx->saved_data["softcap"].toDouble(),
+             ctx->saved_data["temperature"].toDouble(), true,
              [&](int64_t s, int64_t n, const at::Tensor&, const at::Tensor& dz) {
                gw.addmm_((dz * g.narrow(0, s, n).unsqueeze(1)).t(), in[0].narrow(0, s, n).to(at::kFloat));
              });
     }
     if (gw.defined()) gw = gw.to(static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
-    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -170,15 +177,17 @@ LossSum lm_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head, const 
   const int64_t chunk_rows = loss_chunk_rows(V, softcap.has_value(), chunk_bytes);
   const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).index_select(0, rows);  // [N, H]
   const at::Tensor sum =
-      LinearCrossEntropy::apply(h, lm_head, targets, chunk_rows, h.requires_grad(), softcap.value_or(0.0), false);
+      LinearCrossEntropy::apply(h, lm_head, targets, chunk_rows, h.requires_grad(), softcap.value_or(0.0), 1.0, false);
   return {sum, at::scalar_tensor(rows.size(0), at::kLong)};
 }
 
 at::Tensor lm_head_token_losses(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,
-                                const at::Tensor& targets, std::optional<double> softcap, int64_t chunk_bytes) {
+                                const at::Tensor& targets, std::optional<double> softcap, double temperature,
+                                int64_t chunk_bytes) {
   const int64_t chunk_rows = loss_chunk_rows(lm_head.size(0), softcap.has_value(), chunk_bytes);
   const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).index_select(0, rows);  // [N, H]
-  return LinearCrossEntropy::apply(h, lm_head, targets, chunk_rows, h.requires_grad(), softcap.value_or(0.0), true);
+  return LinearCrossEntropy::apply(h, lm_head, targets, chunk_rows, h.requires_grad(), softcap.value_or(0.0),
+                                   temperature, true);
 }
 
 at::Tensor lm_head_token_figures(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,

@@ -33,10 +33,11 @@ LossSum lm_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head, const 
                      int64_t chunk_bytes = kLossChunkBytes);
 
 // The same computation, each row's loss kept: [N] float32, -log p(targets[i]) (with gradient
-// for `hidden`'s rows); what a preference loss sums per sequence.
+// for `hidden`'s rows); what a preference loss sums per sequence. `temperature` divides the
+// (capped) logits first, as TRL's GRPOTrainer divides the model's.
 at::Tensor lm_head_token_losses(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& rows,
                                 const at::Tensor& targets, std::optional<double> softcap = std::nullopt,
-                                int64_t chunk_bytes = kLossChunkBytes);
+                                double temperature = 1.0, int64_t chunk_bytes = kLossChunkBytes);
 
 // What TRL logs of the same rows' next-token distributions, without gradient: [N, 3] float32 of
 // each row's entropy, the mean of its logits over the vocabulary (softcapped as the model caps

@@ -165,8 +165,9 @@ void grpo_rules(const Recipe& r, const RecipeOrigin& o) {
   if (r.data.packing) fail(o, "data.packing", "is true: grpo does not pack its completions: set data.packing: false");
   if (r.adapters.enabled())
     fail(o, "train.objective", "is grpo, which trains one adapter a run so far: remove the adapters: section");
-  if (!r.data.sources.empty())
-    fail(o, "data.sources", "is set: grpo reads one selection so far: give data.collection (or data.path) instead");
+  if (!r.data.sources.empty() && r.data.mix_by == MixBy::Tokens)
+    fail(o, "data.mix_by",
+         "is tokens, but grpo's prompts have no trained tokens to share out: set data.mix_by: examples");
 }
 
 constexpr Rule kRules[] = {

@@ -189,11 +189,14 @@ std::optional<nlohmann::json> evaluate_sources(model::CausalLM& m, const std::ve
   }
   const double mean = loss / std::max(weight, 1.0);
   row.update({{"eval_loss", mean},
-              {"eval_ppl", std::exp(mean)},
               {"eval_tokens", tokens},
               {"eval_documents", documents},
               {"eval_rejected", rejected},
               {"eval_seconds", seconds}});
+  if (!by || by->perplexity())
+    row["eval_ppl"] = std::exp(mean);
+  else  // (grpo: eval_loss is minus the mean reward, the sources' weighted by their prompts)
+    row["eval_reward"] = -mean;
   return row;
 }
 

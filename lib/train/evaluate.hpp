@@ -81,8 +81,8 @@ struct NamedSplit {
 };
 
 // Each split evaluated as evaluate_split does it, and one row of them together: eval_loss over all
-// their tokens (with `by`: over all their documents), eval_ppl, the counts and seconds summed, and
-// each source's own eval_loss/<name>; nullopt when `stop` said so.
+// their tokens (with `by`: over all their documents), eval_ppl (GRPO: eval_reward), the counts and
+// seconds summed, and each source's own eval_loss/<name>; nullopt when `stop` said so.
 std::optional<nlohmann::json> evaluate_sources(model::CausalLM& m, const std::vector<NamedSplit>& splits,
                                                const recipe::Recipe& r, const Agreement& agree, int epoch, int64_t step,
                                                const StopCheck& stop, const Evaluation* by = nullptr);

@@ -173,10 +173,6 @@ class Grpo final : public Objective {
         tok_(tokenizer),
         cfg_(loss_config(r.grpo)),
         rewards_(rewards_of(r)) {
-    if (m.config().logit_softcap && g_.temperature != 1.0)
-      throw ConfigError(
-          "grpo.temperature other than 1 with a model that soft-caps its logits (gemma2) is not supported yet: set "
-          "grpo.temperature: 1");
     for (const auto& [name, t] : named) params_.push_back(t);
     if (g_.beta > 0) reference_ = reference_values(r, named);
     for (size_t i = 0; i < rewards_.size(); ++i) {
@@ -781,10 +777,9 @@ class Grpo final : public Objective {
 
   // [B, longest] each completion token's log-prob, the logits divided by grpo.temperature (TRL's).
   at::Tensor logps(const Rows& x) {
-    at::Tensor hidden = m_.hidden_states(x.b.ids, x.b.mask);
-    if (g_.temperature != 1.0) hidden = hidden / g_.temperature;
-    const at::Tensor tok =
-        model::lm_head_token_losses(hidden, m_.lm_head(), x.b.rows, x.b.targets, m_.config().logit_softcap);
+    const at::Tensor hidden = m_.hidden_states(x.b.ids, x.b.mask);
+    const at::Tensor tok = model::lm_head_token_losses(hidden, m_.lm_head(), x.b.rows, x.b.targets,
+                                                       m_.config().logit_softcap, g_.temperature);
     return at::zeros({x.B, x.longest}, tok.options()).index_put({x.row, x.col}, tok.neg());
   }
 

@@ -144,6 +144,8 @@ void read_training_data(const recipe::Recipe& r, const tok::Tokenizer& tokenizer
     d.docs = std::make_unique<data::Documents>(r.data, training);
   else
     d.mix = std::make_unique<data::Mixture>(r, tokenizer, data::pair_tokens(r.train.objective), training, stop_flag());
+  if (d.mix && r.train.objective == recipe::Objective::Grpo)  // (each source's prompts, checked as data.path's)
+    for (const data::MixSource& s : d.mix->sources()) s.builder->check_documents(train::reward_check(r));
   if (!evaluating) return;
   // Read and built as training data is (the same builder); never a document training reads.
   if (d.mix && r.eval.fraction > 0) {

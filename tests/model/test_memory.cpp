@@ -284,8 +284,10 @@ TEST_CASE("dist.shard_base gathers each block once per pass, none that is still 
   }
 }
 
-TEST_CASE("the chunked loss gives a trained output head (modules_to_save) its gradient, per-row losses too",
-          "[memory]") {
+TEST_CASE(
+    "the chunked loss gives a trained output head (modules_to_save) its gradient, per-row losses too, with a "
+    "temperature too",
+    "[memory]") {
   for (const std::string& family : families()) {
     INFO(family);
     auto ref = reference(family);
@@ -307,8 +309,21 @@ TEST_CASE("the chunked loss gives a trained output head (modules_to_save) its gr
         logits.reshape({-1, logits.size(-1)}).index_select(0, rows).to(at::kFloat), targets, {}, at::Reduction::None);
     const Result full_rows = backward(m, {(all * weights).sum(), at::scalar_tensor(rows.size(0))});
     const at::Tensor per_row = lm_head_token_losses(m.hidden_states(ref["input_ids"], ref["attention_mask"]),
-                                                    m.lm_head(), rows, targets, cap, chunk_bytes);
+                                                    m.lm_head(), rows, targets, cap, 1.0, chunk_bytes);
     const Result split_rows = backward(m, {(per_row * weights).sum(), at::scalar_tensor(rows.size(0))});
     CHECK(grad_diff(split_rows, full_rows) <= 1e-5);
+
+    // ... with a temperature dividing the (capped) logits, as TRL's GRPOTrainer divides them
+    const at::Tensor hot_logits = m.forward(ref["input_ids"], ref["attention_mask"]);
+    const at::Tensor hot =
+        at::cross_entropy_loss(hot_logits.reshape({-1, hot_logits.size(-1)}).index_select(0, rows).to(at::kFloat) / 0.7,
+                               targets, {}, at::Reduction::None);
+    const Result full_hot = backward(m, {(hot * weights).sum(), at::scalar_tensor(rows.size(0))});
+    const at::Tensor per_row_hot = lm_head_token_losses(m.hidden_states(ref["input_ids"], ref["attention_mask"]),
+                                                        m.lm_head(), rows, targets, cap, 0.7, chunk_bytes);
+    CHECK((per_row_hot.detach() - hot.detach()).abs().max().item<double>() <= 1e-5);
+    CHECK((per_row_hot.detach() - per_row.detach()).abs().max().item<double>() > 1e-3);  // (the temperature matters)
+    const Result split_hot = backward(m, {(per_row_hot * weights).sum(), at::scalar_tensor(rows.size(0))});
+    CHECK(grad_diff(split_hot, full_hot) <= 1e-5);
   }
 }

@@ -91,7 +91,7 @@ void resumes_as_uninterrupted(const std::string& cmd, const std::string& dir, in
 TEST_CASE(
     "grpo: lora-train equals TRL's GRPOTrainer step by step on the same completions: dapo, grpo, dr_grpo, bnpo, "
     "GSPO's sequence level, beta 0 and 0.04, scale_rewards group, batch and none, accumulation, masked truncation, "
-    "num_iterations 2",
+    "num_iterations 2, gemma2's soft cap with a temperature",
     "[e2e][reference][grpo]") {
   const std::string dir = temp_dir("grpo-trl");
   {  // 8 steps of 2 prompts (× accumulation 2): "What is a + b?", the answer a number or a string
@@ -160,6 +160,23 @@ TEST_CASE(
       CHECK(clipped > 0);
       CHECK(rewarded == 4);
     }
+  }
+  {  // gemma2 soft-caps its logits: a temperature divides the capped logits, as TRL divides the model's
+    const std::string gemma2 = std::string(LORARUN_MODEL_FIXTURES) + "/gemma2";
+    REQUIRE(sh(fmt::format("{} {} init {} {}/init_g2 4 8 0", LORARUN_PYTHON, script, gemma2, dir)).status == 0);
+    const Result t =
+        sh(fmt::format("{} {} model.path={} lora.init_from={}/init_g2 checkpoint.output_dir={}/gemma2 "
+                       "grpo.temperature=0.7 grpo.beta=0.04",
+                       bin("lora-train"), recipe, gemma2, dir, dir));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    const Oracle ref = oracle(
+        fmt::format("{} {} check {} {}/init_g2 {}/prompts.jsonl {}/gemma2 --steps 8 --batch 2 --num-generations 8 "
+                    "--max-completion-length 16 --length 16,14 --lr 1e-3 --beta 0.04 --temperature 0.7",
+                    LORARUN_PYTHON, script, gemma2, dir, dir, dir));
+    INFO(ref.run.output);
+    CHECK(ref.fields.value("match", false));
+    CHECK(ref.fields.value("largest_weight_change", 0.0) > 1e-4);
   }
 }
 
@@ -355,6 +372,55 @@ TEST_CASE(
       CHECK_THAT(s.output, Catch::Contains("without raising the best eval_reward"));
     }
   }
+}
+
+TEST_CASE(
+    "grpo: data.sources mixes prompt sources by weight, the same on 1 rank and 2, evaluated by eval.fraction of each",
+    "[e2e][grpo]") {
+  const std::string dir = temp_dir("grpo-sources");
+  write_prompts(dir + "/small.jsonl", 12);
+  {
+    std::ofstream out(dir + "/large.jsonl");
+    for (int i = 0; i < 40; ++i)
+      out << nlohmann::json{{"prompt", fmt::format("Add {} and {}.", 3 * i, 7)}, {"answer", 3 * i + 7}}.dump() << "\n";
+  }
+  const auto run = [&](const std::string& name, const std::string& launch, int batch) {
+    const std::string path = fmt::format("{}/{}.yaml", dir, name);
+    std::ofstream(path) << fmt::format(
+        R"(model: {{path: {0}/llama, dtype: fp32, device: cpu}}
+lora: {{r: 4, alpha: 8, target_modules: all-linear}}
+data: {{source: jsonl, format: prompt, max_length: 64, batch_size: {3}, epoch_documents: 16,
+        sources: [{{name: small, path: {1}/small.jsonl, weight: 1}}, {{name: large, path: {1}/large.jsonl, weight: 3}}]}}
+eval: {{fraction: 0.3}}
+train: {{objective: grpo, lr_scheduler: constant, lr: 0.001, epochs: 1}}
+grpo: {{{4}, beta: 0.04}}
+checkpoint: {{output_dir: {1}/{2}}}
+track: {{mongodb: false}}
+)",
+        LORARUN_MODEL_FIXTURES, dir, name, batch, kGrpo);
+    return sh(fmt::format("{} {}", launch, path));
+  };
+  const Result one = run("one", bin("lora-train"), 4), two = run("two", bin("lorarun") + " --nproc-per-node 2", 2);
+  INFO(one.output << two.output);
+  REQUIRE(one.status == 0);
+  REQUIRE(two.status == 0);
+  const auto a = steps_of(dir + "/one"), b = steps_of(dir + "/two");
+  REQUIRE(a.size() == 4);
+  REQUIRE(b.size() == a.size());
+  for (size_t s = 0; s < a.size(); ++s) {
+    INFO("step " << s + 1);
+    CHECK(a[s]["source_documents"] == b[s]["source_documents"]);
+    CHECK(a[s]["reward"] == b[s]["reward"]);
+  }
+  CHECK(adapter_relative_diff(dir + "/one/epoch_0/adapter_model.safetensors",
+                              dir + "/two/epoch_0/adapter_model.safetensors") < 1e-5);
+  nlohmann::json last;
+  for (auto& row : rows_of(dir + "/one/metrics.jsonl"))
+    if (row.contains("eval_loss")) last = row;
+  CHECK(last.contains("eval_reward"));
+  CHECK(last.contains("eval_loss/small"));
+  CHECK(last.contains("eval_loss/large"));
+  CHECK(last["eval_reward"].get<double>() == Approx(-last["eval_loss"].get<double>()));
 }
 
 TEST_CASE("grpo: a reward program scores completions, and bad rewards, programs and documents are one line each",
