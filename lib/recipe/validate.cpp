@@ -163,8 +163,6 @@ void grpo_rules(const Recipe& r, const RecipeOrigin& o) {
          "must list at least one reward (e.g. grpo.rewards: [{name: answer, kind: exact, field: "
          "answer}])");
   if (r.data.packing) fail(o, "data.packing", "is true: grpo does not pack its completions: set data.packing: false");
-  if (r.adapters.enabled())
-    fail(o, "train.objective", "is grpo, which trains one adapter a run so far: remove the adapters: section");
   if (!r.data.sources.empty() && r.data.mix_by == MixBy::Tokens)
     fail(o, "data.mix_by",
          "is tokens, but grpo's prompts have no trained tokens to share out: set data.mix_by: examples");
@@ -623,9 +621,10 @@ void refuse_in_jobs(const Recipe& r, const RecipeOrigin& o) {
   };
   if (r.adapters.per_pass && r.train.objective != Objective::Sft)
     fail(o, "adapters.per_pass",
-         fmt::format("stacks SFT adapters into shared passes, but with train.objective {} each adapter's pairs go "
-                     "through passes of their own: drop it",
-                     name(r.train.objective)));
+         fmt::format(
+             "stacks SFT adapters into shared passes, but with train.objective {} each adapter's micro-batches go "
+             "through passes of their own: drop it",
+             name(r.train.objective)));
   if (r.lora.init != "default" && r.lora.init != "gaussian")
     refuse(fmt::format("lora.init {} cannot share: it rewrites the base weights per adapter", r.lora.init));
 }

@@ -685,6 +685,7 @@ class Grpo final : public Objective {
         rows[r].emplace_back(std::move(prompt), take());
       }
     if (!log_.is_open()) {
+      std::filesystem::create_directories(r_.checkpoint.output_dir);  // (a job's adapter's, before its first save)
       const std::string path = (std::filesystem::path(r_.checkpoint.output_dir) / "completions.jsonl").string();
       std::string kept, line;
       for (std::ifstream in(path); std::getline(in, line);) {

@@ -423,6 +423,46 @@ track: {{mongodb: false}}
   CHECK(last["eval_reward"].get<double>() == Approx(-last["eval_loss"].get<double>()));
 }
 
+TEST_CASE(
+    "grpo: a job of two adapters on 2 ranks trains each as its own run on 1 rank: the same completions and adapter",
+    "[e2e][grpo]") {
+  const std::string dir = temp_dir("grpo-job");
+  write_prompts(dir + "/a.jsonl", 8);
+  {
+    std::ofstream out(dir + "/b.jsonl");
+    for (int i = 0; i < 8; ++i)
+      out << nlohmann::json{{"prompt", fmt::format("Add {} and {}.", 5 * i, 9)}, {"answer", 5 * i + 9}}.dump() << "\n";
+  }
+  const std::string grpo = kGrpo + ", beta: 0.04, num_iterations: 2";
+  const std::string job = write_grpo_recipe(dir, "job", "epochs: 1", grpo, ", batch_size: 2");
+  const Result j =
+      sh(fmt::format("{} --nproc-per-node 2 {} 'adapters.list=[{{name: a, path: {}/a.jsonl}}, {{name: b, path: "
+                     "{}/b.jsonl, lr: 0.002}}]' "
+                     "data.batch_size=1",
+                     bin("lorarun"), job, dir, dir));
+  INFO(j.output);
+  REQUIRE(j.status == 0);
+  for (const std::string name : {"a", "b"}) {
+    INFO(name);
+    const std::string own = write_grpo_recipe(dir, name, "epochs: 1", grpo, ", batch_size: 2");
+    const Result t = sh(fmt::format("{} {} data.path={}/{}.jsonl {}", bin("lora-train"), own, dir, name,
+                                    name == "b" ? "train.lr=0.002" : ""));
+    INFO(t.output);
+    REQUIRE(t.status == 0);
+    CHECK(adapter_relative_diff(fmt::format("{}/job/{}/epoch_0/adapter_model.safetensors", dir, name),
+                                fmt::format("{}/{}/epoch_0/adapter_model.safetensors", dir, name)) < 1e-5);
+    const auto mine = rows_of(fmt::format("{}/job/{}/completions.jsonl", dir, name)),
+               alone = rows_of(fmt::format("{}/{}/completions.jsonl", dir, name));
+    REQUIRE(mine.size() == 32);  // 4 generations (of 2 steps each) of 2 prompts x 4 completions
+    REQUIRE(alone.size() == mine.size());
+    for (size_t i = 0; i < mine.size(); ++i) {
+      INFO("row " << i);
+      CHECK(mine[i]["completion_ids"] == alone[i]["completion_ids"]);
+      CHECK(mine[i]["advantage"] == alone[i]["advantage"]);
+    }
+  }
+}
+
 TEST_CASE("grpo: a reward program scores completions, and bad rewards, programs and documents are one line each",
           "[e2e][grpo]") {
   const std::string dir = temp_dir("grpo-bad");
