@@ -28,8 +28,11 @@
 #include "model_args.hpp"
 #include "recipe/recipe.hpp"
 #include "tokenizer/tokenizer.hpp"
+#include "train/agreement.hpp"
 #include "train/evaluate.hpp"
+#include "train/evaluation.hpp"
 #include "train/job.hpp"
+#include "train/objective.hpp"
 #include "train/preference.hpp"
 #include "train/runtime.hpp"
 
@@ -138,12 +141,6 @@ int eval_recipe(const RecipeEval& a) {
   const dist::DistEnv env = dist::DistEnv::from_environment();
   if (env.world_size > 1 && !a.per_doc.empty())
     throw Error("--per-doc runs on one rank: drop it, or run lora-eval without lorarun");
-  if (r.train.objective == recipe::Objective::Grpo)
-    throw Error(fmt::format(
-        "{} trains grpo: its documents are prompts without completions to score; lora-train reports their mean "
-        "reward (eval_reward, greedy completions) on its eval: split, lora-eval does not yet: sample them with "
-        "lora-generate --prompts",
-        a.recipe));
   const bool eval_split = a.split == "eval";
   if (eval_split && !r.eval.enabled(r.data.source))
     throw Error(
@@ -162,22 +159,33 @@ int eval_recipe(const RecipeEval& a) {
   const auto per_doc = [&](const std::string& id, int64_t tokens, double loss) {
     lines += nlohmann::json{{"id", id}, {"tokens", tokens}, {"loss", loss / static_cast<double>(tokens)}}.dump() + "\n";
   };
+  // The objective's own evaluation: a preference objective's pairs, or grpo's prompts completed
+  // greedily and scored by its rewards (its ranks agree on each generation step: a process group).
+  const bool grpo = r.train.objective == recipe::Objective::Grpo;
+  if (r.train.objective != recipe::Objective::Sft && !a.per_doc.empty())
+    throw Error(fmt::format("--per-doc scores documents, not {}: drop it", grpo ? "prompts" : "preference pairs"));
+  std::optional<dist::ProcessGroup> pg;
+  if (env.world_size > 1 || grpo)
+    pg.emplace(env, dist::backend_of(r.dist.backend, train::uses_cuda(r)), std::chrono::seconds(r.dist.timeout_s));
+  std::optional<train::Agreement> agree;
+  std::unique_ptr<train::Objective> objective;
   std::optional<train::PreferenceObjective> pref;
-  if (r.train.objective != recipe::Objective::Sft) {
-    if (!a.per_doc.empty()) throw Error("--per-doc scores documents, not preference pairs: drop it");
-    pref.emplace(r, rt.model, model::lora_state(rt.model), reference_values(rt.model, r));
+  const train::Evaluation* by = nullptr;
+  if (grpo) {
+    agree.emplace(*pg, env.rank, env.world_size, rt.device);
+    objective = train::make_objective(r, rt.model, model::lora_state(rt.model), *agree, rt.device, rt.tokenizer);
+    by = objective->evaluation();
+  } else if (r.train.objective != recipe::Objective::Sft) {
+    by = &pref.emplace(r, rt.model, model::lora_state(rt.model), reference_values(rt.model, r));
   }
-  const train::EvalSums mine =
-      train::eval_shard(rt.model, docs, *rt.builder, r, env.rank, env.world_size, rt.device,
-                        a.per_doc.empty() ? train::PerDocument{} : per_doc, {}, pref ? &*pref : nullptr);
+  const train::EvalSums mine = train::eval_shard(rt.model, docs, *rt.builder, r, env.rank, env.world_size, rt.device,
+                                                 a.per_doc.empty() ? train::PerDocument{} : per_doc, {}, by);
   std::vector<double> all = {mine.loss, double(mine.tokens), double(mine.documents), double(mine.rejected)};
   all.insert(all.end(), mine.own.begin(), mine.own.end());
   at::Tensor sums = at::tensor(all, at::kDouble).to(rt.device);
   if (env.world_size > 1) {
-    dist::ProcessGroup pg(env, dist::backend_of(r.dist.backend, train::uses_cuda(r)),
-                          std::chrono::seconds(r.dist.timeout_s));
-    pg.all_reduce_sum(sums);
-    pg.barrier();
+    pg->all_reduce_sum(sums);
+    pg->barrier();
   }
   sums = sums.cpu();
   const double* t = sums.data_ptr<double>();
@@ -188,6 +196,22 @@ int eval_recipe(const RecipeEval& a) {
         rt.data.eval ? rt.data.eval->describe() : rt.data.docs->describe(), static_cast<int64_t>(t[3]), docs.size()));
   if (!a.per_doc.empty()) io::write_file_atomic(a.per_doc, lines);
   if (env.rank != 0) return 0;
+  if (grpo) {  // the mean reward of the greedy completions and each reward's
+    const nlohmann::json figures = by->figures(t + 4, "");
+    nlohmann::json row = figures;
+    row["prompts"] = static_cast<int64_t>(t[2]);
+    row["skipped"] = static_cast<int64_t>(t[3]);
+    if (a.as_json) {
+      fmt::print("{}\n", row.dump());
+    } else {
+      std::string line =
+          fmt::format("prompts {}, greedy completions scored by grpo.rewards", row["prompts"].get<int64_t>());
+      for (const auto& [key, value] : figures.items())
+        line += value.is_null() ? fmt::format(", {} null", key) : fmt::format(", {} {:.6f}", key, value.get<double>());
+      fmt::print("{}{}\n", line, t[3] > 0 ? fmt::format(" ({} prompts skipped)", static_cast<int64_t>(t[3])) : "");
+    }
+    return 0;
+  }
   if (pref) {  // the preference loss and TRL's figures
     const nlohmann::json figures = pref->figures(t + 4);
     nlohmann::json row = figures;

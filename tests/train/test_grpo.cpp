@@ -311,7 +311,7 @@ TEST_CASE("grpo: num_iterations 2 stopped between the two steps on a generation 
 
 TEST_CASE(
     "grpo: eval reports the mean reward of greedy completions as transformers' generate with the adapter scores "
-    "them, and best/ and early stopping keep the highest",
+    "them, lora-eval --recipe too, and best/ and early stopping keep the highest",
     "[e2e][reference][grpo]") {
   const std::string dir = temp_dir("grpo-eval");
   write_prompts(dir + "/prompts.jsonl", 8);
@@ -340,6 +340,18 @@ TEST_CASE(
   INFO(ref.run.output);
   CHECK(ref.fields.value("match", false));
   CHECK(ref.fields.value("prompts", 0) == 8);
+  // lora-eval --recipe reports the same of the adapter
+  const Result e = sh(fmt::format("{} --recipe {} --adapter {}/g/epoch_0 'eval.path={}/eval.jsonl' --json",
+                                  bin("lora-eval"), recipe, dir, dir));
+  INFO(e.output);
+  REQUIRE(e.status == 0);
+  nlohmann::json last;
+  for (auto& row : rows_of(dir + "/g/metrics.jsonl"))
+    if (row.contains("eval_reward")) last = row;
+  const auto got = nlohmann::json::parse(e.output.substr(e.output.rfind('{')));
+  CHECK(got["reward"] == last["eval_reward"]);
+  CHECK(got["rewards/chars/mean"] == last["eval_rewards/chars/mean"]);
+  CHECK(got["prompts"] == 8);
 
   // A reward that grows with every completion scored (training's and evaluation's): each evaluation's
   // mean beats the last, so best/ follows the last; one that shrinks stops the run at its second.
