@@ -220,24 +220,22 @@ class Grpo final : public Objective {
     f["clip_ratio/low_mean"] = s[kClipLow] / clipped_over;
     f["clip_ratio/high_mean"] = s[kClipHigh] / clipped_over;
     f["clip_ratio/region_mean"] = s[kClipRegion] / clipped_over;
-    f["reward"] = s[kReward];
-    f["reward_std"] = s[kRewardStd];
-    f["frac_reward_zero_std"] = s[kZeroStd];
-    f["completions/mean_length"] = s[kMeanLength];
-    f["completions/min_length"] = s[kMinLength];
-    f["completions/max_length"] = s[kMaxLength];
-    f["completions/clipped_ratio"] = s[kClippedRatio];
-    f["completions/mean_terminated_length"] = s[kMeanTerminated];
-    f["completions/min_terminated_length"] = s[kMinTerminated];
-    f["completions/max_terminated_length"] = s[kMaxTerminated];
-    for (size_t i = 0; i < rewards_.size(); ++i) {
-      const std::string& name = rewards_[i].spec().name;
-      f["rewards/" + name + "/mean"] = s[kStepFigures + 2 * static_cast<int64_t>(i)];
-      f["rewards/" + name + "/std"] = s[kStepFigures + 2 * static_cast<int64_t>(i) + 1];
-    }
-    if (s[kSampled] == 0) {  // (a step on an earlier rollout: the figures of its sampling were that step's)
-      for (auto it = f.begin(); it != f.end();)
-        it = it.key().starts_with("clip_ratio/") || it.key() == "kl" ? std::next(it) : f.erase(it);
+    if (s[kSampled] > 0) {  // (a step training again on an earlier rollout: its sampling's figures were logged then)
+      f["reward"] = s[kReward];
+      f["reward_std"] = s[kRewardStd];
+      f["frac_reward_zero_std"] = s[kZeroStd];
+      f["completions/mean_length"] = s[kMeanLength];
+      f["completions/min_length"] = s[kMinLength];
+      f["completions/max_length"] = s[kMaxLength];
+      f["completions/clipped_ratio"] = s[kClippedRatio];
+      f["completions/mean_terminated_length"] = s[kMeanTerminated];
+      f["completions/min_terminated_length"] = s[kMinTerminated];
+      f["completions/max_terminated_length"] = s[kMaxTerminated];
+      for (size_t i = 0; i < rewards_.size(); ++i) {
+        const std::string& name = rewards_[i].spec().name;
+        f["rewards/" + name + "/mean"] = s[kStepFigures + 2 * static_cast<int64_t>(i)];
+        f["rewards/" + name + "/std"] = s[kStepFigures + 2 * static_cast<int64_t>(i) + 1];
+      }
     }
     for (auto& [k, v] : f.items())  // NaN (no scored completion): null in every sink
       if (v.is_number_float() && !std::isfinite(v.get<double>())) v = nullptr;
