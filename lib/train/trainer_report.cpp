@@ -112,7 +112,10 @@ void Trainer::log_step(const std::vector<Tenant*>& active, const nlohmann::json&
         a.p.epoch, r_.train.epochs, a.p.step_in_epoch, a.steps_per_epoch, figures.at("loss").get<double>(),
         figures.at("lr").get<double>(), figures.at("grad_norm").get<double>(), s.tokens / s.seconds, 100 * s.data_wait,
         left);
-    if (a.last_eval_loss) line += fmt::format(" eval_loss {:.4f}", *a.last_eval_loss);
+    if (a.last_eval_loss && a.r.train.objective == recipe::Objective::Grpo)  // (its eval_loss: minus eval_reward)
+      line += fmt::format(" eval_reward {:.4f}", -*a.last_eval_loss);
+    else if (a.last_eval_loss)
+      line += fmt::format(" eval_loss {:.4f}", *a.last_eval_loss);
   } else {
     line = fmt::format("step {}/{} adapters {} loss {:.4f} tokens/s {:.0f} data_wait {:.0f}% eta {}", step_,
                        total_steps_, active.size(), s.loss, s.tokens / s.seconds, 100 * s.data_wait, left);
