@@ -65,7 +65,7 @@ int run(int argc, char** argv) {
     const at::ScalarType from = model::parse_dtype(qlora_dtype);
     c10::NoGradGuard no_grad;
     for (model::Linear* l : m.linears())  // in place: state_dict() shares the storage
-      l->weight.copy_(model::quantize_nf4(l->weight.to(from), !no_double_quant).dequantize());
+      if (!l->router) l->weight.copy_(model::quantize_nf4(l->weight.to(from), !no_double_quant).dequantize());
   }
   const model::LoraConfig cfg = model::load_adapter(m, adapter);
   model::merge_lora(m);

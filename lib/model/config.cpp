@@ -114,6 +114,32 @@ void read_layer_types(const Reader& r, ModelConfig& c) {
     c.sliding_window.reset();
 }
 
+// The experts of a qwen3_moe or mixtral config (num_experts, or num_local_experts as transformers 5
+// writes both), which layers have them, and how their router weighs them.
+void read_moe(const Reader& r, const FamilyTraits& f, ModelConfig& c) {
+  MoeConfig& m = c.moe;
+  const char* count = r.j.contains("num_experts") ? "num_experts" : "num_local_experts";
+  m.experts = r.get<int64_t>(count);
+  m.top_k = r.get<int64_t>("num_experts_per_tok");
+  const bool qwen = f.moe == FamilyTraits::Moe::Qwen;
+  m.intermediate = qwen ? r.get<int64_t>("moe_intermediate_size") : c.intermediate_size;
+  m.normalize_top_k = qwen ? r.get<bool>("norm_topk_prob", false) : true;
+  m.float_weights = !qwen;
+  m.aux_loss_coef = r.get<bool>("output_router_logits", false) ? r.get<double>("router_aux_loss_coef", 0.001) : 0.0;
+  if (m.experts <= 0 || m.top_k <= 0 || m.top_k > m.experts || m.intermediate <= 0)
+    throw Error(fmt::format("{}: inconsistent experts ({} {}, num_experts_per_tok {}, expert intermediate size {})",
+                            r.file, count, m.experts, m.top_k, m.intermediate));
+  if (!qwen && r.get<double>("router_jitter_noise", 0.0) != 0.0)
+    throw Error(
+        fmt::format("{}: router_jitter_noise is not supported (set it to 0.0: released Mixtral configs do)", r.file));
+  const auto dense =
+      qwen ? r.get<std::vector<int64_t>>("mlp_only_layers", std::vector<int64_t>{}) : std::vector<int64_t>{};
+  const int64_t step = qwen ? r.get<int64_t>("decoder_sparse_step", 1) : 1;
+  if (step <= 0) throw Error(fmt::format("{}: decoder_sparse_step must be positive, got {}", r.file, step));
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    m.sparse.push_back(std::find(dense.begin(), dense.end(), i) == dense.end() && (i + 1) % step == 0);
+}
+
 void read_llama(const Reader& r, ModelConfig& c) {
   c.family = Family::Llama;
   c.vocab_size = r.get<int64_t>("vocab_size");
@@ -135,6 +161,7 @@ void read_llama(const Reader& r, ModelConfig& c) {
   c.fused = f.fused;
   c.mlp_bias = r.get<bool>("mlp_bias", false);
   read_rope(r, c);
+  if (f.moe != FamilyTraits::Moe::None) read_moe(r, f, c);
   const bool use_sliding = f.always_windowed || r.get<bool>("use_sliding_window", false);
   if (use_sliding && r.j.contains("sliding_window") && r.j["sliding_window"].is_number_integer())
     c.sliding_window = r.j["sliding_window"].get<int64_t>();

@@ -22,6 +22,21 @@ struct RopeScaling {
   double attention_factor = 1.0;
 };
 
+// A mixture-of-experts MLP (qwen3_moe, mixtral): each token's hidden state goes through the top_k
+// of `experts` gated MLPs its router scores highest, their outputs summed by the router's weights.
+struct MoeConfig {
+  int64_t experts = 0;          // 0: a dense model
+  int64_t top_k = 0;            // num_experts_per_tok
+  int64_t intermediate = 0;     // each expert's (qwen3_moe moe_intermediate_size; mixtral intermediate_size)
+  bool normalize_top_k = true;  // the k weights divided by their sum (qwen3_moe norm_topk_prob; mixtral always)
+  bool float_weights = false;   // the k weights multiply in float32 (mixtral), else in the model's dtype (qwen)
+  // What transformers adds to the loss: router_aux_loss_coef × the load-balancing loss, only when
+  // config.json says output_router_logits (its default: false, so 0 here).
+  double aux_loss_coef = 0;
+  std::vector<bool> sparse;  // per layer: experts (true) or the dense MLP (qwen3_moe mlp_only_layers)
+  bool sparse_layer(size_t layer) const { return experts > 0 && sparse.at(layer); }
+};
+
 struct ModelConfig {
   std::string model_type;               // config.json's model_type (families.hpp)
   std::string torch_dtype = "float32";  // the dtype the weights were saved in
@@ -60,6 +75,7 @@ struct ModelConfig {
   int64_t word_embed_proj_dim = 0;
   bool enable_bias = true;
   bool windowed(size_t layer) const { return sliding_window && (sliding_layers.empty() || sliding_layers.at(layer)); }
+  MoeConfig moe;
   // token ids from config.json, when present
   std::optional<int64_t> bos_token_id, eos_token_id, pad_token_id;
 };

@@ -13,7 +13,7 @@ namespace lorarun::model {
 namespace {
 
 // One line a family. "llama" covers every pre-norm decoder with rotary positions and a gated MLP.
-constexpr std::array<FamilyTraits, 9> kFamilies = {{
+constexpr std::array<FamilyTraits, 11> kFamilies = {{
     {.model_type = "llama", .hf_class = "LlamaForCausalLM", .gguf = "llama", .llama_gguf = true},
     {.model_type = "mistral",
      .hf_class = "MistralForCausalLM",
@@ -22,6 +22,11 @@ constexpr std::array<FamilyTraits, 9> kFamilies = {{
      .llama_gguf = true},
     {.model_type = "qwen2", .hf_class = "Qwen2ForCausalLM", .gguf = "qwen2", .qkv_bias = true},
     {.model_type = "qwen3", .hf_class = "Qwen3ForCausalLM", .gguf = "qwen3", .qk_norm = true},
+    {.model_type = "qwen3_moe", .hf_class = "Qwen3MoeForCausalLM", .qk_norm = true, .moe = FamilyTraits::Moe::Qwen},
+    {.model_type = "mixtral",
+     .hf_class = "MixtralForCausalLM",
+     .always_windowed = true,
+     .moe = FamilyTraits::Moe::Mixtral},
     {.model_type = "gemma2",
      .hf_class = "Gemma2ForCausalLM",
      .gguf = "gemma2",

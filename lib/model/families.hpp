@@ -24,7 +24,11 @@ struct FamilyTraits {
   bool always_windowed = false;  // sliding_window applies without use_sliding_window (mistral, gemma, phi3)
   int global_every = 0;          // without layer_types: every Nth layer (sliding_window_pattern) is global (gemma)
   bool local_rope = false;       // windowed layers have a rope base of their own (gemma3)
-  bool llama_gguf = false;       // llama.cpp's llama: Q/K rows in its rotary order, vocab_size and rope keys
+  // The mixture-of-experts layout: on disk, qwen's mlp.gate + mlp.experts.{e}.{gate,up,down}_proj or
+  // mixtral's block_sparse_moe.gate + block_sparse_moe.experts.{e}.w1/w3/w2 (also read fused, as
+  // transformers 5 holds them: mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]).
+  enum class Moe { None, Qwen, Mixtral } moe = Moe::None;
+  bool llama_gguf = false;  // llama.cpp's llama: Q/K rows in its rotary order, vocab_size and rope keys
   // What llama.cpp assumes of a GGUF file of the family that does not say (gemma): the layer count
   // of the large variant whose queries are scaled by hidden/heads rather than head_dim (27B), the
   // sliding window, and the attention and final logit soft-caps (0: none unless the file says).

@@ -52,6 +52,55 @@ bool names_module(const std::string& module, const std::string& name) {
          (module.ends_with(name) && module.size() > name.size() && module[module.size() - name.size() - 1] == '.');
 }
 
+// The modules PEFT names the keys of a mixture-of-experts layer's adapted tensors by, as its
+// target_parameters nests them: each adapted tensor wraps the experts module once, gate_up_proj
+// (registered first) innermost, so with both adapted its keys say "experts.base_layer".
+std::vector<std::pair<std::string, Experts*>> expert_modules(MoeMlp& m, bool gate_up, bool down) {
+  const std::string module = m.down.name.substr(0, m.down.name.rfind('.'));
+  std::vector<std::pair<std::string, Experts*>> out;
+  if (gate_up) out.emplace_back(down ? module + ".base_layer" : module, &m.gate_up);
+  if (down) out.emplace_back(module, &m.down);
+  return out;
+}
+
+// The adapted expert tensors of `model` under PEFT's module names, in model order.
+std::vector<std::pair<std::string, Experts*>> adapted_experts(const CausalLM& model) {
+  std::vector<std::pair<std::string, Experts*>> out;
+  for (const MoeMlp* layer : model.moe_layers()) {
+    auto& m = const_cast<MoeMlp&>(*layer);
+    for (auto& entry : expert_modules(m, m.gate_up.adapted(), m.down.adapted())) out.push_back(std::move(entry));
+  }
+  return out;
+}
+
+// The r and alpha of expert tensor `x`'s adapter: cfg's, twice them for gate_up_proj when PEFT fused
+// gate_proj's and up_proj's adapters into it (the same alpha / r; rsLoRA's alpha / sqrt(r) grows).
+LoraConfig config_of(const Experts& x, const LoraConfig& cfg) {
+  LoraConfig own = cfg;
+  if (cfg.fused_gate_up && x.name.ends_with(".gate_up_proj")) {
+    own.r *= 2;
+    own.alpha *= 2;
+  }
+  return own;
+}
+
+// Starts PEFT's adapter of a stacked expert tensor [E, out, in]: A [r·E, in] as a linear's A of
+// `in` inputs (Kaiming-uniform, or gaussian's N(0, 1/r)), B [out, r·E] zeros.
+void init_experts(Experts& x, const LoraConfig& cfg, at::Generator& gen, at::ScalarType dtype, at::Device device) {
+  c10::NoGradGuard no_grad;
+  at::Tensor a = at::empty({cfg.r * x.count(), x.in_features()}, at::kFloat);
+  if (cfg.init == "gaussian")
+    a.normal_(0.0, 1.0 / static_cast<double>(cfg.r), gen);
+  else {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(x.in_features()));
+    a.uniform_(-bound, bound, gen);
+  }
+  x.lora_a = a.to(device, dtype).set_requires_grad(true);
+  x.lora_b = at::zeros({x.out_features(), cfg.r * x.count()}, at::TensorOptions().dtype(dtype).device(device))
+                 .set_requires_grad(true);
+  x.scaling = cfg.scaling();
+}
+
 // modules_to_save's copies and trainable_token_indices' rows, taken from the frozen tables.
 TrainedTables make_tables(const CausalLM& model, const LoraConfig& cfg, at::ScalarType dtype) {
   c10::NoGradGuard no_grad;
@@ -152,8 +201,45 @@ std::vector<std::pair<std::string, at::Tensor>> state_of(const CausalLM& model, 
                      start ? at::cat({l->lora_b, -l->lora_b0.to(l->lora_b.scalar_type())}, 1) : l->lora_b);
     if (l->dora()) out.emplace_back(kPrefix + l->name + ".lora_magnitude_vector", l->magnitude);
   }
+  for (const auto& [module, x] : adapted_experts(model)) {
+    out.emplace_back(kPrefix + module + ".lora_A.weight", x->lora_a);
+    out.emplace_back(kPrefix + module + ".lora_B.weight", x->lora_b);
+  }
   for (auto& entry : table_state(model, model.tables)) out.push_back(std::move(entry));
   return out;
+}
+
+// Adds cfg.target_parameters' adapters to the matching expert tensors (after every linear's, drawing
+// from `gen` in model order); `routers`: the routers the linears' pass adapted. Throws lorarun::Error
+// when they match nothing, or for what PEFT's parameter adapters do not take.
+void attach_experts(CausalLM& model, const LoraConfig& cfg, at::Generator& gen, at::ScalarType dtype, int routers) {
+  if (cfg.target_parameters.empty()) return;
+  const std::string listed = printable(fmt::format("{}", fmt::join(cfg.target_parameters, ", ")));
+  if (model.moe_layers().empty())
+    throw Error(
+        fmt::format("lora.target_parameters [{}]: this {} model has no expert tensors (it is not a mixture of "
+                    "experts); adapt its linear layers with lora.target_modules instead",
+                    listed, model.config().model_type));
+  if (cfg.use_dora || cfg.dropout > 0 || (cfg.init != "default" && cfg.init != "gaussian"))
+    throw Error(fmt::format(
+        "a mixture of experts' experts and router (lora.target_parameters [{}]) take plain LoRA, as PEFT's parameter "
+        "adapters do: {}, or adapt the attention alone (lora.target_modules: [q_proj, k_proj, v_proj, o_proj])",
+        listed,
+        cfg.use_dora      ? "no use_dora"
+        : cfg.dropout > 0 ? "no lora.dropout"
+                          : "lora.init default or gaussian"));
+  int matched = routers;
+  for (MoeMlp* m : model.moe_layers())
+    for (Experts* x : {&m->gate_up, &m->down})
+      if (matches_parameter(x->name, cfg)) {
+        init_experts(*x, config_of(*x, cfg), gen, dtype, model.device());
+        ++matched;
+      }
+  if (matched == 0)
+    throw Error(
+        fmt::format("lora.target_parameters [{}] match no parameter of this {} model; it has mlp.gate.weight (the "
+                    "router), mlp.experts.gate_up_proj and mlp.experts.down_proj in each layer (e.g. {})",
+                    listed, model.config().model_type, model.moe_layers()[0]->down.name));
 }
 
 // Throws the error of target_modules that match no layer, listing the model's layer names.
@@ -178,34 +264,85 @@ double LoraConfig::scaling() const { return use_rslora ? alpha / std::sqrt(doubl
 
 bool matches_target(const std::string& module_name, const LoraConfig& cfg) {
   if (is_all_linear(cfg)) return true;
-  for (const std::string& t : cfg.target_modules) {
-    if (module_name == t) return true;
-    if (module_name.size() > t.size() && module_name.ends_with(t) &&
-        module_name[module_name.size() - t.size() - 1] == '.')
-      return true;
-  }
-  return false;
+  return std::any_of(cfg.target_modules.begin(), cfg.target_modules.end(),
+                     [&](const std::string& t) { return names_module(module_name, t); });
 }
 
-void attach_lora(CausalLM& model, const LoraConfig& cfg, uint64_t seed, at::ScalarType dtype) {
+bool matches_parameter(const std::string& parameter_name, const LoraConfig& cfg) {
+  return std::any_of(cfg.target_parameters.begin(), cfg.target_parameters.end(),
+                     [&](const std::string& t) { return names_module(parameter_name, t); });
+}
+
+bool adapts(const Linear& l, const LoraConfig& cfg) {
+  return l.router ? matches_parameter(l.name + ".weight", cfg) : matches_target(l.name, cfg);
+}
+
+LoraConfig for_model(const CausalLM& model, LoraConfig cfg) {
+  if (model.moe_layers().empty()) return cfg;
+  using Renamed = std::array<std::pair<std::string_view, std::string_view>, 4>;  // transformers 4's -> 5's
+  static constexpr Renamed kQwen = {{{"gate", "gate.weight"},
+                                     {"gate_proj", "gate_up_proj"},
+                                     {"up_proj", "gate_up_proj"},
+                                     {"down_proj", "down_proj"}}};
+  static constexpr Renamed kMixtral = {
+      {{"gate", "gate.weight"}, {"w1", "gate_up_proj"}, {"w3", "gate_up_proj"}, {"w2", "down_proj"}}};
+  const Renamed& renamed = model.config().model_type == "mixtral" ? kMixtral : kQwen;
+  std::vector<std::string> modules = cfg.target_modules;
+  if (is_all_linear(cfg)) {  // the linear layers' names, then every expert and router name
+    modules.clear();
+    for (const Linear* l : model.linears())
+      if (const std::string n = short_name(l->name);
+          !l->router && std::find(modules.begin(), modules.end(), n) == modules.end())
+        modules.push_back(n);
+    for (const auto& [old, now] : renamed) modules.emplace_back(old);
+  }
+  std::vector<std::string> kept;
+  std::set<std::string> parameters(cfg.target_parameters.begin(), cfg.target_parameters.end());
+  std::set<std::string_view> fused;  // gate_proj, up_proj (w1, w3) seen
+  for (const std::string& t : modules) {
+    const auto hit = std::find_if(renamed.begin(), renamed.end(),
+                                  [&](const auto& r) { return names_module(t, std::string(r.first)); });
+    if (hit == renamed.end()) {
+      kept.push_back(t);
+      continue;
+    }
+    parameters.emplace(hit->second);
+    if (hit->second == "gate_up_proj") fused.insert(hit->first);
+  }
+  if (fused.size() == 1) {
+    const std::string_view one = *fused.begin(), other = one == renamed[1].first ? renamed[2].first : renamed[1].first;
+    throw Error(
+        fmt::format("lora.target_modules lists {} but not {}: this {} model holds both experts' projections in "
+                    "one tensor (mlp.experts.gate_up_proj); list both, as PEFT requires",
+                    one, other, model.config().model_type));
+  }
+  cfg.fused_gate_up = cfg.fused_gate_up || fused.size() == 2;
+  cfg.target_modules = kept;
+  cfg.target_parameters.assign(parameters.begin(), parameters.end());
+  return cfg;
+}
+
+void attach_lora(CausalLM& model, const LoraConfig& given, uint64_t seed, at::ScalarType dtype) {
+  const LoraConfig cfg = for_model(model, given);
   if (cfg.r <= 0) throw Error(fmt::format("lora.r must be positive, got {}", cfg.r));
   const std::optional<InitMethod> how = parse_init(cfg.init);
   if (!how)
     throw Error(fmt::format("lora.init '{}' is not one of default, gaussian, pissa, pissa_niter_N, olora",
                             printable(cfg.init)));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  int matched = 0;
+  int matched = 0, routers = 0;
   for (Linear* l : model.linears()) {
-    if (!matches_target(l->name, cfg)) continue;
+    if (!adapts(*l, cfg)) continue;
     init_adapter(*l, cfg.r, cfg.scaling(), *how, gen);
     l->lora_a = l->lora_a.to(model.device(), dtype).set_requires_grad(true);
     l->lora_b = l->lora_b.to(model.device(), dtype).set_requires_grad(true);
     l->scaling = cfg.scaling();
-    l->dropout = cfg.dropout;
-    if (cfg.use_dora) attach_dora(*l);
-    ++matched;
+    l->dropout = l->router ? 0.0 : cfg.dropout;  // (attach_experts refuses a router's dropout)
+    if (cfg.use_dora && !l->router) attach_dora(*l);
+    ++(l->router ? routers : matched);
   }
-  if (matched == 0) matched_nothing(model, cfg);
+  if (matched == 0 && !cfg.target_modules.empty()) matched_nothing(model, cfg);
+  attach_experts(model, cfg, gen, dtype, routers);
   model.tables = make_tables(model, cfg, dtype);
 }
 
@@ -215,11 +352,16 @@ void attach_tenant(CausalLM& model, const LoraConfig& cfg, uint64_t seed, int sl
   if (!how || how->decomposes())
     throw Error(fmt::format("lora.init '{}' does not start adapters that share a base: use default or gaussian",
                             printable(cfg.init)));
+  if (!for_model(model, cfg).target_parameters.empty())
+    throw Error(
+        "adapters on a mixture of experts' experts or router (lora.target_parameters, or the expert projections in "
+        "target_modules) are not supported in a job of many adapters yet: adapt the attention, or train each such "
+        "adapter in its own run");
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   int matched = 0;
   for (Linear* l : model.linears()) {
     l->tenants.resize(static_cast<size_t>(slots));
-    if (!matches_target(l->name, cfg)) continue;
+    if (l->router || !matches_target(l->name, cfg)) continue;
     init_adapter(*l, cfg.r, cfg.scaling(), *how, gen);  // (default and gaussian set lora_a and lora_b only)
     TenantLora& t = l->tenants[static_cast<size_t>(slot)];
     t.a = std::exchange(l->lora_a, {}).to(model.device()).set_requires_grad(true);
@@ -267,6 +409,7 @@ std::vector<at::Tensor> lora_parameters(const CausalLM& model) {
       out.insert(out.end(), {l->lora_a, l->lora_b});
       if (l->dora()) out.push_back(l->magnitude);
     }
+  for (const auto& [module, x] : adapted_experts(model)) out.insert(out.end(), {x->lora_a, x->lora_b});
   for (const auto& [name, t] : table_state(model, model.tables)) out.push_back(t);
   return out;
 }
@@ -295,18 +438,28 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
                     cfg.r));
   const std::vector<std::pair<std::string, at::Tensor>> state =
       cfg.tenant >= 0 ? tenant_state(model, cfg.tenant) : state_of(model, true);
-  std::set<std::string> targets;
+  std::set<std::string> targets, parameters;
   for (const Linear* l : model.linears())
     if (cfg.tenant >= 0 ? l->tenants.size() > static_cast<size_t>(cfg.tenant) &&
                               l->tenants[static_cast<size_t>(cfg.tenant)].a.defined()
                         : l->adapted())
-      targets.insert(short_name(l->name));
+      (l->router ? parameters : targets).insert(l->router ? "gate.weight" : short_name(l->name));
+  // Expert tensors under PEFT's target_parameters; gate_up_proj at twice the rank when PEFT's reading of
+  // gate_proj + up_proj made it so (rank_pattern and alpha_pattern say so, as PEFT writes them).
+  nlohmann::json rank_pattern = nlohmann::json::object(), alpha_pattern = nlohmann::json::object();
+  for (const auto& [module, x] : adapted_experts(model)) {
+    parameters.insert(short_name(x->name));
+    if (const int64_t r = x->lora_a.size(0) / x->count(); r != cfg.r) {
+      rank_pattern[R"(.*\.)" + short_name(x->name)] = r;
+      alpha_pattern[R"(.*\.)" + short_name(x->name)] = cfg.alpha * static_cast<double>(r) / static_cast<double>(cfg.r);
+    }
+  }
   // PiSSA/OLoRA: twice the rank at the same scaling, as PEFT's conversion writes it.
   const bool doubled = cfg.tenant < 0 && converted_for_original_base(model);
   const double alpha = !doubled ? cfg.alpha : cfg.use_rslora ? cfg.alpha * std::sqrt(2.0) : cfg.alpha * 2;
   // The fields PEFT writes, so PEFT, transformers and vLLM read it as their own.
   const nlohmann::ordered_json config = {
-      {"alpha_pattern", nlohmann::json::object()},
+      {"alpha_pattern", alpha_pattern},
       {"auto_mapping", nullptr},
       {"base_model_name_or_path",
        cfg.base_model_name_or_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(cfg.base_model_name_or_path)},
@@ -321,9 +474,10 @@ void save_adapter(const CausalLM& model, const LoraConfig& cfg, const std::strin
       {"modules_to_save", cfg.modules_to_save.empty() ? nlohmann::json(nullptr) : nlohmann::json(cfg.modules_to_save)},
       {"peft_type", "LORA"},
       {"r", doubled ? 2 * cfg.r : cfg.r},
-      {"rank_pattern", nlohmann::json::object()},
+      {"rank_pattern", rank_pattern},
       {"revision", nullptr},
       {"target_modules", targets},
+      {"target_parameters", parameters.empty() ? nlohmann::json(nullptr) : nlohmann::json(parameters)},
       {"task_type", "CAUSAL_LM"},
       {"trainable_token_indices",
        cfg.trainable_token_indices.empty() ? nlohmann::json(nullptr) : nlohmann::json(cfg.trainable_token_indices)},
@@ -370,13 +524,25 @@ AdapterFiles read_adapter_config(const CausalLM& model, const std::string& dir) 
   };
   if (field("peft_type") != "LORA")
     throw Error(fmt::format("{}: peft_type {} is not LORA", where, j["peft_type"].dump()));
-  for (const char* key : {"rank_pattern", "alpha_pattern"})
-    if (j.contains(key) && j[key].is_object() && !j[key].empty())
-      throw Error(fmt::format("{}: {} is not supported (one r and alpha for all layers)", where, key));
   LoraConfig cfg;
   try {
     cfg.r = field("r").get<int64_t>();
     cfg.alpha = field("lora_alpha").get<double>();
+    // One r and alpha for all layers, but for PEFT's fused experts: gate_up_proj at 2r and 2·alpha.
+    const std::string fused = R"(.*\.gate_up_proj)";
+    const auto patterned = [&](const char* key, double twice) {
+      if (!j.contains(key) || !j[key].is_object() || j[key].empty()) return false;
+      if (j[key].size() == 1 && j[key].contains(fused) && j[key][fused].get<double>() == twice) return true;
+      throw Error(
+          fmt::format("{}: {} {} is not supported (one r and alpha for all layers; a mixture of experts' "
+                      "gate_up_proj may have twice them, as PEFT fuses gate_proj's and up_proj's)",
+                      where, key, printable(j[key].dump())));
+    };
+    const bool ranks = patterned("rank_pattern", 2.0 * static_cast<double>(cfg.r));
+    if (patterned("alpha_pattern", 2.0 * cfg.alpha) != ranks)
+      throw Error(
+          fmt::format("{}: rank_pattern and alpha_pattern disagree (PEFT's fused gate_up_proj doubles both)", where));
+    cfg.fused_gate_up = ranks;
     cfg.dropout = j.value("lora_dropout", 0.0);
     cfg.use_rslora = j.value("use_rslora", false);
     cfg.use_dora = j.value("use_dora", false);
@@ -386,6 +552,9 @@ AdapterFiles read_adapter_config(const CausalLM& model, const std::string& dir) 
     const auto& tm = field("target_modules");
     cfg.target_modules =
         tm.is_string() ? std::vector<std::string>{tm.get<std::string>()} : tm.get<std::vector<std::string>>();
+    if (j.contains("target_parameters") && !j["target_parameters"].is_null())
+      cfg.target_parameters = j["target_parameters"].get<std::vector<std::string>>();
+    cfg = for_model(model, cfg);
     read_tables(j, model, cfg, where);
   } catch (const nlohmann::json::exception& e) {
     throw Error(fmt::format("{}: a field has the wrong type ({})", where, e.what()));
@@ -431,6 +600,12 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
   const WeightFiles files = WeightFiles::open_file(weights_path.string());
   std::map<std::string, Linear*> by_name;
   for (Linear* l : model.linears()) by_name[l->name] = l;
+  std::map<std::string, Experts*> experts;  // by the module PEFT's keys name (target_parameters)
+  for (MoeMlp* m : model.moe_layers())
+    for (const auto& [module, x] :
+         expert_modules(*m, matches_parameter(m->gate_up.name, cfg), matches_parameter(m->down.name, cfg)))
+      experts[module] = x;
+  std::map<Experts*, int> seen_experts;
   const std::regex key_re(R"(base_model\.model\.(.+)\.lora_(A\.weight|B\.weight|magnitude_vector))");
   std::map<Linear*, int> seen;
   // A tensor of the file, checked: its shape, its values; owned and trainable.
@@ -453,6 +628,17 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
                       "base_model.model.<module>.lora_A.weight (or lora_B.weight, or DoRA's "
                       "lora_magnitude_vector)",
                       weights_path.string(), key));
+    if (const auto x = experts.find(m[1].str()); x != experts.end() && m[2] != "magnitude_vector") {
+      Experts& e = *x->second;
+      const bool a = m[2] == "A.weight";
+      const LoraConfig own = config_of(e, cfg);
+      const int64_t rank = own.r * e.count();
+      (a ? e.lora_a : e.lora_b) =
+          load(key, a ? std::vector<int64_t>{rank, e.in_features()} : std::vector<int64_t>{e.out_features(), rank});
+      e.scaling = own.scaling();
+      seen_experts[&e] |= a ? 1 : 2;
+      continue;
+    }
     const auto it = by_name.find(m[1].str());
     if (it == by_name.end())
       throw Error(
@@ -481,7 +667,11 @@ LoraConfig load_adapter(CausalLM& model, const std::string& dir, at::ScalarType 
                                                 : "lora_magnitude_vector (DoRA)"));
     if (cfg.use_dora) prepare_dora(*l);
   }
-  if (seen.empty()) throw Error(fmt::format("{} holds no LoRA weights", weights_path.string()));
+  for (const auto& [x, bits] : seen_experts)
+    if (bits != 3)
+      throw Error(fmt::format("{}: the adapter of '{}' lacks {}", weights_path.string(), x->name,
+                              (bits & 1) == 0 ? "lora_A" : "lora_B"));
+  if (seen.empty() && seen_experts.empty()) throw Error(fmt::format("{} holds no LoRA weights", weights_path.string()));
   if (!tables.empty())
     throw Error(fmt::format("{}: '{}' is missing, though {} lists modules_to_save or trainable_token_indices",
                             weights_path.string(), tables.begin()->first, where));
@@ -545,6 +735,14 @@ void merge_lora(CausalLM& model) {
     l->magnitude = at::Tensor();
     l->base_sq = at::Tensor();
   }
+  for (const auto& [module, x] : adapted_experts(model)) {  // W_e += s · B_e A_e, in float32
+    const int64_t E = x->count(), r = x->lora_a.size(0) / E;
+    const at::Tensor a = x->lora_a.to(at::kFloat).view({E, r, x->in_features()});
+    const at::Tensor b = x->lora_b.to(at::kFloat).view({x->out_features(), r, E}).permute({2, 0, 1});
+    x->weight.add_((at::bmm(b, a) * x->scaling).to(x->weight.scalar_type()));
+    x->lora_a = at::Tensor();
+    x->lora_b = at::Tensor();
+  }
   model.fold_tables();
 }
 
@@ -559,6 +757,7 @@ LoraConfig lora_config_of(const recipe::LoraSection& lora, const std::string& ba
   cfg.modules_to_save = lora.modules_to_save;
   cfg.trainable_token_indices = lora.trainable_token_indices;
   cfg.target_modules = lora.target_modules;
+  cfg.target_parameters = lora.target_parameters;
   cfg.base_model_name_or_path = base_model;
   return cfg;
 }
@@ -567,6 +766,8 @@ std::string describe_adapter(const recipe::LoraSection& lora) {
   const LoraConfig cfg = lora_config_of(lora, "");
   std::string out = fmt::format("LoRA r {}, alpha {} (scale {:.4g}{}) on {}", cfg.r, cfg.alpha, cfg.scaling(),
                                 cfg.use_rslora ? ", rsLoRA" : "", fmt::join(cfg.target_modules, ", "));
+  if (!cfg.target_parameters.empty())
+    out += fmt::format(" and per expert on {}", printable(fmt::format("{}", fmt::join(cfg.target_parameters, ", "))));
   if (lora.quantize_base) out += "; QLoRA: base linears in NF4";
   if (cfg.use_dora) out += "; DoRA: a learnt magnitude per output row";
   if (lora.plus_lr_ratio) out += fmt::format("; LoRA+: B learns at lr x {}", *lora.plus_lr_ratio);

@@ -13,6 +13,7 @@ struct LoraSection;
 namespace lorarun::model {
 
 class CausalLM;
+struct Linear;
 
 struct LoraConfig {
   int64_t r = 8;
@@ -24,6 +25,10 @@ struct LoraConfig {
   std::vector<std::string> modules_to_save = {};      // the embedding and/or "lm_head", trained whole (copies)
   std::vector<int64_t> trainable_token_indices = {};  // embedding rows trained alone (PEFT's TrainableTokens)
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};  // or {"all-linear"}
+  // PEFT's target_parameters: stacked expert tensors ("mlp.experts.gate_up_proj"), one adapter per expert
+  std::vector<std::string> target_parameters = {};
+  // PEFT's conversion of gate_proj + up_proj targets on fused experts: gate_up_proj at rank 2r, alpha 2·alpha
+  bool fused_gate_up = false;
   std::string base_model_name_or_path = {};
   int tenant = -1;  // adapters: (a job of many) which adapter of each linear this is (its slot); -1: the one
 
@@ -41,7 +46,20 @@ std::string describe_adapter(const recipe::LoraSection& lora);
 // "all-linear" matches every linear layer but the output projection.
 bool matches_target(const std::string& module_name, const LoraConfig& cfg);
 
-// Adds adapters to the matching layers, started as cfg.init says (lora_init.hpp; PEFT's default:
+// PEFT's reading of a config on a mixture-of-experts model (transformers 5 fused its experts): the
+// experts' and router's transformers-4 module names in target_modules (all-linear's included) become
+// target_parameters: gate_proj and up_proj (mixtral: w1, w3) together gate_up_proj at rank 2r and
+// alpha 2·alpha, down_proj (w2) down_proj, gate the router's gate.weight. Other models: cfg as it is.
+// Throws lorarun::Error for gate_proj without up_proj (one tensor holds both).
+LoraConfig for_model(const CausalLM& model, LoraConfig cfg);
+
+// Whether a config for_model has made adapts `l`: target_modules match it (a router: target_parameters).
+bool adapts(const Linear& l, const LoraConfig& cfg);
+
+// PEFT's rule for target_parameters: the parameter's full name equals a listed one or ends with ".name".
+bool matches_parameter(const std::string& parameter_name, const LoraConfig& cfg);
+
+// Adds adapters to the matching layers (and expert tensors), started as cfg.init says (lora_init.hpp; PEFT's default:
 // A ~ Kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0), drawing from one
 // generator seeded with `seed`, layer by layer in model order. Adapters are float32 unless `dtype`
 // says otherwise. Throws lorarun::Error, listing the model's layer names, when nothing matches.

@@ -52,19 +52,44 @@ int64_t CausalLM::activation_bytes(int64_t batch, int64_t tokens) const {
   block += (2 * Q + 2 * K) * b;                                 // q, k, v and the output, kept by attention
   if (c.attn_softcap) block += c.num_heads * tokens * 3 * f32;  // gemma2's scores: capped, softmax
   block += Q * b + input({&k.o}, Q, true);                      // o's input (a copy of the output)
-  const bool gated = k.gate.defined() || k.gate_up.defined();
+  const bool gated = std::any_of(blocks_.begin(), blocks_.end(),
+                                 [](const Block& x) { return x.gate.defined() || x.gate_up.defined(); });
   const bool cpu = device_.is_cpu() && fused::enabled();  // the fused CPU ops (fused_ops.hpp, loss.cpp) run
-  const bool swiglu =
-      cpu && dtype_ == at::kFloat && k.gate.defined() && (c.activation == "silu" || c.activation == "swish");
-  block += (swiglu ? 3 : gated ? 4 : 2) * F * b;  // gate, up, act(gate), product (ungated: fc1 out, act)
-  block += input({&k.gate, &k.up, &k.gate_up}, H, false) + input({&k.down}, F, true);
+  const bool silu = c.activation == "silu" || c.activation == "swish";
+  const bool swiglu = cpu && dtype_ == at::kFloat && silu;
+  const int64_t attention = block;
+  // A dense MLP keeps its gate, up, act(gate), product (ungated: fc1's output, its activation) and
+  // its adapters' inputs. A mixture of experts keeps the router's probabilities (float32) and, for
+  // each of a token's k experts, the routed copy of its input, gate and up (and act(gate)), product
+  // and output (the weighting keeps it), and the experts' adapters' inputs and x A^T.
+  const auto mlp = [&](const Block& x) {
+    if (!x.moe.defined())
+      return ((swiglu && x.gate.defined())              ? 3
+              : x.gate.defined() || x.gate_up.defined() ? 4
+                                                        : 2) *
+                 F * b +
+             input({&x.gate, &x.up, &x.gate_up}, H, false) + input({&x.down}, F, true);
+    const int64_t I = c.moe.intermediate;
+    const auto expert = [&](const Experts& e, int64_t width) {
+      if (!e.adapted()) return int64_t{0};
+      return e.lora_a.size(0) / e.count() * f32 + (b != f32 ? width * f32 : 0);
+    };
+    return c.moe.experts * f32 + input({&x.moe.router}, H, false) +
+           c.moe.top_k * ((swiglu ? 3 : 4) * I * b + 2 * H * b + expert(x.moe.gate_up, H) + expert(x.moe.down, I));
+  };
+  int64_t blocks = 0, widest = 0;
+  for (const Block& x : blocks_) {
+    blocks += attention + mlp(x);
+    widest = std::max(widest, attention + mlp(x));
+  }
+  const int64_t mlp_width = std::max((gated ? 2 : 1) * F, c.moe.top_k * (2 * c.moe.intermediate + H));
 
   const auto L = static_cast<int64_t>(blocks_.size());
   // Kept from forward to backward: each block's (or, recomputing, each block's input), the
   // embeddings' output and the final norm's input, the attention masks ([B, 1, T, T] bool), and
   // the loss's gradient for the rows [N, H].
   const bool two_masks = c.sliding_window && !c.sliding_layers.empty();
-  const int64_t kept = (recompute_activations ? L * N * H * b : L * N * block) + N * H * (b + f32) +
+  const int64_t kept = (recompute_activations ? L * N * H * b : N * blocks) + N * H * (b + f32) +
                        batch * tokens * tokens * (two_masks ? 2 : 1) + N * H * b;
   // Then the most of: the loss's chunk of logits (in the model's dtype, float32, log-softmax; the
   // CPU's fused loop overwrites the float32 logits instead, then their copy in the model's dtype
@@ -73,7 +98,7 @@ int64_t CausalLM::activation_bytes(int64_t batch, int64_t tokens) const {
   const int64_t rows = std::min(N, loss_chunk_rows(V, c.logit_softcap.has_value()));
   const int64_t logits = cpu && !c.logit_softcap ? (b == f32 ? f32 : 2 * b + f32) : (b == f32 ? 2 * f32 : b + 2 * f32);
   const int64_t chunk = rows * V * (logits + (c.logit_softcap ? b : 0));
-  const int64_t back = (recompute_activations ? N * block : 0) + N * ((gated ? 2 : 1) * F + H) * std::max(b, f32);
+  const int64_t back = (recompute_activations ? N * widest : 0) + N * (mlp_width + H) * std::max(b, f32);
   return kept + std::max(chunk, back);
 }
 

@@ -14,6 +14,7 @@
 #include <variant>
 
 #include "model/dora.hpp"
+#include "model/families.hpp"
 #include "model/fused_ops.hpp"
 #include "model/gguf_weights.hpp"
 #include "model/recompute.hpp"
@@ -178,6 +179,41 @@ struct Loader {
   Norm norm(const std::string& name, int64_t n, bool bias) const {
     return {get(name + ".weight", {n}), bias ? get(name + ".bias", {n}) : at::Tensor()};
   }
+  // Layer prefix `p`'s mixture-of-experts MLP: the experts stacked [E, 2I, H] and [E, H, I] whether
+  // the file holds them so (transformers 5's fused names) or one tensor per expert (as released and as
+  // transformers saves them), those then kept as views of the stack under their own names.
+  MoeMlp moe(const std::string& p, const ModelConfig& c, FamilyTraits::Moe layout) const {
+    const int64_t E = c.moe.experts, I = c.moe.intermediate, H = c.hidden_size;
+    const bool qwen = layout == FamilyTraits::Moe::Qwen;
+    const std::string on_disk = p + (qwen ? "mlp." : "block_sparse_moe.");
+    MoeMlp m;
+    m.router.name = p + "mlp.gate";
+    m.router.router = true;
+    m.router.weight = get(on_disk + "gate.weight", {E, H});
+    m.gate_up.name = p + "mlp.experts.gate_up_proj";
+    m.down.name = p + "mlp.experts.down_proj";
+    if (files.contains(m.gate_up.name)) {
+      m.gate_up.weight = get(m.gate_up.name, {E, 2 * I, H});
+      m.down.weight = get(m.down.name, {E, H, I});
+      return m;
+    }
+    const auto opts = at::TensorOptions().dtype(dtype).device(device);
+    m.gate_up.weight = at::empty({E, 2 * I, H}, opts);
+    m.down.weight = at::empty({E, H, I}, opts);
+    const auto into = [&](const at::Tensor& slot, const std::string& name) {
+      slot.copy_(files.load(name, dtype, device, slot.sizes().vec()));
+      files.release(name);
+      named.push_back({name, slot, false, slot.numel()});
+    };
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string x = fmt::format("{}experts.{}.", on_disk, e);
+      const at::Tensor gu = m.gate_up.weight.select(0, e);
+      into(gu.narrow(0, 0, I), x + (qwen ? "gate_proj.weight" : "w1.weight"));
+      into(gu.narrow(0, I, I), x + (qwen ? "up_proj.weight" : "w3.weight"));
+      into(m.down.weight.select(0, e), x + (qwen ? "down_proj.weight" : "w2.weight"));
+    }
+    return m;
+  }
 };
 
 // Rotary inverse frequencies [dim/2] in float32 for base `theta`, with linear, llama3 or longrope
@@ -332,13 +368,15 @@ void CausalLM::build(const WeightSource& files, const LoadOptions& opts) {
         b.q_norm = L.norm(p + "self_attn.q_norm", c.head_dim, false);
         b.k_norm = L.norm(p + "self_attn.k_norm", c.head_dim, false);
       }
-      if (c.fused) {
+      if (c.moe.sparse_layer(static_cast<size_t>(i))) {
+        b.moe = L.moe(p, c, family_of_model_type(c.model_type, dir_).moe);
+      } else if (c.fused) {
         b.gate_up = L.linear(p + "mlp.gate_up_proj", H, 2 * F, false);
       } else {
         b.gate = L.linear(p + "mlp.gate_proj", H, F, c.mlp_bias);
         b.up = L.linear(p + "mlp.up_proj", H, F, c.mlp_bias);
       }
-      b.down = L.linear(p + "mlp.down_proj", F, H, c.mlp_bias);
+      if (!b.moe.defined()) b.down = L.linear(p + "mlp.down_proj", F, H, c.mlp_bias);
       m.blocks_.push_back(std::move(b));
     }
     m.final_norm_ = L.norm("model.norm", H, false);
@@ -423,6 +461,8 @@ at::Tensor CausalLM::norm(const Norm& n, const at::Tensor& x) const {
 }
 
 at::Tensor CausalLM::mlp(const Block& b, const at::Tensor& x, const Routes* routes) const {
+  // (a block recomputed in backward ran its routing once already)
+  if (b.moe.defined()) return moe(b.moe, x, router_mask_.defined() && !in_backward(), routes);
   const auto fc = [&](const Linear& l, const at::Tensor& in) { return l.forward(in, training, routes); };
   if (b.gate_up.defined()) {
     const auto gu = fc(b.gate_up, x).chunk(2, -1);
@@ -546,6 +586,8 @@ at::Tensor CausalLM::hidden_states(const at::Tensor& input_ids, const at::Tensor
                      : at::arange(past, past + T, long_opts).unsqueeze(0).expand({B, T});
   }
 
+  router_sums_.clear();  // a training pass records its routing (router_pass), generation's do not
+  router_mask_ = config_.moe.experts > 0 && !cache ? valid.ne(0).to(at::kFloat).flatten() : at::Tensor();
   at::Tensor h = embedded(input_ids.to(device_));
   at::Tensor cos[2], sin[2];  // [0] every layer's, [1] gemma3's windowed layers' when they differ
   if (c.family == Family::Llama) {
@@ -658,6 +700,7 @@ at::Tensor CausalLM::lm_head(int slot) const {
 
 void CausalLM::set_adapters_off(bool off) {
   for (Linear* l : linears()) l->adapter_off = off;
+  for (MoeMlp* m : moe_layers()) m->gate_up.adapter_off = m->down.adapter_off = off;
   tables.off = off;
   for (TrainedTables& t : tenant_tables) t.off = off;
 }
@@ -713,8 +756,10 @@ std::vector<std::pair<std::string, at::Tensor>> CausalLM::state_dict() const {
 
 std::vector<Linear*> CausalLM::linears() {
   std::vector<Linear*> out;
-  for (Block& b : blocks_)
+  for (Block& b : blocks_) {
     for (Linear* l : block_linears(b)) out.push_back(l);
+    if (b.moe.defined()) out.push_back(&b.moe.router);
+  }
   for (Linear* l : {&project_in_, &project_out_})
     if (l->defined()) out.push_back(l);
   return out;

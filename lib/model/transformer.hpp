@@ -47,10 +47,13 @@ struct Linear {
   std::optional<ShardedWeight> sharded;  // dist.shard_base: this rank's slices of weight (or nf4)
   at::Tensor bias;                       // [out] or undefined
   bool conv1d = false;                   // GPT-2 Conv1D: the file stores the weight as [in, out]
-  at::Tensor lora_a;                     // [r, in]; defined when adapted
-  at::Tensor lora_b;                     // [out, r]
-  at::Tensor magnitude;                  // DoRA: [out], the learnt row norms (lora_magnitude_vector)
-  at::Tensor base_sq;                    // DoRA: [out] float32, the squared row norms of the frozen W
+  // A mixture of experts' router: kept whole (never quantised nor sharded, as transformers keeps it),
+  // adapted as PEFT adapts a parameter (target_parameters' gate.weight: no dropout, no DoRA).
+  bool router = false;
+  at::Tensor lora_a;            // [r, in]; defined when adapted
+  at::Tensor lora_b;            // [out, r]
+  at::Tensor magnitude;         // DoRA: [out], the learnt row norms (lora_magnitude_vector)
+  at::Tensor base_sq;           // DoRA: [out] float32, the squared row norms of the frozen W
   at::Tensor lora_a0, lora_b0;  // PiSSA/OLoRA: A and B at the start, float32, taken out of W (see lora_init.hpp)
   double scaling = 0.0;
   double dropout = 0.0;
@@ -73,6 +76,38 @@ struct Linear {
   at::Tensor dense_weight() const { return nf4 ? nf4->dequantize() : blocks ? blocks->dequantize() : weight; }
 };
 
+// One stacked expert tensor of a mixture-of-experts MLP, [E, out, in] as transformers 5 holds it
+// (gate_up_proj: each expert's gate rows, then its up rows), frozen; adapted with PEFT's
+// target_parameters layout: A [r·E, in] (expert e's rows e·r … e·r + r - 1), B [out, r·E] (expert
+// e's columns e, E + e, …), so ΔW_e = scaling · B_e A_e.
+struct Experts {
+  std::string name;   // the parameter's HF name, e.g. "model.layers.0.mlp.experts.gate_up_proj"
+  at::Tensor weight;  // [E, out, in]
+  at::Tensor lora_a, lora_b;
+  double scaling = 0.0;
+  bool adapter_off = false;
+  bool adapted() const { return lora_a.defined(); }
+  int64_t count() const { return weight.size(0); }
+  int64_t out_features() const { return weight.size(1); }
+  int64_t in_features() const { return weight.size(2); }
+  // rows [n, in], routed to expert `e` -> [n, out]
+  at::Tensor forward(int64_t e, const at::Tensor& rows) const;
+};
+
+// A mixture-of-experts MLP (qwen3_moe, mixtral): the router, a linear [E, H] named as transformers 5
+// names it ("model.layers.0.mlp.gate"; PEFT adapts it as a parameter), and the experts' gated MLPs.
+struct MoeMlp {
+  Linear router;
+  Experts gate_up, down;
+  bool defined() const { return router.defined(); }
+};
+
+// What the routers of a training pass did (CausalLM::router_pass).
+struct RouterPass {
+  at::Tensor loss;  // float32 scalar: transformers' load-balancing loss of the pass (with its gradient)
+  at::Tensor load;  // [MoE layers, E] float64: the real tokens each layer sent each expert
+};
+
 struct Norm {
   at::Tensor weight, bias;  // bias undefined for RMSNorm
 };
@@ -84,6 +119,7 @@ struct Block {
   Norm q_norm, k_norm;               // qwen3, gemma3: RMSNorm over head_dim of each query and key head
   Linear q, k, v, qkv, o;            // qkv: GPT-2's c_attn, phi3's qkv_proj ([q | k | v] rows)
   Linear gate, up, gate_up, down;    // opt: up=fc1, down=fc2; gpt2: up=c_fc, down=c_proj; gate_up: phi3's
+  MoeMlp moe;                        // a mixture-of-experts layer's MLP, in place of gate, up and down
 };
 
 // PEFT's modules_to_save and trainable_token_indices: trained stand-ins for the frozen embedding
@@ -183,7 +219,14 @@ class CausalLM {
     return logits(hidden_states(input_ids, attention_mask));
   }
 
-  // Every linear layer LoRA may adapt (the output projection excluded, as in PEFT).
+  // Mixture of experts: each MoE layer's MLP, in layer order (none for a dense model).
+  std::vector<MoeMlp*> moe_layers();
+  std::vector<const MoeMlp*> moe_layers() const;
+  // The routers' record of the last hidden_states pass in training (not generation's): undefined
+  // tensors when the model has no experts or the pass recorded nothing.
+  RouterPass router_pass() const;
+  // Every linear layer LoRA may adapt (the output projection excluded, as in PEFT), the routers of a
+  // mixture of experts included.
   std::vector<Linear*> linears();
   std::vector<const Linear*> linears() const;
   // Number of parameters of the base model (tied weights counted once).
@@ -235,6 +278,8 @@ class CausalLM {
   // cos and sin [B, 1, T, rotated dims] of rope at `positions` [B, T] with these inverse frequencies.
   std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, const at::Tensor& inv_freq) const;
   at::Tensor mlp(const Block& b, const at::Tensor& x, const Routes* routes) const;
+  // x [B, T, H] through a mixture-of-experts MLP (moe.cpp); `record`: the routing joins router_pass.
+  at::Tensor moe(const MoeMlp& m, const at::Tensor& x, bool record, const Routes* routes) const;
   at::Tensor norm(const Norm& n, const at::Tensor& x) const;
 
   ModelConfig config_;
@@ -253,6 +298,10 @@ class CausalLM {
   at::Tensor inv_freq_local_;               // gemma3: the windowed layers'
   Linear project_in_, project_out_;         // opt when word_embed_proj_dim != hidden
   std::vector<Block> blocks_;
+  // router_pass's: the real tokens of the pass ([B·T] float32, 1 or 0) and, per MoE layer run, its
+  // assignments per expert [E] and summed router probabilities [E]
+  mutable at::Tensor router_mask_;
+  mutable std::vector<std::pair<at::Tensor, at::Tensor>> router_sums_;
   Norm final_norm_;
   at::Tensor lm_head_;  // [vocab, E]; may alias embed_tokens_ (undefined when tied to embed_blocks_)
   // ids [..] -> the frozen embedding's rows [.., E]

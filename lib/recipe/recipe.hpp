@@ -177,6 +177,8 @@ struct LoraSection {
   double dropout = 0.0;
   // {"all-linear"} for all-linear.
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};
+  // PEFT's target_parameters: mixture-of-experts tensors adapted per expert (mlp.experts.gate_up_proj)
+  std::vector<std::string> target_parameters;
   bool use_rslora = false;
   bool use_dora = false;
   std::optional<double> plus_lr_ratio;           // LoRA+: B's learning rate is lr × this
@@ -397,9 +399,18 @@ struct AdaptersSection {
   bool operator==(const AdaptersSection&) const = default;
 };
 
+// Mixture-of-experts models (qwen3_moe, mixtral).
+struct MoeSection {
+  // The router's load-balancing loss, times this, added to the training loss; unset: as transformers
+  // trains the model (config.json's router_aux_loss_coef when it says output_router_logits, else 0).
+  std::optional<double> router_aux_loss_coef;
+  bool operator==(const MoeSection&) const = default;
+};
+
 struct Recipe {
   ModelSection model;
   LoraSection lora;
+  MoeSection moe;
   DataSection data;
   TrainSection train;
   PreferenceSection preference;
@@ -413,9 +424,9 @@ struct Recipe {
 
   // Same settings (warnings, which name where a recipe came from, are not compared).
   bool operator==(const Recipe& o) const {
-    return model == o.model && lora == o.lora && data == o.data && train == o.train && preference == o.preference &&
-           grpo == o.grpo && checkpoint == o.checkpoint && dist == o.dist && track == o.track && eval == o.eval &&
-           adapters == o.adapters;
+    return model == o.model && lora == o.lora && moe == o.moe && data == o.data && train == o.train &&
+           preference == o.preference && grpo == o.grpo && checkpoint == o.checkpoint && dist == o.dist &&
+           track == o.track && eval == o.eval && adapters == o.adapters;
   }
 };
 

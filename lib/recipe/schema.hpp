@@ -13,8 +13,8 @@
 
 namespace lorarun::recipe::detail {
 
-inline constexpr std::array<std::string_view, 11> kSections{
-    "model", "lora", "data", "train", "preference", "grpo", "checkpoint", "dist", "track", "eval", "adapters"};
+inline constexpr std::array<std::string_view, 12> kSections{
+    "model", "lora", "moe", "data", "train", "preference", "grpo", "checkpoint", "dist", "track", "eval", "adapters"};
 
 // How far a number may go. Messages and docs/recipe.md word it the same way (bound_text):
 // whole numbers "at least 1", other numbers ">= 0", "> 0", "in [0, 1)", "in [0, 3600] seconds".
@@ -86,6 +86,12 @@ void for_each_key(R& r, V&& v) {
         .meaning = "the modules that get adapters, matched as PEFT does (name suffix); all-linear: every linear "
                    "layer but the output head"},
     r.lora.target_modules);
+  v(Key{.name = "lora.target_parameters",
+        .example = "[mlp.experts.gate_up_proj, mlp.experts.down_proj]",
+        .meaning = "PEFT's target_parameters: a mixture of experts' stacked expert tensors adapted per expert "
+                   "(name suffix, as PEFT matches)",
+        .may_be_empty = true},
+    r.lora.target_parameters);
   v(Key{.name = "lora.use_rslora", .meaning = "rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r"},
     r.lora.use_rslora);
   v(Key{.name = "lora.use_dora",
@@ -122,6 +128,12 @@ void for_each_key(R& r, V&& v) {
   v(Key{.name = "lora.init_from",
         .meaning = "a PEFT adapter directory to start from; empty: fresh adapters (A Kaiming-uniform, B zero)"},
     r.lora.init_from);
+  v(Key{.name = "moe.router_aux_loss_coef",
+        .bound = at_least(0),
+        .null_means = "as transformers trains the model: config.json's router_aux_loss_coef when it says "
+                      "output_router_logits: true, else no router loss",
+        .meaning = "a mixture of experts' training loss adds the routers' load-balancing loss times this"},
+    r.moe.router_aux_loss_coef);
 
   v(Key{.name = "data.source", .meaning = "where the documents come from: a MongoDB collection or a JSONL file"},
     r.data.source);

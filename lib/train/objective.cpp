@@ -1,7 +1,10 @@
 #include "train/objective.hpp"
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 #include <algorithm>
+#include <limits>
+#include <numeric>
 #include <optional>
 
 #include "data/collate.hpp"
@@ -11,14 +14,44 @@
 #include "train/grpo_objective.hpp"
 #include "train/preference.hpp"
 #include "train/reference_logps.hpp"
+#include "util/error.hpp"
 
 namespace lorarun::train {
 namespace {
 
-// train.objective: sft: the token cross-entropy of the completion's tokens (or every token's).
+// The router loss's coefficient for `m` (moe.router_aux_loss_coef, else as transformers trains the
+// model); ConfigError where it cannot apply.
+double router_loss_coef(const recipe::Recipe& r, const model::CausalLM& m) {
+  const double coef = r.moe.router_aux_loss_coef.value_or(m.config().moe.aux_loss_coef);
+  if (r.moe.router_aux_loss_coef && m.moe_layers().empty())
+    throw ConfigError(
+        fmt::format("moe.router_aux_loss_coef is set but {} is not a mixture of experts: remove it", m.dir()));
+  if (coef == 0) return 0;
+  const char* why = r.train.objective != recipe::Objective::Sft ? "train.objective sft only so far"
+                    : r.train.activation_checkpointing          ? "without train.activation_checkpointing so far"
+                    : r.adapters.enabled()                      ? "a run of one adapter only so far (not adapters:)"
+                                                                : nullptr;
+  if (why)
+    throw ConfigError(
+        fmt::format("the router's load-balancing loss (moe.router_aux_loss_coef {}{}) is added by {}: set "
+                    "moe.router_aux_loss_coef: 0 to train without it",
+                    coef, r.moe.router_aux_loss_coef ? "" : ", from config.json's output_router_logits", why));
+  return coef;
+}
+
+// train.objective: sft: the token cross-entropy of the completion's tokens (or every token's). A
+// mixture of experts adds the routers' load-balancing loss of each micro-batch (transformers'),
+// weighted by its trained tokens like the cross-entropy it joins, times the coefficient; its stats
+// are that loss (times the tokens), the tokens, and each MoE layer's tokens per expert.
 class Sft final : public Objective {
  public:
-  Sft(const recipe::Recipe& r, model::CausalLM& m, c10::Device device) : r_(r), m_(m), device_(device) {}
+  Sft(const recipe::Recipe& r, model::CausalLM& m, c10::Device device)
+      : r_(r),
+        m_(m),
+        device_(device),
+        coef_(router_loss_coef(r, m)),
+        experts_(m.config().moe.experts),
+        moe_layers_(static_cast<int64_t>(m.moe_layers().size())) {}
 
   Sums forward_backward(const Next& next, int accum, const std::function<void()>& arm, StepAt /*at*/) override {
     Sums sums;
@@ -34,17 +67,55 @@ class Sft final : public Objective {
       }
       const at::Tensor hidden = m_.hidden_states(b.ids, b.mask, nullptr, r_.data.packing);
       const model::LossSum l = model::lm_head_loss(hidden, m_.lm_head(), b.rows, b.targets, m_.config().logit_softcap);
-      l.sum.backward();
+      at::Tensor loss = l.sum;
+      if (moe_layers_ > 0) {
+        const model::RouterPass p = m_.router_pass();
+        const auto tokens = static_cast<double>(b.tokens);
+        if (coef_ > 0) loss = loss + p.loss * (coef_ * tokens);
+        if (!sums.stats.defined())
+          sums.stats = at::zeros({stats()}, at::TensorOptions().dtype(at::kDouble).device(device_));
+        sums.stats.narrow(0, 0, 2) +=
+            at::stack({p.loss.detach().to(at::kDouble) * tokens, at::scalar_tensor(tokens, sums.stats.options())});
+        sums.stats.narrow(0, 2, moe_layers_ * experts_) += p.load.flatten().to(device_);
+      }
+      loss.backward();
       sums.loss += l.sum.detach();
       sums.tokens += b.tokens;
     }
+    if (moe_layers_ > 0 && !sums.stats.defined())
+      sums.stats = at::zeros({stats()}, at::TensorOptions().dtype(at::kDouble).device(device_));
     return sums;
+  }
+  int64_t stats() const override { return moe_layers_ > 0 ? 2 + moe_layers_ * experts_ : 0; }
+  // router_loss: the load-balancing loss (mean over the step's trained tokens); expert_load/min and
+  // max: over every MoE layer and expert, the share of the layer's routed tokens an expert took
+  // times the experts (1: an even load; 0: an expert left idle).
+  nlohmann::json figures(const double* s) const override {
+    nlohmann::json out = nlohmann::json::object();
+    if (moe_layers_ == 0 || s[1] <= 0) return out;
+    out["router_loss"] = s[0] / s[1];
+    double low = std::numeric_limits<double>::infinity(), high = 0;
+    for (int64_t l = 0; l < moe_layers_; ++l) {
+      const double* load = s + 2 + l * experts_;
+      const double all = std::accumulate(load, load + experts_, 0.0);
+      for (int64_t e = 0; e < experts_ && all > 0; ++e) {
+        low = std::min(low, load[e] / all * static_cast<double>(experts_));
+        high = std::max(high, load[e] / all * static_cast<double>(experts_));
+      }
+    }
+    if (high > 0) {
+      out["expert_load/min"] = low;
+      out["expert_load/max"] = high;
+    }
+    return out;
   }
 
  private:
   const recipe::Recipe& r_;
   model::CausalLM& m_;
   const c10::Device device_;
+  const double coef_;
+  const int64_t experts_, moe_layers_;
 };
 
 // KTO's mismatched completions for this rank's micro-batches `micro` of a step: every rank's examples
@@ -199,6 +270,7 @@ std::unique_ptr<Objective> make_objective(const recipe::Recipe& r, model::Causal
                                           const std::vector<std::pair<std::string, at::Tensor>>& named,
                                           const Agreement& agree, c10::Device device, const tok::Tokenizer& tokenizer) {
   if (r.train.objective == recipe::Objective::Sft) return std::make_unique<Sft>(r, m, device);
+  router_loss_coef(r, m);  // (what they do not add is refused)
   if (r.train.objective == recipe::Objective::Grpo) return make_grpo(r, m, named, agree, device, tokenizer);
   return std::make_unique<Pairs>(r, m, named, agree, device);
 }

@@ -52,10 +52,11 @@ void start_from_adapter(model::CausalLM& m, const model::LoraConfig& cfg, const 
            fmt::format("[{}]", fmt::join(cfg.trainable_token_indices, ", ")));
   std::vector<std::string> adapted;
   std::vector<std::string> wanted;
+  const model::LoraConfig read = model::for_model(m, cfg);  // (a mixture of experts': PEFT's reading)
   for (model::Linear* l : m.linears()) {
     if (l->adapted()) adapted.push_back(l->name);
-    if (model::matches_target(l->name, cfg)) wanted.push_back(l->name);
-    l->dropout = cfg.dropout;
+    if (model::adapts(*l, read)) wanted.push_back(l->name);
+    l->dropout = l->router ? 0.0 : cfg.dropout;
   }
   if (adapted != wanted)
     differ("lora.target_modules",

@@ -197,7 +197,14 @@ TEST_CASE("the activation estimate is within 20% of the tensor bytes a training 
                                            c.recompute, c.quantize, c.dropout);
       INFO(what);
       CausalLM m = CausalLM::load(kFixtures + "/" + family, c.dtype, at::kCPU, {.quantize = c.quantize});
-      attach_lora(m, {.r = 8, .dropout = c.dropout, .target_modules = {"all-linear"}}, 1);
+      // (a mixture of experts' all-linear adapts experts and routers, which take no dropout: its attention then)
+      const bool attention = c.dropout > 0 && !m.moe_layers().empty();
+      attach_lora(m,
+                  {.r = 8,
+                   .dropout = c.dropout,
+                   .target_modules = attention ? std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj"}
+                                               : std::vector<std::string>{"all-linear"}},
+                  1);
       m.training = true;
       m.recompute_activations = c.recompute;
       const double ratio = estimate_ratio(m, 4, std::min<int64_t>(256, m.config().max_positions), what);

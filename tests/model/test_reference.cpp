@@ -131,7 +131,8 @@ TEST_CASE("PEFT loads the adapter we save (LoRA, DoRA) and gives our logits", "[
       LoraConfig cfg;
       cfg.r = 8;
       cfg.alpha = 32;
-      cfg.target_modules = {"all-linear"};
+      // (PEFT's DoRA takes no mixture of experts' expert or router adapters, which all-linear has there)
+      cfg.target_modules = {dora && !m.moe_layers().empty() ? "q_proj" : "all-linear"};
       cfg.use_dora = dora;
       attach_lora(m, cfg, 7);
       {

@@ -141,6 +141,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "lora.alpha",
                                 "lora.dropout",
                                 "lora.target_modules",
+                                "lora.target_parameters",
                                 "lora.use_rslora",
                                 "lora.use_dora",
                                 "lora.plus_lr_ratio",
@@ -150,6 +151,7 @@ TEST_CASE("the keys, in docs/recipe.md's order") {
                                 "lora.double_quant",
                                 "lora.init",
                                 "lora.init_from",
+                                "moe.router_aux_loss_coef",
                                 "data.source",
                                 "data.uri",
                                 "data.database",
@@ -460,7 +462,8 @@ TEST_CASE("unknown sections name the closest section, or the key they hold") {
   CHECK(error_of(kBase + "learning_rate: 1e-4\n") ==
         "recipe.yaml: unknown key 'learning_rate'; did you mean 'train.lr'?");
   CHECK(error_of(kBase + "zzz: 1\n") ==
-        "recipe.yaml: unknown section 'zzz'; the sections are model, lora, data, train, preference, grpo, checkpoint, "
+        "recipe.yaml: unknown section 'zzz'; the sections are model, lora, moe, data, train, preference, grpo, "
+        "checkpoint, "
         "dist, track, "
         "eval, adapters");
 }

@@ -3,7 +3,8 @@
 For each family: a tiny random model saved in real HF format, a right-padded batch, and what
 the reference computes on it: logits of the base model, of base + a PEFT LoRA adapter, of the
 merged model, and the loss and LoRA gradients after one backward pass; the same for a PEFT DoRA
-adapter (random A and B, magnitudes away from the base's row norms), under "dora_" names.
+adapter (random A and B, magnitudes away from the base's row norms), under "dora_" names. The
+mixture-of-experts families' LoRA adapters adapt expert tensors too (PARAMETERS).
 
 usage: make_models.py OUT_DIR
 """
@@ -19,7 +20,8 @@ from safetensors.torch import save_file
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
                           GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           OPTConfig, OPTForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 V = 384  # 256 byte-level symbols + merges + <|endoftext|>
 FAMILIES = {
@@ -83,7 +85,21 @@ FAMILIES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                          "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.5], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
                          "original_max_position_embeddings": 8}), "all-linear", False),
+    # mixture of experts: 4 experts, top 2 renormalised, layer 1 a dense MLP (mlp_only_layers), q/k norms,
+    # GQA 2; its LoRA adapter adapts both stacked expert tensors too (target_parameters: nested keys)
+    "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False), "all-linear",
+     False),
+    # 4 experts, top 2 (always renormalised, float32 weights), GQA 4; its adapter adapts down_proj's experts alone
+    "mixtral": (MixtralForCausalLM, MixtralConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64),
+     ["q_proj", "v_proj"], False),
 }
+# PEFT's target_parameters of the families' LoRA adapter (DoRA does not take them)
+PARAMETERS = {"qwen3_moe": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], "mixtral": ["mlp.experts.down_proj"]}
 LENGTHS = [12, 9, 5]
 
 
@@ -167,6 +183,10 @@ def make(out, name, cls, config, targets, rslora, seed):
             for n, p in model.named_parameters():
                 if "norm" in n:
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.5)
+    with torch.no_grad():  # routers far from uniform, so that no token's top k is a near tie
+        for n, p in model.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
     model.generation_config.bos_token_id = model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
     model.save_pretrained(d)
@@ -176,8 +196,11 @@ def make(out, name, cls, config, targets, rslora, seed):
         ref["logits"] = model(input_ids=ids, attention_mask=mask).logits
 
     for prefix, dora in (("", False), ("dora_", True)):
+        if dora and name in PARAMETERS:  # PEFT's DoRA takes no expert (nor router) adapters: the attention's
+            targets = ["q_proj", "v_proj"]
         lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
-                          use_dora=dora, task_type="CAUSAL_LM")
+                          use_dora=dora, task_type="CAUSAL_LM",
+                          target_parameters=None if dora else PARAMETERS.get(name))
         adapter_reference(cls.from_pretrained(d).eval(), lcfg, seed + 1, ids, mask, labels,
                           os.path.join(d, "peft_dora_adapter" if dora else "peft_adapter"), prefix, ref)
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(d, "reference.safetensors"))

@@ -12,7 +12,10 @@ usage: train_reference.py init MODEL_DIR OUT_DIR R ALPHA SEED [VARIANT]
            the loss of every step (OURS_DIR/metrics.jsonl) and the final adapter
            (OURS_DIR/epoch_<EPOCHS-1>); reports match (tests/support/oracle.py) and the measured
            differences, and exits 1 when they differ beyond the tolerances (relative; default 1e-4
-           for the losses, 1e-3 for the weights). --loraplus: the optimizer is PEFT's
+           for the losses, 1e-3 for the weights). --router-aux=COEF: a mixture of experts' router loss
+           (transformers' aux_loss of each micro-batch, output_router_logits) times COEF joins each
+           micro-batch's loss weighted by its trained tokens, and each step's router loss (their
+           token-weighted mean) must equal metrics.jsonl's router_loss. --loraplus: the optimizer is PEFT's
            create_loraplus_optimizer(AdamW, loraplus_lr_ratio=RATIO). --init: no INIT_DIR is read;
            PEFT starts a fresh all-linear adapter with init_lora_weights=NAME (gaussian, pissa,
            pissa_niter_N, olora), its random draws from lorarun's stream (our_stream); for pissa and
@@ -163,7 +166,7 @@ def collate(batch):
 
 
 def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warmup, loss_tol=1e-4, weight_tol=1e-3,
-          loraplus=None, init_spec=None):
+          loraplus=None, init_spec=None, router_aux=None):
     exs = examples(model_dir, data)
     n = len(exs)
     per_rank = math.ceil(n / world)
@@ -196,10 +199,10 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
         from peft.optimizers import create_loraplus_optimizer
         opt = create_loraplus_optimizer(model, torch.optim.AdamW, lr=lr, loraplus_lr_ratio=loraplus, weight_decay=0.0)
     sched = get_cosine_schedule_with_warmup(opt, warmup, steps_per_epoch * epochs)
-    losses = []
+    losses, router_losses = [], []
     for _ in range(epochs):
         for s in range(steps_per_epoch):
-            total, tokens = 0.0, 0
+            total, tokens, router = 0.0, 0, 0.0
             for mine in slices:
                 for a in range(accum):
                     start = (s * accum + a) * batch
@@ -207,13 +210,19 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
                     if not chunk:
                         continue
                     ids, labels, mask = collate(chunk)
-                    logits = model(input_ids=ids, attention_mask=mask).logits
+                    out = model(input_ids=ids, attention_mask=mask, **(
+                        {"output_router_logits": True} if router_aux is not None else {}))
+                    logits = out.logits
                     loss = torch.nn.functional.cross_entropy(
                         logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
                         ignore_index=-100, reduction="sum")
-                    loss.backward()
+                    trained = int((labels[:, 1:] != -100).sum())
                     total += loss.item()
-                    tokens += int((labels[:, 1:] != -100).sum())
+                    if router_aux is not None:  # each micro-batch's, weighted by its trained tokens
+                        router += out.aux_loss.item() * trained
+                        loss = loss + router_aux * out.aux_loss * trained
+                    loss.backward()
+                    tokens += trained
             for p in params:
                 p.grad /= max(1, tokens)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -221,9 +230,14 @@ def check(model_dir, init_dir, data, ours, world, batch, accum, epochs, lr, warm
             sched.step()
             opt.zero_grad()
             losses.append(total / tokens)
+            router_losses.append(router / tokens)
 
-    got = [json.loads(line)["loss"] for line in open(ours + "/metrics.jsonl")]
+    rows = [json.loads(line) for line in open(ours + "/metrics.jsonl")]
+    got = [row["loss"] for row in rows]
     worst_loss = max(abs(a - b) / max(1e-6, abs(b)) for a, b in zip(got, losses)) if got else math.inf
+    if router_aux is not None:  # the router loss each step logged, as the loss
+        got_router = [row.get("router_loss", math.inf) for row in rows]
+        worst_loss = max([worst_loss] + [abs(a - b) / max(1e-6, abs(b)) for a, b in zip(got_router, router_losses)])
     moved = max((v.detach() - at_start[k]).abs().max().item() for k, v in model.state_dict().items() if k in at_start)
     mine_dir = f"{ours}/epoch_{epochs - 1}"
     mine = load_file(mine_dir + "/adapter_model.safetensors")
@@ -302,7 +316,8 @@ if __name__ == "__main__":
     elif cmd == "check":
         sys.exit(check(args[0], args[1], args[2], args[3], int(args[4]), int(args[5]), int(args[6]), int(args[7]),
                        float(args[8]), int(args[9]), *map(float, args[10:12]), loraplus=loraplus,
-                       init_spec=options.get("init")))
+                       init_spec=options.get("init"),
+                       router_aux=float(options["router-aux"]) if "router-aux" in options else None))
     elif cmd == "merged":
         sys.exit(merged(*args[:4]))
     elif cmd == "eval":
