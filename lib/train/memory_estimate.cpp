@@ -37,6 +37,12 @@ MemoryEstimate estimate_memory(const recipe::Recipe& r, int world, bool shard_ba
   e.shard_base = shards != nullptr;
   e.base = m.base_bytes();
   e.gathered = shards ? shards->block_buffer_bytes() : 0;
+  e.parameters = e.active = m.base_parameter_count();
+  const model::MoeConfig& moe = m.config().moe;
+  e.experts = moe.experts;
+  e.top_k = moe.top_k;
+  for (const model::MoeMlp* x : m.moe_layers())  // the experts a token does not visit
+    e.active -= (moe.experts - moe.top_k) * (x->gate_up.weight.numel() + x->down.weight.numel()) / moe.experts;
   const int64_t start = r.lora.init.starts_with("pissa") || r.lora.init == "olora" ? 4 : 0;
   for (const at::Tensor& p : trained) {
     e.trainable += p.numel();
@@ -70,6 +76,14 @@ std::string memory_report(const recipe::Recipe& r, int world, const std::vector<
              ? fmt::format("# adapter: {}; {} trainable parameters\n", model::describe_adapter(r.lora), whole.trainable)
              : fmt::format("# {} adapters: {} trainable parameters in all\n", adapters.size(), whole.trainable)) +
         out;
+  if (whole.active < whole.parameters)
+    out = fmt::format(
+              "# mixture of experts: {} of {} base parameters active per token ({:.1f}%, its top {} of {} "
+              "experts); every expert is held in memory\n",
+              whole.active, whole.parameters,
+              100.0 * static_cast<double>(whole.active) / static_cast<double>(whole.parameters), whole.top_k,
+              whole.experts) +
+          out;
   row("whole base, any ranks", whole, !r.dist.shard_base);
   for (const int w : r.model.keep_quantized ? std::set<int>{} : worlds)  // (blocks are not sliced yet)
     row(fmt::format("dist.shard_base, {} rank{}", w, w == 1 ? "" : "s"), estimate_memory(r, w, true, adapters),

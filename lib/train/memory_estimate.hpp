@@ -13,11 +13,14 @@ namespace lorarun::train {
 struct MemoryEstimate {
   int world = 1;
   bool shard_base = false;
-  int64_t base = 0;         // base weights: whole, or this rank's slices (dist.shard_base)
-  int64_t gathered = 0;     // dist.shard_base: the decoder blocks gathered whole at a time
-  int64_t trainable = 0;    // adapter parameters
-  int64_t lora = 0;         // LoRA weights, their gradients and AdamW's two moments (float32: 16 B each)
-  int64_t activations = 0;  // one micro-batch (data.batch_size x data.max_length): CausalLM::activation_bytes
+  int64_t base = 0;                // base weights: whole, or this rank's slices (dist.shard_base)
+  int64_t gathered = 0;            // dist.shard_base: the decoder blocks gathered whole at a time
+  int64_t trainable = 0;           // adapter parameters
+  int64_t lora = 0;                // LoRA weights, their gradients and AdamW's two moments (float32: 16 B each)
+  int64_t activations = 0;         // one micro-batch (data.batch_size x data.max_length): CausalLM::activation_bytes
+  int64_t parameters = 0;          // the base's
+  int64_t active = 0;              // ... that one token passes through (a mixture of experts': its top k experts only)
+  int64_t experts = 0, top_k = 0;  // a mixture of experts'
   int64_t total() const { return base + gathered + lora + activations; }
 };
 

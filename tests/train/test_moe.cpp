@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "support/oracle.hpp"
 #include "support/runs.hpp"
@@ -51,6 +52,22 @@ void check_reference(const std::string& dir, const std::string& family, const st
              ref.fields.value("worst_relative_weight_diff", -1.0));
 }
 
+// lora-generate's greedy ids for fixture `family` (with `adapter`, or "-") equal transformers' (+ PEFT's).
+void check_generation(const std::string& family, const std::string& adapter) {
+  const std::string model = kFixtures + "/" + family;
+  const Result ours =
+      sh(fmt::format("{} --model {} {} --prompt 'The quick' --max-new-tokens 12 --ids 2>/dev/null", bin("lora-generate"),
+                     model, adapter == "-" ? "" : "--adapter " + adapter));
+  INFO(ours.output);
+  REQUIRE(ours.status == 0);
+  const std::vector<std::string> ids = lines_with(ours.output, "[");
+  REQUIRE(ids.size() == 1);
+  const Result ref = sh(fmt::format("'{}' '{}/tests/reference/check.py' generate {} {} 'The quick' 12 '{}'",
+                                    LORARUN_PYTHON, LORARUN_SOURCE_DIR, model, adapter, ids[0]));
+  INFO(ref.output);
+  CHECK(ref.status == 0);
+}
+
 void start(const std::string& dir, const std::string& family) {
   write_data(dir + "/data.jsonl", 40);
   const Result init = sh(fmt::format("'{}' '{}/tests/reference/train_reference.py' init {}/{} {}/init 4 8 7",
@@ -94,6 +111,24 @@ TEST_CASE(
   CHECK(without > 1e-4);
   fmt::print("qwen3_moe: 1 rank x accumulation 2 vs 2 ranks: adapter {:.2g}; without the router loss {:.2g}\n", ranks,
              without);
+
+  // out: lora-merge folds the router and expert adapters into the per-expert tensors transformers
+  // reads; lora-generate runs the model with the adapter (PEFT's fixture adapter: random B, so it shows)
+  const Result m = sh(fmt::format("{} --model {}/qwen3_moe --adapter {}/two/epoch_0 --out {}/merged", bin("lora-merge"),
+                                  kFixtures, dir, dir));
+  INFO(m.output);
+  REQUIRE(m.status == 0);
+  const Oracle merged = oracle(fmt::format("'{}' '{}/tests/reference/train_reference.py' merged {}/qwen3_moe "
+                                           "{}/two/epoch_0 {}/merged {}/data.jsonl",
+                                           LORARUN_PYTHON, LORARUN_SOURCE_DIR, kFixtures, dir, dir, dir));
+  INFO(merged.run.output);
+  CHECK(merged.fields.value("logits_diff", 1.0) <= 1e-5);
+  check_generation("qwen3_moe", kFixtures + "/qwen3_moe/peft_adapter");
+  // --dry-run counts the parameters a token passes through: 2 MoE layers of 4 experts (3 x 32 x 64 each), top 2
+  const Result plan = sh(fmt::format("{} --dry-run {}/two.yaml", bin("lora-train"), dir));
+  INFO(plan.output);
+  CHECK_THAT(plan.output, Catch::Contains("of 154656 base parameters active per token") &&
+                              Catch::Contains("130080 of") && Catch::Contains("its top 2 of 4 experts"));
 }
 
 TEST_CASE("mixtral trains as transformers + PEFT do, without a router loss as its config says", "[e2e][reference]") {
@@ -103,6 +138,7 @@ TEST_CASE("mixtral trains as transformers + PEFT do, without a router loss as it
   INFO(two.output);
   REQUIRE(two.status == 0);
   check_reference(dir, "mixtral", "two", "");
+  check_generation("mixtral", "-");
 }
 
 TEST_CASE("mixture-of-experts bad input: one line each, nothing trained", "[e2e]") {
