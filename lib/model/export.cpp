@@ -102,6 +102,14 @@ nlohmann::ordered_json llama_config(const ModelConfig& c, const FamilyTraits& fa
     for (const bool s : c.sliding_layers) types.push_back(s ? "sliding_attention" : "full_attention");
     j["layer_types"] = types;
   }
+  if (c.moe.experts > 0) {  // qwen3moe: every layer's experts, top k renormalised (llama.cpp's reading)
+    j["num_experts"] = c.moe.experts;
+    j["num_experts_per_tok"] = c.moe.top_k;
+    j["moe_intermediate_size"] = c.moe.intermediate;
+    j["norm_topk_prob"] = c.moe.normalize_top_k;
+    j["decoder_sparse_step"] = 1;
+    j["mlp_only_layers"] = nlohmann::ordered_json::array();
+  }
   if (c.gemma) {
     j.erase("hidden_act");
     j["hidden_activation"] = c.activation;

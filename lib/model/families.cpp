@@ -22,7 +22,11 @@ constexpr std::array<FamilyTraits, 11> kFamilies = {{
      .llama_gguf = true},
     {.model_type = "qwen2", .hf_class = "Qwen2ForCausalLM", .gguf = "qwen2", .qkv_bias = true},
     {.model_type = "qwen3", .hf_class = "Qwen3ForCausalLM", .gguf = "qwen3", .qk_norm = true},
-    {.model_type = "qwen3_moe", .hf_class = "Qwen3MoeForCausalLM", .qk_norm = true, .moe = FamilyTraits::Moe::Qwen},
+    {.model_type = "qwen3_moe",
+     .hf_class = "Qwen3MoeForCausalLM",
+     .gguf = "qwen3moe",
+     .qk_norm = true,
+     .moe = FamilyTraits::Moe::Qwen},
     {.model_type = "mixtral",
      .hf_class = "MixtralForCausalLM",
      .always_windowed = true,
@@ -60,8 +64,10 @@ std::string listed(std::string_view name(const FamilyTraits&)) {
   return fmt::format("{}", fmt::join(names, ", "));
 }
 
-// What GGUF output can be: llama.cpp's llama-like architectures.
-bool gguf_writable(const FamilyTraits& f) { return !f.gguf.empty() && f.family == Family::Llama; }
+// What GGUF output can be: llama.cpp's llama-like architectures (not yet its mixtures of experts).
+bool gguf_writable(const FamilyTraits& f) {
+  return !f.gguf.empty() && f.family == Family::Llama && f.moe == FamilyTraits::Moe::None;
+}
 
 }  // namespace
 

@@ -207,6 +207,18 @@ ModelConfig llama_config(const io::GgufFile& f, const FamilyTraits& family) {
   c.qk_norm = family.qk_norm;
   c.fused = family.fused;
   if (family.gemma) gemma_config(f, arch, family, c);
+  if (family.moe != FamilyTraits::Moe::None) {  // llama.cpp's qwen3moe: every layer's experts, top k renormalised
+    c.moe.experts = f.get_int(key("expert_count"));
+    c.moe.top_k = f.get_int(key("expert_used_count"));
+    c.moe.intermediate = f.get_int(key("expert_feed_forward_length"));
+    c.moe.normalize_top_k = true;
+    c.moe.sparse.assign(static_cast<size_t>(std::max<int64_t>(c.num_layers, 0)), true);
+    if (c.moe.experts <= 0 || c.moe.top_k <= 0 || c.moe.top_k > c.moe.experts || c.moe.intermediate <= 0)
+      throw Error(
+          fmt::format("{}: inconsistent experts in the metadata ({}.expert_count {}, expert_used_count {}, "
+                      "expert_feed_forward_length {}); re-convert the model",
+                      f.path(), printable(arch), c.moe.experts, c.moe.top_k, c.moe.intermediate));
+  }
   if (family.fused) {  // phi3: a window of 0 is none (Phi-4)
     if (const int64_t window = f.get_int(key("attention.sliding_window"), 0); window > 0) c.sliding_window = window;
   }
@@ -318,6 +330,10 @@ std::string gguf_tensor_name(const std::string& hf_name, bool gemma) {
       {"post_attention_layernorm", "ffn_norm"},
       {"self_attn.q_norm", "attn_q_norm"},
       {"self_attn.k_norm", "attn_k_norm"},
+      {"mlp.gate", "ffn_gate_inp"},                // a mixture of experts' router
+      {"mlp.experts.gate_proj", "ffn_gate_exps"},  // ... and its experts, stacked [E, out, in]
+      {"mlp.experts.up_proj", "ffn_up_exps"},
+      {"mlp.experts.down_proj", "ffn_down_exps"},
   };
   // clang-format on
 

@@ -185,6 +185,10 @@ struct Loader {
   MoeMlp moe(const std::string& p, const ModelConfig& c, FamilyTraits::Moe layout) const {
     const int64_t E = c.moe.experts, I = c.moe.intermediate, H = c.hidden_size;
     const bool qwen = layout == FamilyTraits::Moe::Qwen;
+    if (opts.keep_quantized)
+      throw Error(
+          "model.keep_quantized does not hold a mixture of experts' expert blocks yet: set model.keep_quantized: "
+          "false (the file is dequantised to model.dtype as it loads)");
     const std::string on_disk = p + (qwen ? "mlp." : "block_sparse_moe.");
     MoeMlp m;
     m.router.name = p + "mlp.gate";
@@ -205,6 +209,21 @@ struct Loader {
       files.release(name);
       named.push_back({name, slot, false, slot.numel()});
     };
+    if (const std::string stack = p + "mlp.experts."; files.contains(stack + "gate_proj.weight")) {
+      // a GGUF's three stacks (llama.cpp's ffn_{gate,up,down}_exps), named per expert as transformers
+      // saves them, so that a HF directory written from this model is one transformers reads
+      m.gate_up.weight.narrow(1, 0, I).copy_(files.load(stack + "gate_proj.weight", dtype, device, {E, I, H}));
+      m.gate_up.weight.narrow(1, I, I).copy_(files.load(stack + "up_proj.weight", dtype, device, {E, I, H}));
+      m.down.weight.copy_(files.load(stack + "down_proj.weight", dtype, device, {E, H, I}));
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string x = fmt::format("{}{}.", stack, e);
+        const at::Tensor gu = m.gate_up.weight.select(0, e);
+        named.push_back({x + "gate_proj.weight", gu.narrow(0, 0, I), false, I * H});
+        named.push_back({x + "up_proj.weight", gu.narrow(0, I, I), false, I * H});
+        named.push_back({x + "down_proj.weight", m.down.weight.select(0, e), false, H * I});
+      }
+      return m;
+    }
     for (int64_t e = 0; e < E; ++e) {
       const std::string x = fmt::format("{}experts.{}.", on_disk, e);
       const at::Tensor gu = m.gate_up.weight.select(0, e);

@@ -80,7 +80,7 @@ TEST_CASE("model directories that cannot work say why") {
   std::ofstream(dir + "/arch/config.json") << cfg;
   CHECK_THROWS_WITH(load(dir + "/arch"),
                     Catch::Contains("model_type 'mamba' is not supported; supported: llama, "
-                                    "mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, opt, gpt2"));
+                                    "mistral, qwen2, qwen3, qwen3_moe, mixtral, gemma2, gemma3_text, phi3, opt, gpt2"));
   cfg.replace(cfg.find("\"mamba\""), 7, "\"gemma3\"");
   std::ofstream(dir + "/arch/config.json") << cfg;
   CHECK_THROWS_WITH(load(dir + "/arch"), Catch::Contains("multimodal Gemma 3 checkpoint (model_type gemma3) is not "

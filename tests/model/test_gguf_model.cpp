@@ -377,3 +377,34 @@ TEST_CASE(
     CHECK(at::equal(on.dequantize().cpu(), cpu));
   }
 }
+
+TEST_CASE(
+    "gguf: a tiny qwen3moe file (llama.cpp's expert stacks) gives transformers' logits and greedy ids, written out "
+    "as a HF directory too; an expert count the tensors disagree with is one line",
+    "[gguf][reference]") {
+  const std::string dir = test::temp_dir("gguf-moe");
+  const test::Oracle made = gguf_model_check(fmt::format("family qwen3moe '{}'", dir));
+  INFO(made.run.output);
+  REQUIRE(made.run.status == 0);
+  const std::string file = dir + "/model.gguf";
+  const CausalLM m = CausalLM::load(file, at::kFloat, at::kCPU);
+  CHECK(m.config().model_type == "qwen3_moe");
+  CHECK(m.config().moe.experts == 4);
+  CHECK(m.moe_layers().size() == 2);
+  bool greedy = false;
+  const double diff = max_logit_diff_to_transformers(m, file, dir, &greedy);
+  fmt::print("gguf: tiny qwen3moe fp32: max |logit diff| vs transformers {:.3g}\n", diff);
+  CHECK(diff <= 1e-4);
+  CHECK(greedy);
+  export_hf_model(m, dir + "/out-hf", at::kFloat, int64_t{1} << 40);
+  CHECK(max_logit_diff_to_transformers(m, dir + "/out-hf", dir) <= 1e-4);
+  CHECK_THROWS_WITH(CausalLM::load(file, at::kFloat, at::kCPU, {.keep_quantized = true}),
+                    Catch::Contains("model.keep_quantized does not hold a mixture of experts"));
+
+  const test::Oracle poked = gguf_model_check(fmt::format("poke '{}' qwen3moe.expert_count 8", file));
+  REQUIRE(poked.run.status == 0);
+  const std::string error = load_error(file);
+  CHECK_THAT(error, Catch::Contains("'blk.0.ffn_gate_inp.weight' has shape [4, 64] but the metadata implies [8, 64]") &&
+                        Catch::Contains("re-convert the model"));
+  CHECK(error.find('\n') == std::string::npos);
+}

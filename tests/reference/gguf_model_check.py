@@ -185,6 +185,12 @@ FAMILY_CONFIGS = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                          "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.5], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
                          "original_max_position_embeddings": 8})),
+    # a mixture of experts (llama.cpp's qwen3moe): 4 experts of 768 (transformers' GGUF loading reads no expert
+    # size: its default), top 2 renormalised, q/k norms, untied
+    "qwen3moe": ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=768, num_experts=4,
+                                        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=64, tie_word_embeddings=False)),
 }
 FAMILY_VOCAB = 64
 
@@ -201,6 +207,8 @@ def family(name, out, qtype=None):
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.add_(0.2 * torch.randn_like(p))
+            if n.endswith("mlp.gate.weight"):  # routers away from uniform: no near ties in a top k
+                p.normal_(0.0, 1.0)
     model.save_pretrained(os.path.join(out, "hf"))
     convert(model, name, os.path.join(out, "model.gguf"), qtype)
     report(written=out, model_type=model.config.model_type)
@@ -246,6 +254,10 @@ def convert(model, name, path, qtype=None):
                 smooth = (old / wavelen - low) / (high - low)
                 factors.append(1 / ((1 - smooth) / factor + smooth))
         extra["rope_freqs.weight"] = torch.tensor(factors, dtype=torch.float32)
+    if arch == "qwen3moe":
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if arch in ("gemma2", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -279,7 +291,8 @@ def convert(model, name, path, qtype=None):
     layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+             "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate": "ffn_gate_inp", "mlp.experts.down_proj": "ffn_down_exps"}
     if arch in ("gemma2", "gemma3"):
         layer.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"})
@@ -289,16 +302,28 @@ def convert(model, name, path, qtype=None):
     def permute(t, heads):  # LlamaModel.permute
         return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
+    def rest_of(hf):  # "mlp.experts.gate_up_proj" of "model.layers.0.mlp.experts.gate_up_proj"
+        return hf.split(".", 3)[3] if hf.startswith("model.layers.") else ""
+
     for hf, t in model.state_dict().items():
         if hf == "lm_head.weight" and c.tie_word_embeddings:
             continue
         module, suffix = hf.rsplit(".", 1)
+        if rest_of(hf) in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # parameters, not modules
+            module, suffix = hf, "weight"
         if module in names:
             g = f"{names[module]}.{suffix}"
+        elif rest_of(hf) == "mlp.experts.gate_up_proj":
+            g = ""
         else:
             _, _, i, rest = module.split(".", 3)
             g = f"blk.{i}.{layer[rest]}.{suffix}"
         t = t.detach().to(torch.float32)
+        if rest_of(hf) == "mlp.experts.gate_up_proj":  # transformers 5's fused stack: llama.cpp's two [E, I, H]
+            gate, up = t.chunk(2, dim=1)
+            w.add_tensor(f"blk.{hf.split('.')[2]}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            w.add_tensor(f"blk.{hf.split('.')[2]}.ffn_up_exps.weight", up.contiguous().numpy())
+            continue
         if arch == "llama" and g.endswith(".attn_q.weight"):
             t = permute(t, c.num_attention_heads)
         if arch == "llama" and g.endswith(".attn_k.weight"):

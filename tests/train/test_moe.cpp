@@ -55,9 +55,8 @@ void check_reference(const std::string& dir, const std::string& family, const st
 // lora-generate's greedy ids for fixture `family` (with `adapter`, or "-") equal transformers' (+ PEFT's).
 void check_generation(const std::string& family, const std::string& adapter) {
   const std::string model = kFixtures + "/" + family;
-  const Result ours =
-      sh(fmt::format("{} --model {} {} --prompt 'The quick' --max-new-tokens 12 --ids 2>/dev/null", bin("lora-generate"),
-                     model, adapter == "-" ? "" : "--adapter " + adapter));
+  const Result ours = sh(fmt::format("{} --model {} {} --prompt 'The quick' --max-new-tokens 12 --ids 2>/dev/null",
+                                     bin("lora-generate"), model, adapter == "-" ? "" : "--adapter " + adapter));
   INFO(ours.output);
   REQUIRE(ours.status == 0);
   const std::vector<std::string> ids = lines_with(ours.output, "[");
@@ -118,9 +117,10 @@ TEST_CASE(
                                   kFixtures, dir, dir));
   INFO(m.output);
   REQUIRE(m.status == 0);
-  const Oracle merged = oracle(fmt::format("'{}' '{}/tests/reference/train_reference.py' merged {}/qwen3_moe "
-                                           "{}/two/epoch_0 {}/merged {}/data.jsonl",
-                                           LORARUN_PYTHON, LORARUN_SOURCE_DIR, kFixtures, dir, dir, dir));
+  const Oracle merged =
+      oracle(fmt::format("'{}' '{}/tests/reference/train_reference.py' merged {}/qwen3_moe "
+                         "{}/two/epoch_0 {}/merged {}/data.jsonl",
+                         LORARUN_PYTHON, LORARUN_SOURCE_DIR, kFixtures, dir, dir, dir));
   INFO(merged.run.output);
   CHECK(merged.fields.value("logits_diff", 1.0) <= 1e-5);
   check_generation("qwen3_moe", kFixtures + "/qwen3_moe/peft_adapter");
