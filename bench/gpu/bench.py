@@ -25,6 +25,13 @@ usage: bench.py COMMAND [options]      (scripts/gpu-check runs these; each repor
             transformers' batched generate on the same prompts
   row-grpo  --one DIR --two DIR
             a GRPO run on 1 rank vs 2: the same completions, reward figures and adapter; step time
+  moe-model --out DIR --device D [--tiny]
+            a random qwen3_moe in HF format (fp32; 16 experts of 512, top 4, renormalised; --tiny: 4
+            experts of 64, top 2) with the byte-level tokenizer
+  row-moe   --model DIR --ours F --metrics F --device D
+            our fp32 logits of the MoE model (lora-eval --dump-logits) vs transformers'; one MoE
+            layer's forward and backward with lorarun's grouping (sort by expert, a product per
+            expert) vs a dense loop over every expert, on the device; our training run's tokens/s
   row-train --expect F --metrics F --world W [--same-as F]
             a short lora-train run's metrics vs ref-small's expectations (and, for a
             dist.shard_base run, its losses vs the same run's with the base whole)
@@ -741,6 +748,98 @@ def cmd_row_speed(a):
           "ours_mem_mib": a.ours_mem, "ref_mem_mib": a.ref_mem})
 
 
+def cmd_moe_model(a):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    os.makedirs(a.out, exist_ok=True)
+    write_tokenizer(a.out)
+    size = (dict(hidden_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32) if a.tiny else
+            dict(hidden_size=512, moe_intermediate_size=512, num_experts=16, num_experts_per_tok=4,
+                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64))
+    cfg = Qwen3MoeConfig(vocab_size=512, intermediate_size=1536, norm_topk_prob=True, max_position_embeddings=4096,
+                         tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, **size)
+    torch.manual_seed(a.seed)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # routers far from uniform: no near ties in a token's top k
+        for n, p in model.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    model.generation_config.pad_token_id = EOS
+    model.save_pretrained(a.out)
+    emit({"model": a.out, "params": sum(p.numel() for p in model.parameters())})
+
+
+def moe_layer_seconds(device, grouped, n, hidden, inter, experts, k, reps=10):
+    """Median seconds of one MoE layer's forward and backward (fp32; gradients to the input)."""
+    import torch
+    g = torch.Generator(device="cpu").manual_seed(0)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05).to(device)
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.05).to(device)
+    router = torch.randn(experts, hidden, generator=g).to(device)
+    x0 = torch.randn(n, hidden, generator=g).to(device)
+    times = []
+    for _ in range(reps + 2):
+        x = x0.clone().requires_grad_(True)
+        sync(device)
+        t0 = time.perf_counter()
+        probs = torch.softmax(x @ router.t(), -1, dtype=torch.float)
+        w, chosen = probs.topk(k, -1)
+        w = w / w.sum(-1, keepdim=True)
+        if grouped:  # lib/model/moe.cpp's order of work
+            flat = chosen.flatten()
+            order = torch.argsort(flat, stable=True)
+            token = order // k
+            counts = torch.bincount(flat, minlength=experts).tolist()
+            routed = x.index_select(0, token)
+            outs, start = [], 0
+            for e, c in enumerate(counts):
+                if c:
+                    a, b = (routed[start:start + c] @ gate_up[e].t()).chunk(2, -1)
+                    outs.append((torch.nn.functional.silu(a) * b) @ down[e].t())
+                    start += c
+            out = torch.zeros_like(x).index_add(0, token, torch.cat(outs) * w.flatten()[order].unsqueeze(1))
+        else:
+            dense = torch.zeros(n, experts, device=device).scatter(1, chosen, w)
+            out = torch.zeros_like(x)
+            for e in range(experts):
+                a, b = (x @ gate_up[e].t()).chunk(2, -1)
+                out = out + ((torch.nn.functional.silu(a) * b) @ down[e].t()) * dense[:, e:e + 1]
+        out.sum().backward()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def cmd_row_moe(a):
+    device = torch_device(a.device)
+    rows = []
+    ours = load_dump(a.ours)
+    ref = logits_of(load_reference(a.model, device, "fp32"), ours, device)
+    diff = max_diff(ours["logits"], ref, ours["attention_mask"]) / ref.abs().max().item()
+    rows.append({"stage": "MoE logits fp32 vs transformers", "status": "PASS" if diff <= 1e-4 else "FAIL",
+                 "ours": "", "ref": "", "ratio": "",
+                 "notes": f"qwen3_moe; max |diff| / max |logit| {fmt_g(diff)} on {int(ours['attention_mask'].sum())} tokens"})
+    cfg = json.load(open(os.path.join(a.model, "config.json")))
+    shape = dict(n=4096, hidden=cfg["hidden_size"], inter=cfg["moe_intermediate_size"] * 2,
+                 experts=cfg.get("num_experts") or cfg["num_local_experts"], k=cfg["num_experts_per_tok"])
+    grouped, dense = (moe_layer_seconds(device, g, **shape) for g in (True, False))
+    rows.append({"stage": "MoE layer: grouped vs dense loop", "status": "PASS",  # a measurement: the ratio says
+                 "ours": f"{grouped * 1e3:.2f} ms", "ref": f"{dense * 1e3:.2f} ms", "ratio": f"{dense / grouped:.2f}x",
+                 "notes": "one layer's forward and backward, {n} tokens, {experts} experts of {inter}, top {k}, fp32; "
+                          "ref: every expert on every token".format(**shape)})
+    metrics = read_metrics(a.metrics)
+    rate = statistics.median(r["tokens_per_s"] for r in metrics[1:] or metrics)
+    losses = [r["loss"] for r in metrics]
+    ok = all(math.isfinite(x) for x in losses) and "expert_load/min" in metrics[-1]
+    rows.append({"stage": "MoE training (lora-train)", "status": "PASS" if ok else "FAIL", "ours": f"{rate:.0f} tok/s",
+                 "ref": "", "ratio": "",
+                 "notes": f"{len(metrics)} steps, LoRA all-linear (attention, routers, experts); loss {losses[0]:.3f} -> "
+                          f"{losses[-1]:.3f}; expert_load {metrics[-1].get('expert_load/min', float('nan')):.2f}-"
+                          f"{metrics[-1].get('expert_load/max', float('nan')):.2f}"})
+    emit({"rows": rows})
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -828,8 +927,18 @@ def main():
     rs.add_argument("--aim-mfu", type=float)
     rs.add_argument("--aim-mem-gib", type=float)
     rs.add_argument("--aim-vs-bf16", help="ours' bf16 LoRA metrics.jsonl: QLoRA within 10%% of its speed")
+    mo = sub.add_parser("moe-model")
+    mo.add_argument("--out", required=True)
+    mo.add_argument("--device", default="cpu")
+    mo.add_argument("--tiny", action="store_true")
+    mo.add_argument("--seed", type=int, default=0)
+    rm = sub.add_parser("row-moe")
+    rm.add_argument("--model", required=True)
+    rm.add_argument("--ours", required=True, help="lora-eval --dump-logits of the MoE model, fp32")
+    rm.add_argument("--metrics", required=True, help="metrics.jsonl of a short lora-train run on it")
+    rm.add_argument("--device", default="cuda")
     a = p.parse_args()
-    {"model": cmd_model, "data": cmd_data, "matmul": cmd_matmul, "ref-small": cmd_ref_small, "row-generate": cmd_row_generate,
+    {"moe-model": cmd_moe_model, "row-moe": cmd_row_moe, "model": cmd_model, "data": cmd_data, "matmul": cmd_matmul, "ref-small": cmd_ref_small, "row-generate": cmd_row_generate,
      "row-nf4": cmd_row_nf4, "row-grpo": cmd_row_grpo, "row-train": cmd_row_train, "ref-train": cmd_ref_train,
      "row-speed": cmd_row_speed}[a.cmd](a)
 
