@@ -16,6 +16,7 @@
 
 #include "io/files.hpp"
 #include "model/dora.hpp"
+#include "model/families.hpp"
 #include "model/lora_init.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
@@ -209,10 +210,9 @@ std::vector<std::pair<std::string, at::Tensor>> state_of(const CausalLM& model, 
   return out;
 }
 
-// Adds cfg.target_parameters' adapters to the matching expert tensors (after every linear's, drawing
-// from `gen` in model order); `routers`: the routers the linears' pass adapted. Throws lorarun::Error
-// when they match nothing, or for what PEFT's parameter adapters do not take.
-void attach_experts(CausalLM& model, const LoraConfig& cfg, at::Generator& gen, at::ScalarType dtype, int routers) {
+// Throws lorarun::Error for target_parameters on a model without experts, or with what PEFT's
+// parameter adapters (experts, routers) do not take; before any adapter is attached.
+void check_parameter_targets(const CausalLM& model, const LoraConfig& cfg) {
   if (cfg.target_parameters.empty()) return;
   const std::string listed = printable(fmt::format("{}", fmt::join(cfg.target_parameters, ", ")));
   if (model.moe_layers().empty())
@@ -228,6 +228,13 @@ void attach_experts(CausalLM& model, const LoraConfig& cfg, at::Generator& gen, 
         cfg.use_dora      ? "no use_dora"
         : cfg.dropout > 0 ? "no lora.dropout"
                           : "lora.init default or gaussian"));
+}
+
+// Adds cfg.target_parameters' adapters to the matching expert tensors (after every linear's, drawing
+// from `gen` in model order); `routers`: the routers the linears' pass adapted. Throws lorarun::Error
+// when they match nothing.
+void attach_experts(CausalLM& model, const LoraConfig& cfg, at::Generator& gen, at::ScalarType dtype, int routers) {
+  if (cfg.target_parameters.empty()) return;
   int matched = routers;
   for (MoeMlp* m : model.moe_layers())
     for (Experts* x : {&m->gate_up, &m->down})
@@ -239,7 +246,8 @@ void attach_experts(CausalLM& model, const LoraConfig& cfg, at::Generator& gen, 
     throw Error(
         fmt::format("lora.target_parameters [{}] match no parameter of this {} model; it has mlp.gate.weight (the "
                     "router), mlp.experts.gate_up_proj and mlp.experts.down_proj in each layer (e.g. {})",
-                    listed, model.config().model_type, model.moe_layers()[0]->down.name));
+                    printable(fmt::format("{}", fmt::join(cfg.target_parameters, ", "))), model.config().model_type,
+                    model.moe_layers()[0]->down.name));
 }
 
 // Throws the error of target_modules that match no layer, listing the model's layer names.
@@ -286,7 +294,8 @@ LoraConfig for_model(const CausalLM& model, LoraConfig cfg) {
                                      {"down_proj", "down_proj"}}};
   static constexpr Renamed kMixtral = {
       {{"gate", "gate.weight"}, {"w1", "gate_up_proj"}, {"w3", "gate_up_proj"}, {"w2", "down_proj"}}};
-  const Renamed& renamed = model.config().model_type == "mixtral" ? kMixtral : kQwen;
+  const bool mixtral = family_of_model_type(model.config().model_type, model.dir()).moe == FamilyTraits::Moe::Mixtral;
+  const Renamed& renamed = mixtral ? kMixtral : kQwen;
   std::vector<std::string> modules = cfg.target_modules;
   if (is_all_linear(cfg)) {  // the linear layers' names, then every expert and router name
     modules.clear();
@@ -329,6 +338,7 @@ void attach_lora(CausalLM& model, const LoraConfig& given, uint64_t seed, at::Sc
   if (!how)
     throw Error(fmt::format("lora.init '{}' is not one of default, gaussian, pissa, pissa_niter_N, olora",
                             printable(cfg.init)));
+  check_parameter_targets(model, cfg);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   int matched = 0, routers = 0;
   for (Linear* l : model.linears()) {
@@ -337,8 +347,8 @@ void attach_lora(CausalLM& model, const LoraConfig& given, uint64_t seed, at::Sc
     l->lora_a = l->lora_a.to(model.device(), dtype).set_requires_grad(true);
     l->lora_b = l->lora_b.to(model.device(), dtype).set_requires_grad(true);
     l->scaling = cfg.scaling();
-    l->dropout = l->router ? 0.0 : cfg.dropout;  // (attach_experts refuses a router's dropout)
-    if (cfg.use_dora && !l->router) attach_dora(*l);
+    l->dropout = cfg.dropout;  // (0 for a router, and no DoRA: check_parameter_targets)
+    if (cfg.use_dora) attach_dora(*l);
     ++(l->router ? routers : matched);
   }
   if (matched == 0 && !cfg.target_modules.empty()) matched_nothing(model, cfg);
