@@ -16,17 +16,23 @@ expert on its rows, one index_add) against a dense loop (every expert on every t
 the router's zero-or-weight): the choice lorarun's code makes, on the same torch kernels.
 Prints each repeat's figures, then the median and spread (min-max) of each ratio.
 """
+import importlib.util
 import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import GLOBAL_BATCH, SEQ, THREADS, make_assets  # noqa: E402
 from dora_bench import reference_run, run_ours  # noqa: E402
+
+# gpu-check's layer timing (lorarun's grouping vs the dense loop), loaded under a name of its own
+_spec = importlib.util.spec_from_file_location(
+    "gpu_bench", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "bench.py"))
+gpu_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_bench)
 
 
 def make_moe(work):
@@ -56,48 +62,6 @@ def make_moe(work):
     return out, data
 
 
-def layer_seconds(grouped, n=1024, hidden=256, inter=512, experts=8, k=2, reps=20):
-    """Median seconds of one MoE layer's forward and backward (gradients to the input)."""
-    g = torch.Generator().manual_seed(0)
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05
-    down = torch.randn(experts, hidden, inter, generator=g) * 0.05
-    router = torch.randn(experts, hidden, generator=g) * 0.5
-    x0 = torch.randn(n, hidden, generator=g)
-    times = []
-    for _ in range(reps):
-        x = x0.clone().requires_grad_(True)
-        t0 = time.perf_counter()
-        probs = torch.softmax(x @ router.t(), -1, dtype=torch.float)
-        w, chosen = probs.topk(k, -1)
-        w = w / w.sum(-1, keepdim=True)
-        if grouped:
-            flat = chosen.flatten()
-            order = torch.argsort(flat, stable=True)
-            token = order // k
-            counts = torch.bincount(flat, minlength=experts).tolist()
-            routed = x.index_select(0, token)
-            outs, start = [], 0
-            for e, c in enumerate(counts):
-                if c == 0:
-                    continue
-                gu = routed[start:start + c] @ gate_up[e].t()
-                a, b = gu.chunk(2, -1)
-                outs.append((torch.nn.functional.silu(a) * b) @ down[e].t())
-                start += c
-            y = torch.cat(outs) * w.flatten()[order].unsqueeze(1)
-            out = torch.zeros_like(x).index_add(0, token, y)
-        else:
-            dense = torch.zeros(n, experts).scatter(1, chosen, w)  # each token's weight of every expert
-            out = torch.zeros_like(x)
-            for e in range(experts):
-                gu = x @ gate_up[e].t()
-                a, b = gu.chunk(2, -1)
-                out = out + ((torch.nn.functional.silu(a) * b) @ down[e].t()) * dense[:, e:e + 1]
-        out.sum().backward()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])
-
-
 def main():
     build, work = sys.argv[1], sys.argv[2]
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 10
@@ -112,7 +76,8 @@ def main():
         ot, orss = statistics.median(r["seconds"] for r in rows[2:]), max(r["peak_rss_mb"] for r in rows)
         times, _, prss = reference_run(model_dir, data, False, steps, shape)
         pt = statistics.median(times[2:])
-        gt, dt = layer_seconds(True), layer_seconds(False)
+        layer = dict(n=1024, hidden=256, inter=512, experts=8, k=2, reps=20)
+        gt, dt = (gpu_bench.moe_layer_seconds(torch.device("cpu"), g, **layer) for g in (True, False))
         print(f"repeat {rep}: step s: ours {ot:.3f}, PEFT {pt:.3f}; peak RSS MB: ours {orss:.0f}, PEFT {prss:.0f}; "
               f"MoE layer fwd+bwd s: grouped {gt:.4f}, dense loop {dt:.4f}")
         for k, v in zip(ratios, (pt / ot, prss / orss, dt / gt)):

@@ -16,19 +16,26 @@ namespace {
 
 const std::string kFixtures = LORARUN_MODEL_FIXTURES;
 
-// A recipe for fixture `family` from DIR/init (r 4, alpha 8, all-linear: PEFT's reading of it on a
-// mixture of experts adapts the routers and experts too), 40 documents, batch 2, one epoch.
+// The default LoRA section's keys: all-linear from DIR/init (PEFT's reading of all-linear on a mixture
+// of experts adapts the routers and experts too).
+std::string from_init(const std::string& dir) {
+  return fmt::format(", target_modules: all-linear, init_from: {}/init", dir);
+}
+
+// DIR/NAME.yaml for fixture `family`: LoRA r 4, alpha 8 and `lora`'s keys (from_init's when none), DIR/data.jsonl (40
+// documents), batch `batch`, one epoch, and `extra` sections.
 std::string moe_recipe(const std::string& dir, const std::string& family, const std::string& name,
-                       const std::string& extra, int accum = 1, int batch = 2) {
+                       const std::string& extra, int accum = 1, int batch = 2, const std::string& lora = "") {
   const std::string path = fmt::format("{}/{}.yaml", dir, name);
   std::ofstream(path) << fmt::format(R"(model: {{path: {}/{}, dtype: fp32, device: cpu}}
-lora: {{r: 4, alpha: 8, target_modules: all-linear, init_from: {}/init}}
+lora: {{r: 4, alpha: 8{}}}
 data: {{source: jsonl, path: {}/data.jsonl, format: instruction, prompt_template: "Q: {{instruction}}\nA: ", shuffle: none, batch_size: {}}}
 train: {{epochs: 1, lr: 5.0e-3, warmup_steps: 2, lr_scheduler: cosine, gradient_accumulation_steps: {}}}
 checkpoint: {{output_dir: {}/{}}}
 track: {{mongodb: false}}
 {})",
-                                     kFixtures, family, dir, dir, batch, accum, dir, name, extra);
+                                     kFixtures, family, lora.empty() ? from_init(dir) : lora, dir, batch, accum, dir,
+                                     name, extra);
   return path;
 }
 
@@ -146,15 +153,7 @@ TEST_CASE("mixture-of-experts bad input: one line each, nothing trained", "[e2e]
   start(dir, "qwen3_moe");
   const auto refused = [&](const std::string& family, const std::string& lora, const std::string& extra,
                            const std::string& says) {
-    const std::string path = fmt::format("{}/bad.yaml", dir);
-    std::ofstream(path) << fmt::format(R"(model: {{path: {}/{}, dtype: fp32, device: cpu}}
-lora: {{r: 4, alpha: 8{}}}
-data: {{source: jsonl, path: {}/data.jsonl, format: instruction, prompt_template: "Q: {{instruction}}\nA: "}}
-train: {{epochs: 1}}
-checkpoint: {{output_dir: {}/bad}}
-track: {{mongodb: false}}
-{})",
-                                       kFixtures, family, lora, dir, dir, extra);
+    const std::string path = moe_recipe(dir, family, "bad", extra, 1, 2, lora);
     const Result r = sh(fmt::format("{} {}", bin("lora-train"), path));
     INFO(r.output);
     CHECK(r.status != 0);
@@ -166,6 +165,6 @@ track: {{mongodb: false}}
   refused("qwen3_moe", ", target_parameters: [mlp.experts.w9]", "", "match no parameter of this qwen3_moe model");
   refused("qwen3_moe", ", target_modules: [gate_proj]", "", "lists gate_proj but not up_proj");
   refused("qwen3_moe", ", target_modules: all-linear, dropout: 0.1", "", "take plain LoRA");
-  refused("qwen3_moe", "", "moe: {router_aux_loss_coef: -0.5}", "moe.router_aux_loss_coef");
-  refused("llama", "", "moe: {router_aux_loss_coef: 0.01}", "is not a mixture of experts");
+  refused("qwen3_moe", ", target_modules: [q_proj]", "moe: {router_aux_loss_coef: -0.5}", "moe.router_aux_loss_coef");
+  refused("llama", ", target_modules: [q_proj]", "moe: {router_aux_loss_coef: 0.01}", "is not a mixture of experts");
 }
