@@ -380,7 +380,7 @@ TEST_CASE(
 
 TEST_CASE(
     "gguf: a tiny qwen3moe file (llama.cpp's expert stacks) gives transformers' logits and greedy ids, written out "
-    "as a HF directory too; an expert count the tensors disagree with is one line",
+    "as a HF directory too, and an expert count the tensors disagree with is one line",
     "[gguf][reference]") {
   const std::string dir = test::temp_dir("gguf-moe");
   const test::Oracle made = gguf_model_check(fmt::format("family qwen3moe '{}'", dir));
