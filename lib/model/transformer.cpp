@@ -201,6 +201,14 @@ struct Loader {
       m.down.weight = get(m.down.name, {E, H, I});
       return m;
     }
+    // The stacks are allocated once a file tensor has shown the metadata's expert size true (the
+    // router showed E): a config alone could ask for any size. GGUF files hold three stacks.
+    const std::string stack = p + "mlp.experts.";
+    const bool stacks = files.contains(stack + "gate_proj.weight");
+    const at::Tensor gate =
+        stacks ? files.load(stack + "gate_proj.weight", dtype, device, {E, I, H})
+               : files.load(fmt::format("{}experts.0.{}", on_disk, qwen ? "gate_proj.weight" : "w1.weight"), dtype,
+                            device, {I, H});
     const auto opts = at::TensorOptions().dtype(dtype).device(device);
     m.gate_up.weight = at::empty({E, 2 * I, H}, opts);
     m.down.weight = at::empty({E, H, I}, opts);
@@ -209,10 +217,10 @@ struct Loader {
       files.release(name);
       named.push_back({name, slot, false, slot.numel()});
     };
-    if (const std::string stack = p + "mlp.experts."; files.contains(stack + "gate_proj.weight")) {
+    if (stacks) {
       // a GGUF's three stacks (llama.cpp's ffn_{gate,up,down}_exps), named per expert as transformers
       // saves them, so that a HF directory written from this model is one transformers reads
-      m.gate_up.weight.narrow(1, 0, I).copy_(files.load(stack + "gate_proj.weight", dtype, device, {E, I, H}));
+      m.gate_up.weight.narrow(1, 0, I).copy_(gate);
       m.gate_up.weight.narrow(1, I, I).copy_(files.load(stack + "up_proj.weight", dtype, device, {E, I, H}));
       m.down.weight.copy_(files.load(stack + "down_proj.weight", dtype, device, {E, H, I}));
       for (int64_t e = 0; e < E; ++e) {

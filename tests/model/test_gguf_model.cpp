@@ -401,6 +401,12 @@ TEST_CASE(
   CHECK_THROWS_WITH(CausalLM::load(file, at::kFloat, at::kCPU, {.keep_quantized = true}),
                     Catch::Contains("model.keep_quantized does not hold a mixture of experts"));
 
+  // an expert size no tensor has: refused by the first stack's shape, before the stacks are allocated
+  REQUIRE(gguf_model_check(fmt::format("poke '{}' qwen3moe.expert_feed_forward_length 1000000000", file)).run.status ==
+          0);
+  CHECK_THAT(load_error(file), Catch::Contains("'blk.0.ffn_gate_exps.weight' has shape [4, 768, 64] but the metadata "
+                                               "implies [4, 1000000000, 64]"));
+  REQUIRE(gguf_model_check(fmt::format("poke '{}' qwen3moe.expert_feed_forward_length 768", file)).run.status == 0);
   const test::Oracle poked = gguf_model_check(fmt::format("poke '{}' qwen3moe.expert_count 8", file));
   REQUIRE(poked.run.status == 0);
   const std::string error = load_error(file);
